@@ -1,0 +1,48 @@
+"""ict_jax: RLVR on Qwen2.5 in JAX/Flax with ICT (Independent Combinatorial Tokens) and its baselines.
+
+The public API is listed below by section. Names are resolved lazily (PEP 562) so that
+``import ict_jax`` stays cheap (the CLI, reward worker processes) and only the submodule a name lives
+in is imported when the name is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> submodule (relative to this package). One line per public name, grouped by section.
+_API: dict[str, str] = {
+    # -- model and weights (model/) --
+    "ModelConfig": "model.config",
+    "Qwen2": "model.qwen2",
+    "KVCache": "model.qwen2",
+    "load_hf": "model.weights",
+    "save_hf": "model.weights",
+    # -- device mesh and the logical-axis rule table (sharding.py) --
+    "make_mesh": "sharding",
+    "LOGICAL_RULES": "sharding",
+    "logical_sharding": "sharding",
+    "batch_sharding": "sharding",
+    # -- configuration (config.py) --
+    "Config": "config",
+    "ConfigError": "config",
+    "load_config": "config",
+}
+
+__all__ = sorted(_API) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _API[name]
+    except KeyError:
+        raise AttributeError(f"module 'ict_jax' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # cache: the next access skips __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))
