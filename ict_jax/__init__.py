@@ -18,6 +18,9 @@ _API: dict[str, str] = {
     "ModelConfig": "model.config",
     "Qwen2": "model.qwen2",
     "KVCache": "model.qwen2",
+    "init_model": "model.qwen2",
+    "param_count": "model.qwen2",
+    "WeightError": "model.weights",
     "load_hf": "model.weights",
     "save_hf": "model.weights",
     # -- device mesh and the logical-axis rule table (sharding.py) --
@@ -25,6 +28,9 @@ _API: dict[str, str] = {
     "LOGICAL_RULES": "sharding",
     "logical_sharding": "sharding",
     "batch_sharding": "sharding",
+    "logical_to_spec": "sharding",
+    "state_shardings": "sharding",
+    "check_prompts_divide": "sharding",
     # -- configuration (config.py) --
     "Config": "config",
     "ConfigError": "config",

@@ -1,0 +1,325 @@
+"""Qwen2 / Qwen2.5 decoder in flax.nnx.
+
+Layout: the decoder layers' parameters are stacked along a leading ``layers`` axis (one array per kind
+of weight), so the same parameters run either under ``lax.scan`` (``scan_layers=True``: one compiled
+layer body) or an unrolled loop, and checkpoints do not depend on that switch. Projection weights keep
+their head structure (``wq: [L, D, H, hd]``) so the rule table can shard or replicate whole heads.
+
+Numerics (DESIGN.md): parameters in ``param_dtype``; activations and matmul inputs in the compute dtype
+with float32 accumulation; RMSNorm, RoPE, softmax and the logits in float32.
+
+Positions count real tokens only: ``pos = cumsum(attention_mask) - 1``, so left- and right-padded rows
+give the same outputs at their real tokens as the unpadded sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from ict_jax.model.config import ModelConfig
+from ict_jax.sharding import constrain
+
+_MASKED = -1e9  # large finite negative: a fully masked (padding) query row stays NaN-free
+
+
+class KVCache(NamedTuple):
+    """Decode state. ``k``/``v``: ``[L, B, KV, S, hd]`` (this layout is ~3x faster than ``[B, S, KV, hd]``
+    for XLA CPU attention); ``mask[B, S]``: slot holds a real token; ``pos[B]``: next position id;
+    ``index``: next slot to write (all rows advance together)."""
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+    pos: jax.Array
+    index: jax.Array
+
+
+def _dtype(name: str) -> Any:
+    return jnp.dtype(name)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any, init: str = "normal") -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class DecoderStack(nnx.Module):
+    """All decoder layers' weights, stacked on a leading ``layers`` axis."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        L, D, F, H, KV, hd = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                              c.resolved_head_dim)
+        pd = _dtype(c.param_dtype)
+        self.attn_norm = _param(rngs, (L, D), ("layers", "norm"), pd, "ones")
+        self.wq = _param(rngs, (L, D, H, hd), ("layers", "embed", "q_heads", "head_dim"), pd)
+        self.wk = _param(rngs, (L, D, KV, hd), ("layers", "embed", "kv_heads", "head_dim"), pd)
+        self.wv = _param(rngs, (L, D, KV, hd), ("layers", "embed", "kv_heads", "head_dim"), pd)
+        if c.qkv_bias:
+            self.bq = _param(rngs, (L, H, hd), ("layers", "q_heads", "head_dim"), pd)
+            self.bk = _param(rngs, (L, KV, hd), ("layers", "kv_heads", "head_dim"), pd)
+            self.bv = _param(rngs, (L, KV, hd), ("layers", "kv_heads", "head_dim"), pd)
+        self.wo = _param(rngs, (L, H, hd, D), ("layers", "q_heads", "head_dim", "embed"), pd)
+        self.mlp_norm = _param(rngs, (L, D), ("layers", "norm"), pd, "ones")
+        self.w_gate = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd)
+        self.w_up = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd)
+        self.w_down = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), pd)
+
+    def arrays(self) -> dict[str, jax.Array]:
+        names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+        if hasattr(self, "bq"):
+            names += ["bq", "bk", "bv"]
+        return {n: getattr(self, n)[...] for n in names}
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure layer functions
+# ------------------------------------------------------------------------------------------------
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, out_dtype: Any) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(out_dtype)
+
+
+def rope_tables(pos: Int[Array, "B T"], head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin ``[B, T, hd]`` in float32 (HF's non-interleaved ``rotate_half`` convention)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    ang = pos.astype(jnp.float32)[..., None] * inv_freq
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``x [B, T, N, hd]``; computed in float32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rot * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def _mm(eq: str, a: jax.Array, b: jax.Array, dtype: Any) -> jax.Array:
+    return jnp.einsum(eq, a, b.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dtype: Any) -> jax.Array:
+    """q ``[B, T, H, hd]``, k/v ``[B, KV, S, hd]``, allowed ``[B, T, S]`` -> ``[B, T, H, hd]``."""
+    B, T, H, hd = q.shape
+    KV = k.shape[1]
+    qg = q.reshape(B, T, KV, H // KV, hd)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / jnp.sqrt(jnp.float32(hd)))
+    scores = jnp.where(allowed[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32).astype(dtype)
+    return out.reshape(B, T, H, hd)
+
+
+def _qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: jax.Array, sin: jax.Array, dtype: Any):
+    h = rms_norm(x, p["attn_norm"], c.rms_norm_eps, dtype)
+    q = _mm("btd,dnh->btnh", h, p["wq"], dtype)
+    k = _mm("btd,dnh->btnh", h, p["wk"], dtype)
+    v = _mm("btd,dnh->btnh", h, p["wv"], dtype)
+    if "bq" in p:
+        q = q + p["bq"].astype(dtype)
+        k = k + p["bk"].astype(dtype)
+        v = v + p["bv"].astype(dtype)
+    q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "q_heads", "head_dim"))
+    k = apply_rope(k, cos, sin)
+    return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # k, v: [B, KV, T, hd]
+
+
+def _finish(p: dict[str, jax.Array], x: jax.Array, attn: jax.Array, c: ModelConfig, dtype: Any) -> jax.Array:
+    x = x + _mm("btnh,nhd->btd", attn, p["wo"], dtype)
+    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps, dtype)
+    g = _mm("btd,df->btf", h, p["w_gate"], dtype)
+    u = _mm("btd,df->btf", h, p["w_up"], dtype)
+    a = constrain((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype),
+                  ("batch", "seq", "mlp"))
+    x = x + _mm("btf,fd->btd", a, p["w_down"], dtype)
+    return constrain(x, ("batch", "seq", "act_embed"))
+
+
+def decoder_layer(p, x, cos, sin, allowed, c: ModelConfig, dtype):
+    """One pre-norm decoder block over a full sequence: x ``[B, T, D]`` -> ``[B, T, D]``."""
+    q, k, v = _qkv(p, x, c, cos, sin, dtype)
+    return _finish(p, x, _attend(q, k, v, allowed, dtype), c, dtype)
+
+
+def _remat(fn, mode: str):
+    if mode == "none":
+        return fn
+    policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if mode == "block"
+              else jax.checkpoint_policies.nothing_saveable)
+    return jax.checkpoint(fn, policy=policy, static_argnums=(5, 6))
+
+
+def positions_from_mask(mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """Position ids that count real tokens only (0 at padding before the first real token)."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The module
+# ------------------------------------------------------------------------------------------------
+class Qwen2(nnx.Module):
+    """Qwen2 causal LM: token embedding, RoPE, GQA attention (q/k/v bias flag), SwiGLU MLP, RMSNorm,
+    tied or untied head.
+
+    - ``model(input_ids, attention_mask)`` -> float32 logits ``[B, T, V]``.
+    - ``model.hidden_states(...)`` -> post-final-norm hidden states ``[B, T, D]`` (compute dtype) and
+      ``model.unembedding()`` -> ``[D, V]``: token statistics multiply the two in blocks.
+    - ``model.init_cache`` / ``model.extend`` / ``model.decode`` -> KV-cache incremental decoding.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        pd = _dtype(c.param_dtype)
+        self.embed = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), pd)
+        self.layers = DecoderStack(c, rngs)
+        self.final_norm = _param(rngs, (c.hidden_size,), ("norm",), pd, "ones")
+        if not c.tie_word_embeddings:
+            self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), pd)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> Any:
+        return _dtype(self.config.resolved_compute_dtype())
+
+    def unembedding(self) -> Float[Array, "D V"]:
+        """The ``[D, V]`` output matrix in the compute dtype (the transposed embedding when tied)."""
+        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return w.astype(self.compute_dtype)
+
+    def _embed(self, ids: jax.Array) -> jax.Array:
+        x = jnp.take(self.embed[...], ids, axis=0).astype(self.compute_dtype)
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+    def _run_layers(self, x, cos, sin, allowed):
+        c, dtype = self.config, self.compute_dtype
+        params = self.layers.arrays()
+        layer = _remat(decoder_layer, c.remat)
+        if c.scan_layers:
+            def body(h, p):
+                return layer(p, h, cos, sin, allowed, c, dtype), None
+
+            x, _ = jax.lax.scan(body, x, params)
+        else:
+            for i in range(c.num_layers):
+                x = layer({k: v[i] for k, v in params.items()}, x, cos, sin, allowed, c, dtype)
+        return x
+
+    # -- full forward ----------------------------------------------------------------------------
+    def hidden_states(self, input_ids: Int[Array, "B T"],
+                      attention_mask: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
+        """Post-final-norm hidden states ``[B, T, D]`` in the compute dtype."""
+        B, T = input_ids.shape
+        mask = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+        pos = positions_from_mask(mask)
+        cos, sin = rope_tables(pos, self.config.resolved_head_dim, self.config.rope_theta)
+        causal = jnp.tril(jnp.ones((T, T), bool))
+        allowed = causal[None] & (mask[:, None, :] > 0)
+        x = self._run_layers(self._embed(input_ids), cos, sin, allowed)
+        return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps, self.compute_dtype)
+
+    def logits_from_hidden(self, h: jax.Array) -> jax.Array:
+        return jnp.einsum("...d,dv->...v", h, self.unembedding(), preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids: Int[Array, "B T"],
+                 attention_mask: Int[Array, "B T"] | None = None) -> Float[Array, "B T V"]:
+        """float32 logits ``[B, T, V]``. Materialises the full logits: training code uses
+        :meth:`hidden_states` + :func:`ict_jax.stats_from_hidden` instead."""
+        return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask))
+
+    # -- KV-cache decoding -----------------------------------------------------------------------
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        c = self.config
+        dt = self.compute_dtype if dtype is None else _dtype(dtype) if isinstance(dtype, str) else dtype
+        shape = (c.num_layers, batch, c.num_kv_heads, max_len, c.resolved_head_dim)
+        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), mask=jnp.zeros((batch, max_len), jnp.int32),
+                       pos=jnp.zeros((batch,), jnp.int32), index=jnp.zeros((), jnp.int32))
+
+    def extend(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"] | None,
+               cache: KVCache) -> tuple[Float[Array, "B T D"], KVCache]:
+        """Append ``T`` tokens to the cache (slots ``index .. index+T-1``) and return their post-norm
+        hidden states. Prefill is ``extend`` on an empty cache; decode is ``extend`` with ``T = 1``.
+        Padding tokens (mask 0) occupy a slot that no later token attends to."""
+        c, dtype = self.config, self.compute_dtype
+        B, T = input_ids.shape
+        S = cache.mask.shape[1]
+        mask = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+        # a row continues from cache.pos: its first new real token gets position cache.pos
+        pos = jnp.maximum(cache.pos[:, None] + jnp.cumsum(mask, axis=1) - 1, 0)
+        cos, sin = rope_tables(pos, c.resolved_head_dim, c.rope_theta)
+        new_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache.index))
+        slot = jnp.arange(S)
+        qslot = cache.index + jnp.arange(T)
+        allowed = (slot[None, None, :] <= qslot[None, :, None]) & (new_mask[:, None, :] > 0)
+        params = self.layers.arrays()
+        kdt = cache.k.dtype
+
+        def body(x, inputs):
+            p, k_l, v_l = inputs
+            q, k, v = _qkv(p, x, c, cos, sin, dtype)
+            k_l = jax.lax.dynamic_update_slice(k_l, k.astype(kdt), (0, 0, cache.index, 0))
+            v_l = jax.lax.dynamic_update_slice(v_l, v.astype(kdt), (0, 0, cache.index, 0))
+            x = _finish(p, x, _attend(q, k_l.astype(dtype), v_l.astype(dtype), allowed, dtype), c, dtype)
+            return x, (k_l, v_l)
+
+        x = self._embed(input_ids)
+        if c.scan_layers:
+            x, (ks, vs) = jax.lax.scan(body, x, (params, cache.k, cache.v))
+        else:
+            ks_l, vs_l = [], []
+            for i in range(c.num_layers):
+                x, (k_i, v_i) = body(x, ({k: v[i] for k, v in params.items()}, cache.k[i], cache.v[i]))
+                ks_l.append(k_i)
+                vs_l.append(v_i)
+            ks, vs = jnp.stack(ks_l), jnp.stack(vs_l)
+        h = rms_norm(x, self.final_norm[...], c.rms_norm_eps, dtype)
+        new_cache = KVCache(k=ks, v=vs, mask=new_mask, pos=cache.pos + mask.sum(axis=1), index=cache.index + T)
+        return h, new_cache
+
+    def decode(self, tokens: Int[Array, "B"], cache: KVCache) -> tuple[Float[Array, "B V"], KVCache]:
+        """One decode step: float32 logits ``[B, V]`` for the next token, and the updated cache."""
+        h, cache = self.extend(tokens[:, None], None, cache)
+        return self.logits_from_hidden(h[:, 0]), cache
+
+
+# ------------------------------------------------------------------------------------------------
+# Construction
+# ------------------------------------------------------------------------------------------------
+def init_model(config: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> Qwen2:
+    """A randomly initialised :class:`Qwen2`; with ``mesh``, created directly sharded by the rule table
+    (one jitted init with ``out_shardings``: no host copy, no per-device copy)."""
+    if mesh is None:
+        return Qwen2(config, rngs=nnx.Rngs(seed))
+    from ict_jax.sharding import state_shardings
+
+    abstract = nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(seed)))
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = state_shardings(abs_state, mesh)
+
+    @jax.jit
+    def _init():
+        return nnx.split(Qwen2(config, rngs=nnx.Rngs(seed)))[1]
+
+    with jax.set_mesh(mesh):
+        state = jax.jit(_init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def param_count(config: ModelConfig) -> int:
+    """Parameter count from ``jax.eval_shape`` (allocates nothing)."""
+    abstract = nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(0)))
+    return sum(int(x.size) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
