@@ -31,6 +31,13 @@ _API: dict[str, str] = {
     "logical_to_spec": "sharding",
     "state_shardings": "sharding",
     "check_prompts_divide": "sharding",
+    # -- tokenizers (tokenizer.py) --
+    "Tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "CharTokenizer": "tokenizer",
+    "HFTokenizer": "tokenizer",
+    "QWEN2P5_CHAT_TEMPLATE": "tokenizer",
+    "render_chat_template": "tokenizer",
     # -- configuration (config.py) --
     "Config": "config",
     "ConfigError": "config",
