@@ -1,0 +1,270 @@
+"""Per-token statistics of METHOD §1: logp, Shannon H1, Renyi-2 H2 and the group-mean JS score u.
+
+Two paths that agree to float32 rounding:
+
+* :func:`stats_from_logits` takes logits ``[B, T, V]`` (the plain reference path, small V);
+* :func:`stats_from_hidden` takes post-final-norm hidden states ``[B, T, D]`` and the unembedding
+  ``[D, V]`` and walks blocks of ``chunk`` positions (all B rows of a block together, so the group mean
+  Pbar is exact), recomputing each block's logits with a float32-accumulating matmul. Neither its
+  forward nor its backward pass ever holds a float32 ``[B, T, V]`` array (METHOD §1, last bullet): the
+  gradient of ``logp`` comes from a custom VJP that recomputes the block's logits and applies
+  d logp / d z = onehot(token) - p block by block.
+
+Rows are P prompts x G rollouts, prompt-major (row = p*G + j); ``group_size`` is G. Every statistic uses
+p = softmax(L / T_s) with T_s = ``temperature``; natural logarithms.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.special import xlogy
+from jaxtyping import Array, Bool, Float, Int
+
+_ALL = ("logp", "H1", "H2", "js")
+_LN2 = 0.6931471805599453
+
+
+class TokenStats(NamedTuple):
+    """Per-token statistics, each float32 ``[B, T]`` and 0 where ``valid`` is 0 (METHOD §1).
+
+    A field that was not asked for in ``compute`` is ``None``. ``logp`` is differentiable; ``H1``,
+    ``H2`` and ``js`` carry ``stop_gradient``.
+    """
+
+    logp: Float[Array, "B T"] | None  # log p(o_t)
+    H1: Float[Array, "B T"] | None  # -sum_v p log p
+    H2: Float[Array, "B T"] | None  # -log sum_v p^2
+    js: Float[Array, "B T"] | None  # JS(p || Pbar), clipped to [0, ln 2]
+
+
+def _check_compute(compute: Sequence[str]) -> tuple[str, ...]:
+    compute = tuple(compute)
+    bad = [c for c in compute if c not in _ALL]
+    if bad:
+        raise ValueError(f"compute: unknown statistics {bad}; allowed: {list(_ALL)}")
+    return compute
+
+
+def _check_group(B: int, group_size: int) -> int:
+    if group_size < 1 or B % group_size:
+        raise ValueError(f"group_size={group_size} must be >= 1 and divide the batch size B={B}")
+    return B // group_size
+
+
+def _js(p, q):
+    """JS(p || q) over the last axis in METHOD §1's KL form, m = (p + q)/2, clipped to [0, ln 2]."""
+    m = 0.5 * (p + q)
+    return jnp.clip(0.5 * jnp.sum(_kl_term(p, m) + _kl_term(q, m), axis=-1), 0.0, _LN2)
+
+
+def _kl_term(x, m):
+    """xlogy(x, x) - xlogy(x, m), guarded: m = (x + y)/2 >= x/2 can underflow to 0 while x is a
+    tiny positive (a subnormal halved), which would give x * inf; the true term is <= x ln 2 there,
+    so it is taken as 0 (an error below 1e-38)."""
+    ok = (x > 0) & (m > 0)
+    return jnp.where(ok, x * (jnp.log(jnp.where(ok, x, 1.0)) - jnp.log(jnp.where(ok, m, 1.0))), 0.0)
+
+
+def _block_stats(z, tokens, valid, group_size: int, want: frozenset):
+    """Statistics of one block from temperature-scaled float32 logits ``z [B, C, V]``.
+
+    Returns ``(logZ, logp, H1, H2, js)`` each ``[B, C]`` (``None`` when not wanted); ``logZ`` is
+    always returned (the custom VJP saves it). Not masked by ``valid`` here except inside Pbar.
+    """
+    B, C, V = z.shape
+    zmax = jnp.max(z, axis=-1, keepdims=True)
+    zmax = jnp.where(jnp.isfinite(zmax), zmax, 0.0)  # an all -inf row gives no NaN
+    logZ = jnp.log(jnp.sum(jnp.exp(z - zmax), axis=-1)) + zmax[..., 0]
+    logp = H1 = H2 = js = None
+    if "logp" in want:
+        z_tok = jnp.take_along_axis(z, tokens[..., None], axis=-1)[..., 0]
+        logp = z_tok - logZ
+    if want & {"H1", "H2", "js"}:
+        p = jnp.exp(z - logZ[..., None])
+        if "H1" in want:
+            H1 = -jnp.sum(xlogy(p, p), axis=-1)
+        if "H2" in want:
+            H2 = -jnp.log(jnp.sum(p * p, axis=-1))
+        if "js" in want:
+            P = B // group_size
+            w = valid.astype(jnp.float32).reshape(P, group_size, C)
+            pg = p.reshape(P, group_size, C, V)
+            cnt = jnp.sum(w, axis=1)  # [P, C] active rollouts of the group at t
+            num = jnp.einsum("pgc,pgcv->pcv", w, pg)
+            pbar = num / jnp.maximum(cnt, 1.0)[..., None]  # 0 where no rollout is active
+            js = _js(pg, pbar[:, None]).reshape(B, C)
+    return logZ, logp, H1, H2, js
+
+
+def _finish(stats, valid, compute) -> TokenStats:
+    """Zero invalid positions, stop gradients of H1/H2/js, drop what was not asked for."""
+    out = {}
+    for name, x in zip(_ALL, stats):
+        if name not in compute or x is None:
+            out[name] = None
+            continue
+        x = jnp.where(valid, x, 0.0).astype(jnp.float32)
+        out[name] = x if name == "logp" else lax.stop_gradient(x)
+    return TokenStats(**out)
+
+
+def stats_from_logits(
+    logits: Float[Array, "B T V"],
+    tokens: Int[Array, "B T"],
+    valid: Float[Array, "B T"] | Bool[Array, "B T"],
+    *,
+    group_size: int,
+    temperature: float = 1.0,
+    compute: Sequence[str] = _ALL,
+) -> TokenStats:
+    """METHOD §1 statistics from full logits (the reference path; holds ``[B, T, V]``).
+
+    With z = logits / T_s, p = softmax(z):
+      logp = z[o] - logsumexp(z);  H1 = -sum_v xlogy(p, p);  H2 = -log sum_v p^2;
+      Pbar[g,t] = sum_{j in g} valid[j,t] p[j,t] / sum_{j in g} valid[j,t]  (0 if no rollout active);
+      m = (p + Pbar)/2;  u = 1/2 sum_v [xlogy(p,p) - xlogy(p,m)] + 1/2 sum_v [xlogy(Pbar,Pbar) -
+      xlogy(Pbar,m)], clipped to [0, ln 2].
+    All outputs are float32 ``[B, T]``, 0 where ``valid`` is 0; ``logp`` is differentiable with
+    respect to ``logits``, the others are stop-gradient. ``-inf`` logits are allowed (p = 0 there).
+    """
+    compute = _check_compute(compute)
+    B, T, V = logits.shape
+    _check_group(B, group_size)
+    valid = valid > 0
+    tokens = tokens.astype(jnp.int32)
+    z = logits.astype(jnp.float32) / temperature
+    z = jnp.where(valid[..., None], z, 0.0)  # padding positions may hold anything, even all -inf
+    want = frozenset(compute)
+    # logp through autodiff; the rest from stop-gradient logits.
+    logp = _block_stats(z, tokens, valid, group_size, want & {"logp"})[1]
+    _, _, H1, H2, js = _block_stats(lax.stop_gradient(z), tokens, valid, group_size, want - {"logp"})
+    return _finish((logp, H1, H2, js), valid, compute)
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunked path
+# --------------------------------------------------------------------------------------------------
+def _blocks(x, nb: int, chunk: int):
+    """[B, T_pad, ...] -> [nb, B, chunk, ...] (the scan axis first)."""
+    B = x.shape[0]
+    return jnp.moveaxis(x.reshape(B, nb, chunk, *x.shape[2:]), 1, 0)
+
+
+def _unblocks(x):
+    """[nb, B, chunk, ...] -> [B, nb*chunk, ...]."""
+    nb, B, C = x.shape[:3]
+    return jnp.moveaxis(x, 0, 1).reshape(B, nb * C, *x.shape[3:])
+
+
+def _block_logits(h, unembed, temperature: float):
+    """z = (h @ W) / T_s with float32 accumulation; h [B, C, D], W [D, V] -> [B, C, V] float32."""
+    z = jnp.einsum("bcd,dv->bcv", h, unembed, preferred_element_type=jnp.float32)
+    return z / temperature
+
+
+def _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want):
+    """Forward scan over blocks; inputs already padded to nb*chunk. Returns logZ, logp, H1, H2, js."""
+    B, Tp, _ = hidden.shape
+    nb = Tp // chunk
+    xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(valid, nb, chunk))
+
+    def body(_, x):
+        h, tok, val = x
+        z = _block_logits(h, unembed, temperature)
+        out = _block_stats(z, tok, val, group_size, want)
+        return None, tuple(jnp.zeros((B, chunk), jnp.float32) if o is None else o for o in out)
+
+    _, ys = lax.scan(body, None, xs)
+    return tuple(_unblocks(y) for y in ys)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _chunked(hidden, unembed, tokens, valid, group_size, temperature, chunk, want):
+    return _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want)[1:]
+
+
+def _chunked_fwd(hidden, unembed, tokens, valid, group_size, temperature, chunk, want):
+    logZ, *rest = _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want)
+    return tuple(rest), (hidden, unembed, tokens, logZ)
+
+
+def _chunked_bwd(group_size, temperature, chunk, want, res, cts):
+    """d logp[b,c] / d z[b,c,v] = onehot(o)[v] - p[v]; dz -> dlogits = dz / T_s; one block at a time.
+
+    Only the ``logp`` cotangent is used (H1, H2, js are stop-gradient outside this function).
+    """
+    hidden, unembed, tokens, logZ = res
+    g_logp = cts[0]
+    B, Tp, D = hidden.shape
+    nb = Tp // chunk
+    V = unembed.shape[1]
+    xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(logZ, nb, chunk),
+          _blocks(g_logp.astype(jnp.float32), nb, chunk))
+
+    def body(dW, x):
+        h, tok, lz, g = x
+        z = _block_logits(h, unembed, temperature)
+        onehot = tok[..., None] == lax.broadcasted_iota(jnp.int32, (1, 1, V), 2)
+        dz = (jnp.where(onehot, g[..., None], 0.0) - g[..., None] * jnp.exp(z - lz[..., None])) / temperature
+        dh = jnp.einsum("bcv,dv->bcd", dz, unembed, preferred_element_type=jnp.float32)
+        dW = dW + jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
+        return dW, dh.astype(hidden.dtype)
+
+    dW, dh = lax.scan(body, jnp.zeros((D, V), jnp.float32), xs)
+    return _unblocks(dh), dW.astype(unembed.dtype), None, None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def stats_from_hidden(
+    hidden: Float[Array, "B T D"],
+    unembed: Float[Array, "D V"],
+    tokens: Int[Array, "B T"],
+    valid: Float[Array, "B T"] | Bool[Array, "B T"],
+    *,
+    group_size: int,
+    temperature: float = 1.0,
+    chunk: int = 128,
+    compute: Sequence[str] = _ALL,
+) -> TokenStats:
+    """METHOD §1 statistics from hidden states, in blocks of ``chunk`` positions (the production path).
+
+    ``hidden[:, t]`` is the post-final-norm state at the position that predicts ``tokens[:, t]`` (the
+    caller shifts); ``unembed`` is ``Qwen2.unembedding()`` ``[D, V]``. Both may be bfloat16: block
+    logits ``(hidden[:, blk] @ unembed) / T_s`` come from a matmul with float32 accumulation. The
+    formulas are those of :func:`stats_from_logits`. T need not divide by ``chunk`` (padded
+    internally). Peak extra memory is a few float32 ``[B, chunk, V]`` blocks in both the forward pass
+    and the backward pass of ``logp`` (custom VJP recomputing each block's logits). ``compute`` skips
+    statistics not asked for (``("logp",)`` needs only a logsumexp per position).
+    """
+    compute = _check_compute(compute)
+    B, T, D = hidden.shape
+    _check_group(B, group_size)
+    if unembed.shape[0] != D:
+        raise ValueError(f"unembed has shape {unembed.shape}; expected [D={D}, V]")
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1")
+    chunk = min(chunk, T)
+    valid = valid > 0
+    tokens = tokens.astype(jnp.int32)
+    pad = (-T) % chunk
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
+        valid_p = jnp.pad(valid, ((0, 0), (0, pad)))
+    else:
+        valid_p = valid
+    want = frozenset(compute)
+    if "logp" in want:
+        out = _chunked(hidden, unembed, tokens, valid_p, group_size, float(temperature), chunk, want)
+    else:
+        out = _scan_stats(lax.stop_gradient(hidden), lax.stop_gradient(unembed), tokens, valid_p,
+                          group_size, float(temperature), chunk, want)[1:]
+    out = tuple(o[:, :T] for o in out)
+    return _finish(out, valid, compute)

@@ -1,0 +1,263 @@
+"""METHOD §1 statistics against float64 NumPy; the chunked path against the dense one (values and
+gradients); no NaN on -inf logits, all-padding groups, G = 1; the chunked path's memory claim."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ict_jax.token_stats import TokenStats, _js, stats_from_hidden, stats_from_logits
+
+ATOL, RTOL = 1e-5, 1e-6
+LN2 = np.log(2.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# float64 NumPy reference (METHOD §1, written independently of the JAX code)
+# ------------------------------------------------------------------------------------------------
+def _xlogy(x, y):
+    out = np.zeros(np.broadcast(x, y).shape)
+    x, y = np.broadcast_arrays(x, y)
+    nz = x != 0
+    out[nz] = x[nz] * np.log(y[nz])
+    return out
+
+
+def ref_stats(logits, tokens, valid, G, temp):
+    z = logits.astype(np.float64) / temp
+    B, T, V = z.shape
+    valid = valid > 0
+    z = np.where(valid[..., None], z, 0.0)
+    zmax = z.max(-1, keepdims=True)
+    logZ = np.log(np.exp(z - zmax).sum(-1)) + zmax[..., 0]
+    p = np.exp(z - logZ[..., None])
+    logp = np.take_along_axis(z, tokens[..., None], -1)[..., 0] - logZ
+    H1 = -_xlogy(p, p).sum(-1)
+    H2 = -np.log((p * p).sum(-1))
+    P = B // G
+    w = valid.reshape(P, G, T).astype(np.float64)
+    pg = p.reshape(P, G, T, V)
+    cnt = w.sum(1)
+    pbar = np.zeros((P, T, V))
+    for g in range(P):
+        for t in range(T):
+            if cnt[g, t] > 0:
+                pbar[g, t] = (w[g, :, t, None] * pg[g, :, t]).sum(0) / cnt[g, t]
+    js = np.zeros((P, G, T))
+    for g in range(P):
+        for j in range(G):
+            for t in range(T):
+                a, b = pg[g, j, t], pbar[g, t]
+                m = (a + b) / 2
+                js[g, j, t] = 0.5 * (_xlogy(a, a) - _xlogy(a, m)).sum() + 0.5 * (_xlogy(b, b) - _xlogy(b, m)).sum()
+    js = np.clip(js.reshape(B, T), 0, LN2)
+    out = dict(logp=logp, H1=H1, H2=H2, js=js)
+    return {k: np.where(valid, v, 0.0) for k, v in out.items()}, p
+
+
+def make_case(rng, P, G, T, V, kind, valid_kind="ragged"):
+    B = P * G
+    logits = rng.standard_normal((B, T, V)).astype(np.float32)
+    if kind == "peaked":
+        logits *= 30.0
+    elif kind == "neginf":
+        logits[rng.random((B, T, V)) < 0.4] = -np.inf
+    # rollouts of a group share a prefix: identical logits at t < 2 (u = 0 there)
+    lg = logits.reshape(P, G, T, V)
+    lg[:, :, :2] = lg[:, :1, :2]
+    tokens = rng.integers(0, V, (B, T))
+    if kind == "neginf":  # the sampler never emits a -inf token; keep one finite entry per row
+        fin = np.take_along_axis(logits, tokens[..., None], -1)[..., 0]
+        logits[..., 0] = np.where(np.isfinite(logits[..., 0]), logits[..., 0], 0.5)
+        tokens = np.where(np.isfinite(fin), tokens, 0)
+    lengths = rng.integers(0, T + 1, B) if valid_kind == "ragged" else np.full(B, T)
+    valid = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+    if valid_kind == "ragged":
+        valid[:G] = 0.0  # an all-padding group
+        valid[G] = 1.0  # and a full row
+    return logits, tokens.astype(np.int32), valid
+
+
+def assert_close(name, got, want):
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "P,G,T,V,kind,temp",
+    [
+        (3, 4, 6, 7, "gaussian", 1.0),
+        (3, 4, 6, 7, "peaked", 0.7),
+        (3, 4, 6, 7, "neginf", 1.0),
+        (2, 3, 5, 1000, "gaussian", 1.3),
+        (2, 3, 5, 1000, "peaked", 1.0),
+        (2, 3, 5, 1000, "neginf", 0.6),
+        (2, 2, 3, 50_000, "gaussian", 1.0),
+        (2, 2, 3, 50_000, "peaked", 1.0),
+        (2, 2, 3, 50_000, "neginf", 1.0),
+        (4, 1, 5, 64, "gaussian", 1.0),  # G = 1
+    ],
+)
+def test_logits_path_matches_float64(P, G, T, V, kind, temp):
+    rng = np.random.default_rng(V + T + G)
+    logits, tokens, valid = make_case(rng, P, G, T, V, kind)
+    want, _ = ref_stats(logits, tokens, valid, G, temp)
+    got = stats_from_logits(jnp.asarray(logits), tokens, valid, group_size=G, temperature=temp)
+    assert isinstance(got, TokenStats)
+    for name in ("logp", "H1", "H2", "js"):
+        assert getattr(got, name).shape == (P * G, T) and getattr(got, name).dtype == jnp.float32
+        assert_close(name, getattr(got, name), want[name])
+    js = np.asarray(got.js)
+    assert js.min() >= 0.0 and js.max() <= np.float32(LN2)
+    # identical prefixes (t < 2) and rows alone at t: u = 0
+    assert np.all(js[:, :2] <= 1e-6)
+    if G == 1:
+        assert np.all(js == 0.0)
+    # invalid positions are exactly 0
+    for name in ("logp", "H1", "H2", "js"):
+        assert np.all(np.asarray(getattr(got, name))[valid == 0] == 0.0)
+
+
+def test_js_symmetric_bounded_zero_on_equal():
+    rng = np.random.default_rng(0)
+    for V in (7, 300):
+        a = jax.nn.softmax(jnp.asarray(rng.standard_normal((20, V)) * 3, jnp.float32))
+        b = jax.nn.softmax(jnp.asarray(rng.standard_normal((20, V)) * 3, jnp.float32))
+        ab, ba = np.asarray(_js(a, b)), np.asarray(_js(b, a))
+        np.testing.assert_allclose(ab, ba, atol=ATOL, rtol=RTOL)
+        assert ab.min() > 1e-3 and ab.max() <= np.float32(LN2)
+        assert np.all(np.asarray(_js(a, a)) == 0.0)
+    # disjoint supports: exactly ln 2 (after the clip)
+    a = jnp.array([[1.0, 0.0, 0.0]])
+    b = jnp.array([[0.0, 0.5, 0.5]])
+    np.testing.assert_allclose(np.asarray(_js(a, b)), [LN2], atol=ATOL, rtol=RTOL)
+
+
+def test_no_nan_all_padding_all_neginf_rows():
+    P, G, T, V = 2, 3, 4, 9
+    logits = np.full((P * G, T, V), -np.inf, np.float32)  # padding positions may be all -inf
+    valid = np.zeros((P * G, T), np.float32)
+    logits[G, :2] = np.arange(V)  # one active rollout in the second group
+    valid[G, :2] = 1
+    tokens = np.zeros((P * G, T), np.int32)
+    f = lambda lg: jnp.sum(stats_from_logits(lg, tokens, valid, group_size=G).logp)
+    got = stats_from_logits(jnp.asarray(logits), tokens, valid, group_size=G)
+    for x in got:
+        assert np.all(np.isfinite(np.asarray(x)))
+    assert np.all(np.asarray(got.js) == 0.0)  # alone at t
+    g = jax.grad(f)(jnp.asarray(logits))
+    assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_logits_path_gradient_matches_float64():
+    rng = np.random.default_rng(1)
+    P, G, T, V, temp = 2, 2, 4, 11, 0.8
+    logits, tokens, valid = make_case(rng, P, G, T, V, "neginf")
+    wts = rng.standard_normal((P * G, T)).astype(np.float32)
+    f = lambda lg: jnp.sum(stats_from_logits(lg, tokens, valid, group_size=G, temperature=temp).logp * wts)
+    g = np.asarray(jax.grad(f)(jnp.asarray(logits)))
+    _, p = ref_stats(logits, tokens, valid, G, temp)
+    onehot = np.eye(V)[tokens]
+    want = (wts * valid)[..., None] * (onehot - p) / temp
+    want = np.where(valid[..., None] > 0, want, 0.0)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, want, atol=ATOL, rtol=RTOL)
+
+
+# ------------------------------------------------------------------------------------------------
+# chunked path
+# ------------------------------------------------------------------------------------------------
+def _hidden_case(rng, P=2, G=3, T=7, D=16, V=97):
+    hidden = rng.standard_normal((P * G, T, D)).astype(np.float32)
+    h = hidden.reshape(P, G, T, D)
+    h[:, :, :2] = h[:, :1, :2]
+    W = (rng.standard_normal((D, V)) / np.sqrt(D) * 3).astype(np.float32)
+    tokens = rng.integers(0, V, (P * G, T)).astype(np.int32)
+    lengths = rng.integers(0, T + 1, P * G)
+    valid = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+    valid[0] = 1.0
+    return hidden, W, tokens, valid
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 7, 32])
+def test_hidden_equals_logits_values_and_gradient(chunk):
+    rng = np.random.default_rng(chunk)
+    hidden, W, tokens, valid = _hidden_case(rng)
+    G, temp = 3, 0.9
+    wts = rng.standard_normal(tokens.shape).astype(np.float32)
+
+    def dense(h, w):
+        lg = jnp.einsum("btd,dv->btv", h, w, precision="highest")
+        return stats_from_logits(lg, tokens, valid, group_size=G, temperature=temp)
+
+    def chunked(h, w):
+        return stats_from_hidden(h, w, tokens, valid, group_size=G, temperature=temp, chunk=chunk)
+
+    a, b = dense(hidden, W), jax.jit(chunked)(hidden, W)
+    for name in ("logp", "H1", "H2", "js"):
+        assert_close(name, getattr(b, name), np.asarray(getattr(a, name), np.float64))
+    ga = jax.grad(lambda h, w: jnp.sum(dense(h, w).logp * wts), argnums=(0, 1))(hidden, W)
+    gb = jax.jit(jax.grad(lambda h, w: jnp.sum(chunked(h, w).logp * wts), argnums=(0, 1)))(hidden, W)
+    for x, y in zip(ga, gb):
+        assert y.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=ATOL, rtol=1e-5)
+
+
+def test_hidden_compute_subset_and_stop_gradient():
+    rng = np.random.default_rng(5)
+    hidden, W, tokens, valid = _hidden_case(rng)
+    full = stats_from_hidden(hidden, W, tokens, valid, group_size=3, chunk=4)
+    only = stats_from_hidden(hidden, W, tokens, valid, group_size=3, chunk=4, compute=("logp",))
+    assert only.H1 is None and only.H2 is None and only.js is None
+    np.testing.assert_array_equal(np.asarray(only.logp), np.asarray(full.logp))
+    nologp = stats_from_hidden(hidden, W, tokens, valid, group_size=3, chunk=4, compute=("js",))
+    assert nologp.logp is None
+    np.testing.assert_array_equal(np.asarray(nologp.js), np.asarray(full.js))
+    # H1, H2, js carry no gradient
+    g = jax.grad(lambda h: jnp.sum(stats_from_hidden(h, W, tokens, valid, group_size=3, chunk=4).H1))(hidden)
+    assert np.all(np.asarray(g) == 0.0)
+    with pytest.raises(ValueError, match="group_size"):
+        stats_from_hidden(hidden, W, tokens, valid, group_size=4, chunk=4)
+    with pytest.raises(ValueError, match="compute"):
+        stats_from_hidden(hidden, W, tokens, valid, group_size=3, chunk=4, compute=("H3",))
+
+
+def test_hidden_bfloat16_inputs():
+    rng = np.random.default_rng(6)
+    hidden, W, tokens, valid = _hidden_case(rng)
+    hb, Wb = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(W, jnp.bfloat16)
+    got = stats_from_hidden(hb, Wb, tokens, valid, group_size=3, chunk=3)
+    lg = jnp.einsum("btd,dv->btv", hb.astype(jnp.float32), Wb.astype(jnp.float32), precision="highest")
+    want = stats_from_logits(lg, tokens, valid, group_size=3)
+    for name in ("logp", "H1", "H2", "js"):
+        assert getattr(got, name).dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
+                                   atol=ATOL, rtol=1e-5, err_msg=name)
+    gh, gw = jax.grad(lambda h, w: jnp.sum(stats_from_hidden(h, w, tokens, valid, group_size=3, chunk=3).logp),
+                      argnums=(0, 1))(hb, Wb)
+    assert gh.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(gh, np.float32)))
+
+
+def test_chunked_never_holds_BTV():
+    """XLA's temp memory for value_and_grad stays well below one float32 [B, T, V] array."""
+    B, T, D, V, G, chunk = 4, 256, 16, 4096, 2, 8
+    btv = B * T * V * 4
+    args = (jax.ShapeDtypeStruct((B, T, D), jnp.float32), jax.ShapeDtypeStruct((D, V), jnp.float32),
+            jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, T), jnp.float32))
+
+    def loss(h, w, tok, val, dense):
+        if dense:
+            s = stats_from_logits(jnp.einsum("btd,dv->btv", h, w), tok, val, group_size=G)
+        else:
+            s = stats_from_hidden(h, w, tok, val, group_size=G, chunk=chunk)
+        return jnp.sum(jnp.where(s.js > 0.1, s.logp, 0.0))
+
+    def temp(dense):
+        f = jax.jit(jax.value_and_grad(lambda *a: loss(*a, dense), argnums=(0, 1)))
+        return f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    t_dense, t_chunk = temp(True), temp(False)
+    assert t_dense >= btv  # the comparison is meaningful
+    assert t_chunk < btv / 4, (t_chunk, t_dense, btv)
