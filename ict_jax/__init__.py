@@ -38,6 +38,14 @@ _API: dict[str, str] = {
     "HFTokenizer": "tokenizer",
     "QWEN2P5_CHAT_TEMPLATE": "tokenizer",
     "render_chat_template": "tokenizer",
+    # -- losses (grpo.py) --
+    "group_advantages": "grpo",
+    "zero_std_groups": "grpo",
+    "k3_kl": "grpo",
+    "clipped_surrogate": "grpo",
+    "policy_loss": "grpo",
+    "loss_denominators": "grpo",
+    "LossDenominators": "grpo",
     # -- configuration (config.py) --
     "Config": "config",
     "ConfigError": "config",

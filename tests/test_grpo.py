@@ -1,0 +1,223 @@
+"""ict_jax.grpo against golden values of an independent PyTorch reference (tests/data/grpo_reference.py),
+plus the semantic properties of METHOD §3-§4: zero gradient where M = 0, advantages that sum to zero,
+all-equal groups that do not learn, micro-batch denominators that add up to the mini-batch."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ict_jax.config import LossSection
+from ict_jax.grpo import (
+    clipped_surrogate,
+    group_advantages,
+    k3_kl,
+    loss_denominators,
+    policy_loss,
+    zero_std_groups,
+)
+
+DATA = Path(__file__).parent / "data"
+GOLDEN = json.loads((DATA / "grpo_golden.json").read_text())
+TOL = dict(rtol=1e-6, atol=1e-6)  # float32 JAX vs float64 PyTorch
+AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+EPS_LOW, EPS_HIGH = GOLDEN["config"]["eps_low"], GOLDEN["config"]["eps_high"]
+
+_inp = GOLDEN["inputs"]
+LOGP, LOGP_OLD, LOGP_REF = (jnp.asarray(_inp[k], jnp.float32) for k in ("logp", "logp_old", "logp_ref"))
+ADV = jnp.asarray(_inp["adv"], jnp.float32)
+VALID = jnp.asarray(_inp["valid"], bool)
+MASKS = {k: jnp.asarray(v, bool) for k, v in _inp["masks"].items()}
+B, T = LOGP.shape
+
+
+def loss_config(**kw) -> LossSection:
+    base = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip_c=3.0, kl_coef=0.05)
+    return LossSection(**{**base, **kw})
+
+
+@jax.jit
+def _zeroed(valid, *xs):
+    return tuple(jnp.where(valid, x, 0.0) for x in xs)
+
+
+_GRAD_FNS: dict = {}
+
+
+def loss_and_grad(cfg: LossSection, logp=LOGP, logp_ref=LOGP_REF, adv=ADV, valid=VALID, mask=None, denoms=None,
+                  logp_old=LOGP_OLD):
+    """value_and_grad of policy_loss wrt logp, jitted once per config."""
+    if cfg not in _GRAD_FNS:
+        def f(logp, logp_old, logp_ref, adv, valid, mask, denoms):
+            return policy_loss(logp, logp_old, logp_ref, adv, valid, mask, config=cfg, denoms=denoms)
+        _GRAD_FNS[cfg] = jax.jit(jax.value_and_grad(f, has_aux=True))
+    (loss, metrics), grad = _GRAD_FNS[cfg](logp, logp_old, logp_ref, adv, valid, mask, denoms)
+    return loss, metrics, grad
+
+
+# ------------------------------------------------------------------------------------ golden values
+@pytest.mark.parametrize("case", ["main", "group_of_one", "row_valid"])
+@pytest.mark.parametrize("mode", ["group", "batch", "none"])
+def test_advantages_golden(case, mode):
+    g = GOLDEN["advantages"][case]
+    row_valid = jnp.asarray(g["row_valid"]) if "row_valid" in g else None
+    adv = group_advantages(jnp.asarray(g["rewards"], jnp.float32), g["group_size"], mode, 1e-6, row_valid)
+    assert adv.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(adv), g[mode], **TOL)
+    want_zero = np.asarray(g[mode]) == 0.0  # all-equal groups and padding rows: exactly 0
+    assert np.all(np.asarray(adv)[want_zero] == 0.0)
+
+
+def test_all_equal_group_exactly_zero():
+    # 0.1 is not exact in float32: a mean/std path would leave ~1e-8 / ~1e-9 = O(1) garbage.
+    r = jnp.asarray([0.1, 0.1, 0.1, 0.1, 1.0, 0.0, 0.3, 0.3], jnp.float32)
+    for mode in ("group", "batch", "none"):
+        adv = np.asarray(group_advantages(r, 4, mode))
+        assert np.all(adv[:4] == 0.0) and np.all(adv[4:6] != 0.0)
+    assert zero_std_groups(r, 4).tolist() == [True, False]
+    assert zero_std_groups(r, 2).tolist() == [True, True, False, True]
+
+
+def test_per_token_golden():
+    pt = GOLDEN["per_token"]
+    lp, lpo, lpr = _zeroed(VALID, LOGP, LOGP_OLD, LOGP_REF)
+    surr, ratio = clipped_surrogate(lp, lpo, ADV, eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip_c=3.0)
+    np.testing.assert_allclose(np.asarray(ratio), pt["ratio"], **TOL)
+    np.testing.assert_allclose(np.asarray(surr), pt["surr_dual"], **TOL)
+    surr_nd, _ = clipped_surrogate(lp, lpo, ADV, eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_clip_c=None)
+    np.testing.assert_allclose(np.asarray(surr_nd), pt["surr_nodual"], **TOL)
+    # the batch exercises what it claims to: dual clip, clip-higher band and the k3 clamp all bite
+    assert np.any(np.asarray(surr) != np.asarray(surr_nd))
+    r = np.asarray(ratio)
+    assert np.any((r > 1 + 0.2) & (r < 1 + EPS_HIGH)) and r.max() > 1e8 and r.min() < 1e-8
+    k3 = k3_kl(lp, lpr)
+    np.testing.assert_allclose(np.asarray(k3), pt["k3"], **TOL)
+    assert float(k3.max()) == 10.0
+
+
+@pytest.mark.parametrize("loss_agg", AGGS)
+def test_loss_golden(loss_agg):
+    """Loss, METHOD §5 metrics and d loss / d logp, every normalize_over x kl_masked x method mask."""
+    cases = [c for c in GOLDEN["loss_cases"] if c["loss_agg"] == loss_agg]
+    assert len(cases) == 6 * len(MASKS)
+    for c in cases:
+        cfg = loss_config(loss_agg=loss_agg, normalize_over=c["normalize_over"], kl_masked=c["kl_masked"],
+                          kl_coef=c["kl_coef"], dual_clip_c=c["dual_clip_c"])
+        loss, metrics, grad = loss_and_grad(cfg, mask=MASKS[c["method"]])
+        where = f"{c['method']} {loss_agg} {c['normalize_over']} kl_masked={c['kl_masked']} kl={c['kl_coef']}"
+        np.testing.assert_allclose(float(loss), c["loss"], **TOL, err_msg=where)
+        assert set(metrics) == set(c["metrics"]), where
+        for k, v in c["metrics"].items():
+            np.testing.assert_allclose(float(metrics[k]), v, **TOL, err_msg=f"{where} {k}")
+        np.testing.assert_allclose(np.asarray(grad), c["grad_logp"], **TOL, err_msg=where)
+
+
+@pytest.mark.torch
+def test_reference_reproduces_golden(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "golden.json"
+    subprocess.run([sys.executable, str(DATA / "grpo_reference.py"), str(out)], check=True, timeout=120)
+    assert out.read_text() == (DATA / "grpo_golden.json").read_text()
+
+
+# ------------------------------------------------------------------------------------ semantics
+@pytest.mark.parametrize("method", ["ict", "entropy", "stapo", "random"])
+def test_unselected_tokens_get_zero_gradient(method):
+    mask = MASKS[method]
+    off = np.asarray(~mask)
+    for agg in AGGS:
+        for norm in ("selected", "valid"):
+            # kl_coef = 0: only the policy term; kl_masked: the KL term too is confined to M.
+            for kw in (dict(kl_coef=0.0, kl_masked=False), dict(kl_coef=0.05, kl_masked=True)):
+                _, _, grad = loss_and_grad(loss_config(loss_agg=agg, normalize_over=norm, **kw), mask=mask)
+                g = np.asarray(grad)
+                assert np.all(np.isfinite(g))
+                assert np.all(g[off] == 0.0), (method, agg, norm, kw)
+                assert np.any(g[~off] != 0.0)
+            # control (the test can fail): an unmasked KL term does reach valid unselected tokens
+            _, _, grad = loss_and_grad(loss_config(loss_agg=agg, normalize_over=norm, kl_masked=False), mask=mask)
+            assert np.any(np.asarray(grad)[off & np.asarray(VALID)] != 0.0)
+
+
+def test_mask_all_ones_equals_dense():
+    for agg in AGGS:
+        for norm in ("selected", "valid"):
+            cfg = loss_config(loss_agg=agg, normalize_over=norm)
+            dense = loss_and_grad(cfg, mask=VALID)
+            ones = loss_and_grad(cfg, mask=jnp.ones_like(VALID))
+            assert float(dense[0]) == float(ones[0])
+            np.testing.assert_array_equal(np.asarray(dense[2]), np.asarray(ones[2]))
+
+
+def test_kl_requires_reference():
+    with pytest.raises(ValueError, match="logp_ref"):
+        policy_loss(LOGP, LOGP_OLD, None, ADV, VALID, VALID, config=loss_config(kl_coef=0.1))
+    loss, metrics = policy_loss(LOGP, LOGP_OLD, None, ADV, VALID, VALID, config=loss_config(kl_coef=0.0))
+    assert math.isfinite(float(loss)) and float(metrics["loss/kl"]) == 0.0
+
+
+_group_advantages_jit = jax.jit(group_advantages, static_argnums=(1, 2))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, -0.1]), min_size=12, max_size=12),
+       st.sampled_from([2, 3, 4, 6]), st.sampled_from(["group", "batch", "none"]))
+def test_group_advantages_sum_to_zero(rewards, group_size, mode):
+    adv = np.asarray(_group_advantages_jit(jnp.asarray(rewards, jnp.float32), group_size, mode))
+    assert np.all(np.isfinite(adv))
+    np.testing.assert_allclose(adv.reshape(-1, group_size).sum(-1), 0.0, atol=1e-5)
+
+
+def test_all_equal_group_contributes_no_policy_gradient():
+    rewards = jnp.asarray([1.0, 0.0, 1.0, 0.0, 0.7, 0.7, 0.7, 0.7, 0.0, 1.0, 0.5, 0.0], jnp.float32)
+    adv = group_advantages(rewards, 4)
+    for agg in AGGS:
+        _, _, grad = loss_and_grad(loss_config(loss_agg=agg, kl_coef=0.0), adv=adv, mask=VALID)
+        g = np.asarray(grad)
+        assert np.all(g[4:8] == 0.0) and np.any(g[:4] != 0.0)
+
+
+@pytest.mark.parametrize("loss_agg", AGGS)
+def test_micro_batch_denominators_add_up(loss_agg):
+    """Micro-batch losses / gradients / metrics with mini-batch denominators sum to the full batch."""
+    rng = np.random.default_rng(0)
+    for method in ("dense", "ict", "entropy"):
+        for cfg in (loss_config(loss_agg=loss_agg),
+                    loss_config(loss_agg=loss_agg, normalize_over="valid", kl_masked=False)):
+            mask = MASKS[method]
+            full_loss, full_metrics, full_grad = loss_and_grad(cfg, mask=mask)
+            denoms = loss_denominators(VALID, mask, cfg)
+            for n_micro in (2, 4):  # 12 rows: P = 4 groups of G = 3 (or 6 x 2): groups never split
+                order = rng.permutation(n_micro)  # the sum does not care about the order
+                losses, grads, metrics = [], [None] * n_micro, []
+                rows = B // n_micro
+                for k in order:
+                    s = slice(k * rows, (k + 1) * rows)
+                    loss, m, g = loss_and_grad(cfg, logp=LOGP[s], logp_old=LOGP_OLD[s], logp_ref=LOGP_REF[s],
+                                               adv=ADV[s], valid=VALID[s], mask=mask[s], denoms=denoms)
+                    losses.append(float(loss))
+                    grads[k] = np.asarray(g)
+                    metrics.append(m)
+                np.testing.assert_allclose(sum(losses), float(full_loss), rtol=1e-6, atol=1e-7)
+                np.testing.assert_allclose(np.concatenate(grads), np.asarray(full_grad), rtol=1e-6, atol=1e-9)
+                for key, v in full_metrics.items():
+                    np.testing.assert_allclose(sum(float(m[key]) for m in metrics), float(v), rtol=1e-6,
+                                               atol=1e-7, err_msg=key)
+                if n_micro != 2:
+                    continue
+                # without the mini-batch denominators the micro-batch pieces do not add up
+                s = slice(0, rows)
+                alone, _, _ = loss_and_grad(cfg, logp=LOGP[s], logp_old=LOGP_OLD[s], logp_ref=LOGP_REF[s],
+                                            adv=ADV[s], valid=VALID[s], mask=mask[s])
+                assert float(alone) != losses[list(order).index(0)]
+
