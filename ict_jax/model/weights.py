@@ -118,6 +118,57 @@ def _get_variable(model: Any, dotted: str) -> nnx.Variable:
     return obj
 
 
+def expected_tensors(cfg: ModelConfig) -> set[str]:
+    """The HF tensor names a model of this config is built from (through :data:`KEY_MAP`)."""
+    return {e.hf.format(i=i) for e in KEY_MAP if e.when(cfg) for i in (range(cfg.num_layers) if e.stacked else [0])}
+
+
+def load_from_source(cfg: ModelConfig, get: Callable[[str], np.ndarray], *, mesh: jax.sharding.Mesh | None,
+                     where: str, shape_origin: str = "") -> Qwen2:
+    """Build a :class:`Qwen2` of ``cfg`` from a tensor source: ``get(hf_name)`` returns the HF-named tensor
+    in HF layout (a missing one raises :class:`WeightError`). Each parameter is put in our layout on the host
+    once and placed on ``mesh`` (sharded by the rule table) with ``jax.make_array_from_callback``.
+    ``where`` starts error messages; ``shape_origin`` says where the expected shapes came from."""
+    abstract = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    model = nnx.merge(graphdef, state)  # abstract leaves, replaced one by one below
+    for e in KEY_MAP:
+        if not e.when(cfg):
+            continue
+        var = _get_variable(model, e.ours)
+        shape, pdt = tuple(var.shape), var.dtype
+        per_shape = shape[1:] if e.stacked else shape
+        to_ours = _LAYOUTS[e.kind][0]
+
+        def read(name: str) -> np.ndarray:
+            w = get(name)
+            want = int(np.prod(per_shape))
+            if w.size != want:
+                hf_shape = _LAYOUTS[e.kind][1](np.zeros(per_shape, np.int8)).shape
+                raise WeightError(f"{where}: tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(hf_shape)}"
+                                  f"{shape_origin}")
+            out = to_ours(w, per_shape)
+            if out.shape != per_shape:
+                hf_shape = _LAYOUTS[e.kind][1](np.zeros(per_shape, np.int8)).shape
+                raise WeightError(f"{where}: tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(hf_shape)}")
+            return out.astype(pdt)
+
+        if e.stacked:
+            host = np.stack([read(e.hf.format(i=i)) for i in range(cfg.num_layers)])
+        else:
+            host = read(e.hf)
+        if mesh is None:
+            arr = jax.device_put(host)
+        else:
+            from ict_jax.sharding import logical_sharding
+
+            sharding = logical_sharding(var.get_metadata()["logical_axes"], host.shape, mesh)
+            arr = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
+        var.set_value(arr)
+        del host
+    return model
+
+
 def load_hf(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, dtype: str | None = None,
             config: ModelConfig | None = None, **config_overrides: Any) -> Qwen2:
     """Load a Hugging Face Qwen2 checkpoint directory (``config.json`` + safetensors) as a :class:`Qwen2`.
@@ -134,46 +185,8 @@ def load_hf(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None, d
         config_overrides["param_dtype"] = dtype
     cfg = cfg.replace(**config_overrides) if config_overrides else cfg
     ckpt = _Checkpoint(path)
-
-    abstract = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    model = nnx.merge(graphdef, state)  # abstract leaves, replaced one by one below
-    expected = {e.hf.format(i=i) for e in KEY_MAP if e.when(cfg)
-                for i in (range(cfg.num_layers) if e.stacked else [0])}
-    for e in KEY_MAP:
-        if not e.when(cfg):
-            continue
-        var = _get_variable(model, e.ours)
-        shape, pdt = tuple(var.shape), var.dtype
-        per_shape = shape[1:] if e.stacked else shape
-        to_ours = _LAYOUTS[e.kind][0]
-
-        def read(name: str) -> np.ndarray:
-            w = ckpt.get(name)
-            want = int(np.prod(per_shape))
-            if w.size != want:
-                hf_shape = _LAYOUTS[e.kind][1](np.zeros(per_shape, np.int8)).shape
-                raise WeightError(f"{path}: tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(hf_shape)} "
-                                  f"(from config.json)")
-            out = to_ours(w, per_shape)
-            if out.shape != per_shape:
-                hf_shape = _LAYOUTS[e.kind][1](np.zeros(per_shape, np.int8)).shape
-                raise WeightError(f"{path}: tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(hf_shape)}")
-            return out.astype(pdt)
-
-        if e.stacked:
-            host = np.stack([read(e.hf.format(i=i)) for i in range(cfg.num_layers)])
-        else:
-            host = read(e.hf)
-        if mesh is None:
-            arr = jax.device_put(host)
-        else:
-            from ict_jax.sharding import logical_sharding
-
-            sharding = logical_sharding(var.get_metadata()["logical_axes"], host.shape, mesh)
-            arr = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
-        var.set_value(arr)
-        del host
+    model = load_from_source(cfg, ckpt.get, mesh=mesh, where=str(path), shape_origin=" (from config.json)")
+    expected = expected_tensors(cfg)
     # tied checkpoints sometimes still carry lm_head.weight; anything else unknown is reported
     unknown = sorted(k for k in ckpt.weight_map if k not in expected and not k.endswith("rotary_emb.inv_freq")
                      and not (cfg.tie_word_embeddings and k == "lm_head.weight"))
