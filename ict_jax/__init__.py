@@ -46,6 +46,19 @@ _API: dict[str, str] = {
     "policy_loss": "grpo",
     "loss_denominators": "grpo",
     "LossDenominators": "grpo",
+    # -- token statistics (token_stats.py) --
+    "TokenStats": "token_stats",
+    "stats_from_logits": "token_stats",
+    "stats_from_hidden": "token_stats",
+    # -- selectors (selectors.py) --
+    "dense_mask": "selectors",
+    "ict_mask": "selectors",
+    "entropy_mask": "selectors",
+    "stapo_mask": "selectors",
+    "random_mask": "selectors",
+    "register_selector": "selectors",
+    "select": "selectors",
+    "RANDOM_MASK_STREAM": "selectors",
     # -- configuration (config.py) --
     "Config": "config",
     "ConfigError": "config",
