@@ -79,13 +79,16 @@ def test_advantages_golden(case, mode):
 
 
 def test_all_equal_group_exactly_zero():
-    # 0.1 is not exact in float32: a mean/std path would leave ~1e-8 / ~1e-9 = O(1) garbage.
-    r = jnp.asarray([0.1, 0.1, 0.1, 0.1, 1.0, 0.0, 0.3, 0.3], jnp.float32)
+    # float32 mean of (0.9, 0.9, 0.9) is 0.9 - 6e-8 and its std ~0: a mean/std path would give
+    # A = 6e-8 / (std + 1e-6) = O(0.05) garbage; max == min must zero the group exactly.
+    r = jnp.asarray([0.9, 0.9, 0.9, 1.0, 0.0, 0.3, 0.45, 0.45, 0.45], jnp.float32)
+    assert float(r[:3].sum() / 3) != float(r[0])  # the premise of this test
     for mode in ("group", "batch", "none"):
-        adv = np.asarray(group_advantages(r, 4, mode))
-        assert np.all(adv[:4] == 0.0) and np.all(adv[4:6] != 0.0)
-    assert zero_std_groups(r, 4).tolist() == [True, False]
-    assert zero_std_groups(r, 2).tolist() == [True, True, False, True]
+        adv = np.asarray(group_advantages(r, 3, mode))
+        assert np.all(adv[:3] == 0.0) and np.all(adv[6:] == 0.0) and np.all(adv[3:6] != 0.0)
+    assert zero_std_groups(r, 3).tolist() == [True, False, True]
+    assert zero_std_groups(r[:8], 2).tolist() == [True, False, False, True]
+    assert zero_std_groups(r, 3, row_valid=jnp.asarray([1, 1, 1, 1, 0, 0, 1, 1, 1])).tolist() == [True, False, True]
 
 
 def test_per_token_golden():
