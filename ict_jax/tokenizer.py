@@ -289,7 +289,6 @@ class CharTokenizer:
         self.pad_id, self.bos_id, self.unk_id = self.vocab["<pad>"], self.vocab["<bos>"], self.vocab["<unk>"]
         self.eos_ids = (self.vocab["<eos>"],)
         self.vocab_size = len(self.vocab)
-        self.chat_template = None
 
     def encode(self, text: str) -> list[int]:
         ids, i = [], 0
