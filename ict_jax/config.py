@@ -229,8 +229,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
     if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, str):  # "1,4" from the command line: each element parsed as YAML
+            import yaml
+
+            value = [yaml.safe_load(v) for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
         return tuple(_coerce(v, get_args(tp)[0], key) for v in value)

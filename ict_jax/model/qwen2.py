@@ -220,17 +220,32 @@ class Qwen2(nnx.Module):
         return x
 
     # -- full forward ----------------------------------------------------------------------------
+    def _full_sequence_tables(self, input_ids, attention_mask):
+        """RoPE tables from real-token positions, and the causal & key-padding mask ``[B, T, T]``."""
+        B, T = input_ids.shape
+        mask = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+        cos, sin = rope_tables(positions_from_mask(mask), self.config.resolved_head_dim, self.config.rope_theta)
+        allowed = jnp.tril(jnp.ones((T, T), bool))[None] & (mask[:, None, :] > 0)
+        return cos, sin, allowed
+
     def hidden_states(self, input_ids: Int[Array, "B T"],
                       attention_mask: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
         """Post-final-norm hidden states ``[B, T, D]`` in the compute dtype."""
-        B, T = input_ids.shape
-        mask = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
-        pos = positions_from_mask(mask)
-        cos, sin = rope_tables(pos, self.config.resolved_head_dim, self.config.rope_theta)
-        causal = jnp.tril(jnp.ones((T, T), bool))
-        allowed = causal[None] & (mask[:, None, :] > 0)
+        cos, sin, allowed = self._full_sequence_tables(input_ids, attention_mask)
         x = self._run_layers(self._embed(input_ids), cos, sin, allowed)
         return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps, self.compute_dtype)
+
+    def layer_states(self, input_ids: Int[Array, "B T"],
+                     attention_mask: Int[Array, "B T"] | None = None) -> list[jax.Array]:
+        """The residual stream after each decoder layer (unrolled; for layered parity tests and
+        inspection), then the post-final-norm state: ``num_layers + 1`` arrays ``[B, T, D]``."""
+        c, dtype = self.config, self.compute_dtype
+        cos, sin, allowed = self._full_sequence_tables(input_ids, attention_mask)
+        params, x, out = self.layers.arrays(), self._embed(input_ids), []
+        for i in range(c.num_layers):
+            x = decoder_layer({k: v[i] for k, v in params.items()}, x, cos, sin, allowed, c, dtype)
+            out.append(x)
+        return out + [rms_norm(x, self.final_norm[...], c.rms_norm_eps, dtype)]
 
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
         return jnp.einsum("...d,dv->...v", h, self.unembedding(), preferred_element_type=jnp.float32)
@@ -300,22 +315,20 @@ class Qwen2(nnx.Module):
 # Construction
 # ------------------------------------------------------------------------------------------------
 def init_model(config: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> Qwen2:
-    """A randomly initialised :class:`Qwen2`; with ``mesh``, created directly sharded by the rule table
-    (one jitted init with ``out_shardings``: no host copy, no per-device copy)."""
-    if mesh is None:
-        return Qwen2(config, rngs=nnx.Rngs(seed))
-    from ict_jax.sharding import state_shardings
-
+    """A randomly initialised :class:`Qwen2`, built by one jitted init. With ``mesh`` it is created
+    directly sharded by the rule table (``out_shardings``: no host copy, no per-device copy)."""
     abstract = nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(seed)))
     graphdef, abs_state = nnx.split(abstract)
-    shardings = state_shardings(abs_state, mesh)
 
-    @jax.jit
     def _init():
         return nnx.split(Qwen2(config, rngs=nnx.Rngs(seed)))[1]
 
+    if mesh is None:
+        return nnx.merge(graphdef, jax.jit(_init)())
+    from ict_jax.sharding import state_shardings
+
     with jax.set_mesh(mesh):
-        state = jax.jit(_init, out_shardings=shardings)()
+        state = jax.jit(_init, out_shardings=state_shardings(abs_state, mesh))()
     return nnx.merge(graphdef, state)
 
 

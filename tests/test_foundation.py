@@ -1,0 +1,111 @@
+"""Issue 2 without PyTorch: presets, mesh factory, rule table, config validation, sharded init."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import ict_jax
+from ict_jax import ModelConfig
+from ict_jax.config import ConfigError, load_config, rho_fraction
+from ict_jax.sharding import logical_to_spec
+
+
+@pytest.mark.parametrize("preset,count", [
+    ("qwen2p5_0p5b", 494_032_768), ("qwen2p5_1p5b", 1_543_714_304), ("qwen2p5_7b", 7_615_616_512)])
+def test_preset_param_counts_without_memory(preset, count):
+    cfg = ModelConfig.preset(preset)
+    assert ict_jax.param_count(cfg) == count  # jax.eval_shape: nothing is allocated
+    assert cfg.num_params() == count
+
+
+def test_public_api_resolves():
+    for name in ict_jax.__all__:
+        assert getattr(ict_jax, name) is not None, name
+
+
+def test_make_mesh_shapes_and_errors(devices8):
+    m = ict_jax.make_mesh(data=2, fsdp=2, tensor=2)
+    assert dict(m.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert all(t == jax.sharding.AxisType.Auto for t in m.axis_types)
+    assert dict(ict_jax.make_mesh(data=-1, tensor=2).shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    with pytest.raises(ValueError, match=r"3 x 1 x 2 = 6 does not equal the 8 available devices"):
+        ict_jax.make_mesh(data=3, fsdp=1, tensor=2)
+    with pytest.raises(ValueError, match="product 3 does not divide the 8 devices"):
+        ict_jax.make_mesh(data=-1, fsdp=3)
+    with pytest.raises(ValueError, match="only one axis may be -1"):
+        ict_jax.make_mesh(data=-1, fsdp=-1)
+    with pytest.raises(ValueError, match="groups never straddle a shard"):
+        ict_jax.check_prompts_divide(6, m)
+    ict_jax.check_prompts_divide(8, m)
+
+
+def test_rule_table_replicates_what_does_not_divide(devices8):
+    mesh = ict_jax.make_mesh(data=1, fsdp=2, tensor=4)
+    # Qwen2.5-0.5B: 14 query heads, 2 KV heads, width 896, vocab 151,936
+    assert logical_to_spec(("layers", "embed", "q_heads", "head_dim"), (24, 896, 14, 64), mesh) == P(None, "fsdp", None, None)
+    assert logical_to_spec(("layers", "embed", "kv_heads", "head_dim"), (24, 896, 2, 64), mesh) == P(None, "fsdp", None, None)
+    assert logical_to_spec(("vocab", "embed"), (151_936, 896), mesh) == P("tensor", "fsdp")
+    assert logical_to_spec(("layers", "embed", "mlp"), (24, 896, 4_864), mesh) == P(None, "fsdp", "tensor")
+    assert logical_to_spec(("batch", "seq"), (8, 5), mesh) == P("fsdp", None)
+    with pytest.raises(KeyError, match="no rule"):
+        logical_to_spec(("nonsense",), (4,), mesh)
+
+
+def test_sharded_init_equals_unsharded(devices8):
+    cfg = ModelConfig.tiny()
+    mesh = ict_jax.make_mesh(data=2, fsdp=2, tensor=2)
+    a = ict_jax.init_model(cfg, seed=3)
+    b = ict_jax.init_model(cfg, seed=3, mesh=mesh)
+    assert b.layers.w_gate[...].sharding.spec == P(None, "fsdp", "tensor")
+    for x, y in zip(jax.tree.leaves(jax.tree.map(np.asarray, a.layers.arrays())),
+                    jax.tree.leaves(jax.tree.map(np.asarray, b.layers.arrays()))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_remat_modes_give_the_same_gradients():
+    base = ModelConfig.tiny(remat="none")
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 6)))
+    from flax import nnx
+
+    grads = []
+    for remat in ("none", "block", "full"):
+        model = ict_jax.init_model(base.replace(remat=remat), seed=0)
+        g = nnx.grad(lambda m: jnp.mean(m.hidden_states(ids) ** 2))(model)
+        grads.append(np.asarray(g.layers.w_up[...]))
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grads[2], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_config_errors_are_one_line_and_name_the_key(tmp_path):
+    cases = {
+        "rl.selector.methd=ict": "unknown config key 'rl.selector.methd'",
+        "rl.selector.method=foo": "rl.selector.method: 'foo' is not allowed; allowed values: dense, grpo",
+        "train.steps=abc": "train.steps: expected an integer",
+        "mesh.fsdp=0": "mesh.fsdp: 0 is not allowed",
+        "rl.selector.rho=0.12345": "more than 4 decimals",
+        "train.mini_batches=3": "does not divide train.prompts_per_step=8",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [override])
+        assert message in str(e.value) and "\n" not in str(e.value)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rl: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_config_yaml_base_and_overrides(tmp_path):
+    (tmp_path / "base.yaml").write_text("rl:\n  selector:\n    method: entropy\ntrain:\n  steps: 7\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\ntrain:\n  steps: 9\n")
+    cfg = load_config(tmp_path / "child.yaml", ["rl.loss.kl_coef=0", "data.eval_k=1,2"])
+    assert cfg.rl.selector.method == "entropy" and cfg.train.steps == 9 and cfg.rl.loss.kl_coef == 0.0
+    assert cfg.data.eval_k == (1, 2)
+    assert cfg.rl.selector.resolved_rho == 0.2 and cfg.rl.selector.resolved_scope == "batch"
+    assert rho_fraction(0.3) == (3, 10) and rho_fraction(0.1234) == (617, 5000)
