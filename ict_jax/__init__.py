@@ -75,6 +75,13 @@ _API: dict[str, str] = {
     "make_buckets": "data",
     "pad_left": "data",
     "gym_score": "data",
+    # -- sampler (sampler.py) --
+    "generate": "sampler",
+    "Rollout": "sampler",
+    "make_generate_fn": "sampler",
+    "GenerateFn": "sampler",
+    "SampleSettings": "sampler",
+    "sample_token": "sampler",
     # -- configuration (config.py) --
     "Config": "config",
     "ConfigError": "config",
