@@ -14,7 +14,6 @@ Sources, file names and field mappings: docs/data.md.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -176,9 +175,9 @@ def format_prompt(question: str, template: str = "qwen_chat", tokenizer: Any = N
         return f"Question: {question}\n{instruction}\nAnswer:"
     if template == "qwen_chat":
         messages = [{"role": "user", "content": f"{question}\n{instruction}"}]
-        if tokenizer is None or getattr(tokenizer, "chat_template", "") is None and hasattr(tokenizer, "backend"):
-            from .tokenizer import QWEN2P5_CHAT_TEMPLATE, render_chat_template
+        from .tokenizer import QWEN2P5_CHAT_TEMPLATE, HFTokenizer, render_chat_template
 
+        if tokenizer is None or isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template is None:
             return render_chat_template(QWEN2P5_CHAT_TEMPLATE, messages)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
@@ -296,11 +295,14 @@ class PromptIterator:
         if max(self.buckets) < prompts.max_prompt_len:
             raise ValueError(f"largest bucket {max(self.buckets)} < max_prompt_len {prompts.max_prompt_len}")
         self.epoch, self.position = 0, 0
+        self._cached_order: tuple[int, np.ndarray] = (-1, np.arange(0))
 
-    @functools.lru_cache(maxsize=2)  # noqa: B019 (a few permutations per iterator)
     def _order(self, epoch: int) -> np.ndarray:
-        n = len(self.prompts)
-        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        if self._cached_order[0] != epoch:
+            n = len(self.prompts)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._cached_order = (epoch, order)
+        return self._cached_order[1]
 
     def __iter__(self) -> PromptIterator:
         return self

@@ -341,3 +341,16 @@ def test_tfds_prepared_locally(tmp_path):
         load_dataset("tfds:tiny_gsm8k", data_dir=str(tmp_path), split="validation")
     with pytest.raises(FileNotFoundError, match="download_and_prepare"):  # never downloads
         load_dataset("tfds:gsm8k", data_dir=str(tmp_path / "empty"))
+
+
+def test_chat_template_falls_back_to_qwen2p5():
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+
+    from ict_jax import HFTokenizer
+
+    tok = HFTokenizer(Backend(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")), eos_ids=[0], pad_id=0)
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "q"}])
+    assert format_prompt("q", "qwen_chat", tok) == format_prompt("q", "qwen_chat")
+    assert format_prompt("q", "qwen_chat", tok).startswith("<|im_start|>system\nYou are Qwen")

@@ -124,6 +124,7 @@ def test_qwen2p5_chat_template(qwen_tok):
 
 
 @needs_qwen
+@pytest.mark.slow  # ~3-8 s: imports transformers and builds the tokenizer from vocab.json + merges.txt
 def test_qwen2p5_directory_without_tokenizer_json_matches(tmp_path, qwen_tok):
     """vocab.json + merges.txt only: transformers builds the fast tokenizer; same ids."""
     tok = load_tokenizer(build_qwen2p5_tokenizer_dir(tmp_path, with_tokenizer_json=False))
