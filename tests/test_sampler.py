@@ -290,3 +290,33 @@ def test_settings_validation(model):
                 dict(num_samples=0)):
         with pytest.raises(ValueError):
             make_generate_fn(graphdef, **bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# ict-jax sample
+# ------------------------------------------------------------------------------------------------
+def test_cli_sample_prints_decoded_responses(tmp_path, model, capsys):
+    import argparse
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from ict_jax.cli_sample import add_sample_args, sample_main
+
+    ict_jax.save_hf(model, tmp_path / "ckpt")
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 256)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "pad_token": "<pad>"}))
+    parser = argparse.ArgumentParser()
+    add_sample_args(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "ckpt"), "--prompt", "w5 w7 w9", "--prompt", "w3",
+                              "-n", "2", "--max-new-tokens", "5", "--seed", "1", "--no-chat"])
+    assert sample_main(args) == 0
+    out = capsys.readouterr().out
+    assert "=== prompt 0: 'w5 w7 w9'" in out and "=== prompt 1: 'w3'" in out
+    samples = [line for line in out.splitlines() if line.startswith("--- sample")]
+    assert len(samples) == 4
+    body = out.splitlines()[out.splitlines().index(samples[0].rstrip()) + 1]
+    assert body and all(w.startswith("w") for w in body.split())  # decoded words, not ids
