@@ -241,3 +241,24 @@ def test_micro_batch_denominators_add_up(loss_agg):
                                             adv=ADV[s], valid=VALID[s], mask=mask[s])
                 assert float(alone) != losses[list(order).index(0)]
 
+
+
+def test_sharded_rows_match_one_device(devices8):
+    """Rows sharded over 4 devices (the global reductions of AGG) give the one-device numbers."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as Ps
+
+    cfg = loss_config()
+    mesh = Mesh(np.asarray(devices8[:4]), ("data",))
+    rows, rows_t = NamedSharding(mesh, Ps("data")), NamedSharding(mesh, Ps("data", None))
+
+    def f(logp, logp_old, logp_ref, adv, valid, mask):
+        return policy_loss(logp, logp_old, logp_ref, adv, valid, mask, config=cfg)
+
+    g = jax.jit(jax.value_and_grad(f, has_aux=True), in_shardings=(rows_t, rows_t, rows_t, rows, rows_t, rows_t))
+    (loss, metrics), grad = g(LOGP, LOGP_OLD, LOGP_REF, ADV, VALID, MASKS["ict"])
+    assert grad.sharding.num_devices == 4
+    want_loss, want_metrics, want_grad = loss_and_grad(cfg, mask=MASKS["ict"])
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-9)
+    for k, v in want_metrics.items():
+        np.testing.assert_allclose(float(metrics[k]), float(v), rtol=1e-6, atol=1e-7, err_msg=k)
