@@ -82,6 +82,13 @@ _API: dict[str, str] = {
     "GenerateFn": "sampler",
     "SampleSettings": "sampler",
     "sample_token": "sampler",
+    # -- the train step (train_step.py) --
+    "RolloutBatch": "train_step",
+    "TrainState": "train_step",
+    "make_train_step": "train_step",
+    "init_train_state": "train_step",
+    "make_optimizer": "train_step",
+    "reference_params": "train_step",
     # -- configuration (config.py) --
     "Config": "config",
     "ConfigError": "config",
