@@ -1,0 +1,561 @@
+"""Verifiable rewards: answer extraction, math-verify equivalence, multiple choice, reasoning-gym.
+
+    with RewardPool(num_workers=2) as pool:                      # forkserver workers, warm on return
+        r = pool.score("math", responses, golds)                 # float32 [B], in order
+        fut = pool.score_async("gsm8k", responses, golds)        # overlap with device work
+        checks = pool.check("mc", responses, golds, metas)       # [Check(reward, correct, answer, status)]
+
+Kinds (``Dataset.scorer``): "math" and "gsm8k" (extracted answer vs gold with math-verify), "mc" (one
+letter), "gym" (reasoning-gym's own scorer on ``meta["gym_entry"]``), "exact" (stripped response equals
+the stripped gold). Only the last ``RewardSpec.max_response_chars`` characters of a response are read
+(the final answer is at the end) and an extracted answer longer than ``MAX_ANSWER_CHARS`` counts as none.
+
+Safety: our code never hands text to eval/exec/sympify/parse_expr; math-verify parses LaTeX itself.
+Parsing can still be slow or hang (``10^{10^{10^{10}}}``), so the pool runs every check in a worker
+process (forkserver or spawn, never fork) under a hard wall-clock limit; an overrunning worker is
+killed (SIGKILL), reaped and replaced, and its response scores ``RewardSpec.wrong``. Workers also run
+under an address-space limit. ``score_text``/``check_text`` run in-process, without a time limit.
+Rules and examples: docs/rewards.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import multiprocessing as mp
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import wait as mp_wait
+from typing import Any
+
+import numpy as np
+
+__all__ = ["KINDS", "MAX_ANSWER_CHARS", "MAX_RESPONSE_CHARS", "RewardSpec", "Check", "last_boxed",
+           "extract_answer", "extract_choice", "math_equal", "choice_equal", "gym_answer_score",
+           "check_text", "score_text", "RewardPool"]
+
+KINDS = ("math", "gsm8k", "mc", "gym", "exact")
+MAX_RESPONSE_CHARS = 16_384  # only the tail of a response is searched for its final answer
+MAX_ANSWER_CHARS = 1_000  # a longer "answer" is garbage: treated as no answer, never parsed
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """Reward values (config-driven format reward): ``correct`` for a right answer, ``wrong`` for a wrong
+    one (also timeouts and errors), ``no_answer`` when nothing can be extracted (a negative value is a
+    format penalty). ``max_response_chars``: the tail of the response that is read."""
+
+    correct: float = 1.0
+    wrong: float = 0.0
+    no_answer: float = 0.0
+    max_response_chars: int = MAX_RESPONSE_CHARS
+
+
+@dataclass(frozen=True)
+class Check:
+    """One scored response. ``status``: "ok" (checked), "no_answer", "timeout" (worker killed),
+    "error" (the checker raised or its worker died)."""
+
+    reward: float
+    correct: bool
+    answer: str | None
+    status: str = "ok"
+
+
+# --------------------------------------------------------------------------------------------------
+# Extraction
+# --------------------------------------------------------------------------------------------------
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_ANSWER_IS_RE = re.compile(r"(?i:the\s+(?:final\s+)?answer\s+is)\s*:?\s*(.+)")
+_GSM_RE = re.compile(r"####\s*(.+)")
+
+
+def _braced(text: str, start: int) -> str | None:
+    """Content of the ``{...}`` opening at ``text[start]``, nested braces balanced, ``\\{`` ``\\}``
+    skipped; None when it never closes."""
+    depth, i, n = 0, start, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:i]
+        i += 1
+    return None
+
+
+def last_boxed(text: str, max_tries: int = 8) -> str | None:
+    """Content of the last complete ``\\boxed{...}`` / ``\\fbox{...}`` (or ``\\boxed 5``) in ``text``.
+    An unclosed last box falls back to the one before (at most ``max_tries`` boxes are tried)."""
+    starts = [m.end() for m in _BOX_RE.finditer(text)]
+    for end in reversed(starts[-max_tries:]):
+        j = end
+        while j < len(text) and text[j] == " ":
+            j += 1
+        if j < len(text) and text[j] == "{":
+            content = _braced(text, j)
+        elif j > end:  # "\boxed 5": up to the next space or $
+            m = re.match(r"[^\s$]+", text[j:j + 200])
+            content = m.group(0) if m else None
+        else:
+            content = None
+        if content is not None:
+            return content.strip()
+    return None
+
+
+def _clean(ans: str) -> str:
+    """Strip the wrapping a sentence puts around an answer: $...$, \\(...\\), **bold**, a final period."""
+    ans = ans.strip()
+    for _ in range(3):
+        before = ans
+        ans = ans.strip().rstrip(".").strip()
+        for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"), ("**", "**")):
+            if ans.startswith(left) and ans.endswith(right) and len(ans) > len(left) + len(right) - 1:
+                ans = ans[len(left):len(ans) - len(right)]
+        if ans == before:
+            break
+    return ans.strip()
+
+
+_UNITS_RE = re.compile(r"(?<=\d)\s+[A-Za-z][A-Za-z.]*(?:\s+[A-Za-z][A-Za-z.]*)*$")
+
+
+def _plain(ans: str) -> str:
+    """A plain-text answer line ("#### $1,080", "18 dollars"): drop a currency sign before a number and
+    trailing words after one (units), which would otherwise parse as products of symbols."""
+    ans = re.sub(r"^\\?\$\s*(?=[-\d.])", "", _clean(ans))
+    return _UNITS_RE.sub("", ans).strip()
+
+
+def _tail(text: str, max_chars: int) -> str:
+    return text[-max_chars:] if len(text) > max_chars else text
+
+
+def extract_answer(text: str, max_chars: int = MAX_RESPONSE_CHARS) -> str | None:
+    """The final answer of a response, first rule that matches on its last ``max_chars`` characters:
+    1. the last complete ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces);
+    2. the last ``#### n`` (GSM8K), rest of that line;
+    3. the last "The (final) answer is ...", rest of that line.
+    In 2 and 3, ``$...$``, bold, a final period, a leading currency sign and trailing unit words after a
+    number are stripped ("The answer is $18 dollars." -> "18").
+    None when nothing matches or the answer is empty or longer than ``MAX_ANSWER_CHARS``."""
+    text = _tail(text, max_chars)
+    ans = last_boxed(text)
+    if ans is None:
+        for pattern in (_GSM_RE, _ANSWER_IS_RE):
+            ms = list(pattern.finditer(text))
+            if ms:
+                ans = _plain(ms[-1].group(1))
+                break
+    if ans is None or not ans.strip() or len(ans) > MAX_ANSWER_CHARS:
+        return None
+    return ans.strip()
+
+
+_LETTERS = "ABCDEFGHIJ"
+_CHOICE_PATTERNS = [  # in priority order; the last match of the first pattern that matches wins
+    re.compile(r"(?i:answer(?:\s+is)?|correct\s+(?:option|choice)\s+is|option\s+is)\s*[:\-]?\s*"
+               r"(?i:option\s+|choice\s+)?[*_$\s]*\(?\s*([A-J])\s*\)?(?![A-Za-z0-9])"),
+    re.compile(r"\*\*\s*\(?([A-J])\)?[.:]?\s*\*\*"),
+]
+_TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|textrm)\s*\{([^{}]*)\}")
+
+
+def _letter(s: str) -> str | None:
+    """"B", "(B)", "B.", "\\text{B}", "B) 42", "(B) 42" -> "B"."""
+    s = _TEXT_WRAP_RE.sub(r"\1", s).strip().strip("*$ ").strip()
+    m = re.fullmatch(r"\(?\s*([A-J])\s*\)?\s*[.:]?", s) or re.match(r"\(?([A-J])[).:]\s", s)
+    return m.group(1) if m else None
+
+
+def extract_choice(text: str, choices: Sequence[str] | None = None, max_chars: int = MAX_RESPONSE_CHARS) -> str | None:
+    """The chosen letter (A-J): the last ``\\boxed{}`` holding a letter ("C", "(C)", "\\text{C}",
+    "C) 42"); else the last "answer is (B)" / "Answer: D" / "correct option is C"; else the last bold
+    "**B**"; else a response that is only a letter; else, with ``choices``, a boxed answer or "answer
+    is" text equal to one option's text. None when nothing matches."""
+    text = _tail(text, max_chars)
+    boxed = last_boxed(text)
+    if boxed is not None and (letter := _letter(boxed)):
+        return letter
+    for pattern in _CHOICE_PATTERNS:
+        ms = list(pattern.finditer(text))
+        if ms:
+            return ms[-1].group(1)
+    if (letter := _letter(text)) is not None:
+        return letter
+    if choices:
+        ans = extract_answer(text, max_chars)
+        if ans is not None:
+            norm = [str(c).strip().lower() for c in choices]
+            if ans.strip().lower() in norm:
+                return _LETTERS[norm.index(ans.strip().lower())]
+    return None
+
+
+def _gold_letter(gold: Any) -> str:
+    if isinstance(gold, (int, np.integer)):
+        return _LETTERS[int(gold)]
+    return _letter(str(gold)) or str(gold).strip().upper()
+
+
+def choice_equal(pred: str | None, gold: Any) -> bool:
+    """``pred`` letter equals the gold letter (gold: "B", "(B)" or a 0-based index)."""
+    return pred is not None and pred.upper() == _gold_letter(gold)
+
+
+# --------------------------------------------------------------------------------------------------
+# Equivalence
+# --------------------------------------------------------------------------------------------------
+@functools.cache
+def _math_verify():
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "Timeout is disabled" on every call
+    from math_verify import parse, verify
+
+    return parse, verify
+
+
+def math_equal(pred: str | None, gold: Any) -> bool:
+    """``pred`` and ``gold`` denote the same mathematical object, by math-verify: each is parsed as the
+    content of a ``\\boxed{}`` (LaTeX, plain numbers, "1,000", "50\\%", intervals, sets, "x = 5" ...) and
+    ``verify(gold, pred)`` decides. A gold containing "#### n" is reduced to n first. Unparseable
+    -> False. No time limit here (math-verify's signal-based timeouts are off so that this works in
+    any thread): bound it with :class:`RewardPool`."""
+    if pred is None or not str(pred).strip():
+        return False
+    gold = str(gold)
+    if "####" in gold:
+        gold = gold.rsplit("####", 1)[1].strip()
+    parse, verify = _math_verify()
+    try:
+        g = parse("\\boxed{" + gold + "}", parsing_timeout=None)
+        p = parse("\\boxed{" + str(pred) + "}", parsing_timeout=None)
+        return bool(g and p and verify(g, p, timeout_seconds=None))
+    except Exception:  # math-verify raises on some malformed input; that is a wrong answer
+        return False
+
+
+@functools.cache
+def _gym_scorer(name: str) -> Callable[[str | None, dict], float]:
+    import reasoning_gym
+
+    try:
+        return reasoning_gym.get_score_answer_fn(name)
+    except Exception:  # a default config that does not construct: build a small seeded dataset
+        return reasoning_gym.create_dataset(name, size=1, seed=0).score_answer
+
+
+def gym_answer_score(answer: str | None, meta: Mapping[str, Any]) -> float:
+    """reasoning-gym's scorer for ``meta["gym_entry"]`` (dataset ``meta["gym_dataset"]``, else the
+    entry's ``metadata.source_dataset``): ``score_answer(answer, entry)`` clipped to [0, 1]."""
+    entry = meta["gym_entry"]
+    name = meta.get("gym_dataset") or entry["metadata"]["source_dataset"]
+    return float(min(1.0, max(0.0, _gym_scorer(name)(answer, entry))))
+
+
+_GYM_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def check_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | None = None,
+               spec: RewardSpec | None = None) -> Check:
+    """Score one response in-process (no time limit; the pool's workers call this)."""
+    spec = spec or RewardSpec()
+    meta = meta or {}
+    text = _tail(str(response), spec.max_response_chars)
+    if kind == "mc":
+        ans = extract_choice(text, meta.get("choices"), spec.max_response_chars)
+        ok = choice_equal(ans, gold)
+    elif kind in ("math", "gsm8k"):
+        ans = extract_answer(text, spec.max_response_chars)
+        ok = math_equal(ans, gold)
+    elif kind == "exact":
+        ans = text.strip() or None
+        ok = ans is not None and ans == str(gold).strip()
+    elif kind == "gym":  # reasoning-gym's own <answer> tags, else our extraction
+        tags = _GYM_TAG_RE.findall(text)
+        ans = tags[-1].strip() if tags else extract_answer(text, spec.max_response_chars)
+        if ans is None or len(ans) > MAX_ANSWER_CHARS:
+            return Check(spec.no_answer, False, None, "no_answer")
+        s = gym_answer_score(ans, meta)
+        return Check(spec.wrong + (spec.correct - spec.wrong) * s, s >= 1.0, ans)
+    else:
+        raise ValueError(f"unknown reward kind {kind!r}; expected one of {KINDS}")
+    if ans is None:
+        return Check(spec.no_answer, False, None, "no_answer")
+    return Check(spec.correct if ok else spec.wrong, bool(ok), ans)
+
+
+def score_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | None = None,
+               spec: RewardSpec | None = None) -> float:
+    """The reward of one response, in-process (tests, notebooks): ``check_text(...).reward``."""
+    return check_text(kind, response, gold, meta, spec).reward
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker processes
+# --------------------------------------------------------------------------------------------------
+def _run_check(kind, response, gold, meta, spec, checkers) -> Check:
+    fn = checkers.get(kind)
+    if fn is None:
+        return check_text(kind, response, gold, meta, spec)
+    out = fn(response, gold, meta)
+    if isinstance(out, Check):
+        return out
+    return Check(float(out), float(out) >= spec.correct, None)
+
+
+def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | None) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which closes the pool
+    if mem_limit_mb:
+        import resource
+
+        limit = int(mem_limit_mb) << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    math_equal("1", "1")  # import and warm math-verify before saying ready (off the first deadline)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        try:
+            res = _run_check(*task, spec, checkers)
+        except BaseException as e:  # noqa: BLE001 - MemoryError, RecursionError, a checker's bug...
+            res = Check(spec.wrong, False, None, f"error: {type(e).__name__}")
+        conn.send((res.reward, res.correct, res.answer, res.status))
+
+
+class _Worker:
+    def __init__(self, ctx, spec, checkers, mem_limit_mb):
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec, checkers, mem_limit_mb),
+                                daemon=True, name="ict_jax-reward")
+        self.proc.start()
+        child.close()
+        self.state, self.task, self.deadline = "starting", None, time.monotonic()
+
+    def stop(self, kill: bool) -> None:
+        try:
+            if kill:
+                self.proc.kill()
+            else:
+                self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.proc.join(timeout=None if kill else 2.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+class _Batch:
+    def __init__(self, n: int):
+        self.results: list[Check | None] = [None] * n
+        self.remaining = n
+        self.future: Future = Future()
+
+
+class RewardPool:
+    """``num_workers`` checker processes (``context`` "forkserver" or "spawn"; never fork) behind one
+    dispatcher thread. Each check gets ``time_limit`` seconds of wall clock from when a worker starts
+    it; an overrunning worker is SIGKILLed, reaped and replaced, and the response scores
+    ``spec.wrong`` with status "timeout". Workers run under an address-space limit of
+    ``mem_limit_mb`` (None = none). ``checkers`` adds kinds: picklable top-level functions
+    ``fn(response, gold, meta) -> Check | float``. The constructor returns when every worker is warm.
+    Thread-safe; use as a context manager or call :meth:`close`."""
+
+    def __init__(self, num_workers: int = 2, *, time_limit: float = 3.0, spec: RewardSpec | None = None,
+                 context: str = "forkserver", mem_limit_mb: int | None = 2048,
+                 checkers: Mapping[str, Callable] | None = None, start_timeout: float = 120.0):
+        if context not in ("forkserver", "spawn"):
+            raise ValueError(f"RewardPool: context must be 'forkserver' or 'spawn' (never fork), got {context!r}")
+        if num_workers < 1 or time_limit <= 0:
+            raise ValueError(f"RewardPool: need num_workers >= 1 and time_limit > 0, got {num_workers}, {time_limit}")
+        self.spec, self.time_limit, self.start_timeout = spec or RewardSpec(), float(time_limit), start_timeout
+        self._ctx = mp.get_context(context)
+        if context == "forkserver":  # workers fork from a server that has these imported already
+            import importlib.util
+
+            mods = ["ict_jax.rewards", "math_verify"] + (["reasoning_gym"] if importlib.util.find_spec("reasoning_gym") else [])
+            self._ctx.set_forkserver_preload(mods)
+        self._args = (self.spec, dict(checkers or {}), mem_limit_mb)
+        self.restarts = 0  # workers killed (timeout) or lost (crash) and replaced
+        self._lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        t0 = time.monotonic()
+        self._workers = [_Worker(self._ctx, *self._args) for _ in range(num_workers)]
+        self._thread = threading.Thread(target=self._loop, name="ict_jax-reward-dispatch", daemon=True)
+        self._ready = threading.Event()
+        self._thread.start()
+        if not self._ready.wait(start_timeout + 5) or self._error is not None:
+            self.close()
+            raise RuntimeError(f"RewardPool: workers failed to start: {self._error}")
+        self.startup_seconds = time.monotonic() - t0
+
+    # ---- public API ----------------------------------------------------------------------------
+    def check_async(self, kind: str | Sequence[str], responses: Sequence[str], golds: Sequence[Any],
+                    metas: Sequence[Mapping[str, Any] | None] | None = None) -> Future:
+        """Dispatch all checks now; a Future of ``list[Check]`` in input order. ``kind`` is one kind
+        for the batch or one per response."""
+        n = len(responses)
+        kinds = [kind] * n if isinstance(kind, str) else list(kind)
+        metas = [None] * n if metas is None else list(metas)
+        if not (len(kinds) == len(golds) == len(metas) == n):
+            raise ValueError(f"RewardPool: {n} responses but {len(golds)} golds, {len(metas)} metas, {len(kinds)} kinds")
+        for k in set(kinds):
+            if k not in KINDS and k not in self._args[1]:
+                raise ValueError(f"unknown reward kind {k!r}; expected one of {KINDS + tuple(self._args[1])}")
+        batch = _Batch(n)
+        if n == 0:
+            batch.future.set_result([])
+            return batch.future
+        cap = self.spec.max_response_chars
+        with self._lock:
+            if self._closing or self._error is not None:
+                raise RuntimeError(f"RewardPool is closed{f': {self._error}' if self._error else ''}")
+            for i in range(n):
+                self._pending.append((batch, i, (kinds[i], _tail(str(responses[i]), cap), golds[i], metas[i])))
+        self._wake_w.send_bytes(b"x")
+        return batch.future
+
+    def check(self, kind, responses, golds, metas=None) -> list[Check]:
+        """:meth:`check_async` and wait."""
+        return self.check_async(kind, responses, golds, metas).result()
+
+    def score_async(self, kind, responses, golds, metas=None) -> Future:
+        """Dispatch all checks now; a Future of the rewards, float32 ``[len(responses)]``."""
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(np.array([c.reward for c in f.result()], np.float32))
+
+        self.check_async(kind, responses, golds, metas).add_done_callback(done)
+        return out
+
+    def score(self, kind, responses, golds, metas=None) -> np.ndarray:
+        """Rewards of a batch in input order, float32 ``[len(responses)]`` (one call, checks run
+        concurrently on the workers)."""
+        return self.score_async(kind, responses, golds, metas).result()
+
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def close(self) -> None:
+        """Fail pending checks, stop and reap every worker. Idempotent."""
+        with self._lock:
+            self._closing = True
+        try:
+            self._wake_w.send_bytes(b"x")
+        except (OSError, ValueError):
+            pass
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- dispatcher thread ---------------------------------------------------------------------
+    def _finish(self, w: _Worker, check: Check) -> None:
+        batch, i = w.task
+        w.task, w.state = None, "idle"
+        batch.results[i] = check
+        batch.remaining -= 1
+        if batch.remaining == 0:
+            batch.future.set_result(batch.results)
+
+    def _replace(self, w: _Worker, check: Check) -> None:
+        """Kill and reap ``w``, count it, then resolve its check and start a fresh worker."""
+        w.stop(kill=True)
+        self.restarts += 1
+        self._finish(w, check)
+        self._workers[self._workers.index(w)] = _Worker(self._ctx, *self._args)
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - surface to the callers rather than hang them
+            self._error = e
+            self._ready.set()
+        finally:
+            with self._lock:
+                self._closing = True
+                pending, self._pending = list(self._pending), collections.deque()
+            err = RuntimeError(f"RewardPool closed{f': {self._error}' if self._error else ''}")
+            for w in self._workers:
+                if w.task is not None:
+                    pending.append((*w.task, None))
+                w.stop(kill=w.state != "idle")
+            for batch, _, _ in pending:
+                if not batch.future.done():
+                    batch.future.set_exception(err)
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _serve(self) -> None:
+        spec = self.spec
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+                for w in self._workers:
+                    if w.state == "idle" and self._pending:
+                        batch, i, task = self._pending.popleft()
+                        w.task, w.state, w.deadline = (batch, i), "busy", time.monotonic() + self.time_limit
+                        w.conn.send(task)
+            if not self._ready.is_set() and all(w.state != "starting" for w in self._workers):
+                self._ready.set()
+            waiting = [w for w in self._workers if w.state != "idle"]
+            timeout = None
+            if waiting:
+                timeout = max(0.0, min(w.deadline if w.state == "busy" else w.deadline + self.start_timeout
+                                       for w in waiting) - time.monotonic())
+            ready = mp_wait([w.conn for w in waiting] + [self._wake_r], timeout)
+            if self._wake_r in ready:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+            for w in list(waiting):
+                if w.conn not in ready:
+                    continue
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):  # the worker died (segfault, OOM killer, ...)
+                    if w.state == "starting":
+                        raise RuntimeError(f"reward worker {w.proc.pid} died during start-up "
+                                           f"(exit code {w.proc.exitcode})") from None
+                    self._replace(w, Check(spec.wrong, False, None, "error: worker died"))
+                    continue
+                if w.state == "starting":
+                    w.state = "idle"
+                else:
+                    self._finish(w, Check(*msg))
+            now = time.monotonic()
+            for w in list(self._workers):
+                if w.state == "busy" and now >= w.deadline:
+                    self._replace(w, Check(spec.wrong, False, None, "timeout"))
+                elif w.state == "starting" and now >= w.deadline + self.start_timeout:
+                    raise RuntimeError(f"reward worker {w.proc.pid} not ready after {self.start_timeout} s")
