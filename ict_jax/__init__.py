@@ -89,6 +89,22 @@ _API: dict[str, str] = {
     "init_train_state": "train_step",
     "make_optimizer": "train_step",
     "reference_params": "train_step",
+    # -- rewards (rewards.py) --
+    "RewardPool": "rewards",
+    "RewardSpec": "rewards",
+    "RewardCheck": "rewards",
+    "score_text": "rewards",
+    "check_text": "rewards",
+    "math_equal": "rewards",
+    "extract_answer": "rewards",
+    "extract_choice": "rewards",
+    "last_boxed": "rewards",
+    # -- evaluation (evaluate.py) --
+    "evaluate_benchmarks": "evaluate",  # = evaluate.evaluate (``ict_jax.evaluate`` is the submodule)
+    "pass_at_k": "evaluate",
+    "aggregate": "evaluate",
+    "format_table": "evaluate",
+    "EVAL_DEFAULTS": "evaluate",
     # -- configuration (config.py) --
     "Config": "config",
     "ConfigError": "config",

@@ -3,7 +3,7 @@
     with RewardPool(num_workers=2) as pool:                      # forkserver workers, warm on return
         r = pool.score("math", responses, golds)                 # float32 [B], in order
         fut = pool.score_async("gsm8k", responses, golds)        # overlap with device work
-        checks = pool.check("mc", responses, golds, metas)       # [Check(reward, correct, answer, status)]
+        checks = pool.check("mc", responses, golds, metas)       # [RewardCheck(reward, correct, answer, status)]
 
 Kinds (``Dataset.scorer``): "math" and "gsm8k" (extracted answer vs gold with math-verify), "mc" (one
 letter), "gym" (reasoning-gym's own scorer on ``meta["gym_entry"]``), "exact" (stripped response equals
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KINDS", "MAX_ANSWER_CHARS", "MAX_RESPONSE_CHARS", "RewardSpec", "Check", "last_boxed",
+__all__ = ["KINDS", "MAX_ANSWER_CHARS", "MAX_RESPONSE_CHARS", "RewardSpec", "RewardCheck", "last_boxed",
            "extract_answer", "extract_choice", "math_equal", "choice_equal", "gym_answer_score",
            "check_text", "score_text", "RewardPool"]
 
@@ -58,7 +58,7 @@ class RewardSpec:
 
 
 @dataclass(frozen=True)
-class Check:
+class RewardCheck:
     """One scored response. ``status``: "ok" (checked), "no_answer", "timeout" (worker killed),
     "error" (the checker raised or its worker died)."""
 
@@ -268,7 +268,7 @@ _GYM_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
 def check_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | None = None,
-               spec: RewardSpec | None = None) -> Check:
+               spec: RewardSpec | None = None) -> RewardCheck:
     """Score one response in-process (no time limit; the pool's workers call this)."""
     spec = spec or RewardSpec()
     meta = meta or {}
@@ -286,14 +286,14 @@ def check_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | No
         tags = _GYM_TAG_RE.findall(text)
         ans = tags[-1].strip() if tags else extract_answer(text, spec.max_response_chars)
         if ans is None or len(ans) > MAX_ANSWER_CHARS:
-            return Check(spec.no_answer, False, None, "no_answer")
+            return RewardCheck(spec.no_answer, False, None, "no_answer")
         s = gym_answer_score(ans, meta)
-        return Check(spec.wrong + (spec.correct - spec.wrong) * s, s >= 1.0, ans)
+        return RewardCheck(spec.wrong + (spec.correct - spec.wrong) * s, s >= 1.0, ans)
     else:
         raise ValueError(f"unknown reward kind {kind!r}; expected one of {KINDS}")
     if ans is None:
-        return Check(spec.no_answer, False, None, "no_answer")
-    return Check(spec.correct if ok else spec.wrong, bool(ok), ans)
+        return RewardCheck(spec.no_answer, False, None, "no_answer")
+    return RewardCheck(spec.correct if ok else spec.wrong, bool(ok), ans)
 
 
 def score_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | None = None,
@@ -305,14 +305,14 @@ def score_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | No
 # --------------------------------------------------------------------------------------------------
 # Worker processes
 # --------------------------------------------------------------------------------------------------
-def _run_check(kind, response, gold, meta, spec, checkers) -> Check:
+def _run_check(kind, response, gold, meta, spec, checkers) -> RewardCheck:
     fn = checkers.get(kind)
     if fn is None:
         return check_text(kind, response, gold, meta, spec)
     out = fn(response, gold, meta)
-    if isinstance(out, Check):
+    if isinstance(out, RewardCheck):
         return out
-    return Check(float(out), float(out) >= spec.correct, None)
+    return RewardCheck(float(out), float(out) >= spec.correct, None)
 
 
 def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | None) -> None:
@@ -336,7 +336,7 @@ def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | Non
         try:
             res = _run_check(*task, spec, checkers)
         except BaseException as e:  # noqa: BLE001 - MemoryError, RecursionError, a checker's bug...
-            res = Check(spec.wrong, False, None, f"error: {type(e).__name__}")
+            res = RewardCheck(spec.wrong, False, None, f"error: {type(e).__name__}")
         conn.send((res.reward, res.correct, res.answer, res.status))
 
 
@@ -366,7 +366,7 @@ class _Worker:
 
 class _Batch:
     def __init__(self, n: int):
-        self.results: list[Check | None] = [None] * n
+        self.results: list[RewardCheck | None] = [None] * n
         self.remaining = n
         self.future: Future = Future()
 
@@ -377,7 +377,7 @@ class RewardPool:
     it; an overrunning worker is SIGKILLed, reaped and replaced, and the response scores
     ``spec.wrong`` with status "timeout". Workers run under an address-space limit of
     ``mem_limit_mb`` (None = none). ``checkers`` adds kinds: picklable top-level functions
-    ``fn(response, gold, meta) -> Check | float``. The constructor returns when every worker is warm.
+    ``fn(response, gold, meta) -> RewardCheck | float``. The constructor returns when every worker is warm.
     Thread-safe; use as a context manager or call :meth:`close`."""
 
     def __init__(self, num_workers: int = 2, *, time_limit: float = 3.0, spec: RewardSpec | None = None,
@@ -414,7 +414,7 @@ class RewardPool:
     # ---- public API ----------------------------------------------------------------------------
     def check_async(self, kind: str | Sequence[str], responses: Sequence[str], golds: Sequence[Any],
                     metas: Sequence[Mapping[str, Any] | None] | None = None) -> Future:
-        """Dispatch all checks now; a Future of ``list[Check]`` in input order. ``kind`` is one kind
+        """Dispatch all checks now; a Future of ``list[RewardCheck]`` in input order. ``kind`` is one kind
         for the batch or one per response."""
         n = len(responses)
         kinds = [kind] * n if isinstance(kind, str) else list(kind)
@@ -437,7 +437,7 @@ class RewardPool:
         self._wake_w.send_bytes(b"x")
         return batch.future
 
-    def check(self, kind, responses, golds, metas=None) -> list[Check]:
+    def check(self, kind, responses, golds, metas=None) -> list[RewardCheck]:
         """:meth:`check_async` and wait."""
         return self.check_async(kind, responses, golds, metas).result()
 
@@ -480,7 +480,7 @@ class RewardPool:
         self.close()
 
     # ---- dispatcher thread ---------------------------------------------------------------------
-    def _finish(self, w: _Worker, check: Check) -> None:
+    def _finish(self, w: _Worker, check: RewardCheck) -> None:
         batch, i = w.task
         w.task, w.state = None, "idle"
         batch.results[i] = check
@@ -488,7 +488,7 @@ class RewardPool:
         if batch.remaining == 0:
             batch.future.set_result(batch.results)
 
-    def _replace(self, w: _Worker, check: Check) -> None:
+    def _replace(self, w: _Worker, check: RewardCheck) -> None:
         """Kill and reap ``w``, count it, then resolve its check and start a fresh worker."""
         w.stop(kill=True)
         self.restarts += 1
@@ -547,15 +547,15 @@ class RewardPool:
                     if w.state == "starting":
                         raise RuntimeError(f"reward worker {w.proc.pid} died during start-up "
                                            f"(exit code {w.proc.exitcode})") from None
-                    self._replace(w, Check(spec.wrong, False, None, "error: worker died"))
+                    self._replace(w, RewardCheck(spec.wrong, False, None, "error: worker died"))
                     continue
                 if w.state == "starting":
                     w.state = "idle"
                 else:
-                    self._finish(w, Check(*msg))
+                    self._finish(w, RewardCheck(*msg))
             now = time.monotonic()
             for w in list(self._workers):
                 if w.state == "busy" and now >= w.deadline:
-                    self._replace(w, Check(spec.wrong, False, None, "timeout"))
+                    self._replace(w, RewardCheck(spec.wrong, False, None, "timeout"))
                 elif w.state == "starting" and now >= w.deadline + self.start_timeout:
                     raise RuntimeError(f"reward worker {w.proc.pid} not ready after {self.start_timeout} s")

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from ict_jax.rewards import (Check, RewardPool, RewardSpec, check_text, extract_answer, extract_choice, last_boxed,
+from ict_jax.rewards import (RewardCheck, RewardPool, RewardSpec, check_text, extract_answer, extract_choice, last_boxed,
                              math_equal, score_text)
 
 
@@ -225,7 +225,7 @@ def test_hung_worker_killed_and_replaced(pool):
     t0 = time.monotonic()
     checks = pool.check("slow", ["30", "0"], [None, None])
     assert time.monotonic() - t0 < TIME_LIMIT + 1.5
-    assert checks[0] == Check(0.0, False, None, "timeout") and checks[1].reward == 1.0
+    assert checks[0] == RewardCheck(0.0, False, None, "timeout") and checks[1].reward == 1.0
     assert pool.restarts == restarts + 1
     new = pool.worker_pids()
     assert len(set(new) - set(pids)) == 1

@@ -1,0 +1,120 @@
+"""pass@k against brute-force enumeration; the evaluate loop with a fake generate_fn."""
+
+import itertools
+import json
+import math
+from fractions import Fraction
+
+import pytest
+
+from ict_jax.data import Dataset, Example
+from ict_jax.evaluate import EVAL_DEFAULTS, aggregate, evaluate, format_table, pass_at_k
+from ict_jax.rewards import RewardPool
+
+
+def brute_pass_at_k(n, c, k):
+    """Fraction of all k-subsets of n samples (c correct) that hold a correct one."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_pass_at_k_brute_force(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+        assert pass_at_k(n, c, 1) == pytest.approx(c / n)  # P@1 = mean accuracy
+
+
+def test_pass_at_k_large_n_stable():
+    for n, c, k in [(200, 1, 100), (1000, 3, 10), (500, 250, 64), (300, 0, 50)]:
+        exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+        assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-12, abs=1e-15)
+    for bad in [(4, 5, 1), (4, 1, 5), (4, 1, 0), (4, -1, 1)]:
+        with pytest.raises(ValueError):
+            pass_at_k(*bad)
+
+
+def test_aggregate_and_table():
+    res = aggregate({"a": [[True, False, False, False], [False] * 4], "b": [[True] * 4]}, ks=(1, 4))
+    assert res["benchmarks"]["a"] == {"problems": 2, "samples": 8, "pass@1": 0.125, "pass@4": 0.5}
+    assert res["benchmarks"]["b"]["pass@1"] == 1.0
+    assert res["average"] == {"pass@1": pytest.approx(0.5625), "pass@4": 0.75}
+    table = format_table(res)
+    assert "pass@1" in table and "56.25" in table and table.splitlines()[-1].startswith("average")
+    with pytest.raises(ValueError, match="samples < k"):
+        aggregate({"a": [[True, False]]}, ks=(4,))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(1, time_limit=5.0) as p:
+        yield p
+
+
+def test_evaluate_writes_table_json_jsonl(pool, tmp_path, capsys):
+    n = 4
+    gsm = Dataset("gsm_fake", [Example(f"q{i}", str(i), {"source": "fake", "index": i}) for i in range(7)], "gsm8k")
+    mc = [Example(f"mc{i}", "ABCD"[i % 4], {"choices": ["1", "2", "3", "4"]}) for i in range(3)]
+    calls = []
+
+    def generate_fn(prompts, n_):
+        calls.append(len(prompts))
+        out = []
+        for p in prompts:
+            i = int(p.lstrip("mcq"))
+            if p.startswith("q"):  # problem i: i % 5 correct samples, then a wrong one, then no answer
+                good = i % (n_ + 1)
+                out.append(([f"so\n#### {i}"] * good + ["#### -1"] + ["no idea"] * n_)[:n_])
+            else:  # multiple choice: problem i right only in its first sample
+                out.append([f"The answer is ({'ABCD'[i % 4]})"] + ["The answer is (Z)"] * (n_ - 1))
+        return out
+
+    res = evaluate(generate_fn, {"gsm_fake": gsm, "mc_fake": ("mc", mc)}, pool, n=n, ks=(1, 4), batch_size=3,
+                   json_path=tmp_path / "out" / "eval.json", samples_path=tmp_path / "out" / "samples.jsonl",
+                   settings={"temperature": 0.6}, progress=False)
+    assert calls == [3, 3, 1, 3] and max(calls) <= 3
+    counts = [i % (n + 1) for i in range(7)]
+    g = res["benchmarks"]["gsm_fake"]
+    assert g["problems"] == 7 and g["samples"] == 28
+    assert g["pass@1"] == pytest.approx(sum(counts) / 28)
+    assert g["pass@4"] == pytest.approx(sum(c > 0 for c in counts) / 7)
+    assert g["no_answer"] == pytest.approx(sum(max(0, n - c - 1) for c in counts) / 28)
+    m = res["benchmarks"]["mc_fake"]
+    assert m["pass@1"] == pytest.approx(0.25) and m["pass@4"] == 1.0
+    assert res["average"]["pass@1"] == pytest.approx((g["pass@1"] + 0.25) / 2)
+    assert res["n"] == 4 and res["ks"] == [1, 4] and res["settings"] == {"temperature": 0.6}
+
+    printed = capsys.readouterr().out
+    assert "gsm_fake" in printed and "mc_fake" in printed and "average" in printed
+    assert json.loads((tmp_path / "out" / "eval.json").read_text()) == json.loads(json.dumps(res))
+    lines = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == (7 + 3) * n
+    first = lines[0]
+    assert set(first) == {"benchmark", "index", "sample", "prompt", "response", "answer", "gold", "correct",
+                          "reward", "status"}
+    q1 = [x for x in lines if x["benchmark"] == "gsm_fake" and x["index"] == 1]
+    assert [x["correct"] for x in q1] == [True, False, False, False]
+    assert q1[0]["answer"] == "1" and q1[0]["gold"] == "1" and q1[2]["status"] == "no_answer"
+    assert sum(x["correct"] for x in lines) == sum(counts) + 3
+
+
+def test_evaluate_limit_and_errors(pool):
+    ds = Dataset("d", [Example(f"q{i}", "1") for i in range(5)], "gsm8k")
+    res = evaluate(lambda ps, n: [[r"\boxed{1}"] * n for _ in ps], [ds], pool, n=2, ks=(1, 2), limit=2,
+                   progress=False, print_table=False)
+    assert res["benchmarks"]["d"]["problems"] == 2 and res["average"]["pass@2"] == 1.0
+    with pytest.raises(ValueError, match="expected 2 each"):
+        evaluate(lambda ps, n: [["x"] for _ in ps], [ds], pool, n=2, ks=(1,), progress=False, print_table=False)
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        evaluate(lambda ps, n: [], [ds], pool, n=2, ks=(4,))
+    assert EVAL_DEFAULTS == {"n": 4, "ks": (1, 4), "temperature": 0.6, "top_p": 0.95}
+
+
+def test_public_names():
+    import ict_jax
+    import ict_jax.evaluate as ev
+
+    assert ict_jax.evaluate_benchmarks is ev.evaluate and ict_jax.pass_at_k is pass_at_k
+    assert ict_jax.RewardPool is RewardPool and ict_jax.aggregate is aggregate
