@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ict_jax import WeightError, load_gguf, make_mesh
+from ict_jax import WeightError, load_gguf, make_mesh, save_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -118,6 +118,12 @@ def test_tiny_gguf_matches_torch(tmp_path, arch, tied, devices8):
     sharded, _ = load_gguf(path, mesh=mesh, compute_dtype="float32")
     assert not sharded.layers.wq[...].sharding.is_fully_replicated
     np.testing.assert_allclose(np.asarray(sharded(jnp.asarray(ids))), want, atol=1e-4, rtol=0)
+
+    # a GGUF-loaded model exports to a Hugging Face directory that transformers loads
+    save_hf(model, tmp_path / "hf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(back(torch.tensor(ids)).logits.numpy(), want, atol=1e-4, rtol=0)
 
     # bfloat16 parameters on request; the file's tokenizer comes back with it
     half, _ = load_gguf(path, dtype="bfloat16", compute_dtype="float32")
