@@ -166,7 +166,7 @@ def extract_answer(text: str, max_chars: int = MAX_RESPONSE_CHARS) -> str | None
 
 _LETTERS = "ABCDEFGHIJ"
 _CHOICE_PATTERNS = [  # in priority order; the last match of the first pattern that matches wins
-    re.compile(r"(?i:answer(?:\s+is)?|correct\s+(?:option|choice)\s+is|option\s+is)\s*[:\-]?\s*"
+    re.compile(r"(?i:answer\s*(?:is\b|:)|correct\s+(?:option|choice)\s+is\b|option\s+is\b)\s*:?\s*"
                r"(?i:option\s+|choice\s+)?[*_$\s]*\(?\s*([A-J])\s*\)?(?![A-Za-z0-9])"),
     re.compile(r"\*\*\s*\(?([A-J])\)?[.:]?\s*\*\*"),
 ]

@@ -175,6 +175,8 @@ def test_extraction_rules():
     assert extract_answer(r"\boxed{5}" + "x" * 20_000) is None  # only the tail is read
     assert extract_choice("The answer is 42", choices=["12", "42", "7", "1"]) == "B"
     assert extract_choice("Final Answer: C") == "C"
+    assert extract_choice("The answer is: (D)") == "D" and extract_choice("answer is option B.") == "B"
+    assert extract_choice("The answer I got is unclear") is None  # "I" after "answer" is a pronoun
     assert math_equal("1/2", "0.5") and not math_equal(None, "1") and not math_equal("   ", "1")
 
 
@@ -299,3 +301,10 @@ def test_pool_life_cycle():
     while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+def test_spawn_context():
+    t0 = time.monotonic()
+    with RewardPool(1, context="spawn", time_limit=5.0) as p:
+        print(f"\nspawn RewardPool(1) warm in {time.monotonic() - t0:.2f} s")
+        assert p.score("mc", ["Answer: C", r"\boxed{A}"], ["C", "B"]).tolist() == [1.0, 0.0]
