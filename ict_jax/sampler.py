@@ -31,7 +31,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Bool, Float, Int
 
-from ict_jax.model.qwen2 import KVCache
+from ict_jax.model.qwen2 import KVCache, _attend, _finish, _qkv, rms_norm, rope_tables
 from ict_jax.sharding import BATCH_AXES, check_prompts_divide, constrain
 
 #: Decoder depth up to which decode unrolls the layer loop by default (no per-layer scan overhead: on
@@ -62,16 +62,47 @@ class Rollout:
 # ------------------------------------------------------------------------------------------------
 # One sampling step (pure)
 # ------------------------------------------------------------------------------------------------
-def _inverse_cdf(weights: Float[Array, "B K"], u: Float[Array, "B"]) -> Int[Array, "B"]:
-    """Index i with ``cdf[i-1] < u' * total <= cdf[i]`` for unnormalised non-negative ``weights``;
-    ``u' = 1 - u`` lies in (0, 1], so a zero-weight entry can never be picked (its cdf step is empty)."""
-    cdf = jnp.cumsum(weights, axis=-1)
-    t = (1.0 - u)[:, None] * cdf[:, -1:]
-    idx = jnp.sum(cdf < t, axis=-1, dtype=jnp.int32)
-    idx = jnp.minimum(idx, weights.shape[-1] - 1)
-    # float rounding could in principle land on a zero-weight entry: fall back to the mode there
-    ok = jnp.take_along_axis(weights, idx[:, None], axis=-1)[:, 0] > 0
-    return jnp.where(ok, idx, jnp.argmax(weights, axis=-1).astype(jnp.int32))
+_BLOCK = 1024  # vocabulary block of the two-level inverse CDF
+
+
+def _pick(cdf: Float[Array, "B K"], t: Float[Array, "B"]) -> Int[Array, "B"]:
+    """First index with ``cdf >= t`` (clamped to the last index)."""
+    return jnp.minimum(jnp.sum(cdf < t[:, None], axis=-1, dtype=jnp.int32), cdf.shape[-1] - 1)
+
+
+def _inverse_cdf(logw: Float[Array, "B K"], u: Float[Array, "B"]
+                 ) -> tuple[Int[Array, "B"], Float[Array, "B"], Float[Array, "B"]]:
+    """Exact inverse-CDF draw from the unnormalised weights ``exp(logw)`` (``-inf``: weight 0; keep
+    ``max(logw)`` near 0) with one uniform per row:
+    index i with ``cdf[i-1] < (1 - u) * total <= cdf[i]``. ``1 - u`` lies in (0, 1], so a zero-weight
+    entry is never picked (its cdf step is empty). Returns ``(index, total, weight of index)``.
+
+    Over more than ``_BLOCK`` entries the cumulative sum is two-level (sums of 1024-entry blocks, then
+    the chosen block): a full-length ``cumsum`` over V = 152k costs ~10x more on CPU (ENVIRONMENT.md)."""
+    B, K = logw.shape
+    if K <= _BLOCK:
+        weights = jnp.exp(logw)
+        cdf = jnp.cumsum(weights, axis=-1)
+        total = cdf[:, -1]
+        idx = _pick(cdf, (1.0 - u) * total)
+        # float rounding could in principle land on a zero-weight entry: fall back to the mode there
+        idx = jnp.where(jnp.take_along_axis(weights, idx[:, None], axis=-1)[:, 0] > 0, idx,
+                        jnp.argmax(weights, axis=-1).astype(jnp.int32))
+        return idx, total, jnp.take_along_axis(weights, idx[:, None], axis=-1)[:, 0]
+    nb = -(-K // _BLOCK)
+    # pad the log-weights (not the weights): the pad fuses into the exp instead of copying [B, V]
+    w = jnp.exp(jnp.pad(logw, ((0, 0), (0, nb * _BLOCK - K)), constant_values=-jnp.inf)).reshape(B, nb, _BLOCK)
+    bsum = jnp.sum(w, axis=-1)  # [B, nb]
+    bcdf = jnp.cumsum(bsum, axis=-1)
+    total = bcdf[:, -1]
+    t = (1.0 - u) * total
+    b = _pick(bcdf, t)
+    start = jnp.take_along_axis(bcdf, b[:, None], -1)[:, 0] - jnp.take_along_axis(bsum, b[:, None], -1)[:, 0]
+    blk = jnp.take_along_axis(w, b[:, None, None], axis=1)[:, 0]  # [B, _BLOCK]
+    j = _pick(jnp.cumsum(blk, axis=-1), t - start)
+    ok = jnp.take_along_axis(blk, j[:, None], axis=-1)[:, 0] > 0
+    j = jnp.where(ok, j, jnp.argmax(blk, axis=-1).astype(jnp.int32))
+    return b * _BLOCK + j, total, jnp.take_along_axis(blk, j[:, None], axis=-1)[:, 0]
 
 
 def sample_token(logits: Float[Array, "B V"], u: Float[Array, "B"], *, temperature: float = 1.0,
@@ -88,27 +119,30 @@ def sample_token(logits: Float[Array, "B V"], u: Float[Array, "B"], *, temperatu
     Returns ``(token [B] int32, logp [B] float32)`` with ``logp = log softmax(logits / T)[token]`` over the
     full vocabulary (before truncation). ``temperature`` must be > 0.
     """
-    z = logits.astype(jnp.float32) / jnp.float32(temperature)
-    m = jnp.max(z, axis=-1, keepdims=True)
+    z = logits.astype(jnp.float32)
+    if temperature != 1.0:
+        z = z / jnp.float32(temperature)
+    m = jnp.max(z, axis=-1)
     if greedy:
         tok = jnp.argmax(z, axis=-1).astype(jnp.int32)
-        e = jnp.exp(z - m)
-    elif top_k == 0 and top_p >= 1.0:
-        e = jnp.exp(z - m)
-        tok = _inverse_cdf(e, u)
+        total = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
+    elif top_k == 0 and top_p >= 1.0:  # sort-free
+        tok, total, w = _inverse_cdf(z - m[:, None], u)
+        # log of the chosen exp(z - m) (error ~1 ulp): on CPU, gathering z[tok] from the [B, V] logits
+        # here costs more than the whole draw
+        return tok, jnp.log(w) - jnp.log(total)
     else:
         k = top_k if top_k > 0 else z.shape[-1]
         vals, ids = jax.lax.top_k(z, min(k, z.shape[-1]))  # descending
-        w = jnp.exp(vals - vals[:, :1])
+        logw = vals - vals[:, :1]
         if top_p < 1.0:
-            p = w / jnp.sum(w, axis=-1, keepdims=True)
+            p = jax.nn.softmax(logw, axis=-1)
             before = jnp.cumsum(p, axis=-1) - p
-            w = jnp.where(before < jnp.float32(top_p), w, 0.0)
-        j = _inverse_cdf(w, u)
+            logw = jnp.where(before < jnp.float32(top_p), logw, -jnp.inf)
+        j = _inverse_cdf(logw, u)[0]
         tok = jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        e = jnp.exp(z - m)
-    lse = jnp.log(jnp.sum(e, axis=-1)) + m[:, 0]
-    logp = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - lse
+        total = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
+    logp = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - m - jnp.log(total)
     return tok, logp
 
 
@@ -156,13 +190,44 @@ def _repeat_cache(cache: KVCache, g: int) -> KVCache:
                    mask=jnp.repeat(cache.mask, g, axis=0), pos=jnp.repeat(cache.pos, g, axis=0), index=cache.index)
 
 
+_CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+
+
+def _split_layers(model: Any) -> list[dict[str, jax.Array]]:
+    """Per-layer weight dicts sliced from the stacked ``[L, ...]`` parameters. Done once per generate
+    call, outside the decode loop: XLA CPU copies a static slice of a stacked weight feeding a dot on
+    every use (24 sliced GEMMs cost ~4x 24 separate ones), so slicing inside the loop would copy all
+    the weights at every step."""
+    params = model.layers.arrays()
+    return [{k: v[i] for k, v in params.items()} for i in range(model.config.num_layers)]
+
+
+def _decode_unrolled(model: Any, layers: list[dict], tok: Int[Array, "B"], ks: list, vs: list,
+                     mask: Int[Array, "B S"], pos: Int[Array, "B"], index: jax.Array):
+    """One decode step over per-layer weights and per-layer caches ``ks[i], vs[i]: [B, KV, S, hd]``
+    (updated in place in the while loop; no restacking). The same computation as
+    ``Qwen2.extend(tok[:, None], None, cache)`` + ``logits_from_hidden`` (tests compare with the
+    full forward)."""
+    c, dtype = model.config, model.compute_dtype
+    cos, sin = rope_tables(pos[:, None], c.resolved_head_dim, c.rope_theta)
+    mask = jax.lax.dynamic_update_slice(mask, jnp.ones((mask.shape[0], 1), mask.dtype), (0, index))
+    allowed = ((jnp.arange(mask.shape[1]) <= index)[None, :] & (mask > 0))[:, None, :]  # [B, 1, S]
+    x = model._embed(tok[:, None])
+    ks, vs = list(ks), list(vs)
+    for i, p in enumerate(layers):
+        q, k, v = _qkv(p, x, c, cos, sin, dtype)
+        ks[i] = constrain(jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype), (0, 0, index, 0)), _CACHE_AXES)
+        vs[i] = constrain(jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype), (0, 0, index, 0)), _CACHE_AXES)
+        x = _finish(p, x, _attend(q, ks[i].astype(dtype), vs[i].astype(dtype), allowed, dtype), c, dtype)
+    h = rms_norm(x[:, 0], model.final_norm[...], c.rms_norm_eps, dtype)
+    return model.logits_from_hidden(h), tuple(ks), tuple(vs), mask, pos + 1
+
+
 def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int[Array, "P Lp"],
                    prompt_mask: Int[Array, "P Lp"], key: jax.Array) -> Rollout:
     model = nnx.merge(graphdef, state)
     c = model.config
     unroll = c.num_layers <= UNROLL_MAX_LAYERS if s.unroll_layers is None else s.unroll_layers
-    if unroll and c.scan_layers:
-        model.config = c.replace(scan_layers=False)  # same parameters, unrolled layer loop
     G, N = s.num_samples, s.max_new_tokens
     P, Lp = prompt_ids.shape
     B = P * G
@@ -191,9 +256,23 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
         t, _, _, done, *_ = carry
         return (t < N) & ~jnp.all(done)
 
+    if unroll:  # decode state: per-layer caches (split once) and per-layer weights (sliced once)
+        layers = _split_layers(model)
+        cache = (tuple(cache.k[i] for i in range(c.num_layers)), tuple(cache.v[i] for i in range(c.num_layers)),
+                 cache.mask, cache.pos, cache.index)
+
+        def step(tok, cache):
+            ks, vs, mask, pos, index = cache
+            logits, ks, vs, mask, pos = _decode_unrolled(model, layers, tok, ks, vs, mask, pos, index)
+            return logits, (ks, vs, constrain(mask, ("batch", "cache_seq")), constrain(pos, ("batch",)), index + 1)
+    else:
+        def step(tok, cache):
+            logits, cache = model.decode(tok, cache)
+            return logits, _cache_constrain(cache)
+
     def body(carry):
         t, cache, tok, done, tokens, logps, valid = carry
-        logits, cache = model.decode(tok, cache)
+        logits, cache = step(tok, cache)
         new, lp = draw(logits, t)
         live = ~done
         new = jnp.where(live, new, s.pad_id)
@@ -201,7 +280,7 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
         logps = jax.lax.dynamic_update_slice(logps, jnp.where(live, lp, 0.0)[:, None], (0, t))
         valid = jax.lax.dynamic_update_slice(valid, live[:, None], (0, t))
         done = done | jnp.isin(new, eos)
-        return (t + 1, _cache_constrain(cache), new, constrain(done, ("batch",)), tokens, logps, valid)
+        return (t + 1, cache, new, constrain(done, ("batch",)), tokens, logps, valid)
 
     carry = (jnp.int32(1), cache, tok, done, tokens, logps, valid)
     _, _, _, done, tokens, logps, valid = jax.lax.while_loop(cond, body, carry)
