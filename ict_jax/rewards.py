@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import numpy as np
@@ -68,9 +69,7 @@ class RewardCheck:
     status: str = "ok"
 
 
-# --------------------------------------------------------------------------------------------------
-# Extraction
-# --------------------------------------------------------------------------------------------------
+# ---- Extraction ----
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _ANSWER_IS_RE = re.compile(r"(?i:the\s+(?:final\s+)?answer\s+is)\s*:?\s*(.+)")
 _GSM_RE = re.compile(r"####\s*(.+)")
@@ -215,9 +214,7 @@ def choice_equal(pred: str | None, gold: Any) -> bool:
     return pred is not None and pred.upper() == _gold_letter(gold)
 
 
-# --------------------------------------------------------------------------------------------------
-# Equivalence
-# --------------------------------------------------------------------------------------------------
+# ---- Equivalence ----
 @functools.cache
 def _math_verify():
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "Timeout is disabled" on every call
@@ -302,9 +299,7 @@ def score_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | No
     return check_text(kind, response, gold, meta, spec).reward
 
 
-# --------------------------------------------------------------------------------------------------
-# Worker processes
-# --------------------------------------------------------------------------------------------------
+# ---- Worker processes ----
 def _run_check(kind, response, gold, meta, spec, checkers) -> RewardCheck:
     fn = checkers.get(kind)
     if fn is None:
@@ -402,7 +397,7 @@ class RewardPool:
         self.restarts = 0  # workers killed (timeout) or lost (crash) and replaced
         self._lock = threading.Lock()
         self._pending: collections.deque = collections.deque()
-        self._closing = False
+        self._closing = self._woken = False
         self._error: BaseException | None = None
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         t0 = time.monotonic()
@@ -415,7 +410,7 @@ class RewardPool:
             raise RuntimeError(f"RewardPool: workers failed to start: {self._error}")
         self.startup_seconds = time.monotonic() - t0
 
-    # ---- public API ----------------------------------------------------------------------------
+    # ---- public API ----
     def check_async(self, kind: str | Sequence[str], responses: Sequence[str], golds: Sequence[Any],
                     metas: Sequence[Mapping[str, Any] | None] | None = None) -> Future:
         """Dispatch all checks now; a Future of ``list[RewardCheck]`` in input order. ``kind`` is one kind
@@ -433,12 +428,16 @@ class RewardPool:
             batch.future.set_result([])
             return batch.future
         cap = self.spec.max_response_chars
+        # pickled here, in the caller: an unpicklable meta raises to the caller and never reaches the pool
+        tasks = [(batch, i, ForkingPickler.dumps((kinds[i], _tail(str(responses[i]), cap), golds[i], metas[i])))
+                 for i in range(n)]
         with self._lock:
             if self._closing or self._error is not None:
                 raise RuntimeError(f"RewardPool is closed{f': {self._error}' if self._error else ''}")
-            for i in range(n):
-                self._pending.append((batch, i, (kinds[i], _tail(str(responses[i]), cap), golds[i], metas[i])))
-        self._wake_w.send_bytes(b"x")
+            self._pending.extend(tasks)
+            if not self._woken:  # at most one wake byte in flight: the pipe never fills
+                self._woken = True
+                self._wake_w.send_bytes(b"x")
         return batch.future
 
     def check(self, kind, responses, golds, metas=None) -> list[RewardCheck]:
@@ -483,7 +482,7 @@ class RewardPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- dispatcher thread ---------------------------------------------------------------------
+    # ---- dispatcher thread ----
     def _finish(self, w: _Worker, check: RewardCheck) -> None:
         batch, i = w.task
         w.task, w.state = None, "idle"
@@ -526,11 +525,12 @@ class RewardPool:
             with self._lock:
                 if self._closing:
                     return
+                self._woken = False
                 for w in self._workers:
                     if w.state == "idle" and self._pending:
                         batch, i, task = self._pending.popleft()
                         w.task, w.state, w.deadline = (batch, i), "busy", time.monotonic() + self.time_limit
-                        w.conn.send(task)
+                        w.conn.send_bytes(task)
             if not self._ready.is_set() and all(w.state != "starting" for w in self._workers):
                 self._ready.set()
             waiting = [w for w in self._workers if w.state != "idle"]

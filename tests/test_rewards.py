@@ -308,3 +308,9 @@ def test_spawn_context():
     with RewardPool(1, context="spawn", time_limit=5.0) as p:
         print(f"\nspawn RewardPool(1) warm in {time.monotonic() - t0:.2f} s")
         assert p.score("mc", ["Answer: C", r"\boxed{A}"], ["C", "B"]).tolist() == [1.0, 0.0]
+
+
+def test_unpicklable_meta_fails_the_caller_only(pool):
+    with pytest.raises(Exception):
+        pool.score("gym", ["<answer>1</answer>"], ["1"], [{"gym_entry": lambda: 0}])
+    assert pool.score("math", [r"\boxed{1}"], ["1"]).tolist() == [1.0]
