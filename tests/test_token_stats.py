@@ -10,6 +10,7 @@ from ict_jax.token_stats import TokenStats, _js, stats_from_hidden, stats_from_l
 
 ATOL, RTOL = 1e-5, 1e-6
 LN2 = np.log(2.0)
+jit_logits = jax.jit(stats_from_logits, static_argnames=("group_size", "temperature", "compute"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def test_logits_path_matches_float64(P, G, T, V, kind, temp):
     rng = np.random.default_rng(V + T + G)
     logits, tokens, valid = make_case(rng, P, G, T, V, kind)
     want, _ = ref_stats(logits, tokens, valid, G, temp)
-    got = stats_from_logits(jnp.asarray(logits), tokens, valid, group_size=G, temperature=temp)
+    got = jit_logits(jnp.asarray(logits), tokens, valid, group_size=G, temperature=temp)
     assert isinstance(got, TokenStats)
     for name in ("logp", "H1", "H2", "js"):
         assert getattr(got, name).shape == (P * G, T) and getattr(got, name).dtype == jnp.float32
@@ -146,8 +147,18 @@ def test_no_nan_all_padding_all_neginf_rows():
     for x in got:
         assert np.all(np.isfinite(np.asarray(x)))
     assert np.all(np.asarray(got.js) == 0.0)  # alone at t
-    g = jax.grad(f)(jnp.asarray(logits))
+    g = jax.jit(jax.grad(f))(jnp.asarray(logits))
     assert np.all(np.isfinite(np.asarray(g)))
+    # chunked path: an all-padding group, and G = 1
+    h = np.random.default_rng(0).standard_normal((P * G, T, 5)).astype(np.float32)
+    W = np.random.default_rng(1).standard_normal((5, V)).astype(np.float32)
+    for gs in (G, 1):
+        st = stats_from_hidden(h, W, tokens, valid, group_size=gs, chunk=3)
+        for x in st:
+            assert np.all(np.isfinite(np.asarray(x))) and np.all(np.asarray(x)[valid == 0] == 0.0)
+        assert np.all(np.asarray(st.js) == 0.0)
+        gh = jax.grad(lambda x: jnp.sum(stats_from_hidden(x, W, tokens, valid, group_size=gs, chunk=3).logp))(h)
+        assert np.all(np.isfinite(np.asarray(gh))) and np.all(np.asarray(gh)[valid == 0] == 0.0)
 
 
 def test_logits_path_gradient_matches_float64():
@@ -156,7 +167,7 @@ def test_logits_path_gradient_matches_float64():
     logits, tokens, valid = make_case(rng, P, G, T, V, "neginf")
     wts = rng.standard_normal((P * G, T)).astype(np.float32)
     f = lambda lg: jnp.sum(stats_from_logits(lg, tokens, valid, group_size=G, temperature=temp).logp * wts)
-    g = np.asarray(jax.grad(f)(jnp.asarray(logits)))
+    g = np.asarray(jax.jit(jax.grad(f))(jnp.asarray(logits)))
     _, p = ref_stats(logits, tokens, valid, G, temp)
     onehot = np.eye(V)[tokens]
     want = (wts * valid)[..., None] * (onehot - p) / temp
@@ -174,15 +185,17 @@ def _hidden_case(rng, P=2, G=3, T=7, D=16, V=97):
     h[:, :, :2] = h[:, :1, :2]
     W = (rng.standard_normal((D, V)) / np.sqrt(D) * 3).astype(np.float32)
     tokens = rng.integers(0, V, (P * G, T)).astype(np.int32)
-    lengths = rng.integers(0, T + 1, P * G)
+    lengths = rng.integers(T // 2, T + 1, P * G)
     valid = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
     valid[0] = 1.0
+    valid[-1] = 0.0  # an empty row
     return hidden, W, tokens, valid
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 4, 7, 32])
-def test_hidden_equals_logits_values_and_gradient(chunk):
-    rng = np.random.default_rng(chunk)
+@pytest.fixture(scope="module")
+def dense_case():
+    """One case, its dense statistics and the dense gradient of sum(logp * w) (computed once)."""
+    rng = np.random.default_rng(123)
     hidden, W, tokens, valid = _hidden_case(rng)
     G, temp = 3, 0.9
     wts = rng.standard_normal(tokens.shape).astype(np.float32)
@@ -191,13 +204,22 @@ def test_hidden_equals_logits_values_and_gradient(chunk):
         lg = jnp.einsum("btd,dv->btv", h, w, precision="highest")
         return stats_from_logits(lg, tokens, valid, group_size=G, temperature=temp)
 
+    a = jax.jit(dense)(hidden, W)
+    ga = jax.jit(jax.grad(lambda h, w: jnp.sum(dense(h, w).logp * wts), argnums=(0, 1)))(hidden, W)
+    return (hidden, W, tokens, valid, G, temp, wts), a, ga
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 7, 32])
+def test_hidden_equals_logits_values_and_gradient(chunk, dense_case):
+    (hidden, W, tokens, valid, G, temp, wts), a, ga = dense_case
+
     def chunked(h, w):
         return stats_from_hidden(h, w, tokens, valid, group_size=G, temperature=temp, chunk=chunk)
 
-    a, b = dense(hidden, W), jax.jit(chunked)(hidden, W)
+    b = jax.jit(chunked)(hidden, W)
     for name in ("logp", "H1", "H2", "js"):
         assert_close(name, getattr(b, name), np.asarray(getattr(a, name), np.float64))
-    ga = jax.grad(lambda h, w: jnp.sum(dense(h, w).logp * wts), argnums=(0, 1))(hidden, W)
+    assert np.asarray(a.js).max() > 0.05  # the groups do diverge
     gb = jax.jit(jax.grad(lambda h, w: jnp.sum(chunked(h, w).logp * wts), argnums=(0, 1)))(hidden, W)
     for x, y in zip(ga, gb):
         assert y.dtype == jnp.float32
