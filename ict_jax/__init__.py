@@ -29,6 +29,7 @@ _API: dict[str, str] = {
     "LOGICAL_RULES": "sharding",
     "logical_sharding": "sharding",
     "batch_sharding": "sharding",
+    "shard_batch": "sharding",
     "logical_to_spec": "sharding",
     "state_shardings": "sharding",
     "check_prompts_divide": "sharding",
@@ -84,6 +85,7 @@ _API: dict[str, str] = {
     "sample_token": "sampler",
     # -- the train step (train_step.py) --
     "RolloutBatch": "train_step",
+    "build_rollout_batch": "train_step",
     "TrainState": "train_step",
     "make_train_step": "train_step",
     "init_train_state": "train_step",

@@ -135,6 +135,11 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
+def shard_batch(tree: Any, mesh: Mesh) -> Any:
+    """``device_put`` every leaf (a [B, ...] array) with its rows split over ('data', 'fsdp')."""
+    return jax.tree.map(lambda a: jax.device_put(a, batch_sharding(mesh, np.ndim(a))), tree)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -79,6 +79,28 @@ class TrainState:
         return nnx.merge(self.graphdef, self.params)
 
 
+def build_rollout_batch(prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array, "P Lp"], rollout: Any,
+                        rewards: Float[Array, "B"], *, config: Config, correct: Float[Array, "B"] | None = None,
+                        row_valid: Float[Array, "B"] | None = None) -> RolloutBatch:
+    """A :class:`RolloutBatch` from left-padded prompts, an :class:`ict_jax.Rollout` of G samples per
+    prompt and per-row rewards; advantages by METHOD §3 (``config.rl.adv``)."""
+    from ict_jax.grpo import group_advantages
+
+    G = config.rollout.num_samples
+    B = rollout.tokens.shape[0]
+    rewards = jnp.asarray(rewards, F32)
+    row_valid = jnp.ones((B,), F32) if row_valid is None else jnp.asarray(row_valid, F32)
+    correct = (rewards >= 1.0).astype(F32) if correct is None else jnp.asarray(correct, F32)
+    ids = jnp.repeat(jnp.asarray(prompt_ids, jnp.int32), G, axis=0)
+    pm = jnp.repeat(jnp.asarray(prompt_mask, jnp.int32), G, axis=0)
+    valid = rollout.valid.astype(jnp.int32)
+    adv = group_advantages(rewards, G, config.rl.adv.scale_rewards, config.rl.adv.eps, row_valid)
+    return RolloutBatch(tokens=jnp.concatenate([ids, rollout.tokens.astype(jnp.int32)], axis=1),
+                        attention_mask=jnp.concatenate([pm, valid], axis=1), response_valid=valid.astype(F32),
+                        rewards=rewards, advantages=adv, sampler_logp=rollout.logp.astype(F32),
+                        truncated=rollout.truncated.astype(F32), row_valid=row_valid, correct=correct)
+
+
 # ------------------------------------------------------------------------------------------------
 # Optimizer and state
 # ------------------------------------------------------------------------------------------------
@@ -104,9 +126,36 @@ def init_train_state(config: Config, model: Any, *, tx: optax.GradientTransforma
     parameters' shardings."""
     graphdef, params = nnx.split(model, nnx.Param)
     tx = tx or make_optimizer(config)
-    opt_state = jax.jit(tx.init)(params)
-    rng = jax.random.PRNGKey(config.seed)
-    return TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32), rng=rng, graphdef=graphdef)
+    opt_state = jax.jit(tx.init, out_shardings=_opt_state_shardings(tx, params))(params)
+    step, rng = jnp.zeros((), jnp.int32), jax.random.PRNGKey(config.seed)
+    sh = jax.tree.leaves(params)[0].sharding if jax.tree.leaves(params) else None
+    # committed like the parameters (on a mesh: replicated over it), so the first call of the step
+    # sees the same input placement as every later one (one executable, not two)
+    target = replicated(sh.mesh) if isinstance(sh, jax.sharding.NamedSharding) else sh
+    if target is not None:
+        step, rng = jax.device_put((step, rng), target)
+    return TrainState(params=params, opt_state=opt_state, step=step, rng=rng, graphdef=graphdef)
+
+
+def _opt_state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:
+    """Shardings for ``tx.init(params)``: a leaf whose key path ends with a parameter's key path (Adam's
+    moments, ...) gets that parameter's sharding; the rest (step counts) is replicated."""
+    from jax.tree_util import tree_flatten_with_path, tree_unflatten
+
+    p_leaves, _ = tree_flatten_with_path(params)
+    by_path = {tuple(map(str, path)): leaf.sharding for path, leaf in p_leaves}
+    if not by_path:
+        return None
+    any_sh = next(iter(by_path.values()))
+    rep = jax.sharding.NamedSharding(any_sh.mesh, jax.sharding.PartitionSpec()) if isinstance(
+        any_sh, jax.sharding.NamedSharding) else any_sh
+    lengths = sorted({len(k) for k in by_path}, reverse=True)
+    o_leaves, treedef = tree_flatten_with_path(jax.eval_shape(tx.init, params))
+    out = []
+    for path, _leaf in o_leaves:
+        key = tuple(map(str, path))
+        out.append(next((by_path[key[-n:]] for n in lengths if len(key) >= n and key[-n:] in by_path), rep))
+    return tree_unflatten(treedef, out)
 
 
 def reference_params(state_or_params: Any, dtype: str | Any = "float32") -> Any:
@@ -247,7 +296,7 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def update(params, opt_state, grads, loss):
-        gnorm = optax.global_norm(grads)
+        gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)

@@ -324,7 +324,9 @@ def init_model(config: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | 
         return nnx.split(Qwen2(config, rngs=nnx.Rngs(seed)))[1]
 
     if mesh is None:
-        return nnx.merge(graphdef, jax.jit(_init)())
+        # committed to the default device, as every jit output that later replaces them will be: the
+        # first call of a jitted step then sees the same placement as all later ones (one executable)
+        return nnx.merge(graphdef, jax.jit(_init, out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))())
     from ict_jax.sharding import state_shardings
 
     with jax.set_mesh(mesh):

@@ -158,7 +158,7 @@ def load_from_source(cfg: ModelConfig, get: Callable[[str], np.ndarray], *, mesh
         else:
             host = read(e.hf)
         if mesh is None:
-            arr = jax.device_put(host)
+            arr = jax.device_put(host, jax.devices()[0])  # committed, like jit outputs
         else:
             from ict_jax.sharding import logical_sharding
 
