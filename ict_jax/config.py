@@ -48,6 +48,8 @@ class ModelSection:
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     remat: Literal["none", "block", "full"] = "block"
     scan_layers: bool = True
+    # "char" = the built-in CharTokenizer; a path = an HF tokenizer dir or .gguf; None = from model.path
+    tokenizer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,10 +114,21 @@ class AdvSection:
 
 
 @dataclass(frozen=True)
+class RewardSection:
+    correct: float = 1.0  # METHOD §3: 1 correct, 0 otherwise
+    wrong: float = 0.0
+    no_answer: float = 0.0  # < 0 = a format penalty for responses with no extractable answer
+    time_limit: float = 5.0  # seconds per response check (the worker is killed past it)
+    workers: int = 2  # reward worker processes
+    max_response_chars: int = 16384  # only the tail of a response is read for its final answer
+
+
+@dataclass(frozen=True)
 class RLSection:
     selector: SelectorSection = field(default_factory=SelectorSection)
     loss: LossSection = field(default_factory=LossSection)
     adv: AdvSection = field(default_factory=AdvSection)
+    reward: RewardSection = field(default_factory=RewardSection)
 
 
 @dataclass(frozen=True)
@@ -323,6 +336,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"rl.loss.dual_clip_c: {lo.dual_clip_c} must be > 1 or null")
     positive("rl.loss.kl_coef", lo.kl_coef, allow_zero=True)
     positive("rl.adv.eps", cfg.rl.adv.eps)
+    positive("rl.reward.time_limit", cfg.rl.reward.time_limit)
+    positive("rl.reward.workers", cfg.rl.reward.workers)
+    positive("rl.reward.max_response_chars", cfg.rl.reward.max_response_chars)
     if cfg.stats.temperature is not None:
         positive("stats.temperature", cfg.stats.temperature)
     positive("stats.chunk", cfg.stats.chunk)

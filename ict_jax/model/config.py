@@ -114,8 +114,17 @@ class ModelConfig:
         return cls(**base)
 
     @classmethod
+    def demo(cls, **kw: Any) -> "ModelConfig":
+        """The embedded demo's small model (4 layers, width 128), sized for the CharTokenizer's 100 ids."""
+        base = dict(vocab_size=100, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
+                    num_kv_heads=2, rope_theta=10_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                    max_position_embeddings=1_024)
+        base.update(kw)
+        return cls(**base)
+
+    @classmethod
     def preset(cls, name: str, **kw: Any) -> "ModelConfig":
-        presets = {"tiny": cls.tiny, "qwen2p5_0p5b": cls.qwen2p5_0p5b, "qwen2p5_1p5b": cls.qwen2p5_1p5b,
+        presets = {"tiny": cls.tiny, "demo": cls.demo, "qwen2p5_0p5b": cls.qwen2p5_0p5b, "qwen2p5_1p5b": cls.qwen2p5_1p5b,
                    "qwen2p5_7b": cls.qwen2p5_7b}
         if name not in presets:
             raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(presets)}")
