@@ -13,6 +13,10 @@ from typing import Callable, Sequence
 # `ict-jax info` does not pay for the trainer's imports.
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "info": ("ict_jax.cli", "add_info_args", "info_main", "print devices, the mesh and the model presets"),
+    "export": ("ict_jax.checkpoint", "add_export_args", "export_main", "checkpoint -> Hugging Face safetensors"),
+    "eval": ("ict_jax.eval_cli", "add_eval_args", "eval_main", "pass@k of a model on benchmarks (METHOD §6)"),
+    "train": ("ict_jax.train_cli", "add_train_args", "train_main", "RL training (SFT warm start first if configured)"),
+    "sft": ("ict_jax.train_cli", "add_sft_args", "sft_main", "supervised warm start only; writes <run_dir>/sft_model"),
 }
 
 

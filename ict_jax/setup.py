@@ -1,0 +1,200 @@
+"""Assemble a training run from a :class:`Config`: mesh, model and tokenizer, data, train state, compiled
+step and sampler, reward workers, checkpoints (and resume), and the periodic evaluation."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from ict_jax.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def maybe_initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                                 process_id: int | None = None) -> bool:
+    """``jax.distributed.initialize`` from explicit flags, or from the environment (Cloud TPU pods and
+    SLURM/Open MPI are detected by JAX itself; ``ICT_JAX_COORDINATOR`` / ``ICT_JAX_NUM_PROCESSES`` /
+    ``ICT_JAX_PROCESS_ID`` otherwise). Returns True when a multi-process run was set up."""
+    coordinator = coordinator or os.environ.get("ICT_JAX_COORDINATOR")
+    if num_processes is None and os.environ.get("ICT_JAX_NUM_PROCESSES"):
+        num_processes = int(os.environ["ICT_JAX_NUM_PROCESSES"])
+    if process_id is None and os.environ.get("ICT_JAX_PROCESS_ID"):
+        process_id = int(os.environ["ICT_JAX_PROCESS_ID"])
+    if coordinator is None and num_processes is None:
+        return False
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    return True
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: Config
+    mesh: Any
+    model: Any
+    model_config: Any
+    tokenizer: Any
+    tokenizer_spec: str
+    state: Any
+    train_step: Any
+    ref_params: Any
+    generate: Any
+    pool: Any
+    checkpointer: Any
+    iterator: Any
+    prompts: Any
+    resumed: bool
+    eval_data: Any = None
+    eval_gen: Any = None
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            self.checkpointer.close()
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _model_overrides(cfg: Config) -> dict[str, Any]:
+    m = cfg.model
+    return dict(compute_dtype=m.compute_dtype, remat=m.remat, scan_layers=m.scan_layers)
+
+
+def build_model_and_tokenizer(cfg: Config, mesh: Any) -> tuple[Any, Any, str]:
+    """(model, tokenizer, tokenizer spec). ``model.path``: an HF directory or a ``.gguf`` file (or
+    ``pkg:<package>/<file>``); otherwise a randomly initialised ``model.preset`` whose vocabulary is
+    sized to the tokenizer (``model.tokenizer``: ``char`` = the built-in CharTokenizer)."""
+    from ict_jax import ModelConfig, init_model
+    from ict_jax.tokenizer import CharTokenizer, load_tokenizer
+
+    m = cfg.model
+    if m.path:
+        from ict_jax.loading import load_model_and_tokenizer
+
+        model, tok = load_model_and_tokenizer(m.path, mesh=mesh, dtype=m.param_dtype, **_model_overrides(cfg))
+        spec = m.path
+        if m.tokenizer:
+            tok, spec = (CharTokenizer(), "char") if m.tokenizer == "char" else (load_tokenizer(m.tokenizer), m.tokenizer)
+        return model, tok, spec
+    tok, spec = (CharTokenizer(), "char") if m.tokenizer in (None, "char") else (load_tokenizer(m.tokenizer), m.tokenizer)
+    kw = dict(param_dtype=m.param_dtype, **_model_overrides(cfg))
+    if m.preset in ("tiny", "demo"):
+        kw["vocab_size"] = tok.vocab_size
+    mc = ModelConfig.preset(m.preset, **kw)
+    if tok.vocab_size > mc.vocab_size:
+        raise ConfigError(f"model.preset: {m.preset} has {mc.vocab_size} token ids but the tokenizer needs "
+                          f"{tok.vocab_size}")
+    return init_model(mc, seed=cfg.seed, mesh=mesh), tok, spec
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """A new run never writes over an existing one; ``--resume`` continues it."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run_dir: {str(run_dir)!r} exists and is not a directory")
+    if not resume and run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(f"run_dir: {str(run_dir)!r} already holds a run; pass --resume to continue it or "
+                          "choose another run_dir (nothing was written)")
+
+
+def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer: Any = None) -> Run:
+    from ict_jax import make_mesh
+    from ict_jax.checkpoint import Checkpointer
+    from ict_jax.data import PromptIterator, load_dataset
+    from ict_jax.rewards import RewardPool, RewardSpec
+    from ict_jax.sampler import make_generate_fn
+    from ict_jax.trainer import _encode_training_data
+    from ict_jax.train_step import init_train_state, make_train_step, reference_params
+
+    run_dir = Path(cfg.run_dir)
+    check_run_dir(run_dir, resume)
+    m = cfg.mesh
+    mesh = make_mesh(m.data, m.fsdp, m.tensor)
+    # everything that reads user input comes before anything is written
+    datasets = [load_dataset(name, data_dir=cfg.data.data_dir, seed=cfg.seed) for name in cfg.data.train]
+    if model is None:
+        model, tokenizer, tok_spec = build_model_and_tokenizer(cfg, mesh)
+    else:
+        tok_spec = "given"
+    prompts = _encode_training_data(cfg, tokenizer, datasets)
+    P = cfg.train.prompts_per_step
+    iterator = PromptIterator(prompts.encoded, P, seed=cfg.seed)
+    state = init_train_state(cfg, model)
+    train_step = make_train_step(cfg, mesh)
+    r = cfg.rollout
+    kv = None if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
+    generate = make_generate_fn(state.graphdef, num_samples=r.num_samples, max_new_tokens=r.max_new_tokens,
+                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, eos_ids=tokenizer.eos_ids,
+                                kv_cache_dtype=kv, pad_id=tokenizer.pad_id, mesh=mesh if mesh.size > 1 else None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep)
+    resumed = False
+    if resume and checkpointer.latest_step() is not None:
+        state, meta = checkpointer.restore(state)
+        iterator.load_state_dict(meta["data"])
+        resumed = True
+        log.info("resumed from step %d", int(jax.device_get(state.step)))
+    ref_params = None
+    if cfg.rl.loss.kl_coef > 0:
+        ref_source = _reference_source(cfg, run_dir, model, resumed)
+        ref_params = reference_params(ref_source, model.config.resolved_compute_dtype())
+    rw = cfg.rl.reward
+    pool = RewardPool(rw.workers, time_limit=rw.time_limit,
+                      spec=RewardSpec(correct=rw.correct, wrong=rw.wrong, no_answer=rw.no_answer,
+                                      max_response_chars=rw.max_response_chars))
+    (run_dir / "config.json").write_text(__import__("json").dumps(cfg.to_dict(), indent=2))
+    return Run(cfg=cfg, mesh=mesh, model=model, model_config=model.config, tokenizer=tokenizer,
+               tokenizer_spec=tok_spec, state=state, train_step=train_step, ref_params=ref_params,
+               generate=generate, pool=pool, checkpointer=checkpointer, iterator=iterator, prompts=prompts,
+               resumed=resumed)
+
+
+def _reference_source(cfg: Config, run_dir: Path, model: Any, resumed: bool) -> Any:
+    """The KL reference is the policy at the start of RL. A resumed run rebuilds it: the SFT result
+    saved at ``<run_dir>/sft_model`` if there is one, else the initial model (reloaded / re-initialised
+    deterministically, which is what ``model`` is before any checkpoint is restored into the state)."""
+    from flax import nnx
+
+    sft_dir = run_dir / "sft_model"
+    if resumed and sft_dir.is_dir():
+        from ict_jax.model.weights import load_hf
+
+        return nnx.state(load_hf(sft_dir, **_model_overrides(cfg)), nnx.Param)
+    return nnx.state(model, nnx.Param)
+
+
+def run_eval(cfg: Config, run: Run, step: int) -> dict[str, float]:
+    """pass@k on ``data.eval`` with the current policy; metric names ``eval/<benchmark>/pass@k``."""
+    if not cfg.data.eval:
+        return {}
+    from ict_jax.data import load_dataset
+    from ict_jax.evaluate import evaluate
+    from ict_jax.generation import make_text_generator
+
+    d = cfg.data
+    if run.eval_data is None:  # built once per run: the same problems, and one compiled sampler
+        run.eval_data = {name: load_dataset(name, data_dir=d.data_dir, seed=cfg.seed) for name in d.eval}
+        run.eval_gen = make_text_generator((run.state.graphdef, run.state.params), run.tokenizer,
+                                           max_new_tokens=cfg.rollout.max_new_tokens, temperature=d.eval_temperature,
+                                           top_p=d.eval_top_p, template=d.template,
+                                           max_prompt_len=cfg.rollout.max_prompt_len,
+                                           batch_size=max(1, cfg.train.prompts_per_step), seed=cfg.seed,
+                                           mesh=run.mesh if run.mesh.size > 1 else None)
+    datasets, gen = run.eval_data, run.eval_gen
+    gen.state = run.state.params  # the current policy weights, no copy
+    out_dir = Path(cfg.run_dir) / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = evaluate(gen, datasets, run.pool, n=d.eval_n, ks=d.eval_k, limit=d.eval_limit,
+                   json_path=out_dir / f"step_{step:06d}.json", samples_path=out_dir / f"step_{step:06d}.jsonl",
+                   progress=False, print_table=False)
+    flat: dict[str, float] = {}
+    for bench, vals in res.get("benchmarks", res).items():
+        if isinstance(vals, dict):
+            for k, v in vals.items():
+                if k.startswith("pass@") and isinstance(v, (int, float)):
+                    flat[f"eval/{bench}/{k}"] = float(v)
+    return flat

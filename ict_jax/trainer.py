@@ -1,0 +1,251 @@
+"""The RL loop: draw prompts -> generate G responses each -> score -> advantages -> train step.
+
+The only module that knows every other one (DESIGN.md). Per rollout-batch step s:
+
+1. the next P prompts from the seeded, resumable prompt iterator;
+2. ``generate`` with the CURRENT policy parameters (the train state's own arrays: no copy, no weight
+   sync), key ``fold_in(fold_in(root, SAMPLER_STREAM), s)``;
+3. responses decoded and scored by the reward worker pool (asynchronously: the host builds the
+   rollout batch while the workers check answers);
+4. advantages (METHOD §3) and one call of the compiled train step (METHOD §4);
+5. METHOD §5 metrics logged, evaluation every ``train.eval_every`` steps, a checkpoint every
+   ``train.save_every`` steps and at the end.
+
+A non-finite loss or gradient skips that update inside the step (``train/skipped``); three such
+steps in a row stop the run with :class:`TrainingDiverged`, leaving the last good checkpoint intact.
+Every random stream is ``fold_in(root, STREAM)`` then ``fold_in(step)``, and the data position is
+saved with the checkpoint, so ``--resume`` continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ict_jax.config import Config
+from ict_jax.run_log import RunLogger, plot_metrics, to_host
+
+SAMPLER_STREAM = 0x53414D50  # "SAMP"
+MAX_NONFINITE_IN_A_ROW = 3
+
+
+class TrainingDiverged(RuntimeError):
+    """Three consecutive non-finite updates: the run stopped, the last good checkpoint is intact."""
+
+
+def sft_target(example: Any, kind: str) -> str:
+    """The SFT target text of an example: its worked solution if the dataset has one, else the gold
+    answer in the form the scorer of ``kind`` extracts."""
+    solution = example.meta.get("solution") if isinstance(example.meta, dict) else None
+    if solution:
+        return str(solution)
+    a = str(example.answer)
+    return {"exact": a, "gsm8k": f"#### {a}", "mc": f"The answer is ({a}).",
+            "gym": f"<answer>{a}</answer>"}.get(kind, f"The answer is \\boxed{{{a}}}.")
+
+
+@dataclasses.dataclass
+class _Prompts:
+    """Encoded training prompts of all training datasets, with each prompt's scorer kind."""
+
+    encoded: Any
+    kinds: list[str]
+
+
+def _encode_training_data(cfg: Config, tokenizer: Any, datasets: list[Any]) -> _Prompts:
+    from ict_jax.data import EncodedPrompts, encode_prompts
+
+    parts = [encode_prompts(ds, tokenizer, template=cfg.data.template, max_prompt_len=cfg.rollout.max_prompt_len)
+             for ds in datasets]
+    if len(parts) == 1:
+        return _Prompts(parts[0], [parts[0].scorer] * len(parts[0]))
+    fields = {f.name for f in dataclasses.fields(EncodedPrompts)}
+    merged = dict(name="+".join(p.name for p in parts), scorer="mixed",
+                  examples=[e for p in parts for e in p.examples], ids=[i for p in parts for i in p.ids],
+                  texts=[t for p in parts for t in p.texts], pad_id=parts[0].pad_id,
+                  max_prompt_len=cfg.rollout.max_prompt_len, dropped=sum(p.dropped for p in parts),
+                  dropped_indices=[])
+    return _Prompts(EncodedPrompts(**{k: v for k, v in merged.items() if k in fields}),
+                    [p.scorer for p in parts for _ in range(len(p))])
+
+
+class Trainer:
+    """Build everything a run needs from a :class:`Config`, then :meth:`run` it."""
+
+    def __init__(self, config: Config, *, resume: bool = False, progress: bool = True,
+                 profile_steps: tuple[int, int] | None = None, model: Any = None, tokenizer: Any = None):
+        from ict_jax.setup import build_run
+
+        self.cfg = config
+        self.resume = resume
+        self.progress = progress
+        self.profile_steps = profile_steps
+        self.run = build_run(config, resume=resume, model=model, tokenizer=tokenizer)
+        self.run_dir = Path(config.run_dir)
+
+    # -- SFT warm start ------------------------------------------------------------------------------
+    def sft(self) -> dict[str, float]:
+        """``train.sft_steps`` of supervised warm start on the training prompts' targets."""
+        from ict_jax.sft import make_sft_step, sft_arrays
+        from ict_jax.train_step import TrainState
+
+        cfg, r = self.cfg, self.run
+        steps, bs = cfg.train.sft_steps, cfg.train.sft_batch_size
+        if steps <= 0:
+            return {}
+        sft = make_sft_step(cfg, r.mesh)
+        params = r.state.params
+        sft_state = TrainState(params=params, opt_state=jax.jit(sft.tx.init)(params), step=r.state.step,
+                               rng=r.state.rng, graphdef=r.state.graphdef)
+        enc, kinds, tok = r.prompts.encoded, r.prompts.kinds, r.tokenizer
+        eos = tok.eos_ids[0]
+        targets = [tok.encode(sft_target(ex, k)) + [eos] for ex, k in zip(enc.examples, kinds)]
+        t_len = cfg.rollout.max_new_tokens
+        keep = [i for i, t in enumerate(targets) if len(t) <= t_len]
+        if not keep:
+            raise ValueError(f"no SFT target fits in rollout.max_new_tokens={t_len}")
+        rng = np.random.default_rng([cfg.seed, 0x5F7])
+        logger = RunLogger(self.run_dir, total_steps=steps, progress=self.progress, desc="sft",
+                           tensorboard=False)
+        last: dict[str, float] = {}
+        for s in range(steps):
+            idx = rng.choice(keep, size=bs, replace=len(keep) < bs)
+            arrays = sft_arrays([enc.ids[i] for i in idx], [targets[i] for i in idx],
+                                prompt_len=cfg.rollout.max_prompt_len, target_len=t_len, pad_id=tok.pad_id)
+            sft_state, m = sft(sft_state, *map(jnp.asarray, arrays))
+            last = to_host(m)
+            logger.log(s, last, phase="sft")
+        logger.close()
+        # RL starts from the warm-started weights with a fresh RL optimizer state; the KL reference is
+        # the warm-started policy, saved so that a resumed run can rebuild it (ict_jax.setup)
+        from ict_jax.model.weights import save_hf
+        from ict_jax.train_step import init_train_state, reference_params
+
+        r.model = sft_state.model()
+        r.state = init_train_state(cfg, r.model)
+        if cfg.rl.loss.kl_coef > 0:
+            r.ref_params = reference_params(r.state, r.model.config.resolved_compute_dtype())
+        if jax.process_index() == 0 and not (self.run_dir / "sft_model").exists():
+            save_hf(r.model, self.run_dir / "sft_model")
+        return last
+
+    # -- one RL step -----------------------------------------------------------------------------
+    def _rollout_batch(self, step: int, state: Any) -> tuple[Any, dict[str, float]]:
+        from ict_jax.train_step import build_rollout_batch
+
+        cfg, r = self.cfg, self.run
+        G = cfg.rollout.num_samples
+        t0 = time.perf_counter()
+        pb = next(r.iterator)
+        key = jax.random.fold_in(jax.random.fold_in(state.rng, SAMPLER_STREAM), step)
+        ro = r.generate(state.params, jnp.asarray(pb.ids), jnp.asarray(pb.mask), key)
+        tokens, valid = jax.device_get((ro.tokens, ro.valid))
+        t_gen = time.perf_counter() - t0
+        eos = set(r.tokenizer.eos_ids)
+        texts = [r.tokenizer.decode([int(t) for t, v in zip(tokens[i], valid[i]) if v and int(t) not in eos])
+                 for i in range(tokens.shape[0])]
+        rows = [i // G for i in range(tokens.shape[0])]
+        kinds = [r.prompts.kinds[int(pb.indices[p])] for p in rows]
+        golds = [pb.examples[p].answer for p in rows]
+        metas = [pb.examples[p].meta for p in rows]
+        future = r.pool.score_async(kinds, texts, golds, metas)
+        row_valid = np.repeat(pb.valid.astype(np.float32), G)
+        rewards = future.result()
+        correct = (rewards >= cfg.rl.reward.correct).astype(np.float32)
+        t_rew = time.perf_counter() - t0 - t_gen
+        if cfg.rl.adv.drop_zero_std_groups:  # DAPO dynamic sampling: all-equal groups leave the loss
+            r_pg = rewards.reshape(-1, G)
+            row_valid = row_valid * np.repeat((r_pg.max(1) > r_pg.min(1)).astype(np.float32), G)
+        batch = build_rollout_batch(pb.ids, pb.mask, ro, rewards, config=cfg, correct=correct, row_valid=row_valid)
+        return batch, {"time/rollout_s": t_gen, "time/reward_s": t_rew,
+                       "rollout/kept_row_frac": float(row_valid.mean())}
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run_loop(self) -> dict[str, Any]:
+        cfg, r = self.cfg, self.run
+        start = int(jax.device_get(r.state.step))
+        logger = RunLogger(self.run_dir, total_steps=cfg.train.steps, initial_step=start, progress=self.progress)
+        nonfinite_in_a_row = 0
+        last: dict[str, float] = {}
+        try:
+            for step in range(start, cfg.train.steps):
+                if self.profile_steps and step == self.profile_steps[0]:
+                    jax.profiler.start_trace(str(self.run_dir / "profile"))
+                batch, times = self._rollout_batch(step, r.state)
+                t0 = time.perf_counter()
+                r.state, metrics = r.train_step(r.state, batch, r.ref_params)
+                m = to_host(metrics)
+                times["time/update_s"] = time.perf_counter() - t0
+                n_tokens = float(np.asarray(batch.response_valid).sum())
+                times["throughput/tokens_per_s"] = n_tokens / max(1e-9, times["time/rollout_s"] + times["time/update_s"])
+                m.update(times)
+                if self.profile_steps and step + 1 == self.profile_steps[1]:
+                    jax.profiler.stop_trace()
+                nonfinite_in_a_row = nonfinite_in_a_row + 1 if m.get("train/skipped", 0) > 0 else 0
+                m["train/nonfinite_in_a_row"] = float(nonfinite_in_a_row)
+                logger.log(step, m)
+                last = m
+                if nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
+                    raise TrainingDiverged(
+                        f"step {step}: {nonfinite_in_a_row} non-finite updates in a row; stopped. The last "
+                        f"good checkpoint in {self.run_dir / 'checkpoints'} is intact")
+                done = step + 1
+                if cfg.train.eval_every and done % cfg.train.eval_every == 0:
+                    ev = self.evaluate(done)
+                    if ev:
+                        logger.log(step, ev, phase="eval")
+                        logger.message(f"eval @ step {done}: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
+                if (cfg.train.save_every and done % cfg.train.save_every == 0) or done == cfg.train.steps:
+                    self.save(done)
+        finally:
+            logger.close()
+        return last
+
+    def save(self, step: int) -> None:
+        r = self.run
+        meta = {"data": r.iterator.state_dict(), "config": self.cfg.to_dict(),
+                "model_config": dataclasses.asdict(r.model_config), "tokenizer": r.tokenizer_spec, "step": step}
+        r.checkpointer.save(step, r.state, meta)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """pass@k on ``data.eval`` with the current policy (METHOD §6); {} when no eval set is named."""
+        from ict_jax.setup import run_eval
+
+        return run_eval(self.cfg, self.run, step)
+
+    def train(self) -> dict[str, Any]:
+        """SFT warm start (if configured and not resumed past it), then RL; returns a summary."""
+        cfg, r = self.cfg, self.run
+        t0 = time.perf_counter()
+        summary: dict[str, Any] = {"run_dir": str(self.run_dir)}
+        if not r.resumed and cfg.train.sft_steps > 0:
+            summary["sft"] = self.sft()
+            if cfg.data.eval:
+                summary["eval_after_sft"] = self.evaluate(0)
+        summary["final"] = self.run_loop()
+        r.checkpointer.wait()
+        if cfg.data.eval:
+            summary["eval_final"] = self.evaluate(cfg.train.steps)
+        summary["wall_s"] = time.perf_counter() - t0
+        if jax.process_index() == 0:
+            metrics = self.run_dir / "metrics.jsonl"
+            if metrics.exists():
+                summary["plot"] = str(plot_metrics(metrics, self.run_dir / "metrics.png"))
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        return summary
+
+    def close(self) -> None:
+        self.run.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
