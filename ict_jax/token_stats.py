@@ -95,7 +95,7 @@ def _block_stats(z, tokens, valid, group_size: int, want: frozenset):
             w = valid.astype(jnp.float32).reshape(P, group_size, C)
             pg = p.reshape(P, group_size, C, V)
             cnt = jnp.sum(w, axis=1)  # [P, C] active rollouts of the group at t
-            num = jnp.einsum("pgc,pgcv->pcv", w, pg)
+            num = jnp.sum(w[..., None] * pg, axis=1)  # a reduction, not a dot (no transpose of p)
             pbar = num / jnp.maximum(cnt, 1.0)[..., None]  # 0 where no rollout is active
             js = _js(pg, pbar[:, None]).reshape(B, C)
     return logZ, logp, H1, H2, js
@@ -164,7 +164,7 @@ def _unblocks(x):
 def _block_logits(h, unembed, temperature: float):
     """z = (h @ W) / T_s with float32 accumulation; h [B, C, D], W [D, V] -> [B, C, V] float32."""
     z = jnp.einsum("bcd,dv->bcv", h, unembed, preferred_element_type=jnp.float32)
-    return z / temperature
+    return z if temperature == 1.0 else z / temperature  # skip a [B, C, V] pass when T_s = 1
 
 
 def _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want):
@@ -210,7 +210,8 @@ def _chunked_bwd(group_size, temperature, chunk, want, res, cts):
         h, tok, lz, g = x
         z = _block_logits(h, unembed, temperature)
         onehot = tok[..., None] == lax.broadcasted_iota(jnp.int32, (1, 1, V), 2)
-        dz = (jnp.where(onehot, g[..., None], 0.0) - g[..., None] * jnp.exp(z - lz[..., None])) / temperature
+        g = (g / temperature)[..., None]  # fold 1/T_s into the [B, C] cotangent
+        dz = jnp.where(onehot, g, 0.0) - g * jnp.exp(z - lz[..., None])
         dh = jnp.einsum("bcv,dv->bcd", dz, unembed, preferred_element_type=jnp.float32)
         dW = dW + jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
         return dW, dh.astype(hidden.dtype)
