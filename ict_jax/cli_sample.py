@@ -1,8 +1,10 @@
-"""``ict-jax sample``: load a Hugging Face Qwen2 checkpoint directory and its tokenizer, sample G
-responses per prompt with :func:`ict_jax.generate`, print them decoded.
+"""``ict-jax sample``: load a model and its tokenizer (:func:`ict_jax.load_model_and_tokenizer`: a
+Hugging Face checkpoint directory, a .gguf file or ``pkg:<package>/<file>``), sample G responses per
+prompt with :func:`ict_jax.generate`, print them decoded.
 
     ict-jax sample --model PATH --prompt "What is 2+3?" [--prompt ...] [-n G] [--max-new-tokens N]
                    [--temperature T] [--top-p P] [--top-k K] [--greedy] [--seed S] [--chat/--no-chat]
+                   [--tokenizer char|PATH]
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import time
 
 def add_sample_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="PATH",
-                   help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer files)")
+                   help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer files), a .gguf "
+                        "file, or pkg:<package>/<file> (a file inside an installed Python package)")
+    p.add_argument("--tokenizer", default=None, metavar="char|PATH",
+                   help="tokenizer to use instead of the model's own: 'char' (the built-in CharTokenizer) or a "
+                        "tokenizer directory / .gguf file")
     p.add_argument("--prompt", action="append", required=True, metavar="TEXT",
                    help="a prompt (repeat the flag for several)")
     p.add_argument("-n", "--num-samples", type=int, default=1, metavar="G", help="responses per prompt (default 1)")
@@ -48,12 +54,10 @@ def sample_main(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
-    from ict_jax.model.weights import load_hf
+    from ict_jax.loading import load_model_and_tokenizer
     from ict_jax.sampler import generate
-    from ict_jax.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(args.model)
-    model = load_hf(args.model)
+    model, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
     encoded = [tok.encode(_format(tok, text, args.chat)) for text in args.prompt]
     if any(len(e) == 0 for e in encoded):
         raise ValueError("a prompt encodes to zero tokens")
