@@ -107,6 +107,11 @@ _API: dict[str, str] = {
     "aggregate": "evaluate",
     "format_table": "evaluate",
     "EVAL_DEFAULTS": "evaluate",
+    # -- loading a model by path, text generation (loading.py, generation.py) --
+    "load_model_and_tokenizer": "loading",
+    "make_text_generator": "generation",
+    "TextGenerator": "generation",
+    "template_dataset": "generation",
     # -- configuration (config.py) --
     "Config": "config",
     "ConfigError": "config",
