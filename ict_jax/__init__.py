@@ -116,6 +116,10 @@ _API: dict[str, str] = {
     "Config": "config",
     "ConfigError": "config",
     "load_config": "config",
+    # -- checkpoints (checkpoint.py) --
+    "Checkpointer": "checkpoint",
+    "load_params_from_checkpoint": "checkpoint",
+    "export_checkpoint": "checkpoint",
 }
 
 __all__ = sorted(_API) + ["__version__"]
