@@ -16,7 +16,9 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "export": ("ict_jax.checkpoint", "add_export_args", "export_main", "checkpoint -> Hugging Face safetensors"),
     "eval": ("ict_jax.eval_cli", "add_eval_args", "eval_main", "pass@k of a model on benchmarks (METHOD §6)"),
     "train": ("ict_jax.train_cli", "add_train_args", "train_main", "RL training (SFT warm start first if configured)"),
+    "sample": ("ict_jax.cli_sample", "add_sample_args", "sample_main", "sample G responses to a prompt"),
     "sft": ("ict_jax.train_cli", "add_sft_args", "sft_main", "supervised warm start only; writes <run_dir>/sft_model"),
+    "inspect": ("ict_jax.inspect_tokens", "add_inspect_args", "inspect_main", "HTML page of a group's tokens: JS/H1/H2, ICT/entropy/STAPO masks"),
 }
 
 

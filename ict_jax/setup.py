@@ -70,18 +70,15 @@ def build_model_and_tokenizer(cfg: Config, mesh: Any) -> tuple[Any, Any, str]:
     ``pkg:<package>/<file>``); otherwise a randomly initialised ``model.preset`` whose vocabulary is
     sized to the tokenizer (``model.tokenizer``: ``char`` = the built-in CharTokenizer)."""
     from ict_jax import ModelConfig, init_model
-    from ict_jax.tokenizer import CharTokenizer, load_tokenizer
+    from ict_jax.loading import load_model_and_tokenizer, load_tokenizer_spec
 
     m = cfg.model
     if m.path:
-        from ict_jax.loading import load_model_and_tokenizer
-
-        model, tok = load_model_and_tokenizer(m.path, mesh=mesh, dtype=m.param_dtype, **_model_overrides(cfg))
-        spec = m.path
-        if m.tokenizer:
-            tok, spec = (CharTokenizer(), "char") if m.tokenizer == "char" else (load_tokenizer(m.tokenizer), m.tokenizer)
-        return model, tok, spec
-    tok, spec = (CharTokenizer(), "char") if m.tokenizer in (None, "char") else (load_tokenizer(m.tokenizer), m.tokenizer)
+        model, tok = load_model_and_tokenizer(m.path, mesh=mesh, dtype=m.param_dtype, tokenizer=m.tokenizer,
+                                              **_model_overrides(cfg))
+        return model, tok, m.tokenizer or m.path
+    spec = m.tokenizer or "char"
+    tok = load_tokenizer_spec(spec)
     kw = dict(param_dtype=m.param_dtype, **_model_overrides(cfg))
     if m.preset in ("tiny", "demo"):
         kw["vocab_size"] = tok.vocab_size
@@ -114,6 +111,15 @@ def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer
     check_run_dir(run_dir, resume)
     m = cfg.mesh
     mesh = make_mesh(m.data, m.fsdp, m.tensor)
+    from ict_jax.sharding import check_prompts_divide
+
+    t = cfg.train
+    try:  # the sampler splits P prompts, the step each micro-batch's prompts, over data x fsdp
+        check_prompts_divide(t.prompts_per_step, mesh)
+        if t.mini_batches * t.micro_batches > 1:
+            check_prompts_divide(t.prompts_per_step // (t.mini_batches * t.micro_batches), mesh)
+    except ValueError as e:
+        raise ConfigError(f"train.prompts_per_step: {e}") from None
     # everything that reads user input comes before anything is written
     datasets = [load_dataset(name, data_dir=cfg.data.data_dir, seed=cfg.seed) for name in cfg.data.train]
     if model is None:
@@ -173,14 +179,16 @@ def run_eval(cfg: Config, run: Run, step: int) -> dict[str, float]:
         return {}
     from ict_jax.data import load_dataset
     from ict_jax.evaluate import evaluate
-    from ict_jax.generation import make_text_generator
+    from ict_jax.generation import make_text_generator, template_dataset
 
     d = cfg.data
     if run.eval_data is None:  # built once per run: the same problems, and one compiled sampler
-        run.eval_data = {name: load_dataset(name, data_dir=d.data_dir, seed=cfg.seed) for name in d.eval}
+        # templated up front with each benchmark's own instruction (multiple choice vs \boxed{})
+        run.eval_data = {name: template_dataset(load_dataset(name, data_dir=d.data_dir, seed=cfg.seed),
+                                                run.tokenizer, d.template) for name in d.eval}
         run.eval_gen = make_text_generator((run.state.graphdef, run.state.params), run.tokenizer,
                                            max_new_tokens=cfg.rollout.max_new_tokens, temperature=d.eval_temperature,
-                                           top_p=d.eval_top_p, template=d.template,
+                                           top_p=d.eval_top_p, template="none", overlong="skip",
                                            max_prompt_len=cfg.rollout.max_prompt_len,
                                            batch_size=max(1, cfg.train.prompts_per_step), seed=cfg.seed,
                                            mesh=run.mesh if run.mesh.size > 1 else None)

@@ -267,10 +267,9 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
         return stats_from_hidden(h, model.unembedding(), mb.tokens[:, -Lr:], valid, group_size=G,
                                  temperature=temperature, chunk=chunk, compute=compute)
 
-    def nograd_pass(params, graphdef, batch: RolloutBatch, valid, compute) -> TokenStats:
-        """Statistics over a batch, micro-batch by micro-batch, without gradient."""
+    def nograd_pass(params, graphdef, batch: RolloutBatch, valid, compute, n: int) -> TokenStats:
+        """Statistics over a batch in ``n`` micro-batch-sized chunks, without gradient."""
         params = jax.lax.stop_gradient(params)
-        n = n_micro * n_mini
 
         def body(_, xs):
             mb, v = xs
@@ -308,10 +307,10 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
         valid = _valid(batch, loss_cfg.mask_truncated)
         logp_ref = None
         if use_kl:
-            logp_ref = nograd_pass(ref_params, graphdef, batch, valid, ("logp",)).logp
+            logp_ref = nograd_pass(ref_params, graphdef, batch, valid, ("logp",), n_mini * n_micro).logp
         old = None
         if not fused:  # (a): old-policy pass over the whole rollout batch
-            old = nograd_pass(state.params, graphdef, batch, valid, ("logp", "js"))
+            old = nograd_pass(state.params, graphdef, batch, valid, ("logp", "js"), n_mini * n_micro)
         logp_old_all = None
         if loss_cfg.old_logp == "sampler":
             logp_old_all = jnp.where(valid > 0, batch.sampler_logp, 0.0)
@@ -325,7 +324,7 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
                 (loss, (lm, mask, stats, lp_old_used)), grads = grad_fn(
                     params, graphdef, mb, v, lp_old, lp_ref, None, None, state.rng, state.step)
             else:
-                cur = nograd_pass(params, graphdef, mb, v, ("logp", "H1", "H2"))
+                cur = nograd_pass(params, graphdef, mb, v, ("logp", "H1", "H2"), n_micro)
                 cur = cur._replace(js=js_old)  # ICT's u comes from the old policy (METHOD §2)
                 mask = select(method, cur, mb.advantages, v, key=state.rng, step=state.step, config=sel_cfg,
                               group_size=G)

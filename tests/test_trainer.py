@@ -1,0 +1,154 @@
+"""Issue 7: the trainer end to end on a tiny model with the CharTokenizer and the procedural arith task;
+bad input; resume after SIGKILL (slow, subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from ict_jax.cli import main as cli_main
+from ict_jax.config import load_config
+from ict_jax.run_log import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "configs" / "demo.yaml"
+TINY = [  # a few seconds per method on 2 cores
+    "model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
+    "rollout.max_prompt_len=16", "train.sft_steps=2", "train.sft_batch_size=8", "rl.selector.warmup_steps=1",
+    "data.train=[\"arith?digits=1&size=64\"]", "data.eval=[]", "stats.chunk=8", "rl.reward.workers=1",
+]
+SECTION5 = {"reward/mean", "reward/accuracy", "adv/zero_std_group_frac", "response/length_mean",
+            "response/truncated_frac", "mask/selected_frac", "mask/selected_prob_mean",
+            "mask/high_low_entropy_ratio", "stats/H1_mean", "stats/H2_mean", "stats/H1_selected_mean",
+            "stats/H2_selected_mean", "stats/js_mean", "stats/js_p90", "stats/js_selected_mean", "loss/policy",
+            "loss/kl", "kl/valid_mean", "clip/frac_selected", "clip/frac_unselected", "grad/norm",
+            "rollout/logp_abs_diff_mean", "time/rollout_s", "time/update_s", "throughput/tokens_per_s"}
+
+
+@pytest.mark.parametrize("method", ["ict", "grpo", pytest.param("entropy", marks=pytest.mark.slow),
+                                    pytest.param("stapo", marks=pytest.mark.slow),
+                                    pytest.param("random", marks=pytest.mark.slow)])
+def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
+    from ict_jax.trainer import Trainer
+
+    cfg = load_config(DEMO, TINY + [f"rl.selector.method={method}", "train.steps=2", "train.save_every=2",
+                                     f"run_dir={tmp_path / 'run'}", "rl.loss.kl_coef=0.01",
+                                     "mesh.data=-1", "mesh.tensor=2"])  # 4 x 1 x 2 on the 8 test devices
+    with Trainer(cfg, progress=False) as t:
+        summary = t.train()
+    run = tmp_path / "run"
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    missing = SECTION5 - set(rows[-1])
+    assert not missing, f"metrics without {sorted(missing)}"
+    assert all(np.isfinite(rows[-1][k]) for k in SECTION5)
+    assert (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())
+    assert (run / "sft_model" / "config.json").is_file()  # the warm start, the KL reference of a resume
+    assert (run / "metrics.png").is_file() and (run / "summary.json").is_file()
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert summary["final"]["reward/mean"] == rows[-1]["reward/mean"]
+
+
+def _cli(args: list[str], capsys) -> tuple[int, str]:
+    rc = cli_main(args)
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rl.selector.methd=ict", "unknown config key 'rl.selector.methd'"),
+    ("train.steps=many", "train.steps: expected an integer"),
+    ("mesh.data=3", "does not equal the 1 available devices"),
+    ("data.train=[\"gsm8k\"]", "gsm8k"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(override, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(jax, "devices", lambda *a: jax.local_devices()[:1])  # a 1-device machine
+    run = tmp_path / "run"
+    rc, err = _cli(["train", "--config", str(DEMO), f"run_dir={run}", "data.data_dir=" + str(tmp_path / "nodata"),
+                    override, "--no-progress"], capsys)
+    assert rc == 2
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not run.exists()
+
+
+def test_malformed_row_names_file_and_line(tmp_path, capsys):
+    d = tmp_path / "data"
+    (d / "gsm8k").mkdir(parents=True)
+    rows = [json.dumps({"question": "1+1?", "answer": "#### 2"}), "{not json", json.dumps({"question": "x"})]
+    (d / "gsm8k" / "train.jsonl").write_text("\n".join(rows) + "\n")
+    rc, err = _cli(["train", "--config", str(DEMO), f"run_dir={tmp_path / 'run'}", f"data.data_dir={d}",
+                    "data.train=[\"gsm8k\"]", "--no-progress"], capsys)
+    assert rc == 2 and "train.jsonl:2" in err and len(err.splitlines()) == 1, err
+
+
+def test_existing_run_dir_is_never_overwritten(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    rc, err = _cli(["train", "--config", str(DEMO), f"run_dir={run}", "--no-progress"], capsys)
+    assert rc == 2 and "already holds a run; pass --resume" in err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+# ------------------------------------------------------------------------------------------------
+# Resume: bitwise identical to an uninterrupted run (CPU), after a SIGKILL
+# ------------------------------------------------------------------------------------------------
+def _train_proc(run: Path, steps: int, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    args = [sys.executable, "-m", "ict_jax.cli", "train", "--config", str(DEMO), "--no-progress", *TINY,
+            f"train.steps={steps}", "train.save_every=3", "rl.loss.kl_coef=0.01", f"run_dir={run}", *extra]
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _final_params(run: Path):
+    from ict_jax.checkpoint import load_params_from_checkpoint
+    from flax import nnx
+
+    model, meta = load_params_from_checkpoint(run / "checkpoints")
+    return meta["step"], jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    p = _train_proc(full, 6)
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out
+    # the interrupted run: killed as soon as its step-3 checkpoint is final
+    p = _train_proc(cut, 6)
+    deadline = time.time() + 900
+    while time.time() < deadline and p.poll() is None:
+        if any(r["step"] == 3 for r in _rows(cut)) and (cut / "checkpoints" / "3").is_dir():
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    p = _train_proc(cut, 6, "--resume")
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out
+    step_a, params_a = _final_params(full)
+    step_b, params_b = _final_params(cut)
+    assert step_a == step_b == 6
+    for x, y in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+        np.testing.assert_array_equal(x, y)
+    ra, rb = read_metrics(full / "metrics.jsonl"), read_metrics(cut / "metrics.jsonl")
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(6))
+    for a, b in zip(ra, rb):
+        keep = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}  # noqa: E731
+        assert keep(a) == keep(b), (a["step"], keep(a), keep(b))
+
+
+def _rows(run: Path) -> list[dict]:
+    try:
+        return read_metrics(run / "metrics.jsonl")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
