@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "train": ("ict_jax.train_cli", "add_train_args", "train_main", "RL training (SFT warm start first if configured)"),
     "sample": ("ict_jax.cli_sample", "add_sample_args", "sample_main", "sample G responses to a prompt"),
     "sft": ("ict_jax.train_cli", "add_sft_args", "sft_main", "supervised warm start only; writes <run_dir>/sft_model"),
+    "compare": ("ict_jax.compare", "add_compare_args", "compare_main", "every method x seed from one warm start: table + plots"),
     "inspect": ("ict_jax.inspect_tokens", "add_inspect_args", "inspect_main", "HTML page of a group's tokens: JS/H1/H2, ICT/entropy/STAPO masks"),
 }
 
