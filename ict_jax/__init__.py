@@ -112,6 +112,12 @@ _API: dict[str, str] = {
     "make_text_generator": "generation",
     "TextGenerator": "generation",
     "template_dataset": "generation",
+    # -- SFT warm start and the trainer (sft.py, trainer.py) --
+    "sft_step": "sft",
+    "make_sft_step": "sft",
+    "sft_loss": "sft",
+    "Trainer": "trainer",
+    "TrainingDiverged": "trainer",
     # -- configuration (config.py) --
     "Config": "config",
     "ConfigError": "config",
