@@ -126,6 +126,9 @@ _API: dict[str, str] = {
     "Checkpointer": "checkpoint",
     "load_params_from_checkpoint": "checkpoint",
     "export_checkpoint": "checkpoint",
+    # -- the token inspector (inspect_tokens.py) --
+    "token_report": "inspect_tokens",
+    "render_html": "inspect_tokens",
 }
 
 __all__ = sorted(_API) + ["__version__"]
