@@ -92,7 +92,7 @@ _API: dict[str, str] = {
     "make_optimizer": "train_step",
     "reference_params": "train_step",
     # -- rewards (rewards.py) --
-    "RewardPool": "rewards",
+    "RewardPool": "reward_pool",
     "RewardSpec": "rewards",
     "RewardCheck": "rewards",
     "score_text": "rewards",
