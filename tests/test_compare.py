@@ -1,0 +1,198 @@
+"""Issue 8 item 2: ``ict-jax compare`` (one warm start, every method x seed, table + plots, resumable)
+and the table maths on hand-made metrics rows."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ict_jax.cli import main as cli_main
+from ict_jax.compare import (aggregate_group, format_markdown, mean_sd, pass_at_k, plan_runs, run_result,
+                             steps_to_target, tail_mean)
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "configs" / "demo.yaml"
+TINY = [  # the demo config shrunk to seconds per run: 5 SFT steps, 3 RL steps, 8 eval problems
+    "model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
+    "rollout.max_prompt_len=16", "train.sft_steps=5", "train.sft_batch_size=8", "rl.selector.warmup_steps=1",
+    "data.train=[\"arith?digits=1&size=64\"]", "stats.chunk=8", "rl.reward.workers=1",
+    "mesh.data=-1", "mesh.tensor=2", "train.steps=3", "train.save_every=3",
+    "data.eval=[\"arith?digits=1&size=8&seed=7\"]", "data.eval_n=2", "data.eval_k=[1,2]",
+]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _table_rows(md: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+
+
+# --------------------------------------------------------------------------------------------------
+# The table maths
+# --------------------------------------------------------------------------------------------------
+def _rows(rewards, h1=None, h2=None):
+    return [{"step": i, "phase": "rl", "reward/mean": r,
+             **({"stats/H1_mean": h1[i]} if h1 else {}), **({"stats/H2_mean": h2[i]} if h2 else {})}
+            for i, r in enumerate(rewards)]
+
+
+def test_steps_to_target_uses_a_trailing_moving_average():
+    # single steps reach 0.5 early, but the 5-step average only at the 8th step: (.2+.6+.6+.6+.6)/5=0.52
+    rewards = [0.0, 0.9, 0.1, 0.2, 0.6, 0.6, 0.6, 0.6, 0.9]
+    # partial windows at the start: step 1 -> (0 + .9) / 2 = 0.45 < 0.5
+    ma = [sum(rewards[max(0, i - 4):i + 1]) / len(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+    first = next(i for i, m in enumerate(ma) if m >= 0.5)
+    assert steps_to_target(_rows(rewards), 0.5) == first + 1 == 8
+    assert steps_to_target(_rows(rewards), 0.95) is None
+    assert steps_to_target(_rows([0.7]), 0.5) == 1
+    # unsorted rows and non-finite values (logged as strings) are handled
+    rows = list(reversed(_rows([0.0, 0.0, 1.0, 1.0]))) + [{"step": 4, "reward/mean": "nan"}]
+    assert steps_to_target(rows, 0.5) == 4  # (0 + 0 + 1 + 1) / 4
+    assert steps_to_target(rows, 0.5, window=2) == 3  # (0 + 1) / 2
+
+
+def test_mean_sd_tail_mean_and_pass_at_k():
+    s = mean_sd([0.4, 0.5, 0.6])
+    assert s["n"] == 3 and s["mean"] == pytest.approx(0.5) and s["sd"] == pytest.approx(0.1)  # ddof 1
+    assert mean_sd([0.3, None]) == {"mean": 0.3, "sd": None, "n": 1}
+    assert mean_sd([None]) == {"mean": None, "sd": None, "n": 0}
+    rows = _rows([0.0] * 8, h1=[1, 2, 3, 4, 5, 6, 7, 8], h2=[0] * 8)
+    assert tail_mean(rows, "stats/H1_mean") == pytest.approx(6.0)  # last 5: 4..8
+    assert tail_mean(rows[:2], "stats/H1_mean") == pytest.approx(1.5)
+    assert tail_mean(rows, "stats/js_mean") is None
+    evals = {"eval/a/pass@1": 0.2, "eval/a/pass@4": 0.5, "eval/b?x=1&y=2/pass@1": 0.4, "eval/b?x=1&y=2/pass@4": 0.7,
+             "eval/a/other": 9.0}
+    p = pass_at_k(evals)
+    assert list(p) == [1, 4] and p[1] == pytest.approx(0.3) and p[4] == pytest.approx(0.6)
+
+
+def test_group_aggregate_and_markdown_table():
+    target = 0.5
+    ict = [run_result(_rows([0.4, 0.6, 0.6, 0.6, 0.6, 0.6], h1=[1.0] * 6, h2=[2.0] * 6),
+                      {"eval/x/pass@1": 0.5, "eval/x/pass@4": 0.8}, target, 10.0),
+           run_result(_rows([0.6] * 6, h1=[3.0] * 6, h2=[2.0] * 6),
+                      {"eval/x/pass@1": 0.7, "eval/x/pass@4": 0.9}, target, 20.0),
+           run_result(_rows([0.1] * 6, h1=[2.0] * 6, h2=[2.0] * 6),
+                      {"eval/x/pass@1": 0.6, "eval/x/pass@4": 1.0}, target, 30.0)]
+    assert [r["steps_to_target"] for r in ict] == [2, 1, None]  # (0.4 + 0.6) / 2 >= 0.5 at step 2
+    g = aggregate_group(ict)
+    assert g["pass"]["pass@1"]["mean"] == pytest.approx(0.6) and g["pass"]["pass@1"]["sd"] == pytest.approx(0.1)
+    assert g["pass"]["pass@4"]["sd"] == pytest.approx(0.1)
+    assert g["steps_to_target"] == {"mean": 1.5, "sd": pytest.approx(math.sqrt(0.5)), "n": 2, "n_runs": 3}
+    assert g["H1"]["mean"] == pytest.approx(2.0) and g["H1"]["sd"] == pytest.approx(1.0)
+    grpo = aggregate_group([run_result(_rows([0.0] * 6), {"eval/x/pass@1": 0.25}, target, 5.0)])
+    results = {"target_reward": target, "eval": ["x"], "warmstart": {"eval": {"eval/x/pass@1": 0.125}, "wall_s": 7},
+               "groups": [{"group": "ict", "rho": None, "seeds": [0, 1, 2], **g},
+                          {"group": "ict_rho0.2", "rho": 0.2, "seeds": [0], **grpo}]}
+    md = format_markdown(results)
+    rows = _table_rows(md)
+    assert rows[0][:5] == ["method", "rho", "seeds", "P@1", "P@4"]
+    assert rows[1][0] == "warm start (SFT)" and rows[1][3] == "0.125" and rows[1][4] == "n/a"
+    assert rows[2][:5] == ["ict", "", "3", "0.600 ± 0.100", "0.900 ± 0.100"]
+    assert rows[2][5] == "1.5 ± 0.7 (2/3 reached)"
+    assert rows[2][6] == "2.000 ± 1.000" and rows[2][7] == "2.000 ± 0.000" and rows[2][8] == "20 ± 10"
+    assert rows[3][:6] == ["ict_rho0.2", "0.2", "1", "0.250", "n/a", "never"]
+    assert "within one standard deviation" in md and "inconclusive" in md
+
+
+def test_plan_runs_groups_and_directories(tmp_path):
+    specs = plan_runs(["grpo", "ict"], [0, 1], tmp_path, rhos=[0.05, 0.2])
+    assert [s.name for s in specs] == ["grpo_s0", "grpo_s1", "ict_rho0.05_s0", "ict_rho0.05_s1",
+                                       "ict_rho0.2_s0", "ict_rho0.2_s1"]
+    assert specs[2].run_dir == tmp_path / "runs" / "ict_rho0.05_s0" and specs[2].rho == 0.05
+    assert specs[0].rho is None and specs[0].method == "grpo"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--methods", "ict,ppo"], "--methods: 'ppo' is not a selector method"),
+    (["--methods", "grpo", "--rho", "0.1"], "--rho: the sparsity ablation is for ICT only"),
+    (["--seeds", "0"], "--seeds '0'"),
+    (["--rho", "0.1,1.5"], "rl.selector.rho: 1.5 is out of range"),
+    (["train.sft_steps=0"], "compare needs a shared starting point"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = cli_main(["compare", "--config", str(DEMO), "--out", str(out), "--no-progress", *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end
+# --------------------------------------------------------------------------------------------------
+def test_compare_two_methods_writes_table_and_plots_and_resumes(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    argv = ["compare", "--config", str(DEMO), "--methods", "ict,grpo", "--seeds", "1", "--out", str(out),
+            "--target-reward", "0.0", "--no-progress", *TINY]
+    assert cli_main(argv) == 0
+    cap = capsys.readouterr()
+    warm = out / "warmstart" / "sft_model"
+    assert (warm / "config.json").is_file()
+    # every run starts from the shared warm start, RL only, its own method, the same seed and data
+    cfgs = {m: json.loads((out / "runs" / f"{m}_s0" / "config.json").read_text()) for m in ("ict", "grpo")}
+    for m, c in cfgs.items():
+        assert c["model"]["path"] == str(warm.absolute()) and c["model"]["tokenizer"] == "char"
+        assert c["train"]["sft_steps"] == 0 and c["seed"] == 0 and c["rl"]["selector"]["method"] == m
+    strip = lambda c: {**c, "rl": {**c["rl"], "selector": None}, "run_dir": None}  # noqa: E731
+    assert strip(cfgs["ict"]) == strip(cfgs["grpo"])
+
+    md = (out / "results.md").read_text()
+    assert md in cap.out  # the table is printed too
+    rows = _table_rows(md)
+    assert rows[0][:5] == ["method", "rho", "seeds", "P@1", "P@2"]
+    assert [r[0] for r in rows[1:]] == ["warm start (SFT)", "ict", "grpo"]
+    res = json.loads((out / "results.json").read_text())
+    for g, row in zip(res["groups"], rows[2:]):
+        assert g["seeds"] == [0]
+        run = g["runs"]["0"]
+        summary = json.loads((out / "runs" / f"{g['group']}_s0" / "summary.json").read_text())
+        p = pass_at_k(summary["eval_final"])
+        assert set(p) == {1, 2} and run["pass"] == {"pass@1": p[1], "pass@2": p[2]}
+        assert row[3] == f"{p[1]:.3f}" and row[4] == f"{p[2]:.3f}"  # one seed: no sd
+        assert run["steps"] == 3 and run["steps_to_target"] == 1 and row[5] == "1.0"  # target 0: step 1
+        assert math.isfinite(run["H1"]) and run["H1"] > 0 and row[6] == f"{run['H1']:.3f}"
+    assert "inconclusive" in md
+    for png in ("reward.png", "H1.png", "H2.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000, png
+
+    # a second invocation trains nothing: the warm start is reused and both runs are skipped
+    metrics = {m: (out / "runs" / f"{m}_s0" / "metrics.jsonl").read_text() for m in ("ict", "grpo")}
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warm start: reusing" in err and "ict_s0: skipped" in err and "grpo_s0: skipped" in err
+    assert {m: (out / "runs" / f"{m}_s0" / "metrics.jsonl").read_text() for m in ("ict", "grpo")} == metrics
+    assert _table_rows((out / "results.md").read_text()) == rows
+
+    # a run with a checkpoint but no summary is resumed, not restarted: no RL step is repeated
+    (out / "runs" / "grpo_s0" / "summary.json").unlink()
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "ict_s0: skipped" in err and "grpo_s0: resuming" in err
+    assert (out / "runs" / "grpo_s0" / "metrics.jsonl").read_text() == metrics["grpo"]
+    assert (out / "runs" / "grpo_s0" / "summary.json").is_file()
+    assert _table_rows((out / "results.md").read_text())[3][:4] == rows[3][:4]
+
+
+@pytest.mark.slow
+def test_rho_ablation_selects_fewer_tokens_at_smaller_rho(tmp_path):
+    from ict_jax.compare import run_comparison
+    from ict_jax.run_log import read_metrics
+
+    out = tmp_path / "cmp"
+    res = run_comparison(DEMO, methods="ict", seeds=2, rhos="0.05,0.3", out=out, progress=False,
+                         overrides=TINY + ["train.steps=4", "train.save_every=2"])
+    assert [g["group"] for g in res["groups"]] == ["ict_rho0.05", "ict_rho0.3"]
+    assert all(g["seeds"] == [0, 1] and g["pass"]["pass@1"]["sd"] is not None for g in res["groups"])
+    sel = {}
+    for g in ("ict_rho0.05", "ict_rho0.3"):
+        rows = [r for s in (0, 1) for r in read_metrics(out / "runs" / f"{g}_s{s}" / "metrics.jsonl") if r["step"] >= 1]
+        sel[g] = sum(r["mask/selected_frac"] for r in rows) / len(rows)  # after the 1-step warm-up
+    assert 0 < sel["ict_rho0.05"] < sel["ict_rho0.3"] < 1, sel
+    rows = _table_rows((out / "results.md").read_text())
+    assert [r[:3] for r in rows[2:]] == [["ict_rho0.05", "0.05", "2"], ["ict_rho0.3", "0.3", "2"]]
