@@ -129,6 +129,8 @@ _API: dict[str, str] = {
     # -- the token inspector (inspect_tokens.py) --
     "token_report": "inspect_tokens",
     "render_html": "inspect_tokens",
+    # -- the method comparison (compare.py; ``ict_jax.compare`` is the submodule) --
+    "run_comparison": "compare",
 }
 
 __all__ = sorted(_API) + ["__version__"]
