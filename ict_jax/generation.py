@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ict_jax.sharding import to_host
+
 __all__ = ["TextGenerator", "make_text_generator", "template_dataset"]
 
 
@@ -112,7 +114,7 @@ class TextGenerator:
             ids, mask = pad_left(seqs, bucket_for(max(len(s) for s in seqs), self.buckets), tok.pad_id)
             r = fn(self.state, ids, mask, jax.random.fold_in(self.key, self.calls))
             self.calls += 1
-            tokens, valid = np.asarray(r.tokens), np.asarray(r.valid)
+            tokens, valid = to_host((r.tokens, r.valid))  # all-gathered in a multi-process run
             for p, i in enumerate(rows):
                 for j in range(n):
                     row = p * n + j

@@ -19,8 +19,10 @@ PLOT_KEYS = ("reward/mean", "reward/accuracy", "stats/H1_mean", "stats/H2_mean",
 
 
 def to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Device scalars -> Python floats (one transfer)."""
-    values = jax.device_get(dict(metrics))
+    """Device scalars -> Python floats (one transfer; multi-process safe)."""
+    from ict_jax.sharding import to_host as _host
+
+    values = _host(dict(metrics))
     return {k: float(np.asarray(v)) for k, v in values.items()}
 
 

@@ -4,6 +4,7 @@ step and sampler, reward workers, checkpoints (and resume), and the periodic eva
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
@@ -109,6 +110,10 @@ def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer
 
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, resume)
+    if jax.process_count() > 1:  # every process has checked before any process writes
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("ict_jax: run_dir checked")
     m = cfg.mesh
     mesh = make_mesh(m.data, m.fsdp, m.tensor)
     from ict_jax.sharding import check_prompts_divide
@@ -152,7 +157,8 @@ def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer
     pool = RewardPool(rw.workers, time_limit=rw.time_limit,
                       spec=RewardSpec(correct=rw.correct, wrong=rw.wrong, no_answer=rw.no_answer,
                                       max_response_chars=rw.max_response_chars))
-    (run_dir / "config.json").write_text(__import__("json").dumps(cfg.to_dict(), indent=2))
+    if jax.process_index() == 0:
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     return Run(cfg=cfg, mesh=mesh, model=model, model_config=model.config, tokenizer=tokenizer,
                tokenizer_spec=tok_spec, state=state, train_step=train_step, ref_params=ref_params,
                generate=generate, pool=pool, checkpointer=checkpointer, iterator=iterator, prompts=prompts,

@@ -136,8 +136,33 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def shard_batch(tree: Any, mesh: Mesh) -> Any:
-    """``device_put`` every leaf (a [B, ...] array) with its rows split over ('data', 'fsdp')."""
-    return jax.tree.map(lambda a: jax.device_put(a, batch_sharding(mesh, np.ndim(a))), tree)
+    """Place every leaf (a [B, ...] array) with its rows split over ('data', 'fsdp').
+
+    Host (NumPy) leaves become global arrays through ``jax.make_array_from_callback``: in a multi-process
+    run every process holds the same host batch and each provides the shards of its own devices."""
+    def one(a: Any) -> jax.Array:
+        sh = batch_sharding(mesh, np.ndim(a))
+        if isinstance(a, jax.Array):
+            return jax.device_put(a, sh)
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, sh, lambda idx: a[idx])
+
+    return jax.tree.map(one, tree)
+
+
+def to_host(tree: Any) -> Any:
+    """NumPy copies of (possibly sharded, possibly multi-process) arrays: all-gathered across processes
+    when a process cannot address every shard."""
+    def one(a: Any) -> np.ndarray:
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            if a.is_fully_replicated:
+                return np.asarray(a.addressable_data(0))
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(jax.device_get(a))
+
+    return jax.tree.map(one, tree)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

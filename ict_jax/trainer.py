@@ -5,8 +5,9 @@ The only module that knows every other one (DESIGN.md). Per rollout-batch step s
 1. the next P prompts from the seeded, resumable prompt iterator;
 2. ``generate`` with the CURRENT policy parameters (the train state's own arrays: no copy, no weight
    sync), key ``fold_in(fold_in(root, SAMPLER_STREAM), s)``;
-3. responses decoded and scored by the reward worker pool (asynchronously: the host builds the
-   rollout batch while the workers check answers);
+3. responses decoded and scored by the reward worker pool, all checks of the batch in parallel worker
+   processes (in a multi-process run each process scores its share of the rows). The next rollout
+   needs the updated weights, so scoring cannot overlap the next generation on-policy;
 4. advantages (METHOD §3) and one call of the compiled train step (METHOD §4);
 5. METHOD §5 metrics logged, evaluation every ``train.eval_every`` steps, a checkpoint every
    ``train.save_every`` steps and at the end.
@@ -132,12 +133,23 @@ class Trainer:
         r.state = init_train_state(cfg, r.model)
         if cfg.rl.loss.kl_coef > 0:
             r.ref_params = reference_params(r.state, r.model.config.resolved_compute_dtype())
-        if jax.process_index() == 0 and not (self.run_dir / "sft_model").exists():
-            save_hf(r.model, self.run_dir / "sft_model")
+        if not (self.run_dir / "sft_model").exists():
+            from flax import nnx
+
+            from ict_jax.sharding import to_host
+
+            host = nnx.merge(r.state.graphdef, to_host(r.state.params))  # every process joins the gather
+            if jax.process_index() == 0:
+                save_hf(host, self.run_dir / "sft_model")
         return last
 
     # -- one RL step -----------------------------------------------------------------------------
     def _rollout_batch(self, step: int, state: Any) -> tuple[Any, dict[str, float]]:
+        """Prompts -> G responses -> rewards -> a :class:`RolloutBatch` placed on the mesh.
+
+        Every process holds the same host data (the same seeded prompt iterator) and builds the same
+        batch; each process scores only its share of the rows and the rewards are all-gathered."""
+        from ict_jax.sharding import shard_batch, to_host
         from ict_jax.train_step import build_rollout_batch
 
         cfg, r = self.cfg, self.run
@@ -145,32 +157,51 @@ class Trainer:
         t0 = time.perf_counter()
         pb = next(r.iterator)
         key = jax.random.fold_in(jax.random.fold_in(state.rng, SAMPLER_STREAM), step)
-        ro = r.generate(state.params, jnp.asarray(pb.ids), jnp.asarray(pb.mask), key)
-        tokens, valid = jax.device_get((ro.tokens, ro.valid))
+        ids, mask = (shard_batch((pb.ids, pb.mask), r.mesh) if r.mesh.size > 1
+                     else (jnp.asarray(pb.ids), jnp.asarray(pb.mask)))
+        ro = to_host(r.generate(state.params, ids, mask, key))
         t_gen = time.perf_counter() - t0
-        eos = set(r.tokenizer.eos_ids)
-        texts = [r.tokenizer.decode([int(t) for t, v in zip(tokens[i], valid[i]) if v and int(t) not in eos])
-                 for i in range(tokens.shape[0])]
-        rows = [i // G for i in range(tokens.shape[0])]
-        kinds = [r.prompts.kinds[int(pb.indices[p])] for p in rows]
-        golds = [pb.examples[p].answer for p in rows]
-        metas = [pb.examples[p].meta for p in rows]
-        future = r.pool.score_async(kinds, texts, golds, metas)
-        row_valid = np.repeat(pb.valid.astype(np.float32), G)
-        rewards = future.result()
+        rewards = self._score(pb, ro.tokens, ro.valid)
         correct = (rewards >= cfg.rl.reward.correct).astype(np.float32)
         t_rew = time.perf_counter() - t0 - t_gen
+        row_valid = np.repeat(pb.valid.astype(np.float32), G)
         if cfg.rl.adv.drop_zero_std_groups:  # DAPO dynamic sampling: all-equal groups leave the loss
             r_pg = rewards.reshape(-1, G)
             row_valid = row_valid * np.repeat((r_pg.max(1) > r_pg.min(1)).astype(np.float32), G)
-        batch = build_rollout_batch(pb.ids, pb.mask, ro, rewards, config=cfg, correct=correct, row_valid=row_valid)
+        batch = to_host(build_rollout_batch(pb.ids, pb.mask, ro, rewards, config=cfg, correct=correct,
+                                            row_valid=row_valid))
+        batch = shard_batch(batch, r.mesh) if r.mesh.size > 1 else jax.tree.map(jnp.asarray, batch)
         return batch, {"time/rollout_s": t_gen, "time/reward_s": t_rew,
                        "rollout/kept_row_frac": float(row_valid.mean())}
+
+    def _score(self, pb: Any, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """Rewards of all rows; each process checks its contiguous share of rows in the worker pool."""
+        r, G = self.run, self.cfg.rollout.num_samples
+        B = tokens.shape[0]
+        n_proc, me = jax.process_count(), jax.process_index()
+        per = -(-B // n_proc)
+        mine = range(me * per, min(B, (me + 1) * per))
+        eos = set(r.tokenizer.eos_ids)
+        texts = [r.tokenizer.decode([int(t) for t, v in zip(tokens[i], valid[i]) if v and int(t) not in eos])
+                 for i in mine]
+        kinds = [r.prompts.kinds[int(pb.indices[i // G])] for i in mine]
+        golds = [pb.examples[i // G].answer for i in mine]
+        metas = [pb.examples[i // G].meta for i in mine]
+        local = np.zeros(per, np.float32)
+        if texts:
+            local[:len(texts)] = r.pool.score(kinds, texts, golds, metas)
+        if n_proc == 1:
+            return local[:B]
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(local)).reshape(-1)[:B]
 
     # -- the loop --------------------------------------------------------------------------------
     def run_loop(self) -> dict[str, Any]:
         cfg, r = self.cfg, self.run
-        start = int(jax.device_get(r.state.step))
+        from ict_jax.sharding import to_host
+
+        start = int(to_host(r.state.step))
         logger = RunLogger(self.run_dir, total_steps=cfg.train.steps, initial_step=start, progress=self.progress)
         nonfinite_in_a_row = 0
         last: dict[str, float] = {}
