@@ -34,9 +34,10 @@ from jaxtyping import Array, Bool, Float, Int
 from ict_jax.model.qwen2 import KVCache, _attend, _finish, _qkv, rms_norm, rope_tables
 from ict_jax.sharding import BATCH_AXES, check_prompts_divide, constrain
 
-#: Decoder depth up to which decode unrolls the layer loop by default (no per-layer scan overhead: on
-#: CPU this is the difference between ~1.2x and ~2.4x transformers at small shapes; compile time grows
-#: with depth).
+#: On CPU, decode unrolls the layer loop over per-layer weights by default up to this depth (no
+#: per-layer scan overhead and no per-step weight copies; compile time grows with depth). Elsewhere the
+#: default is the model's ``lax.scan`` decode: the per-layer weights are a temporary copy of the layer
+#: weights for the duration of a call, memory an accelerator training run may not have.
 UNROLL_MAX_LAYERS = 32
 
 
@@ -162,7 +163,7 @@ class SampleSettings:
     greedy: bool = False
     kv_cache_dtype: str | None = None
     pad_id: int = 0
-    unroll_layers: bool | None = None  # None: unroll when num_layers <= UNROLL_MAX_LAYERS
+    unroll_layers: bool | None = None  # None: unroll on CPU when num_layers <= UNROLL_MAX_LAYERS
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -227,7 +228,9 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
                    prompt_mask: Int[Array, "P Lp"], key: jax.Array) -> Rollout:
     model = nnx.merge(graphdef, state)
     c = model.config
-    unroll = c.num_layers <= UNROLL_MAX_LAYERS if s.unroll_layers is None else s.unroll_layers
+    unroll = s.unroll_layers
+    if unroll is None:
+        unroll = jax.default_backend() == "cpu" and c.num_layers <= UNROLL_MAX_LAYERS
     G, N = s.num_samples, s.max_new_tokens
     P, Lp = prompt_ids.shape
     B = P * G
@@ -240,7 +243,7 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
         u = jax.random.uniform(jax.random.fold_in(key, step), (B,), jnp.float32)
         return sample_token(logits, constrain(u, ("batch",)), **sample)
 
-    # prefill the P prompts once (the last slot is never written: the final token is not decoded)
+    # prefill the P prompts once; Lp + N - 1 slots: the last sampled token is never decoded
     cache = _cache_constrain(model.init_cache(P, Lp + N - 1, s.kv_cache_dtype))
     h, cache = model.extend(prompt_ids, prompt_mask, cache)
     logits = jnp.repeat(model.logits_from_hidden(h[:, -1]), G, axis=0)  # [B, V], prompt-major
