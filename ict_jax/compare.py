@@ -2,6 +2,7 @@
 
 Layout under ``--out``::
 
+    compare_config.json   the config of the comparison: a later invocation must use the same one
     warmstart/            the SFT warm start (``train.sft_steps`` of the config), run once and reused
       sft_model/          its HF checkpoint: ``model.path`` of every RL run
       warmstart.json      SFT metrics, the warm start's pass@k on ``data.eval``, wall time
@@ -130,6 +131,30 @@ def start_model(cfg: Config, out: Path) -> tuple[str, str]:
         return cfg.model.path, tok
     raise ConfigError("train.sft_steps: 0 and no model.path: compare needs a shared starting point "
                       "(an SFT warm start, train.sft_steps > 0, or a model.path)")
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_same_config(cfg: Config, out: Path) -> None:
+    """An existing comparison in ``out`` must have been made with the same config (``run_dir`` aside):
+    its finished runs are reused, so mixing configs would mix results silently."""
+    path = out / "compare_config.json"
+    if not path.is_file():
+        return
+    old = _flatten(json.loads(path.read_text()))
+    new = _flatten(json.loads(json.dumps(cfg.to_dict())))
+    diff = sorted(k for k in set(old) | set(new) if k != "run_dir" and old.get(k) != new.get(k))
+    if diff:
+        raise ConfigError(f"--out {str(out)!r} holds a comparison made with another config (differs in "
+                          f"{', '.join(diff[:6])}{', ...' if len(diff) > 6 else ''}): use another --out")
 
 
 def run_config(cfg: Config, spec: RunSpec, model_path: str, tokenizer: str) -> Config:
@@ -312,6 +337,7 @@ def plot_groups(curves: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6.0, 3.8))
     for i, (group, seeds) in enumerate(curves.items()):
@@ -333,6 +359,7 @@ def plot_groups(curves: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
         ax.axhline(target, color="0.4", ls="--", lw=0.8, label=f"target {target:g}")
     ax.set_title(f"{title}: mean over seeds, band = min-max", fontsize=10)
     ax.set_xlabel("RL step")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel(key)
     ax.grid(alpha=0.3)
     if ax.has_data():
@@ -428,9 +455,13 @@ def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | str 
     specs = plan_runs(methods, seeds, out, rhos)
     model_path, tokenizer = start_model(cfg, out)
     run_cfgs = [run_config(cfg, s, model_path, tokenizer) for s in specs]  # validates every run up front
+    check_same_config(cfg, out)
     say(f"{len(specs)} runs ({len(methods)} method(s), seeds {seeds}"
         + (f", ict rho {', '.join(f'{r:g}' for r in rhos)}" if rhos else "") + f") -> {out}")
     t0 = time.perf_counter()
+    if jax.process_index() == 0 and not (out / "compare_config.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     ws = warm_start(cfg, out, progress=progress, say=say) if cfg.train.sft_steps > 0 else {}
     done: dict[str, str] = {}
     for spec, rc in zip(specs, run_cfgs):

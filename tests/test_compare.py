@@ -178,6 +178,11 @@ def test_compare_two_methods_writes_table_and_plots_and_resumes(tmp_path, capsys
     assert (out / "runs" / "grpo_s0" / "summary.json").is_file()
     assert _table_rows((out / "results.md").read_text())[3][:4] == rows[3][:4]
 
+    # reusing the folder with another config would mix results: refused before anything runs
+    assert cli_main(argv + ["train.steps=4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a comparison made with another config (differs in train.steps)" in err, err
+
 
 @pytest.mark.slow
 def test_rho_ablation_selects_fewer_tokens_at_smaller_rho(tmp_path):
