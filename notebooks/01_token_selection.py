@@ -1,0 +1,197 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Token selection: ICT vs 20-Entropy vs STAPO on the same tokens
+#
+# One prompt, a group of G sampled responses, and for every response token the per-token statistics of
+# METHOD §1: log-probability `logp`, Shannon entropy `H1`, Rényi-2 entropy `H2` and the ICT score
+# `u = JS(p || Pbar)`, the Jensen-Shannon divergence between the token's next-token distribution and the
+# group-average distribution at the same position. Then the three token masks of METHOD §2 on the same
+# tokens:
+#
+# * **ICT** keeps the top 10 % of each response's tokens by `u` (scope `sequence`);
+# * **20-Entropy** keeps the top 20 % of the group's tokens by `H1` (scope `batch`);
+# * **STAPO** keeps everything except "rare spurious" tokens of positive-advantage responses
+#   (p < `tau_p` and `H1` below the `tau_h` quantile).
+#
+# Runs as plain Python (`python notebooks/01_token_selection.py`) or as a notebook (jupytext percent
+# format). By default it uses a tiny *random* model, so the statistics are those of an untrained network
+# (near-uniform distributions, small JS); point `ICT_NB_MODEL` at a trained model to see real structure:
+# a run directory or its `checkpoints/` folder (e.g. `runs/demo` after `ict-jax train --config
+# configs/demo.yaml`), a Hugging Face directory, a `.gguf` file or `pkg:<package>/<file>`.
+
+# %%
+import os
+import sys
+import tempfile
+
+import matplotlib
+
+if "ipykernel" not in sys.modules:
+    matplotlib.use("Agg")  # run as a script: no display, write PNGs only
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+
+import ict_jax
+
+# ---- parameters ----
+MODEL = os.environ.get("ICT_NB_MODEL", "")  # "" = tiny random model; else run dir / checkpoint / HF dir / .gguf
+TOKENIZER = os.environ.get("ICT_NB_TOKENIZER") or None  # "char" or a tokenizer path; None = the model's own
+PROMPT = os.environ.get("ICT_NB_PROMPT", "37+48=")
+G = int(os.environ.get("ICT_NB_G", "8"))  # responses in the group
+MAX_NEW_TOKENS = int(os.environ.get("ICT_NB_MAX_NEW_TOKENS", "24"))
+TEMPERATURE = 1.0
+SEED = 0
+RHO_ICT, RHO_ENTROPY, TAU_P, TAU_H = 0.1, 0.2, 0.002, 0.8
+OUT_DIR = os.environ.get("ICT_NB_OUT") or tempfile.mkdtemp(prefix="ict_nb01_")
+os.makedirs(OUT_DIR, exist_ok=True)
+print("figures ->", OUT_DIR)
+
+# %% [markdown]
+# ## Load a model and its tokenizer
+
+# %%
+def load(path: str, tokenizer: str | None):
+    if not path:
+        tok = ict_jax.CharTokenizer()
+        return ict_jax.init_model(ict_jax.ModelConfig.tiny(vocab_size=tok.vocab_size), seed=0), tok
+    is_ckpt = os.path.isdir(path) and (os.path.isdir(os.path.join(path, "checkpoints"))
+                                       or os.path.isdir(os.path.join(path, "params"))
+                                       or any(d.isdigit() for d in os.listdir(path)))
+    if is_ckpt:
+        model, meta = ict_jax.load_params_from_checkpoint(path)
+        from ict_jax.loading import load_tokenizer_spec
+
+        return model, load_tokenizer_spec(tokenizer or meta.get("tokenizer") or "char")
+    return ict_jax.load_model_and_tokenizer(path, tokenizer=tokenizer)
+
+
+model, tok = load(MODEL, TOKENIZER)
+print(model.config.num_layers, "layers, vocab", model.config.vocab_size, "|", tok)
+
+# %% [markdown]
+# ## Sample a group of G responses
+# `ict_jax.generate` returns rows prompt-major; with one prompt, row j is response j.
+
+# %%
+prompt_ids = np.asarray([tok.encode(PROMPT)], np.int32)
+rollout = ict_jax.generate(model, prompt_ids, np.ones_like(prompt_ids), jax.random.key(SEED), num_samples=G,
+                           max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE, eos_ids=tok.eos_ids,
+                           pad_id=tok.pad_id)
+tokens, valid = np.asarray(rollout.tokens), np.asarray(rollout.valid)
+for j in range(G):
+    n = int(valid[j].sum())
+    print(f"{j}: {tok.decode(tokens[j, :n].tolist())!r} ({n} tokens{', truncated' if rollout.truncated[j] else ''})")
+
+# %% [markdown]
+# ## Per-token statistics (METHOD §1)
+# The hidden state at the position *before* token t predicts token t: run the model on prompt + response
+# minus its last token and keep the last N states. `stats_from_hidden` recomputes the logits in blocks of
+# positions with all G rollouts together, so the group mean `Pbar` is exact.
+
+# %%
+Lp, N = prompt_ids.shape[1], MAX_NEW_TOKENS
+full = jnp.concatenate([jnp.repeat(prompt_ids, G, 0), rollout.tokens], 1)
+full_mask = jnp.concatenate([jnp.ones((G, Lp), jnp.int32), rollout.valid.astype(jnp.int32)], 1)
+hidden = model.hidden_states(full[:, :-1], full_mask[:, :-1])[:, -N:]
+stats = ict_jax.stats_from_hidden(hidden, model.unembedding(), rollout.tokens, rollout.valid, group_size=G,
+                                  temperature=TEMPERATURE)
+S = {k: np.asarray(getattr(stats, k)) for k in ("logp", "H1", "H2", "js")}
+v = valid.astype(bool)
+for k, x in S.items():
+    print(f"{k:>4}: mean {x[v].mean():8.4f}  min {x[v].min():8.4f}  max {x[v].max():8.4f}")
+print("JS is 0 at t = 0 (identical prefixes):", bool(np.all(S["js"][:, 0] == 0)))
+
+# %% [markdown]
+# ## The three masks on the same tokens (METHOD §2)
+# STAPO needs advantages. Without a reward function here, every response is treated as positive-advantage
+# (A = 1), which shows everything STAPO *could* silence; pass real rewards through
+# `ict_jax.group_advantages(rewards, G)` to see the masks of a training step.
+
+# %%
+adv = jnp.ones((G,), jnp.float32)
+masks = {
+    "ict": np.asarray(ict_jax.ict_mask(stats.js, rollout.valid, rho=RHO_ICT, scope="sequence")) > 0,
+    "entropy": np.asarray(ict_jax.entropy_mask(stats.H1, rollout.valid, rho=RHO_ENTROPY, scope="batch")) > 0,
+    "stapo": np.asarray(ict_jax.stapo_mask(stats.logp, stats.H1, adv, rollout.valid, tau_p=TAU_P, tau_h=TAU_H)) > 0,
+}
+silenced = v & ~masks["stapo"]
+both = masks["ict"] & masks["entropy"]
+union = masks["ict"] | masks["entropy"]
+print(f"valid tokens {v.sum()}: ICT {masks['ict'].sum()}, 20-Entropy {masks['entropy'].sum()}, "
+      f"both {both.sum()} (Jaccard {both.sum() / max(1, union.sum()):.2f}), STAPO silences {silenced.sum()}")
+print(f"corr(JS, H1) = {np.corrcoef(S['js'][v], S['H1'][v])[0, 1]:.3f}, "
+      f"corr(H1, H2) = {np.corrcoef(S['H1'][v], S['H2'][v])[0, 1]:.3f}")
+
+# %% [markdown]
+# ## Distributions of JS, H1 and H2, and what each method selects
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+for ax, (key, sel, label) in zip(axes, (("js", masks["ict"], "ICT selected"),
+                                        ("H1", masks["entropy"], "20-Entropy selected"),
+                                        ("H2", masks["ict"], "ICT selected"))):
+    x = S[key][v]
+    bins = np.histogram_bin_edges(x, bins=30)
+    ax.hist(x, bins=bins, color="#bbbbbb", label="all tokens")
+    ax.hist(S[key][sel], bins=bins, color="#1a5fb4" if "ICT" in label else "#26a269", alpha=0.85, label=label)
+    ax.set_title(key)
+    ax.legend(fontsize=8)
+fig.tight_layout()
+fig.savefig(os.path.join(OUT_DIR, "distributions.png"), dpi=110)
+
+fig, ax = plt.subplots(figsize=(6, 4.4))
+cat = [("neither", v & ~union, "#cccccc"), ("ICT only", masks["ict"] & ~masks["entropy"], "#1a5fb4"),
+       ("20-Entropy only", masks["entropy"] & ~masks["ict"], "#26a269"), ("both", both, "#8b2fc9")]
+for name, m, colour in cat:
+    ax.scatter(S["H1"][m], S["js"][m], s=14, c=colour, label=f"{name} ({m.sum()})")
+ax.scatter(S["H1"][silenced], S["js"][silenced], s=40, marker="x", c="#c01c28", label=f"STAPO silenced ({silenced.sum()})")
+ax.set_xlabel("H1 (Shannon entropy)")
+ax.set_ylabel("JS(p || group mean)")
+ax.legend(fontsize=8)
+fig.tight_layout()
+fig.savefig(os.path.join(OUT_DIR, "js_vs_h1.png"), dpi=110)
+
+fig, axes = plt.subplots(1, 3, figsize=(13, 0.45 * G + 1.2), sharey=True)
+for ax, (name, m) in zip(axes, (("ICT", masks["ict"]), ("20-Entropy", masks["entropy"]), ("STAPO silenced", silenced))):
+    img = np.where(v, 0.35, 1.0)
+    img[m] = 0.0
+    ax.imshow(img, cmap="gray", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+    ax.set_title(f"{name}: black = selected, grey = other valid", fontsize=9)
+    ax.set_xlabel("response position t")
+axes[0].set_ylabel("response j")
+fig.tight_layout()
+fig.savefig(os.path.join(OUT_DIR, "masks.png"), dpi=110)
+if matplotlib.get_backend().lower() == "agg":
+    plt.close("all")
+print(sorted(os.listdir(OUT_DIR)))
+
+# %% [markdown]
+# ## The same group in the token inspector
+# `ict_jax.token_report` runs the steps above (same key, same group) and `ict_jax.render_html` writes the
+# page that `ict-jax inspect` produces: every token coloured by its JS score, the three masks side by side.
+
+# %%
+report = ict_jax.token_report(model, tok, PROMPT, num_samples=G, max_new_tokens=MAX_NEW_TOKENS,
+                              temperature=TEMPERATURE, seed=SEED, rho_ict=RHO_ICT, rho_entropy=RHO_ENTROPY,
+                              tau_p=TAU_P, tau_h=TAU_H)
+assert np.array_equal(report["arrays"]["tokens"], tokens)
+for key in ("js", "H1", "H2", "logp"):
+    np.testing.assert_allclose(report["arrays"][key], S[key], rtol=1e-4, atol=1e-5)
+page = os.path.join(OUT_DIR, "inspector.html")
+with open(page, "w", encoding="utf-8") as f:
+    f.write(ict_jax.render_html(report))
+print("inspector page ->", page)

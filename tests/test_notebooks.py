@@ -1,0 +1,101 @@
+"""The notebooks (notebooks/*.py, jupytext percent format) run as plain Python on the tiny model and write
+their figures; they import only ict_jax, numpy, matplotlib, jax and the standard library."""
+
+from __future__ import annotations
+
+import ast
+import runpy
+import sys
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NB = ROOT / "notebooks"
+NOTEBOOKS = ("01_token_selection.py", "02_training_dynamics.py")
+ALLOWED = {"ict_jax", "numpy", "matplotlib", "jax"}
+
+
+def _png_ok(path: Path) -> None:
+    assert path.is_file(), path
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000, path
+
+
+def _run(name: str, monkeypatch, env: dict[str, str]) -> dict:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    matplotlib.use("Agg")
+    try:
+        return runpy.run_path(str(NB / name), run_name="__main__")
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close("all")
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebooks_are_percent_scripts_importing_only_the_allowed_packages(name):
+    src = (NB / name).read_text()
+    assert src.count("\n# %%") >= 4 and "format_name: percent" in src
+    mods = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            mods |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            mods.add((node.module or "").split(".")[0])
+    third_party = {m for m in mods if m not in sys.stdlib_module_names}
+    assert third_party <= ALLOWED, third_party - ALLOWED
+    assert "ict_jax" in mods
+
+
+def test_01_token_selection_on_the_tiny_model(tmp_path, monkeypatch):
+    out = tmp_path / "nb01"
+    ns = _run("01_token_selection.py", monkeypatch,
+              {"ICT_NB_MODEL": "", "ICT_NB_G": "4", "ICT_NB_MAX_NEW_TOKENS": "12", "ICT_NB_OUT": str(out)})
+    for png in ("distributions.png", "js_vs_h1.png", "masks.png"):
+        _png_ok(out / png)
+    assert (out / "inspector.html").read_text().startswith("<!DOCTYPE html>")
+    masks, valid = ns["masks"], ns["v"]
+    assert set(masks) == {"ict", "entropy", "stapo"}
+    for m in masks.values():
+        assert m.shape == (4, 12) and not (m & ~valid).any()
+    assert masks["ict"].sum() == sum(max(1, -(-int(r.sum()) // 10)) for r in valid)  # ceil(0.1 n) per response
+
+
+def _fake_run(run_dir: Path, steps: int = 6) -> None:
+    """A metrics.jsonl written by the trainer's own logger: SFT rows, then RL rows (warm-up, then ICT)."""
+    from ict_jax.run_log import RunLogger
+
+    log = RunLogger(run_dir, total_steps=steps, progress=False, tensorboard=False)
+    log.log(0, {"sft/loss": 2.0}, phase="sft")
+    for s in range(steps):
+        log.log(s, {"stats/H1_mean": 2.0 - 0.1 * s, "stats/H2_mean": 1.5 - 0.1 * s,
+                    "stats/H1_selected_mean": 2.5 - 0.1 * s, "stats/js_mean": 0.01, "stats/js_selected_mean": 0.05,
+                    "mask/selected_frac": 1.0 if s < 2 else 0.1, "reward/mean": 0.1 * s,
+                    "reward/accuracy": 0.1 * s})
+    log.close()
+
+
+def test_02_training_dynamics_reads_a_run(tmp_path, monkeypatch):
+    run, out = tmp_path / "run", tmp_path / "nb02"
+    _fake_run(run)
+    ns = _run("02_training_dynamics.py", monkeypatch, {"ICT_NB_RUN_DIR": str(run), "ICT_NB_OUT": str(out)})
+    _png_ok(out / "h1_h2_selected.png")
+    _png_ok(out / "selected_vs_all.png")
+    assert len(ns["rows"]) == 6 and len(ns["sft_rows"]) == 1
+    steps, sel = ns["series"]("mask/selected_frac")
+    assert steps.tolist() == list(range(6)) and sel.tolist() == [1.0, 1.0] + [0.1] * 4
+
+
+@pytest.mark.slow
+def test_02_training_dynamics_trains_its_own_demo_run(tmp_path, monkeypatch):
+    out = tmp_path / "nb02"
+    ns = _run("02_training_dynamics.py", monkeypatch,
+              {"ICT_NB_RUN_DIR": "", "ICT_NB_DEMO_STEPS": "4", "ICT_NB_OUT": str(out)})
+    _png_ok(out / "h1_h2_selected.png")
+    assert (out / "demo_run" / "metrics.jsonl").is_file()
+    assert [r["step"] for r in ns["rows"]] == [0, 1, 2, 3]
+    _steps, sel = ns["series"]("mask/selected_frac")
+    assert sel[0] == 1.0 and sel[-1] < 0.5  # warm-up (2 steps) with every token, then ICT's ~10 %
