@@ -134,7 +134,7 @@ class RLSection:
 @dataclass(frozen=True)
 class StatsSection:
     temperature: float | None = None  # T_s; None = the rollout temperature (METHOD notation)
-    chunk: int = 128  # positions per block in stats_from_hidden (docs/benchmarks.md)
+    chunk: int = 64  # positions per block in stats_from_hidden (docs/benchmarks.md, issue 3)
 
 
 @dataclass(frozen=True)
