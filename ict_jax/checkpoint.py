@@ -102,6 +102,18 @@ def _abstract_params(model_config: Any, mesh: jax.sharding.Mesh | None) -> tuple
     return graphdef, params
 
 
+def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{key path as names: shape} of a tree of arrays, ShapeDtypeStructs or orbax array metadata."""
+    def name(k: Any) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {tuple(name(k) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in flat}
+
+
 def resolve_checkpoint_dir(directory: str | Path, step: int | None = None) -> tuple[Path, int | None]:
     """(the folder holding ``<step>/`` directories, step) for a run dir, its ``checkpoints/`` folder
     or one step's directory; FileNotFoundError when it does not exist."""
@@ -140,7 +152,9 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=not read_only,
             cleanup_tmp_directories=not read_only, read_only=read_only)
-        self._mgr = ocp.CheckpointManager(self.directory, options=options)
+        handlers = {"params": ocp.StandardCheckpointHandler(), "opt": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
+        self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     # -- queries (finished checkpoints only: read from disk) ----------------------------------------
     def all_steps(self) -> list[int]:
@@ -193,6 +207,7 @@ class Checkpointer:
         """
         step = self._step(step)
         opt_t = {"opt_state": template.opt_state, "step": template.step, "rng": template.rng}
+        self._check_fits(step, {"params": template.params, "opt": opt_t})
         try:
             r = self._mgr.restore(step, args=ocp.args.Composite(
                 params=ocp.args.StandardRestore(_abstract(template.params)),
@@ -208,9 +223,23 @@ class Checkpointer:
     def restore_params(self, template_params: Any, step: int | None = None) -> Any:
         """Only the ``params`` item of checkpoint ``step``, with the template's shardings."""
         step = self._step(step)
+        self._check_fits(step, {"params": template_params})
         r = self._mgr.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(_abstract(template_params))))
         return r.params
+
+    def _check_fits(self, step: int, items: dict[str, Any]) -> None:
+        """ValueError naming the first array whose path or shape differs between checkpoint and template."""
+        saved = self._mgr.item_metadata(step)
+        for name, template in items.items():
+            have, want = _shapes(saved[name]), _shapes(template)
+            for key in sorted(set(have) | set(want)):
+                if have.get(key) != want.get(key):
+                    what = ("is missing from the checkpoint" if key not in have else
+                            "is not in the template" if key not in want else
+                            f"has shape {have[key]} in the checkpoint but {want[key]} in the template")
+                    raise ValueError(f"checkpoint of step {step} in {self.directory} does not fit the restore "
+                                     f"template (another model or optimizer?): {name}/{'/'.join(key)} {what}")
 
     def restore_meta(self, step: int | None = None) -> dict[str, Any]:
         step = self._step(step)

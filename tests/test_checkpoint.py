@@ -195,7 +195,7 @@ def test_empty_and_mismatched(tmp_path):
             ckpt.restore(state)
         ckpt.save(0, state, {})
         ckpt.wait()
-        with pytest.raises(ValueError, match="does not fit the restore template"):
+        with pytest.raises(ValueError, match="does not fit the restore template.*params/embed/value has shape"):
             ckpt.restore(abstract_train_state(cfg, MODEL.replace(num_layers=1, hidden_size=32)))
         with pytest.raises(TypeError, match="not JSON-able"):
             ckpt.save(1, state, {"x": object()})
