@@ -231,7 +231,7 @@ def stats_from_hidden(
     *,
     group_size: int,
     temperature: float = 1.0,
-    chunk: int = 128,
+    chunk: int = 64,
     compute: Sequence[str] = _ALL,
 ) -> TokenStats:
     """METHOD §1 statistics from hidden states, in blocks of ``chunk`` positions (the production path).

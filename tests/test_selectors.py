@@ -266,6 +266,9 @@ def test_select_dense_grpo_stapo_and_registry():
     with pytest.raises(ValueError, match="not registered"):
         select("nope", stats, adv, valid, key=key, step=0, config=cfg)
     assert ict_jax.select is select and ict_jax.RANDOM_MASK_STREAM == RANDOM_MASK_STREAM
+    for name in ("TokenStats", "stats_from_logits", "stats_from_hidden", "dense_mask", "ict_mask",
+                 "entropy_mask", "stapo_mask", "random_mask", "register_selector"):
+        assert callable(getattr(ict_jax, name)) and name in dir(ict_jax)
 
 
 # ------------------------------------------------------------------------------------------------
