@@ -136,9 +136,9 @@ class Trainer:
         if not (self.run_dir / "sft_model").exists():
             from flax import nnx
 
-            from ict_jax.sharding import to_host
+            from ict_jax.sharding import to_host as host_arrays
 
-            host = nnx.merge(r.state.graphdef, to_host(r.state.params))  # every process joins the gather
+            host = nnx.merge(r.state.graphdef, host_arrays(r.state.params))  # every process joins the gather
             if jax.process_index() == 0:
                 save_hf(host, self.run_dir / "sft_model")
         return last
@@ -199,9 +199,9 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def run_loop(self) -> dict[str, Any]:
         cfg, r = self.cfg, self.run
-        from ict_jax.sharding import to_host
+        from ict_jax.sharding import to_host as host_arrays
 
-        start = int(to_host(r.state.step))
+        start = int(host_arrays(r.state.step))
         logger = RunLogger(self.run_dir, total_steps=cfg.train.steps, initial_step=start, progress=self.progress)
         nonfinite_in_a_row = 0
         last: dict[str, float] = {}
