@@ -72,8 +72,8 @@ if not RUN_DIR:
     RUN_DIR = os.path.join(OUT_DIR, "demo_run")
     overrides = [
         f"run_dir={RUN_DIR}", f"train.steps={DEMO_STEPS}", "train.save_every=0", "model.preset=tiny",
-        "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6", "rollout.max_prompt_len=16",
-        "train.sft_steps=4", "train.sft_batch_size=8", "rl.selector.warmup_steps=2",
+        "rollout.num_samples=4", "train.prompts_per_step=8", "rollout.max_new_tokens=6", "rollout.max_prompt_len=16",
+        "train.sft_steps=0", "rl.selector.warmup_steps=2",  # no SFT warm start: mechanics only
         'data.train=["arith?digits=1&size=64"]', "data.eval=[]", "stats.chunk=8", "rl.reward.workers=1",
     ]
     cmd = [sys.executable, "-m", "ict_jax.cli", "train", "--config", str(find_demo_config()), "--no-progress",
