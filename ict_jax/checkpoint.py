@@ -78,7 +78,8 @@ def abstract_train_state(config: Any, model_config: Any, *, mesh: jax.sharding.M
     if opt_sh is None:
         opt_state = _abstract(opt_shapes)
     else:
-        opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_shapes, opt_sh)
+        opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                 opt_shapes, opt_sh)
     rep = _default_sharding() if mesh is None else replicated(mesh)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     return TrainState(params=params, opt_state=opt_state, step=jax.ShapeDtypeStruct((), np.int32, sharding=rep),
@@ -213,9 +214,9 @@ class Checkpointer:
                 params=ocp.args.StandardRestore(_abstract(template.params)),
                 opt=ocp.args.StandardRestore(_abstract(opt_t)), meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError, TypeError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(f"checkpoint of step {step} in {self.directory} does not fit the restore template "
-                             f"(another model or optimizer?): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                             ) from e
+                             f"(another model or optimizer?): {why}") from e
         state = TrainState(params=r.params, opt_state=r.opt["opt_state"], step=r.opt["step"], rng=r.opt["rng"],
                            graphdef=template.graphdef)
         return state, dict(r.meta)
@@ -281,7 +282,11 @@ def load_params_from_checkpoint(directory: str | Path, step: int | None = None, 
         step = int(meta.get("step", step if step is not None else ckpt.latest_step()))
         if not isinstance(meta.get("model_config"), dict):
             raise ValueError(f"checkpoint of step {step} in {directory} has no model_config in its metadata")
-        model_config = ModelConfig(**meta["model_config"])
+        try:
+            model_config = ModelConfig(**meta["model_config"])
+        except TypeError as e:
+            raise ValueError(f"checkpoint of step {step} in {directory}: bad model_config in its metadata "
+                             f"({e})") from None
         graphdef, template = _abstract_params(model_config, mesh)
         params = ckpt.restore_params(template, step)
     return nnx.merge(graphdef, params), meta

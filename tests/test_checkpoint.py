@@ -117,6 +117,8 @@ def test_round_trip_is_bitwise_and_resume_continues_exactly():
 def test_restore_with_a_concrete_template_and_params_only():
     cfg, saved, _step, _a, _m, d = _trained()
     template = init_train_state(cfg, ict_jax.init_model(MODEL, seed=5))
+    for a, c in zip(jax.tree.leaves(abstract_train_state(cfg, MODEL)), jax.tree.leaves(template), strict=True):
+        assert (a.shape, a.dtype, a.sharding) == (c.shape, c.dtype, c.sharding)
     with Checkpointer(d, read_only=True) as ckpt:
         state, _ = ckpt.restore(template, step=1)
         assert ckpt.restore_meta(1)["data"]["position"] == 7
@@ -131,7 +133,11 @@ def test_restore_onto_an_eight_device_mesh(devices8):
     cfg, saved, _step, _a, _m, d = _trained()
     mesh = ict_jax.make_mesh(2, 2, 2)
     concrete = init_train_state(cfg, ict_jax.init_model(MODEL, seed=3, mesh=mesh))
-    for template in (abstract_train_state(cfg, MODEL, mesh=mesh), concrete):
+    abstract = abstract_train_state(cfg, MODEL, mesh=mesh)  # what init_train_state would build, unallocated
+    assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
+    for a, c in zip(jax.tree.leaves(abstract), jax.tree.leaves(concrete)):
+        assert (a.shape, a.dtype, a.sharding) == (c.shape, c.dtype, c.sharding)
+    for template in (abstract, concrete):
         with Checkpointer(d, read_only=True) as ckpt:
             state, _ = ckpt.restore(template)
         _assert_bitwise(_pytree(state), saved)
@@ -284,7 +290,8 @@ def test_cli_export(tmp_path, capsys):
     assert main(["export", "--checkpoint", str(empty), "--out", str(tmp_path / "hf")]) == 2
     assert "no finished checkpoint" in capsys.readouterr().err
     _cfg, saved, _step, _a, _m, d = _trained()
-    assert main(["export", "--checkpoint", str(d.parent), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
+    args = ["export", "--checkpoint", str(d.parent), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16"]
+    assert main(args) == 0
     assert "exported step 1" in capsys.readouterr().out
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["torch_dtype"] == "bfloat16" and written["hidden_size"] == MODEL.hidden_size
