@@ -245,6 +245,8 @@ def _fmt(stat: Mapping[str, Any], digits: int = 3) -> str:
 
 
 def _fmt_steps(stat: Mapping[str, Any]) -> str:
+    if not stat.get("n_runs"):
+        return "n/a"
     if stat.get("mean") is None:
         return "never"
     s = _fmt(stat, 1)
@@ -373,7 +375,15 @@ def plot_groups(curves: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
 # --------------------------------------------------------------------------------------------------
 # Running
 # --------------------------------------------------------------------------------------------------
+def _primary() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
 def _say(text: str) -> None:
+    if not _primary():
+        return
     print(f"[compare] {text}", file=sys.stderr, flush=True)
 
 
@@ -393,7 +403,8 @@ def warm_start(cfg: Config, out: Path, *, progress: bool = True, say: Callable[[
         sft = trainer.sft()
         evals = trainer.evaluate(0) if cfg.data.eval else {}
     info = {"run_dir": str(ws_dir), "sft": sft, "eval": evals, "wall_s": time.perf_counter() - t0}
-    info_path.write_text(json.dumps(info, indent=2))
+    if _primary():
+        info_path.write_text(json.dumps(info, indent=2))
     if evals:
         say("warm start: " + ", ".join(f"{k}={v:.3f}" for k, v in evals.items()))
     return info
@@ -425,8 +436,9 @@ def run_one(cfg: Config, spec: RunSpec, *, progress: bool = True, say: Callable[
         with Trainer(cfg, resume=what != "started", progress=progress) as trainer:
             summary = trainer.train()
     except TrainingDiverged as e:
-        d.mkdir(parents=True, exist_ok=True)
-        status_path.write_text(json.dumps({"status": "diverged", "error": str(e)}, indent=2))
+        if _primary():
+            d.mkdir(parents=True, exist_ok=True)
+            status_path.write_text(json.dumps({"status": "diverged", "error": str(e)}, indent=2))
         say(f"{spec.name}: diverged ({e}); left out of the table")
         return "diverged"
     p = pass_at_k(summary.get("eval_final"))

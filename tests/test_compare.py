@@ -86,7 +86,8 @@ def test_group_aggregate_and_markdown_table():
     grpo = aggregate_group([run_result(_rows([0.0] * 6), {"eval/x/pass@1": 0.25}, target, 5.0)])
     results = {"target_reward": target, "eval": ["x"], "warmstart": {"eval": {"eval/x/pass@1": 0.125}, "wall_s": 7},
                "groups": [{"group": "ict", "rho": None, "seeds": [0, 1, 2], **g},
-                          {"group": "ict_rho0.2", "rho": 0.2, "seeds": [0], **grpo}]}
+                          {"group": "ict_rho0.2", "rho": 0.2, "seeds": [0], **grpo},
+                          {"group": "stapo", "rho": None, "seeds": [], **aggregate_group([])}]}
     md = format_markdown(results)
     rows = _table_rows(md)
     assert rows[0][:5] == ["method", "rho", "seeds", "P@1", "P@4"]
@@ -95,6 +96,7 @@ def test_group_aggregate_and_markdown_table():
     assert rows[2][5] == "1.5 ± 0.7 (2/3 reached)"
     assert rows[2][6] == "2.000 ± 1.000" and rows[2][7] == "2.000 ± 0.000" and rows[2][8] == "20 ± 10"
     assert rows[3][:6] == ["ict_rho0.2", "0.2", "1", "0.250", "n/a", "never"]
+    assert rows[4] == ["stapo", "", "0"] + ["n/a"] * 6  # no finished run (e.g. every seed diverged)
     assert "within one standard deviation" in md and "inconclusive" in md
 
 
