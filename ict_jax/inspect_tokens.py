@@ -475,7 +475,8 @@ def inspect_main(args: argparse.Namespace) -> int:
         temperature=float(pick(args.temperature, "rollout", "temperature", default=1.0)), seed=args.seed,
         template=str(pick(args.template, "data", "template", default="none")), rho_ict=args.rho_ict,
         rho_entropy=args.rho_entropy, tau_p=float(pick(args.tau_p, "rl", "selector", "tau_p", default=0.002)),
-        tau_h=float(pick(args.tau_h, "rl", "selector", "tau_h", default=0.8)), rewards=rewards)
+        tau_h=float(pick(args.tau_h, "rl", "selector", "tau_h", default=0.8)), rewards=rewards,
+        stats_temperature=_cfg_get(cfg, "stats", "temperature"))  # None: the sampling temperature
     page = render_html(report, title=f"ict_jax token inspector: {where}")
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
