@@ -39,6 +39,13 @@ def _timed(fn):
     return time.perf_counter() - t0, out
 
 
+def _cpu_timed(fn):
+    """(wall seconds, process CPU seconds over all threads)."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
 def bench_shape(name: str, args) -> dict:
     import jax
     import torch
@@ -87,14 +94,16 @@ def bench_shape(name: str, args) -> dict:
     # alternate the two sides so that load from other processes hits both alike; best of the repeats
     t_torch, t_jax = [], []
     for k in range(args.repeats):
-        t_jax.append(_timed(lambda: run_jax(k + 1))[0])
+        t_jax.append(_cpu_timed(lambda: run_jax(k + 1)))
         if k < args.torch_repeats:
-            t_torch.append(_timed(run_torch)[0])
-    row["torch_s"], row["jax_s"] = min(t_torch), min(t_jax)
+            t_torch.append(_cpu_timed(run_torch))
+    (row["torch_s"], row["torch_cpu_s"]), (row["jax_s"], row["jax_cpu_s"]) = min(t_torch), min(t_jax)
+    # CPU seconds per token (all threads) are less sensitive to other processes than wall time
+    row["cpu_ratio"] = row["torch_cpu_s"] / row["jax_cpu_s"]
     row["torch_tok_s"] = n_tokens / row["torch_s"]
     row["jax_tok_s"] = n_tokens / row["jax_s"]
     row["ratio"] = row["jax_tok_s"] / row["torch_tok_s"]
-    row["load_avg_1m_before_after"] = [load_before, os.getloadavg()[0]]
+    row["load_avg_1m_before_after"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
     return row
 
 
@@ -124,12 +133,14 @@ def main() -> None:
         rows.append(bench_shape(name, args))
         r = rows[-1]
         print(f"{name}: torch {r['torch_tok_s']:.0f} tok/s, jax {r['jax_tok_s']:.0f} tok/s, "
-              f"ratio {r['ratio']:.2f}, jax compile {r['jax_compile_s']:.1f} s", flush=True)
+              f"ratio {r['ratio']:.2f} (cpu-time ratio {r['cpu_ratio']:.2f}), jax compile {r['jax_compile_s']:.1f} s",
+              flush=True)
     print()
-    print(f"{'shape':<7}{'torch tok/s':>13}{'jax tok/s':>11}{'jax/torch':>11}{'compile s':>11}")
+    print(f"{'shape':<7}{'torch tok/s':>13}{'jax tok/s':>11}{'jax/torch':>11}{'cpu-time ratio':>16}{'compile s':>11}"
+          f"{'load 1m':>13}")
     for r in rows:
         print(f"{r['shape']:<7}{r['torch_tok_s']:>13.1f}{r['jax_tok_s']:>11.1f}{r['ratio']:>11.2f}"
-              f"{r['jax_compile_s']:>11.1f}")
+              f"{r['cpu_ratio']:>16.2f}{r['jax_compile_s']:>11.1f}{str(r['load_avg_1m_before_after']):>13}")
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                        f"jax backend {jax.default_backend()}",
             "jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
