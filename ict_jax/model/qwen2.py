@@ -14,6 +14,7 @@ give the same outputs at their real tokens as the unpadded sequence.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -107,8 +108,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _mm(eq: str, a: jax.Array, b: jax.Array, dtype: Any) -> jax.Array:
-    return jnp.einsum(eq, a, b.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+def _mm(a: jax.Array, b: jax.Array, dtype: Any, k: int = 1) -> jax.Array:
+    """Contract the last ``k`` dims of activations ``a`` with the first ``k`` dims of weights ``b`` as ONE
+    2-D matmul (float32 accumulation). Flattening to 2-D makes XLA CPU's backward pass ~2.5x faster
+    than the equivalent batched einsum (the weight gradient becomes a plain [in, M] x [M, out] dot)."""
+    lead, inner, out = a.shape[:-k], math.prod(a.shape[-k:]), b.shape[k:]
+    y = jnp.dot(a.reshape(-1, inner), b.astype(dtype).reshape(inner, -1), preferred_element_type=jnp.float32)
+    return y.astype(dtype).reshape(lead + out)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dtype: Any) -> jax.Array:
@@ -126,9 +132,9 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dtype:
 
 def _qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: jax.Array, sin: jax.Array, dtype: Any):
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps, dtype)
-    q = _mm("btd,dnh->btnh", h, p["wq"], dtype)
-    k = _mm("btd,dnh->btnh", h, p["wk"], dtype)
-    v = _mm("btd,dnh->btnh", h, p["wv"], dtype)
+    q = _mm(h, p["wq"], dtype)  # [B, T, H, hd]
+    k = _mm(h, p["wk"], dtype)
+    v = _mm(h, p["wv"], dtype)
     if "bq" in p:
         q = q + p["bq"].astype(dtype)
         k = k + p["bk"].astype(dtype)
@@ -139,13 +145,13 @@ def _qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: jax.Array, 
 
 
 def _finish(p: dict[str, jax.Array], x: jax.Array, attn: jax.Array, c: ModelConfig, dtype: Any) -> jax.Array:
-    x = x + _mm("btnh,nhd->btd", attn, p["wo"], dtype)
+    x = x + _mm(attn, p["wo"], dtype, k=2)
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps, dtype)
-    g = _mm("btd,df->btf", h, p["w_gate"], dtype)
-    u = _mm("btd,df->btf", h, p["w_up"], dtype)
+    g = _mm(h, p["w_gate"], dtype)
+    u = _mm(h, p["w_up"], dtype)
     a = constrain((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype),
                   ("batch", "seq", "mlp"))
-    x = x + _mm("btf,fd->btd", a, p["w_down"], dtype)
+    x = x + _mm(a, p["w_down"], dtype)
     return constrain(x, ("batch", "seq", "act_embed"))
 
 
