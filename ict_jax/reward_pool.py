@@ -223,9 +223,11 @@ class RewardPool:
     def _replace(self, w: _Worker, check: RewardCheck) -> None:
         """Kill and reap ``w``, count it, then resolve its check and start a fresh worker."""
         w.stop(kill=True)
+        # the replacement is in place before the caller's future resolves: whoever sees the result
+        # also sees the new worker (and the restart count)
+        self._workers[self._workers.index(w)] = _Worker(self._ctx, *self._args)
         self.restarts += 1
         self._finish(w, check)
-        self._workers[self._workers.index(w)] = _Worker(self._ctx, *self._args)
 
     def _loop(self) -> None:
         try:
