@@ -233,7 +233,10 @@ class Trainer:
                     if ev:
                         logger.log(step, ev, phase="eval")
                         logger.message(f"eval @ step {done}: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
-                if (cfg.train.save_every and done % cfg.train.save_every == 0) or done == cfg.train.steps:
+                due = (cfg.train.save_every and done % cfg.train.save_every == 0) or done == cfg.train.steps
+                if due and nonfinite_in_a_row:  # only after a good update: the last checkpoint stays good
+                    logger.message(f"step {done}: checkpoint skipped after a non-finite update")
+                elif due:
                     self.save(done)
         finally:
             logger.close()

@@ -207,3 +207,16 @@ def test_twenty_steps_compile_once_across_the_warmup_switch(caplog):
     # warm-up is data: M = valid before step 10, the sparse ICT mask after
     assert all(m["mask/selected_frac"] == 1.0 for m in metrics[:10])
     assert all(m["mask/selected_frac"] < 0.6 for m in metrics[10:])
+
+
+def test_non_finite_loss_skips_the_update_and_is_counted():
+    cfg = _config("ict", "seq-mean-token-mean", 1)
+    model = ict_jax.init_model(MODEL, seed=1)
+    state = init_train_state(cfg, model)
+    before = jax.tree.map(np.asarray, state.params)
+    bad = _batch().replace(advantages=_batch().advantages.at[0].set(jnp.nan))
+    new, m = make_train_step(cfg)(state, bad, jax.tree.map(jnp.copy, state.params))
+    assert float(m["train/skipped"]) == 1.0
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.tree.map(np.asarray, new.params))):
+        np.testing.assert_array_equal(x, y)
+    assert int(new.step) == 1  # the rollout batch is consumed; only the update is skipped

@@ -152,3 +152,30 @@ def _rows(run: Path) -> list[dict]:
         return read_metrics(run / "metrics.jsonl")
     except (FileNotFoundError, json.JSONDecodeError):
         return []
+
+
+def test_three_non_finite_steps_in_a_row_stop_with_the_last_checkpoint_intact(tmp_path):
+    from ict_jax.trainer import Trainer, TrainingDiverged
+
+    cfg = load_config(DEMO, TINY + ["train.steps=6", "train.save_every=1", "train.sft_steps=0",
+                                     f"run_dir={tmp_path / 'run'}", "mesh.data=-1", "mesh.tensor=2"])
+    with Trainer(cfg, progress=False) as t:
+        real_step = t.run.train_step
+        calls = {"n": 0}
+
+        def flaky(state, batch, ref):  # steps 2, 3, 4 come back non-finite (update skipped)
+            new, m = real_step(state, batch, ref)
+            calls["n"] += 1
+            if calls["n"] >= 3:
+                m = dict(m, **{"train/skipped": jax.numpy.ones(())})
+            return new, m
+
+        t.run.train_step = flaky
+        with pytest.raises(TrainingDiverged, match="3 non-finite updates in a row"):
+            t.train()
+        t.run.checkpointer.wait()
+        steps = t.run.checkpointer.all_steps()
+    # saved after steps 1 and 2 only; nothing saved once the updates went bad
+    assert max(steps) == 2
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["train/nonfinite_in_a_row"] for r in rows] == [0, 0, 1, 2, 3]
