@@ -40,7 +40,7 @@ def _overrides(args, P: int, G: int, Lr: int, Lp: int) -> list[str]:
             f"rollout.num_samples={G}", f"train.prompts_per_step={P}", f"rollout.max_new_tokens={Lr}",
             f"rollout.max_prompt_len={Lp}", f"rollout.temperature={args.temperature}",
             f"stats.chunk={args.chunk}", f"optim.lr={args.lr:.12f}", "optim.lr_warmup_steps=0",
-            "train.mini_batches=1", "train.micro_batches=1"]
+            "train.mini_batches=1", "train.micro_batches=1", f"stats.js_metrics={str(not args.no_js_metrics).lower()}"]
 
 
 def make_batch(P: int, G: int, Lp: int, Lr: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -213,6 +213,8 @@ def main() -> None:
     ap.add_argument("--remat", choices=["none", "block", "full"], default="none", help="JAX timing run")
     ap.add_argument("--unroll", action="store_true", help="JAX: unrolled layers instead of lax.scan")
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--no-js-metrics", action="store_true",
+                    help="JAX: skip the JS score that dense GRPO computes only for the stats/js_* metrics")
     ap.add_argument("--steps", type=int, default=10, help="timed steps of each, interleaved (medians reported)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--mem-prompts", type=int, default=4)

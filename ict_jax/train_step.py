@@ -257,7 +257,8 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
     use_kl = loss_cfg.kl_coef > 0
     tx = tx or make_optimizer(cfg)
     # statistics each pass computes: everything for the §5 metrics (js costs two more vocab passes)
-    cur_compute = ("logp", "H1", "H2") + (("js",) if fused else ())
+    need_js = method == "ict" or cfg.stats.js_metrics
+    cur_compute = ("logp", "H1", "H2") + (("js",) if fused and need_js else ())
 
     def stats_of(params, graphdef, mb: RolloutBatch, valid, compute) -> TokenStats:
         model = nnx.merge(graphdef, params)
@@ -310,7 +311,8 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
             logp_ref = nograd_pass(ref_params, graphdef, batch, valid, ("logp",), n_mini * n_micro).logp
         old = None
         if not fused:  # (a): old-policy pass over the whole rollout batch
-            old = nograd_pass(state.params, graphdef, batch, valid, ("logp", "js"), n_mini * n_micro)
+            old = nograd_pass(state.params, graphdef, batch, valid, ("logp", "js") if need_js else ("logp",),
+                              n_mini * n_micro)
         logp_old_all = None
         if loss_cfg.old_logp == "sampler":
             logp_old_all = jnp.where(valid > 0, batch.sampler_logp, 0.0)
