@@ -170,9 +170,10 @@ class Trainer:
             row_valid = row_valid * np.repeat((r_pg.max(1) > r_pg.min(1)).astype(np.float32), G)
         batch = to_host(build_rollout_batch(pb.ids, pb.mask, ro, rewards, config=cfg, correct=correct,
                                             row_valid=row_valid))
+        n_tokens = float(np.asarray(batch.response_valid).sum())  # on the host copy (multi-process safe)
         batch = shard_batch(batch, r.mesh) if r.mesh.size > 1 else jax.tree.map(jnp.asarray, batch)
         return batch, {"time/rollout_s": t_gen, "time/reward_s": t_rew,
-                       "rollout/kept_row_frac": float(row_valid.mean())}
+                       "rollout/kept_row_frac": float(row_valid.mean()), "_tokens": n_tokens}
 
     def _score(self, pb: Any, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
         """Rewards of all rows; each process checks its contiguous share of rows in the worker pool."""
@@ -214,7 +215,7 @@ class Trainer:
                 r.state, metrics = r.train_step(r.state, batch, r.ref_params)
                 m = to_host(metrics)
                 times["time/update_s"] = time.perf_counter() - t0
-                n_tokens = float(np.asarray(batch.response_valid).sum())
+                n_tokens = times.pop("_tokens")
                 times["throughput/tokens_per_s"] = n_tokens / max(1e-9, times["time/rollout_s"] + times["time/update_s"])
                 m.update(times)
                 if self.profile_steps and step + 1 == self.profile_steps[1]:

@@ -1,5 +1,12 @@
 """Issue 7: two processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) give the
-parameters of one process with 8 devices after 2 steps."""
+parameters and per-step statistics of one process with 8 devices.
+
+The tiny random model never earns a reward on `arith`, so its RL gradient is rounding residue (norm
+~1e-9) that Adam would normalise into lr-sized updates whose signs depend on the all-reduce order
+(gloo across processes vs in-process): comparing parameters after such updates tests nothing. So the
+parameters are compared after the SFT warm start (real gradients) with the RL learning rate at 0, and
+the RL path itself (sampling on the global mesh, each process scoring its rows, the all-gather, the
+sharded step) must reproduce the single-process statistics of every RL step."""
 
 from __future__ import annotations
 
@@ -18,7 +25,9 @@ from test_trainer import DEMO, TINY  # tests/ is on sys.path (pytest rootdir con
 pytestmark = pytest.mark.slow
 
 ARGS = TINY + ["train.steps=2", "train.save_every=2", "train.prompts_per_step=8", "mesh.data=-1",
-               "rl.loss.kl_coef=0.01"]
+               "rl.loss.kl_coef=0.01", "optim.lr=0", "train.sft_steps=4"]
+STATS = ("reward/mean", "response/length_mean", "stats/H1_mean", "stats/H2_mean", "stats/js_mean",
+         "mask/selected_frac", "rollout/logp_abs_diff_mean")
 
 
 def _cmd(run: Path, *extra: str) -> list[str]:
@@ -57,8 +66,22 @@ def test_two_processes_equal_one_process(tmp_path):
     step_a, a = _params(tmp_path / "one")
     step_b, b = _params(tmp_path / "two")
     assert step_a == step_b == 2
+    # Adam moves a parameter whose gradient is ~0 by ~lr in the direction of that gradient's rounding
+    # noise, which the all-reduce order decides: such entries may differ, but by at most the Adam bound
+    # (lr per step); every other entry agrees to float32 tolerance.
+    sft_lr, sft_steps = 3e-3, 4
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-7)
-    # only process 0 logs
-    assert len((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()) == (
-        len((tmp_path / "one" / "metrics.jsonl").read_text().splitlines()))
+        close = np.isclose(y, x, rtol=1e-5, atol=1e-7)
+        assert close.mean() >= 0.98, f"{(~close).sum()} of {close.size} entries differ"
+        np.testing.assert_allclose(y, x, rtol=0, atol=2 * sft_lr * sft_steps)
+    from ict_jax.run_log import read_metrics
+
+    sa = read_metrics(tmp_path / "one" / "metrics.jsonl", phase="sft")
+    sb = read_metrics(tmp_path / "two" / "metrics.jsonl", phase="sft")
+    np.testing.assert_allclose([r["sft/loss"] for r in sb], [r["sft/loss"] for r in sa], rtol=1e-6)
+
+    ra, rb = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == [0, 1]  # only process 0 logs
+    for x, y in zip(ra, rb):
+        for k in STATS:
+            np.testing.assert_allclose(y[k], x[k], rtol=1e-5, atol=1e-7, err_msg=k)
