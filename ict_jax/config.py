@@ -110,6 +110,7 @@ class LossSection:
 class AdvSection:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     drop_zero_std_groups: bool = False  # DAPO dynamic sampling
+    max_refill: int = 4  # extra prompt batches drawn to replace dropped groups (then they stay dropped)
     eps: float = 1e-6
 
 
@@ -344,6 +345,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"rl.loss.dual_clip_c: {lo.dual_clip_c} must be > 1 or null")
     positive("rl.loss.kl_coef", lo.kl_coef, allow_zero=True)
     positive("rl.adv.eps", cfg.rl.adv.eps)
+    positive("rl.adv.max_refill", cfg.rl.adv.max_refill, allow_zero=True)
     positive("rl.reward.time_limit", cfg.rl.reward.time_limit)
     positive("rl.reward.workers", cfg.rl.reward.workers)
     positive("rl.reward.max_response_chars", cfg.rl.reward.max_response_chars)

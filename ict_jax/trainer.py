@@ -37,6 +37,16 @@ SAMPLER_STREAM = 0x53414D50  # "SAMP"
 MAX_NONFINITE_IN_A_ROW = 3
 
 
+def _informative(rewards: np.ndarray, G: int) -> np.ndarray:
+    """Per group: the G rewards are not all equal (METHOD §3: max > min)."""
+    r = rewards.reshape(-1, G)
+    return r.max(axis=1) > r.min(axis=1)
+
+
+def _left_pad(a: np.ndarray, width: int, value: int) -> np.ndarray:
+    return a if a.shape[1] == width else np.pad(a, ((0, 0), (width - a.shape[1], 0)), constant_values=value)
+
+
 class TrainingDiverged(RuntimeError):
     """Three consecutive non-finite updates: the run stopped, the last good checkpoint is intact."""
 
@@ -144,36 +154,69 @@ class Trainer:
         return last
 
     # -- one RL step -----------------------------------------------------------------------------
+    def _generate_and_score(self, state: Any, key: Any) -> tuple[Any, Any, np.ndarray]:
+        """The next P prompts, G responses each (host arrays) and their rewards."""
+        from ict_jax.sharding import shard_batch, to_host
+
+        r = self.run
+        pb = next(r.iterator)
+        ids, mask = (shard_batch((pb.ids, pb.mask), r.mesh) if r.mesh.size > 1
+                     else (jnp.asarray(pb.ids), jnp.asarray(pb.mask)))
+        ro = to_host(r.generate(state.params, ids, mask, key))
+        return pb, ro, self._score(pb, ro.tokens, ro.valid)
+
     def _rollout_batch(self, step: int, state: Any) -> tuple[Any, dict[str, float]]:
         """Prompts -> G responses -> rewards -> a :class:`RolloutBatch` placed on the mesh.
 
         Every process holds the same host data (the same seeded prompt iterator) and builds the same
-        batch; each process scores only its share of the rows and the rewards are all-gathered."""
+        batch; each process scores only its share of the rows and the rewards are all-gathered.
+
+        ``rl.adv.drop_zero_std_groups`` (DAPO dynamic sampling): a group whose G rewards are all equal
+        carries no policy gradient; up to ``rl.adv.max_refill`` further prompt batches are drawn and
+        their informative groups take the dropped groups' places. Slots still empty after that stay in
+        the batch with ``row_valid = 0`` (out of the loss and its denominators)."""
         from ict_jax.sharding import shard_batch, to_host
         from ict_jax.train_step import build_rollout_batch
 
         cfg, r = self.cfg, self.run
         G = cfg.rollout.num_samples
         t0 = time.perf_counter()
-        pb = next(r.iterator)
         key = jax.random.fold_in(jax.random.fold_in(state.rng, SAMPLER_STREAM), step)
-        ids, mask = (shard_batch((pb.ids, pb.mask), r.mesh) if r.mesh.size > 1
-                     else (jnp.asarray(pb.ids), jnp.asarray(pb.mask)))
-        ro = to_host(r.generate(state.params, ids, mask, key))
-        t_gen = time.perf_counter() - t0
-        rewards = self._score(pb, ro.tokens, ro.valid)
+        pb, ro, rewards = self._generate_and_score(state, key)
+        ids, mask = pb.ids, pb.mask
+        group_ok = pb.valid.astype(bool)
+        refills = 0
+        if cfg.rl.adv.drop_zero_std_groups:
+            group_ok &= _informative(rewards, G)
+            ids, mask, ro, rewards = ids.copy(), mask.copy(), ro, rewards.copy()
+            while not group_ok.all() and refills < cfg.rl.adv.max_refill:
+                refills += 1
+                pb2, ro2, rew2 = self._generate_and_score(state, jax.random.fold_in(key, refills))
+                donors = list(np.flatnonzero(pb2.valid.astype(bool) & _informative(rew2, G)))
+                holes = list(np.flatnonzero(~group_ok))
+                if not donors:
+                    continue
+                width = max(ids.shape[1], pb2.ids.shape[1])
+                ids, mask = _left_pad(ids, width, r.tokenizer.pad_id), _left_pad(mask, width, 0)
+                ids2, mask2 = _left_pad(pb2.ids, width, r.tokenizer.pad_id), _left_pad(pb2.mask, width, 0)
+                fields = {f: np.array(getattr(ro, f)) for f in ("tokens", "valid", "logp", "lengths", "truncated")}
+                for hole, donor in zip(holes, donors):
+                    ids[hole], mask[hole] = ids2[donor], mask2[donor]
+                    rows, rows2 = slice(hole * G, (hole + 1) * G), slice(donor * G, (donor + 1) * G)
+                    for f, arr in fields.items():
+                        arr[rows] = np.asarray(getattr(ro2, f))[rows2]
+                    rewards[rows] = rew2[rows2]
+                    group_ok[hole] = True
+                ro = ro.replace(**fields)
+        t_roll = time.perf_counter() - t0
         correct = (rewards >= cfg.rl.reward.correct).astype(np.float32)
-        t_rew = time.perf_counter() - t0 - t_gen
-        row_valid = np.repeat(pb.valid.astype(np.float32), G)
-        if cfg.rl.adv.drop_zero_std_groups:  # DAPO dynamic sampling: all-equal groups leave the loss
-            r_pg = rewards.reshape(-1, G)
-            row_valid = row_valid * np.repeat((r_pg.max(1) > r_pg.min(1)).astype(np.float32), G)
-        batch = to_host(build_rollout_batch(pb.ids, pb.mask, ro, rewards, config=cfg, correct=correct,
+        row_valid = np.repeat(group_ok.astype(np.float32), G)
+        batch = to_host(build_rollout_batch(ids, mask, ro, rewards, config=cfg, correct=correct,
                                             row_valid=row_valid))
         n_tokens = float(np.asarray(batch.response_valid).sum())  # on the host copy (multi-process safe)
         batch = shard_batch(batch, r.mesh) if r.mesh.size > 1 else jax.tree.map(jnp.asarray, batch)
-        return batch, {"time/rollout_s": t_gen, "time/reward_s": t_rew,
-                       "rollout/kept_row_frac": float(row_valid.mean()), "_tokens": n_tokens}
+        return batch, {"time/rollout_s": t_roll, "rollout/kept_row_frac": float(row_valid.mean()),
+                       "rollout/refills": float(refills), "_tokens": n_tokens}
 
     def _score(self, pb: Any, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
         """Rewards of all rows; each process checks its contiguous share of rows in the worker pool."""

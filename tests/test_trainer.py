@@ -179,3 +179,44 @@ def test_three_non_finite_steps_in_a_row_stop_with_the_last_checkpoint_intact(tm
     assert max(steps) == 2
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["train/nonfinite_in_a_row"] for r in rows] == [0, 0, 1, 2, 3]
+
+
+def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
+    from ict_jax.trainer import Trainer
+
+    cfg = load_config(DEMO, TINY + ["train.steps=1", "train.sft_steps=0", f"run_dir={tmp_path / 'run'}",
+                                     "rl.adv.drop_zero_std_groups=true", "rl.adv.max_refill=2",
+                                     "mesh.data=-1", "mesh.tensor=2"])
+    G, P = cfg.rollout.num_samples, cfg.train.prompts_per_step
+    with Trainer(cfg, progress=False) as t:
+        batches = []
+        real_next = t.run.iterator.__next__
+
+        def spy_next():
+            pb = real_next()
+            batches.append(pb)
+            return pb
+
+        t.run.iterator = type("It", (), {"__next__": lambda self: spy_next(), "state_dict": lambda self: {}})()
+
+        def fake_score(pb, tokens, valid):
+            r = np.zeros(P * G, np.float32)
+            if len(batches) == 1:
+                r[G:G + 1] = 1.0  # only group 1 of the first batch is informative
+            else:
+                r[::2] = 1.0  # every group of a refill batch is informative
+            return r
+
+        t._score = fake_score
+        batch, info = t._rollout_batch(0, t.run.state)
+    assert info["rollout/refills"] == 1 and info["rollout/kept_row_frac"] == 1.0
+    first, refill = batches
+    Lr = cfg.rollout.max_new_tokens
+    prompts = np.asarray(batch.tokens)[::G, :-Lr]
+    width = prompts.shape[1]
+    pad = lambda a: np.pad(a, ((0, 0), (width - a.shape[1], 0)))  # noqa: E731  (CharTokenizer pad id 0)
+    np.testing.assert_array_equal(prompts[1], pad(first.ids)[1])  # the informative group stays
+    for hole, donor in zip([0, 2, 3], [0, 1, 2]):  # the others are refilled in order from the new batch
+        np.testing.assert_array_equal(prompts[hole], pad(refill.ids)[donor])
+    rewards = np.asarray(batch.rewards).reshape(P, G)
+    assert (rewards.max(1) > rewards.min(1)).all()
