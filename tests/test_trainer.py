@@ -220,3 +220,14 @@ def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
         np.testing.assert_array_equal(prompts[hole], pad(refill.ids)[donor])
     rewards = np.asarray(batch.rewards).reshape(P, G)
     assert (rewards.max(1) > rewards.min(1)).all()
+
+
+def test_profile_steps_write_a_trace(tmp_path, capsys):
+    run = tmp_path / "run"
+    rc, err = _cli(["train", "--config", str(DEMO), *TINY, "train.steps=2", "train.sft_steps=0",
+                    "mesh.data=-1", "mesh.tensor=2", f"run_dir={run}", "--profile-steps", "0:1", "--no-progress"],
+                   capsys)
+    assert rc == 0, err
+    assert list((run / "profile").rglob("*.xplane.pb")), "no jax.profiler trace written"
+    rc, err = _cli(["train", "--config", str(DEMO), f"run_dir={tmp_path / 'r2'}", "--profile-steps", "3:1"], capsys)
+    assert rc == 2 and "--profile-steps '3:1'" in err
