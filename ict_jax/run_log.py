@@ -18,11 +18,11 @@ BAR_KEYS = {"reward": "reward/mean", "acc": "reward/accuracy", "H1": "stats/H1_m
 PLOT_KEYS = ("reward/mean", "reward/accuracy", "stats/H1_mean", "stats/H2_mean", "mask/selected_frac")
 
 
-def to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
+def metrics_to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Device scalars -> Python floats (one transfer; multi-process safe)."""
-    from ict_jax.sharding import to_host as _host
+    from ict_jax.sharding import to_host
 
-    values = _host(dict(metrics))
+    values = to_host(dict(metrics))
     return {k: float(np.asarray(v)) for k, v in values.items()}
 
 

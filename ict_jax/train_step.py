@@ -126,7 +126,7 @@ def init_train_state(config: Config, model: Any, *, tx: optax.GradientTransforma
     parameters' shardings."""
     graphdef, params = nnx.split(model, nnx.Param)
     tx = tx or make_optimizer(config)
-    opt_state = jax.jit(tx.init, out_shardings=_opt_state_shardings(tx, params))(params)
+    opt_state = init_opt_state(tx, params)
     step, rng = jnp.zeros((), jnp.int32), jax.random.PRNGKey(config.seed)
     sh = jax.tree.leaves(params)[0].sharding if jax.tree.leaves(params) else None
     # committed like the parameters (on a mesh: replicated over it), so the first call of the step
@@ -135,6 +135,12 @@ def init_train_state(config: Config, model: Any, *, tx: optax.GradientTransforma
     if target is not None:
         step, rng = jax.device_put((step, rng), target)
     return TrainState(params=params, opt_state=opt_state, step=step, rng=rng, graphdef=graphdef)
+
+
+def init_opt_state(tx: optax.GradientTransformation, params: Any) -> Any:
+    """``tx.init(params)`` placed like the parameters (moments sharded as their parameter, counts
+    replicated), in one jitted call."""
+    return jax.jit(tx.init, out_shardings=_opt_state_shardings(tx, params))(params)
 
 
 def _opt_state_shardings(tx: optax.GradientTransformation, params: Any) -> Any:

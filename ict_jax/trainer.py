@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ict_jax.config import Config
-from ict_jax.run_log import RunLogger, plot_metrics, to_host
+from ict_jax.run_log import RunLogger, metrics_to_floats, plot_metrics
+from ict_jax.sharding import shard_batch, to_host
 
 SAMPLER_STREAM = 0x53414D50  # "SAMP"
 MAX_NONFINITE_IN_A_ROW = 3
@@ -105,7 +106,7 @@ class Trainer:
     def sft(self) -> dict[str, float]:
         """``train.sft_steps`` of supervised warm start on the training prompts' targets."""
         from ict_jax.sft import make_sft_step, sft_arrays
-        from ict_jax.train_step import TrainState
+        from ict_jax.train_step import TrainState, init_opt_state
 
         cfg, r = self.cfg, self.run
         steps, bs = cfg.train.sft_steps, cfg.train.sft_batch_size
@@ -113,7 +114,7 @@ class Trainer:
             return {}
         sft = make_sft_step(cfg, r.mesh)
         params = r.state.params
-        sft_state = TrainState(params=params, opt_state=jax.jit(sft.tx.init)(params), step=r.state.step,
+        sft_state = TrainState(params=params, opt_state=init_opt_state(sft.tx, params), step=r.state.step,
                                rng=r.state.rng, graphdef=r.state.graphdef)
         enc, kinds, tok = r.prompts.encoded, r.prompts.kinds, r.tokenizer
         eos = tok.eos_ids[0]
@@ -131,7 +132,7 @@ class Trainer:
             arrays = sft_arrays([enc.ids[i] for i in idx], [targets[i] for i in idx],
                                 prompt_len=cfg.rollout.max_prompt_len, target_len=t_len, pad_id=tok.pad_id)
             sft_state, m = sft(sft_state, *map(jnp.asarray, arrays))
-            last = to_host(m)
+            last = metrics_to_floats(m)
             logger.log(s, last, phase="sft")
         logger.close()
         # RL starts from the warm-started weights with a fresh RL optimizer state; the KL reference is
@@ -146,9 +147,7 @@ class Trainer:
         if not (self.run_dir / "sft_model").exists():
             from flax import nnx
 
-            from ict_jax.sharding import to_host as host_arrays
-
-            host = nnx.merge(r.state.graphdef, host_arrays(r.state.params))  # every process joins the gather
+            host = nnx.merge(r.state.graphdef, to_host(r.state.params))  # every process joins the gather
             if jax.process_index() == 0:
                 save_hf(host, self.run_dir / "sft_model")
         return last
@@ -156,8 +155,6 @@ class Trainer:
     # -- one RL step -----------------------------------------------------------------------------
     def _generate_and_score(self, state: Any, key: Any) -> tuple[Any, Any, np.ndarray]:
         """The next P prompts, G responses each (host arrays) and their rewards."""
-        from ict_jax.sharding import shard_batch, to_host
-
         r = self.run
         pb = next(r.iterator)
         ids, mask = (shard_batch((pb.ids, pb.mask), r.mesh) if r.mesh.size > 1
@@ -175,7 +172,6 @@ class Trainer:
         carries no policy gradient; up to ``rl.adv.max_refill`` further prompt batches are drawn and
         their informative groups take the dropped groups' places. Slots still empty after that stay in
         the batch with ``row_valid = 0`` (out of the loss and its denominators)."""
-        from ict_jax.sharding import shard_batch, to_host
         from ict_jax.train_step import build_rollout_batch
 
         cfg, r = self.cfg, self.run
@@ -188,7 +184,7 @@ class Trainer:
         refills = 0
         if cfg.rl.adv.drop_zero_std_groups:
             group_ok &= _informative(rewards, G)
-            ids, mask, ro, rewards = ids.copy(), mask.copy(), ro, rewards.copy()
+            ids, mask, rewards = ids.copy(), mask.copy(), rewards.copy()
             while not group_ok.all() and refills < cfg.rl.adv.max_refill:
                 refills += 1
                 pb2, ro2, rew2 = self._generate_and_score(state, jax.random.fold_in(key, refills))
@@ -243,9 +239,7 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def run_loop(self) -> dict[str, Any]:
         cfg, r = self.cfg, self.run
-        from ict_jax.sharding import to_host as host_arrays
-
-        start = int(host_arrays(r.state.step))
+        start = int(to_host(r.state.step))
         logger = RunLogger(self.run_dir, total_steps=cfg.train.steps, initial_step=start, progress=self.progress)
         nonfinite_in_a_row = 0
         last: dict[str, float] = {}
@@ -256,7 +250,7 @@ class Trainer:
                 batch, times = self._rollout_batch(step, r.state)
                 t0 = time.perf_counter()
                 r.state, metrics = r.train_step(r.state, batch, r.ref_params)
-                m = to_host(metrics)
+                m = metrics_to_floats(metrics)
                 times["time/update_s"] = time.perf_counter() - t0
                 n_tokens = times.pop("_tokens")
                 times["throughput/tokens_per_s"] = n_tokens / max(1e-9, times["time/rollout_s"] + times["time/update_s"])
