@@ -52,6 +52,7 @@ _API: dict[str, str] = {
     "TokenStats": "token_stats",
     "stats_from_logits": "token_stats",
     "stats_from_hidden": "token_stats",
+    "stats_and_surrogate": "token_stats",
     # -- selectors (selectors.py) --
     "dense_mask": "selectors",
     "ict_mask": "selectors",

@@ -70,24 +70,35 @@ def _kl_term(x, m):
     return jnp.where(ok, x * (jnp.log(jnp.where(ok, x, 1.0)) - jnp.log(jnp.where(ok, m, 1.0))), 0.0)
 
 
-def _block_stats(z, tokens, valid, group_size: int, want: frozenset):
+def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: bool = False):
     """Statistics of one block from temperature-scaled float32 logits ``z [B, C, V]``.
 
     Returns ``(logZ, logp, H1, H2, js)`` each ``[B, C]`` (``None`` when not wanted); ``logZ`` is
     always returned (the custom VJP saves it). Not masked by ``valid`` here except inside Pbar.
+    ``with_p=True`` appends p ``[B, C, V]`` (the one-pass gradient reuses it).
+
+    Cost per vocabulary entry (this is the hot loop of every train step): one ``exp`` (p is the
+    normalised exponential of the logsumexp pass, not a second ``exp``), and with ``js`` one ``log p``
+    shared by H1 and JS, one ``log m``, and ``log Pbar`` once per group (not once per rollout). The JS
+    stays in METHOD §1's KL form with ``log`` of both arguments, so p == Pbar gives exactly 0.
     """
     B, C, V = z.shape
     zmax = jnp.max(z, axis=-1, keepdims=True)
     zmax = jnp.where(jnp.isfinite(zmax), zmax, 0.0)  # an all -inf row gives no NaN
-    logZ = jnp.log(jnp.sum(jnp.exp(z - zmax), axis=-1)) + zmax[..., 0]
+    e = jnp.exp(z - zmax)
+    S = jnp.sum(e, axis=-1)
+    logZ = jnp.log(S) + zmax[..., 0]
     logp = H1 = H2 = js = None
     if "logp" in want:
         z_tok = jnp.take_along_axis(z, tokens[..., None], axis=-1)[..., 0]
         logp = z_tok - logZ
-    if want & {"H1", "H2", "js"}:
-        p = jnp.exp(z - logZ[..., None])
+    p = None
+    if with_p or want & {"H1", "H2", "js"}:
+        p = e * (1.0 / S)[..., None]
+        if want & {"H1", "js"}:
+            logp_v = jnp.log(jnp.where(p > 0, p, 1.0))  # 0 where p = 0, so p * logp_v = xlogy(p, p)
         if "H1" in want:
-            H1 = -jnp.sum(xlogy(p, p), axis=-1)
+            H1 = -jnp.sum(p * logp_v, axis=-1)
         if "H2" in want:
             H2 = -jnp.log(jnp.sum(p * p, axis=-1))
         if "js" in want:
@@ -95,10 +106,24 @@ def _block_stats(z, tokens, valid, group_size: int, want: frozenset):
             w = valid.astype(jnp.float32).reshape(P, group_size, C)
             pg = p.reshape(P, group_size, C, V)
             cnt = jnp.sum(w, axis=1)  # [P, C] active rollouts of the group at t
-            num = jnp.sum(w[..., None] * pg, axis=1)  # a reduction, not a dot (no transpose of p)
+            # G static slices added up: XLA CPU runs a middle-axis reduce ~5x slower than this loop fusion
+            num = w[:, 0, :, None] * pg[:, 0]
+            for j in range(1, group_size):
+                num = num + w[:, j, :, None] * pg[:, j]
             pbar = num / jnp.maximum(cnt, 1.0)[..., None]  # 0 where no rollout is active
-            js = _js(pg, pbar[:, None]).reshape(B, C)
-    return logZ, logp, H1, H2, js
+            logpbar = jnp.log(jnp.where(pbar > 0, pbar, 1.0))  # [P, C, V]: once per group
+            js = _js_logs(pg, logp_v.reshape(pg.shape), pbar[:, None], logpbar[:, None]).reshape(B, C)
+    return (logZ, logp, H1, H2, js) + ((p,) if with_p else ())
+
+
+def _js_logs(p, logp, q, logq):
+    """:func:`_js` given ``log`` of both arguments (0 where the argument is 0); ``q`` may broadcast."""
+    m = 0.5 * (p + q)
+    ok = m > 0
+    logm = jnp.log(jnp.where(ok, m, 1.0))
+    # the same guard as _kl_term: m underflowing to 0 beside a tiny positive p or q contributes 0
+    t = jnp.where(ok, p * (logp - logm) + q * (logq - logm), 0.0)
+    return jnp.clip(0.5 * jnp.sum(t, axis=-1), 0.0, _LN2)
 
 
 def _finish(stats, valid, compute) -> TokenStats:
@@ -149,6 +174,13 @@ def stats_from_logits(
 # --------------------------------------------------------------------------------------------------
 # Chunked path
 # --------------------------------------------------------------------------------------------------
+def _block_size(T: int, chunk: int) -> int:
+    """Positions per block: ``chunk`` is the largest block; the blocks are evened out so that padding
+    is under one position per block (T = 96, chunk = 64 gives 2 blocks of 48, not 2 of 64)."""
+    nb = -(-T // min(chunk, T))
+    return -(-T // nb)
+
+
 def _blocks(x, nb: int, chunk: int):
     """[B, T_pad, ...] -> [nb, B, chunk, ...] (the scan axis first)."""
     B = x.shape[0]
@@ -161,9 +193,11 @@ def _unblocks(x):
     return jnp.moveaxis(x, 0, 1).reshape(B, nb * C, *x.shape[3:])
 
 
-def _block_logits(h, unembed, temperature: float):
-    """z = (h @ W) / T_s with float32 accumulation; h [B, C, D], W [D, V] -> [B, C, V] float32."""
-    z = jnp.einsum("bcd,dv->bcv", h, unembed, preferred_element_type=jnp.float32)
+def _block_logits(h, unembed, temperature: float, *, transposed: bool = False):
+    """z = (h @ W) / T_s with float32 accumulation; h [B, C, D], W [D, V] (or W^T [V, D] when
+    ``transposed``) -> [B, C, V] float32."""
+    spec = "bcd,vd->bcv" if transposed else "bcd,dv->bcv"
+    z = jnp.einsum(spec, h, unembed, preferred_element_type=jnp.float32)
     return z if temperature == 1.0 else z / temperature  # skip a [B, C, V] pass when T_s = 1
 
 
@@ -173,9 +207,11 @@ def _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, 
     nb = Tp // chunk
     xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(valid, nb, chunk))
 
+    unembed_t = jnp.transpose(unembed)  # free for a tied embedding; saves XLA CPU a [D, V] copy
+
     def body(_, x):
         h, tok, val = x
-        z = _block_logits(h, unembed, temperature)
+        z = _block_logits(h, unembed_t, temperature, transposed=True)
         out = _block_stats(z, tok, val, group_size, want)
         return None, tuple(jnp.zeros((B, chunk), jnp.float32) if o is None else o for o in out)
 
@@ -203,16 +239,19 @@ def _chunked_bwd(group_size, temperature, chunk, want, res, cts):
     B, Tp, D = hidden.shape
     nb = Tp // chunk
     V = unembed.shape[1]
+    # dh = dz @ W^T contracts over V: with W^T [V, D] laid out row-major (one transpose per step, free
+    # when W is itself a tied embedding's transpose) it is a plain matmul; XLA CPU's NT form was ~1.7x slower.
+    unembed_t = jnp.transpose(unembed)
     xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(logZ, nb, chunk),
           _blocks(g_logp.astype(jnp.float32), nb, chunk))
 
     def body(dW, x):
         h, tok, lz, g = x
-        z = _block_logits(h, unembed, temperature)
+        z = _block_logits(h, unembed_t, temperature, transposed=True)
         onehot = tok[..., None] == lax.broadcasted_iota(jnp.int32, (1, 1, V), 2)
         g = (g / temperature)[..., None]  # fold 1/T_s into the [B, C] cotangent
         dz = jnp.where(onehot, g, 0.0) - g * jnp.exp(z - lz[..., None])
-        dh = jnp.einsum("bcv,dv->bcd", dz, unembed, preferred_element_type=jnp.float32)
+        dh = jnp.einsum("bcv,vd->bcd", dz, unembed_t, preferred_element_type=jnp.float32)
         dW = dW + jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
         return dW, dh.astype(hidden.dtype)
 
@@ -221,6 +260,105 @@ def _chunked_bwd(group_size, temperature, chunk, want, res, cts):
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# One-pass head: statistics and the gradient of a linear function of logp in the same block walk
+# --------------------------------------------------------------------------------------------------
+def _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want):
+    """Forward scan that also accumulates d(sum g*logp)/d(hidden, unembed) from each block's p."""
+    B, Tp, D = hidden.shape
+    nb = Tp // chunk
+    V = unembed.shape[1]
+    unembed_t = jnp.transpose(unembed)  # see _chunked_bwd
+    xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(valid, nb, chunk),
+          _blocks(g.astype(jnp.float32), nb, chunk))
+
+    def body(dW, x):
+        h, tok, val, gb = x
+        z = _block_logits(h, unembed_t, temperature, transposed=True)  # no [D, V] copy of a tied W
+        *out, p = _block_stats(z, tok, val, group_size, want | {"logp"}, with_p=True)
+        onehot = tok[..., None] == lax.broadcasted_iota(jnp.int32, (1, 1, V), 2)
+        gb = (gb / temperature)[..., None]
+        dz = jnp.where(onehot, gb, 0.0) - gb * p
+        dh = jnp.einsum("bcv,vd->bcd", dz, unembed_t, preferred_element_type=jnp.float32)
+        dW = dW + jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
+        out = tuple(jnp.zeros((B, chunk), jnp.float32) if o is None else o for o in out[1:])
+        return dW, out + (dh.astype(hidden.dtype),)
+
+    dW, ys = lax.scan(body, jnp.zeros((D, V), jnp.float32), xs)
+    *stats, dh = (_unblocks(y) for y in ys)
+    return tuple(stats), dh, dW.astype(unembed.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _one_pass(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want):
+    stats, _, _ = _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want)
+    return stats, jnp.sum(g * stats[0])
+
+
+def _one_pass_fwd(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want):
+    stats, dh, dW = _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want)
+    return (stats, jnp.sum(g * stats[0])), (dh, dW)
+
+
+def _one_pass_bwd(group_size, temperature, chunk, want, res, cts):
+    """Only the surrogate's cotangent is used: the statistics are stop-gradient outside."""
+    dh, dW = res
+    c = cts[1]
+    return (c.astype(dh.dtype) * dh, c.astype(dW.dtype) * dW, None, None, None)
+
+
+_one_pass.defvjp(_one_pass_fwd, _one_pass_bwd)
+
+
+def stats_and_surrogate(
+    hidden: Float[Array, "B T D"],
+    unembed: Float[Array, "D V"],
+    tokens: Int[Array, "B T"],
+    valid: Float[Array, "B T"] | Bool[Array, "B T"],
+    g_logp: Float[Array, "B T"],
+    *,
+    group_size: int,
+    temperature: float = 1.0,
+    chunk: int = 64,
+    compute: Sequence[str] = _ALL,
+) -> tuple[TokenStats, Float[Array, ""]]:
+    """:func:`stats_from_hidden` plus ``s = sum_t g_logp[t] * logp[t]`` whose gradient costs no second pass.
+
+    For a loss whose derivative with respect to ``logp`` is known before the forward pass (a constant
+    ``g_logp``: the fused GRPO step with r = 1, no KL and a mask that does not depend on the statistics),
+    ``jax.grad`` of ``s`` equals the loss's gradient. Each block's softmax p is then used twice while it
+    is in memory, once for the statistics and once for d s / d z = g (onehot - p), so the backward pass
+    neither recomputes the block logits nor their softmax: three vocabulary matmuls per token instead
+    of four. ``dh`` ``[B, T, D]`` and ``dW`` ``[D, V]`` are kept from the forward pass for the backward.
+    Every returned statistic is stop-gradient (differentiate ``s``); ``g_logp`` is treated as a
+    constant. Statistics equal :func:`stats_from_hidden`'s to float32 rounding.
+    """
+    compute = _check_compute(compute)
+    B, T, D = hidden.shape
+    _check_group(B, group_size)
+    if unembed.shape[0] != D:
+        raise ValueError(f"unembed has shape {unembed.shape}; expected [D={D}, V]")
+    if g_logp.shape != tokens.shape:
+        raise ValueError(f"g_logp has shape {g_logp.shape}; expected the tokens' {tokens.shape}")
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1")
+    chunk = _block_size(T, chunk)
+    valid = valid > 0
+    tokens = tokens.astype(jnp.int32)
+    g_logp = jnp.where(valid, lax.stop_gradient(g_logp).astype(jnp.float32), 0.0)
+    pad = (-T) % chunk
+    valid_p = valid
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
+        valid_p = jnp.pad(valid, ((0, 0), (0, pad)))
+        g_logp = jnp.pad(g_logp, ((0, 0), (0, pad)))
+    out, s = _one_pass(hidden, unembed, tokens, valid_p, g_logp, group_size, float(temperature), chunk,
+                       frozenset(compute))
+    out = tuple(lax.stop_gradient(o[:, :T]) for o in out)
+    return _finish(out, valid, compute), s
 
 
 def stats_from_hidden(
@@ -251,7 +389,7 @@ def stats_from_hidden(
         raise ValueError(f"unembed has shape {unembed.shape}; expected [D={D}, V]")
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1")
-    chunk = min(chunk, T)
+    chunk = _block_size(T, chunk)
     valid = valid > 0
     tokens = tokens.astype(jnp.int32)
     pad = (-T) % chunk

@@ -15,6 +15,12 @@
 
 Statistics never materialise float32 ``[B, T, V]`` logits: hidden states go to
 :func:`ict_jax.stats_from_hidden` (blocks of ``stats.chunk`` positions).
+
+One-pass head: when d loss / d logp is known before the forward pass (fused schedule so r = 1,
+``kl_coef = 0``, logp_old not from the sampler, and a mask that ignores the statistics: ``dense`` and
+``random``), the gradient is taken through :func:`ict_jax.token_stats.stats_and_surrogate`, which
+applies it to each block's softmax while the block is in memory (three vocabulary matmuls per token
+instead of four). Same gradient to float32 rounding; the other methods keep the two-pass form.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from ict_jax.config import Config
 from ict_jax.grpo import loss_denominators, policy_loss, zero_std_groups
 from ict_jax.selectors import select
 from ict_jax.sharding import batch_sharding, check_prompts_divide, replicated
-from ict_jax.token_stats import TokenStats, stats_from_hidden
+from ict_jax.token_stats import TokenStats, stats_and_surrogate, stats_from_hidden
 
 F32 = jnp.float32
+#: Built-in selectors whose mask does not read the token statistics (the one-pass head applies).
+_STATS_FREE_SELECTORS = ("dense", "random")
 
 
 @flax.struct.dataclass
@@ -265,6 +273,10 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
     # statistics each pass computes: everything for the §5 metrics (js costs two more vocab passes)
     need_js = method == "ict" or cfg.stats.js_metrics
     cur_compute = ("logp", "H1", "H2") + (("js",) if fused and need_js else ())
+    # METHOD §4 with r = 1 (fused, logp_old = this forward's logp) and no KL: d loss / d logp depends on
+    # the mask and denominators only, so for masks that ignore the statistics it is known up front.
+    one_pass = (fused and not use_kl and loss_cfg.old_logp != "sampler"
+                and method in _STATS_FREE_SELECTORS)
 
     def stats_of(params, graphdef, mb: RolloutBatch, valid, compute) -> TokenStats:
         model = nnx.merge(graphdef, params)
@@ -301,6 +313,32 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
+    def surrogate_fn(params, graphdef, mb, valid, key, step):
+        """The one-pass form of ``loss_fn`` (fused, r = 1, no KL, statistics-free mask): its value is
+        sum g * logp, whose gradient is the loss's; the loss itself comes back in the aux."""
+        sg = jax.lax.stop_gradient
+        no_stats = TokenStats(None, None, None, None)
+        mask = select(method, no_stats, mb.advantages, valid, key=key, step=step, config=sel_cfg,
+                      group_size=G)
+        denoms = loss_denominators(valid, mask, loss_cfg)
+
+        def loss_at(lp):  # r = exp(lp - sg(lp)) = 1 at any lp: the gradient does not depend on lp
+            return policy_loss(lp, sg(lp), None, mb.advantages, valid, mask, config=loss_cfg, denoms=denoms)[0]
+
+        g_logp = jax.grad(loss_at)(jnp.zeros(valid.shape, F32))
+        model = nnx.merge(graphdef, params)
+        Lr = mb.response_len
+        h = model.hidden_states(mb.tokens[:, :-1], mb.attention_mask[:, :-1])[:, -Lr:]
+        stats, surrogate = stats_and_surrogate(h, model.unembedding(), mb.tokens[:, -Lr:], valid, g_logp,
+                                               group_size=G, temperature=temperature, chunk=chunk,
+                                               compute=cur_compute)
+        logp_old = stats.logp  # already stop-gradient
+        loss, metrics = policy_loss(stats.logp, logp_old, None, mb.advantages, valid, mask, config=loss_cfg,
+                                    denoms=denoms)
+        return surrogate, (loss, metrics, mask, stats, logp_old)
+
+    surrogate_grad_fn = jax.grad(surrogate_fn, has_aux=True)
+
     def update(params, opt_state, grads, loss):
         gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
@@ -328,7 +366,10 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
         def one_update(carry, xs):
             params, opt_state = carry
             mb, v, lp_old, lp_ref, js_old = xs
-            if fused:
+            if one_pass:
+                grads, (loss, lm, mask, stats, lp_old_used) = surrogate_grad_fn(
+                    params, graphdef, mb, v, state.rng, state.step)
+            elif fused:
                 (loss, (lm, mask, stats, lp_old_used)), grads = grad_fn(
                     params, graphdef, mb, v, lp_old, lp_ref, None, None, state.rng, state.step)
             else:

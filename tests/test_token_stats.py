@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ict_jax.token_stats import TokenStats, _js, stats_from_hidden, stats_from_logits
+from ict_jax.token_stats import TokenStats, _js, stats_and_surrogate, stats_from_hidden, stats_from_logits
 
 ATOL, RTOL = 1e-5, 1e-6
 LN2 = np.log(2.0)
@@ -224,6 +224,38 @@ def test_hidden_equals_logits_values_and_gradient(chunk, dense_case):
     for x, y in zip(ga, gb):
         assert y.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 32])
+def test_one_pass_surrogate_equals_dense_values_and_gradient(chunk, dense_case):
+    """stats_and_surrogate: the statistics of the dense path and grad(s) = grad(sum(wts * logp)),
+    computed during the forward pass."""
+    (hidden, W, tokens, valid, G, temp, wts), a, ga = dense_case
+
+    def one_pass(h, w):
+        return stats_and_surrogate(h, w, tokens, valid, wts, group_size=G, temperature=temp, chunk=chunk)
+
+    swapped = lambda h, w: one_pass(h, w)[::-1]  # noqa: E731  (s, stats) for has_aux
+    (s, b), gb = jax.jit(jax.value_and_grad(swapped, argnums=(0, 1), has_aux=True))(hidden, W)
+    for name in ("logp", "H1", "H2", "js"):
+        assert_close(name, getattr(b, name), np.asarray(getattr(a, name), np.float64))
+    want_s = np.sum(np.asarray(a.logp, np.float64) * wts * valid)
+    np.testing.assert_allclose(float(s), want_s, rtol=1e-5)
+    for x, y in zip(ga, gb):
+        assert y.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=ATOL, rtol=1e-5)
+    # the statistics are stop-gradient; a differentiated statistic gives zero, not a wrong gradient
+    gz = jax.grad(lambda h: jnp.sum(one_pass(h, W)[0].H1))(hidden)
+    assert np.all(np.asarray(gz) == 0.0)
+    with pytest.raises(ValueError, match="g_logp"):
+        stats_and_surrogate(hidden, W, tokens, valid, wts[:, :-1], group_size=G)
+
+
+def test_block_size_evens_out_blocks():
+    from ict_jax.token_stats import _block_size
+
+    assert [_block_size(96, c) for c in (16, 32, 64, 128, 1)] == [16, 32, 48, 96, 1]
+    assert _block_size(100, 64) == 50 and _block_size(7, 3) == 3 and _block_size(1024, 64) == 64
 
 
 def test_hidden_compute_subset_and_stop_gradient():

@@ -124,6 +124,38 @@ def test_eight_devices_give_the_gradients_of_one(method, devices8):
     assert m8["mask/selected_frac"] == m1["mask/selected_frac"]  # entropy's batch scope is global
 
 
+@pytest.mark.parametrize("method", ["dense", "random"])
+def test_one_pass_head_gives_the_two_pass_gradients(method, monkeypatch):
+    """kl_coef = 0, one micro-batch: d loss / d logp is known before the forward pass and the step
+    takes the one-pass head (stats_and_surrogate); two micro-batches take the two-pass custom VJP."""
+    import ict_jax.train_step as ts
+
+    calls = []
+    real = ts.stats_and_surrogate
+    monkeypatch.setattr(ts, "stats_and_surrogate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    agg = METHOD_AGG[method]
+    one, m1 = _param_delta(_config(method, agg, 1, "rl.loss.kl_coef=0"))
+    assert calls, "the one-pass head was not used"
+    calls.clear()
+    two, m2 = _cached_delta(method, agg, 2, "rl.loss.kl_coef=0")
+    assert not calls
+    assert max(np.abs(x).max() for x in jax.tree.leaves(one)) > 1e-4  # a real gradient
+    _assert_close_trees(one, two)
+    for k in ("loss/total", "stats/H1_mean", "stats/H2_mean", "stats/js_mean", "mask/selected_frac"):
+        np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    # with a KL term the gradient depends on logp: the two-pass form is kept
+    _param_delta(_config(method, agg, 1))
+    assert not calls
+
+
+def test_one_pass_head_on_eight_devices(devices8):
+    cfg = _config("dense", "token-mean", 1, "rl.loss.kl_coef=0")
+    d1, m1 = _param_delta(cfg)
+    d8, m8 = _param_delta(cfg, ict_jax.make_mesh(data=2, fsdp=2, tensor=2))
+    _assert_close_trees(d8, d1)
+    np.testing.assert_allclose(m8["loss/total"], m1["loss/total"], rtol=1e-5, atol=1e-7)
+
+
 def test_ict_with_rho_one_equals_dense():
     agg = "seq-mean-token-mean"
     dense, _ = _cached_delta("dense", agg, 1)
