@@ -135,7 +135,7 @@ class RLSection:
 @dataclass(frozen=True)
 class StatsSection:
     temperature: float | None = None  # T_s; None = the rollout temperature (METHOD notation)
-    chunk: int = 64  # positions per block in stats_from_hidden (docs/benchmarks.md, issue 3)
+    chunk: int = 64  # largest block of positions in stats_from_hidden (docs/benchmarks.md, issue 3)
     # the JS score for the stats/js_* metrics also when the selector does not use it (ict always
     # computes it): two more vocabulary-wide passes per step
     js_metrics: bool = True
