@@ -188,12 +188,7 @@ def memory_analysis(args, remat: str, micro: int = 1) -> dict:
                          correct=sds((B,), f32))
     step = make_train_step(cfg, tx=tx)
     t0 = time.perf_counter()
-    try:  # builds (and caches) the jax.jit object; calling it with abstract values then fails
-        step(state, batch)
-    except TypeError:
-        pass
-    (fn,) = step.jitted.values()
-    compiled = fn.lower(state, batch, None).compile()
+    compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -258,6 +258,9 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
     ``mesh``: rows of the batch are split over ('data', 'fsdp'); the state keeps the shardings it
     has (from :func:`ict_jax.init_model` / :func:`ict_jax.load_hf` with the same mesh). The state is
     donated. The warm-up switch (``step < warmup_steps``) is traced data: no recompilation.
+    ``step.lower(state, batch, ref_params=None)`` gives the ``jax.stages.Lowered`` program (arguments
+    may be abstract ``jax.ShapeDtypeStruct`` trees) for ``.compile().memory_analysis()`` and cost
+    estimates without running it.
     """
     cfg = config
     G = cfg.rollout.num_samples
@@ -413,7 +416,8 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
 
     compiled: dict[Any, Callable] = {}
 
-    def step(state: TrainState, batch: RolloutBatch, ref_params: Any = None) -> tuple[TrainState, dict]:
+    def jitted_for(state: TrainState, batch: RolloutBatch, ref_params: Any) -> Callable:
+        """The jax.jit object for these argument structures (built once, with the shape checks)."""
         if use_kl and ref_params is None:
             raise ValueError("rl.loss.kl_coef > 0 needs ref_params (see ict_jax.train_step.reference_params)")
         B = batch.tokens.shape[0]
@@ -437,10 +441,25 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
                 fn = jax.jit(step_fn, donate_argnums=(0,), in_shardings=(st_sh, b_sh, r_sh),
                              out_shardings=(st_sh, replicated(mesh)))
             compiled[key] = fn
+        return fn
+
+    def step(state: TrainState, batch: RolloutBatch, ref_params: Any = None) -> tuple[TrainState, dict]:
+        fn = jitted_for(state, batch, ref_params)
         if mesh is not None:
             with jax.set_mesh(mesh):
                 return fn(state, batch, ref_params)
         return fn(state, batch, ref_params)
 
-    step.jitted = compiled  # for tests and benchmarks (lowering, memory analysis, compile counts)
+    def lower(state: TrainState, batch: RolloutBatch, ref_params: Any = None) -> Any:
+        """``jax.stages.Lowered`` of the step for these arguments, which may be abstract
+        (``jax.ShapeDtypeStruct`` leaves with shardings): ``step.lower(...).compile().memory_analysis()``
+        sizes a step without running or allocating it."""
+        fn = jitted_for(state, batch, ref_params)
+        if mesh is not None:
+            with jax.set_mesh(mesh):
+                return fn.lower(state, batch, ref_params)
+        return fn.lower(state, batch, ref_params)
+
+    step.jitted = compiled  # for tests and benchmarks (compile counts)
+    step.lower = lower
     return step

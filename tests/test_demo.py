@@ -40,12 +40,11 @@ def test_demo_shortened_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 8 open: measured gains over the warm start were +0.065 to +0.109 across six settings "
-    "(docs/results.md); only this config's setting reached +0.10 once, so the criterion is not robust yet"))
 def test_demo_full_improves_held_out_accuracy_by_a_tenth(tmp_path):
     """The README's main command: RL must lift accuracy (P@1, n = 4, temperature 0.6) on 256 fixed
-    held-out problems by >= 0.10 absolute over the SFT warm start, at seed 0."""
+    held-out problems by >= 0.10 absolute over the SFT warm start, at seed 0. Measured on the project's
+    CPU: 0.248 -> 0.362 (+0.114; docs/results.md). The margin is small (other RL settings gained
+    +0.065..+0.109), so a change to the numerics of training can flip this test: that is its job."""
     summary = _run(tmp_path / "demo", timeout=1800)
     before, after = summary["eval_after_sft"][EVAL], summary["eval_final"][EVAL]
     assert after - before >= 0.10, f"warm start {before:.3f} -> after RL {after:.3f}"

@@ -156,6 +156,20 @@ def test_one_pass_head_on_eight_devices(devices8):
     np.testing.assert_allclose(m8["loss/total"], m1["loss/total"], rtol=1e-5, atol=1e-7)
 
 
+def test_step_lower_sizes_an_abstract_step_without_running_it():
+    cfg = _config("ict", "token-mean", 1)
+    model = ict_jax.init_model(MODEL, seed=1)
+    state = init_train_state(cfg, model)
+    step = make_train_step(cfg)
+    abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
+    ref = abstract(state.params)
+    compiled = step.lower(abstract(state), abstract(_batch()), ref).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
+    assert int(state.step) == 0  # nothing ran, nothing was donated
+    with pytest.raises(ValueError, match="ref_params"):
+        step.lower(abstract(state), abstract(_batch()))
+
+
 def test_ict_with_rho_one_equals_dense():
     agg = "seq-mean-token-mean"
     dense, _ = _cached_delta("dense", agg, 1)
