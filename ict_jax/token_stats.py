@@ -22,7 +22,6 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.special import xlogy
 from jaxtyping import Array, Bool, Float, Int
 
 _ALL = ("logp", "H1", "H2", "js")
@@ -56,18 +55,14 @@ def _check_group(B: int, group_size: int) -> int:
     return B // group_size
 
 
+def _safe_log(x):
+    """log x where x > 0, else 0 (so x * _safe_log(x) = xlogy(x, x))."""
+    return jnp.log(jnp.where(x > 0, x, 1.0))
+
+
 def _js(p, q):
     """JS(p || q) over the last axis in METHOD §1's KL form, m = (p + q)/2, clipped to [0, ln 2]."""
-    m = 0.5 * (p + q)
-    return jnp.clip(0.5 * jnp.sum(_kl_term(p, m) + _kl_term(q, m), axis=-1), 0.0, _LN2)
-
-
-def _kl_term(x, m):
-    """xlogy(x, x) - xlogy(x, m), guarded: m = (x + y)/2 >= x/2 can underflow to 0 while x is a
-    tiny positive (a subnormal halved), which would give x * inf; the true term is <= x ln 2 there,
-    so it is taken as 0 (an error below 1e-38)."""
-    ok = (x > 0) & (m > 0)
-    return jnp.where(ok, x * (jnp.log(jnp.where(ok, x, 1.0)) - jnp.log(jnp.where(ok, m, 1.0))), 0.0)
+    return _js_logs(p, _safe_log(p), q, _safe_log(q))
 
 
 def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: bool = False):
@@ -96,7 +91,7 @@ def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: 
     if with_p or want & {"H1", "H2", "js"}:
         p = e * (1.0 / S)[..., None]
         if want & {"H1", "js"}:
-            logp_v = jnp.log(jnp.where(p > 0, p, 1.0))  # 0 where p = 0, so p * logp_v = xlogy(p, p)
+            logp_v = _safe_log(p)
         if "H1" in want:
             H1 = -jnp.sum(p * logp_v, axis=-1)
         if "H2" in want:
@@ -111,7 +106,7 @@ def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: 
             for j in range(1, group_size):
                 num = num + w[:, j, :, None] * pg[:, j]
             pbar = num / jnp.maximum(cnt, 1.0)[..., None]  # 0 where no rollout is active
-            logpbar = jnp.log(jnp.where(pbar > 0, pbar, 1.0))  # [P, C, V]: once per group
+            logpbar = _safe_log(pbar)  # [P, C, V]: once per group
             js = _js_logs(pg, logp_v.reshape(pg.shape), pbar[:, None], logpbar[:, None]).reshape(B, C)
     return (logZ, logp, H1, H2, js) + ((p,) if with_p else ())
 
@@ -121,7 +116,8 @@ def _js_logs(p, logp, q, logq):
     m = 0.5 * (p + q)
     ok = m > 0
     logm = jnp.log(jnp.where(ok, m, 1.0))
-    # the same guard as _kl_term: m underflowing to 0 beside a tiny positive p or q contributes 0
+    # m = (p + q)/2 >= p/2 can underflow to 0 beside a tiny positive p (a subnormal halved), which would
+    # give p * inf; the true term is <= p ln 2 there, so it is taken as 0 (an error below 1e-38)
     t = jnp.where(ok, p * (logp - logm) + q * (logq - logm), 0.0)
     return jnp.clip(0.5 * jnp.sum(t, axis=-1), 0.0, _LN2)
 
@@ -201,6 +197,19 @@ def _block_logits(h, unembed, temperature: float, *, transposed: bool = False):
     return z if temperature == 1.0 else z / temperature  # skip a [B, C, V] pass when T_s = 1
 
 
+def _block_grad(h, tok, g, p, unembed_t, temperature: float):
+    """One block's d(sum g*logp): dz = g (onehot(o) - p) / T_s; returns (dh [B, C, D], dW [D, V]) in
+    float32. ``unembed_t`` is W^T [V, D]: dh contracts over V as a plain matmul (XLA CPU's NT form
+    was ~1.7x slower)."""
+    V = unembed_t.shape[0]
+    onehot = tok[..., None] == lax.broadcasted_iota(jnp.int32, (1, 1, V), 2)
+    g = (g / temperature)[..., None]  # fold 1/T_s into the [B, C] cotangent
+    dz = jnp.where(onehot, g, 0.0) - g * p
+    dh = jnp.einsum("bcv,vd->bcd", dz, unembed_t, preferred_element_type=jnp.float32)
+    dW = jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
+    return dh, dW
+
+
 def _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want):
     """Forward scan over blocks; inputs already padded to nb*chunk. Returns logZ, logp, H1, H2, js."""
     B, Tp, _ = hidden.shape
@@ -239,21 +248,15 @@ def _chunked_bwd(group_size, temperature, chunk, want, res, cts):
     B, Tp, D = hidden.shape
     nb = Tp // chunk
     V = unembed.shape[1]
-    # dh = dz @ W^T contracts over V: with W^T [V, D] laid out row-major (one transpose per step, free
-    # when W is itself a tied embedding's transpose) it is a plain matmul; XLA CPU's NT form was ~1.7x slower.
-    unembed_t = jnp.transpose(unembed)
+    unembed_t = jnp.transpose(unembed)  # one transpose per step; free when W is a tied embedding's
     xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(logZ, nb, chunk),
           _blocks(g_logp.astype(jnp.float32), nb, chunk))
 
     def body(dW, x):
         h, tok, lz, g = x
         z = _block_logits(h, unembed_t, temperature, transposed=True)
-        onehot = tok[..., None] == lax.broadcasted_iota(jnp.int32, (1, 1, V), 2)
-        g = (g / temperature)[..., None]  # fold 1/T_s into the [B, C] cotangent
-        dz = jnp.where(onehot, g, 0.0) - g * jnp.exp(z - lz[..., None])
-        dh = jnp.einsum("bcv,vd->bcd", dz, unembed_t, preferred_element_type=jnp.float32)
-        dW = dW + jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
-        return dW, dh.astype(hidden.dtype)
+        dh, dW_blk = _block_grad(h, tok, g, jnp.exp(z - lz[..., None]), unembed_t, temperature)
+        return dW + dW_blk, dh.astype(hidden.dtype)
 
     dW, dh = lax.scan(body, jnp.zeros((D, V), jnp.float32), xs)
     return _unblocks(dh), dW.astype(unembed.dtype), None, None
@@ -270,7 +273,7 @@ def _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature,
     B, Tp, D = hidden.shape
     nb = Tp // chunk
     V = unembed.shape[1]
-    unembed_t = jnp.transpose(unembed)  # see _chunked_bwd
+    unembed_t = jnp.transpose(unembed)  # see _block_grad
     xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(valid, nb, chunk),
           _blocks(g.astype(jnp.float32), nb, chunk))
 
@@ -278,13 +281,9 @@ def _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature,
         h, tok, val, gb = x
         z = _block_logits(h, unembed_t, temperature, transposed=True)  # no [D, V] copy of a tied W
         *out, p = _block_stats(z, tok, val, group_size, want | {"logp"}, with_p=True)
-        onehot = tok[..., None] == lax.broadcasted_iota(jnp.int32, (1, 1, V), 2)
-        gb = (gb / temperature)[..., None]
-        dz = jnp.where(onehot, gb, 0.0) - gb * p
-        dh = jnp.einsum("bcv,vd->bcd", dz, unembed_t, preferred_element_type=jnp.float32)
-        dW = dW + jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
+        dh, dW_blk = _block_grad(h, tok, gb, p, unembed_t, temperature)
         out = tuple(jnp.zeros((B, chunk), jnp.float32) if o is None else o for o in out[1:])
-        return dW, out + (dh.astype(hidden.dtype),)
+        return dW + dW_blk, out + (dh.astype(hidden.dtype),)
 
     dW, ys = lax.scan(body, jnp.zeros((D, V), jnp.float32), xs)
     *stats, dh = (_unblocks(y) for y in ys)
@@ -312,6 +311,26 @@ def _one_pass_bwd(group_size, temperature, chunk, want, res, cts):
 _one_pass.defvjp(_one_pass_fwd, _one_pass_bwd)
 
 
+def _prepare(hidden, unembed, tokens, valid, group_size: int, chunk: int, compute, extra=()):
+    """Checks shared by the chunked entry points, then pads T to whole blocks. Returns
+    ``(compute, T, chunk, valid, hidden_p, tokens_p, valid_p, extra_p)`` (``_p``: padded; ``extra``:
+    more ``[B, T]`` arrays padded alike)."""
+    compute = _check_compute(compute)
+    B, T, D = hidden.shape
+    _check_group(B, group_size)
+    if unembed.shape[0] != D:
+        raise ValueError(f"unembed has shape {unembed.shape}; expected [D={D}, V]")
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1")
+    chunk = _block_size(T, chunk)
+    valid = valid > 0
+    tokens = tokens.astype(jnp.int32)
+    pad = (-T) % chunk
+    pad2 = lambda x: jnp.pad(x, ((0, 0), (0, pad))) if pad else x  # noqa: E731
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))) if pad else hidden
+    return compute, T, chunk, valid, hidden, pad2(tokens), pad2(valid), tuple(pad2(x) for x in extra)
+
+
 def stats_and_surrogate(
     hidden: Float[Array, "B T D"],
     unembed: Float[Array, "D V"],
@@ -335,26 +354,11 @@ def stats_and_surrogate(
     Every returned statistic is stop-gradient (differentiate ``s``); ``g_logp`` is treated as a
     constant. Statistics equal :func:`stats_from_hidden`'s to float32 rounding.
     """
-    compute = _check_compute(compute)
-    B, T, D = hidden.shape
-    _check_group(B, group_size)
-    if unembed.shape[0] != D:
-        raise ValueError(f"unembed has shape {unembed.shape}; expected [D={D}, V]")
     if g_logp.shape != tokens.shape:
         raise ValueError(f"g_logp has shape {g_logp.shape}; expected the tokens' {tokens.shape}")
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk} must be >= 1")
-    chunk = _block_size(T, chunk)
-    valid = valid > 0
-    tokens = tokens.astype(jnp.int32)
-    g_logp = jnp.where(valid, lax.stop_gradient(g_logp).astype(jnp.float32), 0.0)
-    pad = (-T) % chunk
-    valid_p = valid
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
-        valid_p = jnp.pad(valid, ((0, 0), (0, pad)))
-        g_logp = jnp.pad(g_logp, ((0, 0), (0, pad)))
+    g_logp = jnp.where(valid > 0, lax.stop_gradient(g_logp).astype(jnp.float32), 0.0)
+    compute, T, chunk, valid, hidden, tokens, valid_p, (g_logp,) = _prepare(
+        hidden, unembed, tokens, valid, group_size, chunk, compute, (g_logp,))
     out, s = _one_pass(hidden, unembed, tokens, valid_p, g_logp, group_size, float(temperature), chunk,
                        frozenset(compute))
     out = tuple(lax.stop_gradient(o[:, :T]) for o in out)
@@ -382,23 +386,8 @@ def stats_from_hidden(
     and the backward pass of ``logp`` (custom VJP recomputing each block's logits). ``compute`` skips
     statistics not asked for (``("logp",)`` needs only a logsumexp per position).
     """
-    compute = _check_compute(compute)
-    B, T, D = hidden.shape
-    _check_group(B, group_size)
-    if unembed.shape[0] != D:
-        raise ValueError(f"unembed has shape {unembed.shape}; expected [D={D}, V]")
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk} must be >= 1")
-    chunk = _block_size(T, chunk)
-    valid = valid > 0
-    tokens = tokens.astype(jnp.int32)
-    pad = (-T) % chunk
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        tokens = jnp.pad(tokens, ((0, 0), (0, pad)))
-        valid_p = jnp.pad(valid, ((0, 0), (0, pad)))
-    else:
-        valid_p = valid
+    compute, T, chunk, valid, hidden, tokens, valid_p, _ = _prepare(
+        hidden, unembed, tokens, valid, group_size, chunk, compute)
     want = frozenset(compute)
     if "logp" in want:
         out = _chunked(hidden, unembed, tokens, valid_p, group_size, float(temperature), chunk, want)

@@ -281,12 +281,16 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
     one_pass = (fused and not use_kl and loss_cfg.old_logp != "sampler"
                 and method in _STATS_FREE_SELECTORS)
 
-    def stats_of(params, graphdef, mb: RolloutBatch, valid, compute) -> TokenStats:
+    def head_inputs(params, graphdef, mb: RolloutBatch):
+        """(hidden states that predict the response tokens, unembedding, response tokens)."""
         model = nnx.merge(graphdef, params)
         Lr = mb.response_len
         # hidden[:, t] predicts tokens[:, t + 1]: drop the last input token, keep the last Lr states
         h = model.hidden_states(mb.tokens[:, :-1], mb.attention_mask[:, :-1])[:, -Lr:]
-        return stats_from_hidden(h, model.unembedding(), mb.tokens[:, -Lr:], valid, group_size=G,
+        return h, model.unembedding(), mb.tokens[:, -Lr:]
+
+    def stats_of(params, graphdef, mb: RolloutBatch, valid, compute) -> TokenStats:
+        return stats_from_hidden(*head_inputs(params, graphdef, mb), valid, group_size=G,
                                  temperature=temperature, chunk=chunk, compute=compute)
 
     def nograd_pass(params, graphdef, batch: RolloutBatch, valid, compute, n: int) -> TokenStats:
@@ -329,10 +333,7 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
             return policy_loss(lp, sg(lp), None, mb.advantages, valid, mask, config=loss_cfg, denoms=denoms)[0]
 
         g_logp = jax.grad(loss_at)(jnp.zeros(valid.shape, F32))
-        model = nnx.merge(graphdef, params)
-        Lr = mb.response_len
-        h = model.hidden_states(mb.tokens[:, :-1], mb.attention_mask[:, :-1])[:, -Lr:]
-        stats, surrogate = stats_and_surrogate(h, model.unembedding(), mb.tokens[:, -Lr:], valid, g_logp,
+        stats, surrogate = stats_and_surrogate(*head_inputs(params, graphdef, mb), valid, g_logp,
                                                group_size=G, temperature=temperature, chunk=chunk,
                                                compute=cur_compute)
         logp_old = stats.logp  # already stop-gradient
