@@ -3,6 +3,7 @@
     python benchmarks/train_step.py                  # small Qwen2 shape on CPU + 0.5B memory analysis
     python benchmarks/train_step.py --skip-memory    # timing only
     python benchmarks/train_step.py --skip-timing    # 0.5B compiled memory only (abstract, nothing allocated)
+    python benchmarks/train_step.py --skip-memory --torch-stats   # + a PyTorch step with the same statistics
 
 Timing (issue 5): both sides run the same dense GRPO update from the same random weights (transformers
 ``Qwen2ForCausalLM``, saved and loaded with ``ict_jax.load_hf``) on the same rollout batch:
@@ -11,7 +12,10 @@ clipped surrogate (eps 0.2/0.2, dual clip 3) with ``seq-mean-token-mean`` aggreg
 reference pass), one mini-batch of one micro-batch (so logp_old = stop_gradient(logp), r = 1),
 global-norm clipping 1.0 and AdamW. PyTorch: dense float32 logits of the last Lr positions
 (``logits_to_keep``), ``log_softmax`` + ``gather``, ``torch.optim.AdamW`` and ``clip_grad_norm_``.
-JAX: ``make_train_step`` (it also computes H1, H2 and the JS score for METHOD §5 metrics; PyTorch does not).
+JAX: ``make_train_step`` (it also computes H1, H2 and the JS score for METHOD §5 metrics; the plain PyTorch
+step does not). ``--torch-stats`` times a third side, interleaved with the other two: the PyTorch step that
+also computes those statistics the straightforward way from its dense logits (:func:`torch_token_stats`),
+i.e. the same work as the JAX step.
 
 Memory: the step is lowered and compiled for the Qwen2.5-0.5B shape from abstract parameters
 (``nnx.eval_shape``) and ``memory_analysis()`` is read for ``model.remat`` = none / block / full.
@@ -22,6 +26,7 @@ Prints tables and writes JSON to benchmarks/results/train_step.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -41,6 +46,17 @@ def _overrides(args, P: int, G: int, Lr: int, Lp: int) -> list[str]:
             f"rollout.max_prompt_len={Lp}", f"rollout.temperature={args.temperature}",
             f"stats.chunk={args.chunk}", f"optim.lr={args.lr:.12f}", "optim.lr_warmup_steps=0",
             "train.mini_batches=1", "train.micro_batches=1", f"stats.js_metrics={str(not args.no_js_metrics).lower()}"]
+
+
+def cpu_name() -> str:
+    """The CPU model (from /proc/cpuinfo on Linux), so a result names the machine it was measured on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def make_batch(P: int, G: int, Lp: int, Lr: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -105,8 +121,31 @@ def jax_setup(args, ckpt: str, b: dict):
 # ------------------------------------------------------------------------------------------------
 # PyTorch
 # ------------------------------------------------------------------------------------------------
-def torch_setup(args, hf, b: dict):
-    """The PyTorch step as a closure, after its first call."""
+def torch_token_stats(logits, valid, G: int, T: float) -> dict:
+    """METHOD §1 statistics the JAX step computes for its §5 metrics (H1, H2, the group-mean JS), done
+    the straightforward way on PyTorch's dense float32 logits ``[B, Lr, V]``, without gradient."""
+    import torch
+
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.detach().float() / T, dim=-1)
+        p = logp.exp()
+        H1 = -(p * logp).sum(-1)
+        H2 = -torch.log((p * p).sum(-1))
+        B, L, V = p.shape
+        w = valid.float().reshape(B // G, G, L, 1)
+        cnt = w.sum(1)
+        pbar = (w * p.reshape(B // G, G, L, V)).sum(1) / cnt.clamp(min=1)  # [P, L, V]
+        q = pbar.repeat_interleave(G, dim=0)
+        m = 0.5 * (p + q)
+        js = 0.5 * (torch.xlogy(p, p) - torch.xlogy(p, m)).sum(-1) + 0.5 * (torch.xlogy(q, q) - torch.xlogy(q, m)).sum(-1)
+        js = js.clamp(0.0, float(np.log(2.0)))
+        n = valid.sum().clamp(min=1)
+        return {k: float(torch.where(valid, x, 0.0).sum() / n) for k, x in (("H1", H1), ("H2", H2), ("js", js))}
+
+
+def torch_setup(args, hf, b: dict, *, with_stats: bool = False):
+    """The PyTorch step as a closure, after its first call. ``with_stats``: it also computes the
+    statistics of the JAX step's METHOD §5 metrics (:func:`torch_token_stats`)."""
     import torch
 
     Lr, T = args.response_len, args.temperature
@@ -131,6 +170,8 @@ def torch_setup(args, hf, b: dict):
         per_row = torch.where(valid, surr, 0.0).sum(-1) / valid.sum(-1).clamp(min=1)
         R = valid.any(-1).sum().clamp(min=1)
         loss = -per_row.sum() / R
+        if with_stats:
+            torch_token_stats(logits, valid, args.group, T)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
@@ -143,18 +184,17 @@ def torch_setup(args, hf, b: dict):
     return one_step, dict(first_call_s=first_s, loss0=loss0, grad_norm0=gnorm0)
 
 
-def interleaved(run_jax, run_torch, steps: int) -> tuple[list[float], list[float]]:
-    """Alternate one JAX step and one PyTorch step, so both see the same machine load over time."""
-    tj, tt = [], []
-    run_jax(), run_torch()  # one more warm step each (PyTorch allocates Adam state on its first)
+def interleaved(runs: list, steps: int) -> list[list[float]]:
+    """Alternate one step of each side in turn, so all see the same machine load over time."""
+    times: list[list[float]] = [[] for _ in runs]
+    for run in runs:  # one more warm step each (PyTorch allocates Adam state on its first)
+        run()
     for _ in range(steps):
-        t0 = time.perf_counter()
-        run_jax()
-        tj.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        run_torch()
-        tt.append(time.perf_counter() - t0)
-    return tj, tt
+        for run, ts in zip(runs, times):
+            t0 = time.perf_counter()
+            run()
+            ts.append(time.perf_counter() - t0)
+    return times
 
 
 # ------------------------------------------------------------------------------------------------
@@ -212,6 +252,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--no-js-metrics", action="store_true",
                     help="JAX: skip the JS score that dense GRPO computes only for the stats/js_* metrics")
+    ap.add_argument("--torch-stats", action="store_true",
+                    help="also time a PyTorch step that computes the JAX step's METHOD §5 statistics (H1, H2, JS)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps of each, interleaved (medians reported)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--mem-prompts", type=int, default=4)
@@ -229,7 +271,7 @@ def main() -> None:
     import jax
 
     result: dict = dict(benchmark="train_step", backend=jax.default_backend(),
-                        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                        machine=f"{cpu_name()}, {os.cpu_count()} cores",
                         load_avg_start=os.getloadavg(), jax=jax.__version__)
     if not args.skip_timing:
         import torch
@@ -242,10 +284,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             hf.save_pretrained(d)
             run_jax, jx = jax_setup(args, d, b)
+        hf_stats = copy.deepcopy(hf) if args.torch_stats else None
         run_torch, th = torch_setup(args, hf, b)
-        tj, tt = interleaved(run_jax, run_torch, args.steps)
+        runs, sides = [run_jax, run_torch], [jx, th]
+        if args.torch_stats:
+            run_torch_stats, ths = torch_setup(args, hf_stats, b, with_stats=True)
+            runs.append(run_torch_stats)
+            sides.append(ths)
+        times = interleaved(runs, args.steps)
+        tj, tt = times[0], times[1]
         jx["compiles"] = jx["compiles"]()
-        for r, ts in ((jx, tj), (th, tt)):
+        for r, ts in zip(sides, times):
             r.update(step_s=float(np.median(ts)), min_s=float(min(ts)), times_s=ts)
         jx["compile_s"] = jx["first_call_s"] - jx["step_s"]
         ratio = jx["step_s"] / th["step_s"]
@@ -261,14 +310,23 @@ def main() -> None:
               f"{jx['loss0']:>12.6f}{jx['grad_norm0']:>10.5f}")
         print(f"{'torch':<8}{th['step_s']:>16.3f}{th['min_s']:>8.3f}{'-':>11}{th['loss0']:>12.6f}"
               f"{th['grad_norm0']:>10.5f}")
+        if args.torch_stats:
+            print(f"{'torch+st':<8}{ths['step_s']:>16.3f}{ths['min_s']:>8.3f}{'-':>11}{ths['loss0']:>12.6f}"
+                  f"{ths['grad_norm0']:>10.5f}   (also H1, H2, JS for the §5 metrics, as the JAX step)")
         print(f"ratio jax/torch step time (medians): {ratio:.2f}; median of per-pair ratios {ratio_pairs:.2f}; "
               f"of minima {ratio_min:.2f}" + (f" (target <= 1.0: {'met' if ratio <= 1.0 else 'NOT met'})"
                                                if args.method == "dense" else ""))
+        ratio_stats = None
+        if args.torch_stats:
+            ratio_stats = jx["step_s"] / ths["step_s"]
+            print(f"ratio jax/torch+stats (both compute the same statistics, medians): {ratio_stats:.2f}; "
+                  f"median of per-pair ratios {float(np.median(np.array(tj) / np.array(times[2]))):.2f}")
         result["timing"] = dict(shape=SMALL, prompts=args.prompts, group=args.group, prompt_len=args.prompt_len,
                                 response_len=args.response_len, temperature=args.temperature, chunk=args.chunk,
                                 remat=args.remat, scan_layers=not args.unroll, steps=args.steps, method=args.method,
                                 js_metrics=not args.no_js_metrics,
                                 threads=args.threads, jax=jx, torch=th, ratio=ratio, ratio_pairs_median=ratio_pairs,
+                                torch_stats=ths if args.torch_stats else None, ratio_vs_torch_stats=ratio_stats,
                                 ratio_min=ratio_min, torch_version=torch.__version__)
     if not args.skip_memory:
         if args.mem_chunk is not None:

@@ -124,6 +124,18 @@ def test_eight_devices_give_the_gradients_of_one(method, devices8):
     assert m8["mask/selected_frac"] == m1["mask/selected_frac"]  # entropy's batch scope is global
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHOD_AGG))
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+def test_eight_devices_full_matrix(method, agg, devices8):
+    """Every method x loss_agg: a (2, 2, 2) mesh gives the gradients, loss and mask of one device."""
+    d1, m1 = _cached_delta(method, agg, 1)
+    d8, m8 = _param_delta(_config(method, agg, 1), ict_jax.make_mesh(data=2, fsdp=2, tensor=2))
+    _assert_close_trees(d8, d1)
+    np.testing.assert_allclose(m8["loss/total"], m1["loss/total"], rtol=1e-5, atol=1e-7)
+    assert m8["mask/selected_frac"] == m1["mask/selected_frac"]
+
+
 @pytest.mark.parametrize("method", ["dense", "random"])
 def test_one_pass_head_gives_the_two_pass_gradients(method, monkeypatch):
     """kl_coef = 0, one micro-batch: d loss / d logp is known before the forward pass and the step
