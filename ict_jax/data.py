@@ -121,7 +121,8 @@ def load_dataset(name: str, *, data_dir: str | None = None, split: str | None = 
     """A dataset by name (``DATASETS``, ``arith``, ``gym:NAME``, ``tfds:NAME``; ``name?k=v&k=v`` sets
     options). ``seed`` drives procedural generation and GPQA's option order; ``limit`` keeps the first N.
 
-    Options: ``arith``: size (1000), digits (3), ops ("+-"), allow_negative (False); ``gym:NAME``: size
+    Options: ``arith``: size (1000), digits (3), ops ("+-"), allow_negative (False), scratchpad (False,
+    ``ops="+"`` only: the column-by-column working then the sum); ``gym:NAME``: size
     (1000), seed, and the generator's own config keys; ``mmlu_stem``: stem_only (True).
     """
     base, spec_options = parse_spec(name)

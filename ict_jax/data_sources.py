@@ -328,12 +328,30 @@ def gym_score(answer: str | None, meta: dict) -> float:
     return float(rg.get_score_answer_fn(name)(answer, entry))
 
 
+def addition_scratchpad(a: int, b: int) -> str:
+    """Column-by-column working of ``a + b``, least significant digit first, then the sum:
+    ``57 + 38`` -> ``"7+8=15,5+3+1=9,95"`` (a column shows ``+1`` when a carry comes in; a missing digit
+    is 0). Every character follows from the problem, so the whole string is the exact-match answer."""
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    parts, carry = [], 0
+    for i in range(max(len(xs), len(ys))):
+        x, y = int(xs[i]) if i < len(xs) else 0, int(ys[i]) if i < len(ys) else 0
+        s = x + y + carry
+        parts.append(f"{x}+{y}" + ("+1" if carry else "") + f"={s}")
+        carry = s // 10
+    return ",".join(parts + [str(a + b)])
+
+
 def arith_examples(*, size: int, seed: int, digits: int = 3, ops: str = "+-", allow_negative: bool = False,
-                   source: str = "arith") -> list[Example]:
+                   scratchpad: bool = False, source: str = "arith") -> list[Example]:
     """Seeded multi-digit problems ``"12+345="`` with exact integer answers ``"357"``; operands have 1 to
-    ``digits`` digits; with ``allow_negative=False`` subtraction puts the larger operand first."""
+    ``digits`` digits; with ``allow_negative=False`` subtraction puts the larger operand first.
+    ``scratchpad=True`` (addition only): the answer is the column-by-column working then the sum
+    (:func:`addition_scratchpad`), a longer response whose tokens depend on earlier sampled ones."""
     if digits < 1 or not ops or set(ops) - set("+-*"):
         raise ValueError(f"arith: digits >= 1 and ops from '+-*' required, got digits={digits}, ops={ops!r}")
+    if scratchpad and ops != "+":
+        raise ValueError(f"arith: scratchpad=True needs ops='+' (got ops={ops!r})")
     rng = random.Random(f"arith:{seed}:{digits}:{ops}")
     out = []
     for i in range(size):
@@ -342,5 +360,6 @@ def arith_examples(*, size: int, seed: int, digits: int = 3, ops: str = "+-", al
         if op == "-" and not allow_negative and b > a:
             a, b = b, a
         value = a + b if op == "+" else a - b if op == "-" else a * b
-        out.append(Example(f"{a}{op}{b}=", str(value), {"source": source, "index": i}))
+        answer = addition_scratchpad(a, b) if scratchpad else str(value)
+        out.append(Example(f"{a}{op}{b}=", answer, {"source": source, "index": i}))
     return out

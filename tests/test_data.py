@@ -196,6 +196,27 @@ def test_arith_is_seeded_and_correct():
     assert all(tok.decode(tok.encode(ex.prompt)) == ex.prompt for ex in a)
 
 
+def test_arith_scratchpad_works_each_column_then_the_sum():
+    from ict_jax.data_sources import addition_scratchpad
+
+    # by hand: carries in, a missing digit as 0, a carry out of the last column
+    assert addition_scratchpad(57, 38) == "7+8=15,5+3+1=9,95"
+    assert addition_scratchpad(57, 8) == "7+8=15,5+0+1=6,65"
+    assert addition_scratchpad(3, 4) == "3+4=7,7"
+    assert addition_scratchpad(63, 56) == "3+6=9,6+5=11,119"
+    assert addition_scratchpad(999, 1) == "9+1=10,9+0+1=10,9+0+1=10,1000"
+    ds = load_dataset("arith?digits=3&ops=+&scratchpad=true&size=200", seed=1)
+    plain = load_dataset("arith?digits=3&ops=+&size=200", seed=1)
+    assert [e.prompt for e in ds] == [e.prompt for e in plain]  # the same problems
+    tok = CharTokenizer()
+    for ex, p in zip(ds, plain):
+        x, y = (int(t) for t in ex.prompt.rstrip("=").split("+"))
+        assert ex.answer.rsplit(",", 1)[1] == p.answer == str(x + y)
+        assert tok.decode(tok.encode(ex.answer)) == ex.answer
+    with pytest.raises(ValueError, match="scratchpad=True needs ops='\\+'"):
+        load_dataset("arith?ops=+-&scratchpad=true&size=3")
+
+
 @pytest.mark.parametrize("name", ["basic_arithmetic", "chain_sum", "gsm_symbolic"])
 def test_reasoning_gym_scores_its_own_gold(name):
     ds = load_dataset(f"gym:{name}", size=4, seed=7)
