@@ -4,6 +4,7 @@
     python benchmarks/train_step.py --skip-memory    # timing only
     python benchmarks/train_step.py --skip-timing    # 0.5B compiled memory only (abstract, nothing allocated)
     python benchmarks/train_step.py --skip-memory --torch-stats   # + a PyTorch step with the same statistics
+    python benchmarks/train_step.py --mfu            # GPU/TPU: JAX step alone at the 0.5B shape, bf16, MFU
 
 Timing (issue 5): both sides run the same dense GRPO update from the same random weights (transformers
 ``Qwen2ForCausalLM``, saved and loaded with ``ict_jax.load_hf``) on the same rollout batch:
@@ -198,6 +199,70 @@ def interleaved(runs: list, steps: int) -> list[list[float]]:
 
 
 # ------------------------------------------------------------------------------------------------
+# Step time and MFU of the JAX step alone at a real model shape (for a GPU/TPU)
+# ------------------------------------------------------------------------------------------------
+#: Dense bfloat16 peak FLOP/s by ``device_kind`` prefix (vendor data sheets, no sparsity).
+PEAK_BF16 = {"NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12, "TPU v4": 275e12,
+             "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
+
+
+def peak_flops(device_kind: str, override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    return next((v for k, v in PEAK_BF16.items() if device_kind.startswith(k)), None)
+
+
+def mfu_run(args) -> dict:
+    """Time the JAX step alone (random weights, ``--mfu-preset`` shape, ``--mfu-dtype`` compute) and report
+    MFU = 6 x params x tokens / step time / peak, tokens = P x G x (prompt + response) per step."""
+    import jax
+    import jax.numpy as jnp
+
+    import ict_jax
+    from ict_jax.config import load_config
+    from ict_jax.train_step import RolloutBatch, init_train_state, make_train_step
+
+    P, G, Lp, Lr = args.mem_prompts, args.mem_group, args.mem_prompt_len, args.mem_response_len
+    cfg = load_config(None, _overrides(args, P, G, Lr, Lp) + [f"model.remat={args.mfu_remat}"])
+    mcfg = ict_jax.ModelConfig.preset(args.mfu_preset, remat=args.mfu_remat, compute_dtype=args.mfu_dtype)
+    model = ict_jax.init_model(mcfg, seed=0)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(__import__("flax").nnx.state(model)))
+    state = init_train_state(cfg, model)
+    step = make_train_step(cfg)
+    b = make_batch(P, G, Lp, Lr, mcfg.vocab_size)
+    B = P * G
+    batch = RolloutBatch(tokens=jnp.asarray(b["tokens"]), attention_mask=jnp.asarray(b["attention_mask"]),
+                         response_valid=jnp.asarray(b["response_valid"]), rewards=jnp.asarray(b["rewards"]),
+                         advantages=jnp.asarray(b["advantages"]), sampler_logp=jnp.zeros((B, Lr), jnp.float32),
+                         truncated=jnp.asarray(b["truncated"]), row_valid=jnp.ones((B,), jnp.float32),
+                         correct=jnp.asarray(b["rewards"]))
+    batch = jax.device_put(batch, jax.devices()[0])
+    times = []
+    for i in range(args.steps + 2):  # the first call compiles, the second is a warm step
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        jax.block_until_ready((state.params, m))
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times[2:]))
+    tokens = B * (Lp + Lr)
+    kind = jax.devices()[0].device_kind
+    peak = peak_flops(kind, args.peak_tflops)
+    flops = 6.0 * n_params * tokens
+    out = dict(preset=args.mfu_preset, params=n_params, compute_dtype=mcfg.resolved_compute_dtype(), remat=args.mfu_remat,
+               prompts=P, group=G, prompt_len=Lp, response_len=Lr, tokens_per_step=tokens, device_kind=kind,
+               compile_s=times[0] - step_s, step_s=step_s, min_s=float(min(times[2:])), times_s=times[2:],
+               tokens_per_s=tokens / step_s, model_flops_per_s=flops / step_s, peak_flops=peak,
+               mfu=None if peak is None else flops / step_s / peak, compiles=len(step.jitted),
+               grad_norm_last=float(m["grad/norm"]))
+    print(f"JAX step alone, {args.mfu_preset} ({n_params:,} params, compute {out['compute_dtype']}, remat "
+          f"{args.mfu_remat}), P={P} x G={G}, prompt {Lp} + response {Lr} = {tokens} tokens, on {kind}")
+    print(f"step {step_s:.3f} s (median of {args.steps}, min {out['min_s']:.3f}), compile {out['compile_s']:.1f} s, "
+          f"{out['tokens_per_s']:,.0f} tok/s, {flops / step_s / 1e12:.2f} TFLOP/s (6 x params x tokens); MFU "
+          + ("n/a (unknown peak: pass --peak-tflops)" if peak is None else f"{out['mfu']:.1%} of {peak / 1e12:.0f} TFLOP/s"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
 # Compiled memory at the Qwen2.5-0.5B shape (abstract only)
 # ------------------------------------------------------------------------------------------------
 def memory_analysis(args, remat: str, micro: int = 1) -> dict:
@@ -263,6 +328,14 @@ def main() -> None:
     ap.add_argument("--mem-chunk", type=int, default=None, help="stats.chunk for the memory run (default --chunk)")
     ap.add_argument("--mem-remat", nargs="+", default=["none", "block", "full"])
     ap.add_argument("--mem-micro", nargs="+", type=int, default=[1, 4], help="train.micro_batches values")
+    ap.add_argument("--mfu", action="store_true",
+                    help="time the JAX step alone at --mfu-preset (the --mem-* batch shape) and report MFU; "
+                         "for a GPU/TPU (replaces the PyTorch comparison and the memory analysis)")
+    ap.add_argument("--mfu-preset", default="qwen2p5_0p5b", help="ModelConfig preset for --mfu")
+    ap.add_argument("--mfu-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype for --mfu")
+    ap.add_argument("--mfu-remat", default="block", choices=["none", "block", "full"])
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="peak FLOP/s of one device in TFLOP/s for the MFU (default: looked up by device kind)")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_step.json"))
@@ -273,6 +346,13 @@ def main() -> None:
     result: dict = dict(benchmark="train_step", backend=jax.default_backend(),
                         machine=f"{cpu_name()}, {os.cpu_count()} cores",
                         load_avg_start=os.getloadavg(), jax=jax.__version__)
+    if args.mfu:
+        result["mfu"] = mfu_run(args)
+        out = Path(args.out).with_name(Path(args.out).stem + "_mfu.json") if args.out == ap.get_default("out") else Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
+        return
     if not args.skip_timing:
         import torch
         from transformers import Qwen2Config, Qwen2ForCausalLM
