@@ -84,27 +84,36 @@ def make_batch(P: int, G: int, Lp: int, Lr: int, vocab: int, seed: int = 0) -> d
 # ------------------------------------------------------------------------------------------------
 # JAX
 # ------------------------------------------------------------------------------------------------
-def jax_setup(args, ckpt: str, b: dict):
-    """The JAX step as a closure (state kept inside), after its first (compiling) call."""
+def rollout_batch(b: dict):
+    """:func:`make_batch`'s arrays as an ``ict_jax`` RolloutBatch on the first device."""
     import jax
     import jax.numpy as jnp
 
+    from ict_jax.train_step import RolloutBatch
+
+    B, Lr = b["response_valid"].shape
+    batch = RolloutBatch(tokens=jnp.asarray(b["tokens"]), attention_mask=jnp.asarray(b["attention_mask"]),
+                         response_valid=jnp.asarray(b["response_valid"]), rewards=jnp.asarray(b["rewards"]),
+                         advantages=jnp.asarray(b["advantages"]), sampler_logp=jnp.zeros((B, Lr), jnp.float32),
+                         truncated=jnp.asarray(b["truncated"]), row_valid=jnp.ones((B,), jnp.float32),
+                         correct=jnp.asarray(b["rewards"]))
+    return jax.device_put(batch, jax.devices()[0])
+
+
+def jax_setup(args, ckpt: str, b: dict):
+    """The JAX step as a closure (state kept inside), after its first (compiling) call."""
+    import jax
+
     import ict_jax
     from ict_jax.config import load_config
-    from ict_jax.train_step import RolloutBatch, init_train_state, make_train_step
+    from ict_jax.train_step import init_train_state, make_train_step
 
     P, G, Lp, Lr = args.prompts, args.group, args.prompt_len, args.response_len
     cfg = load_config(None, _overrides(args, P, G, Lr, Lp) + [f"model.remat={args.remat}"])
     model = ict_jax.load_hf(ckpt, remat=args.remat, scan_layers=not args.unroll, compute_dtype="float32")
     state = init_train_state(cfg, model)
     step = make_train_step(cfg)
-    B = P * G
-    batch = RolloutBatch(tokens=jnp.asarray(b["tokens"]), attention_mask=jnp.asarray(b["attention_mask"]),
-                         response_valid=jnp.asarray(b["response_valid"]), rewards=jnp.asarray(b["rewards"]),
-                         advantages=jnp.asarray(b["advantages"]), sampler_logp=jnp.zeros((B, Lr), jnp.float32),
-                         truncated=jnp.asarray(b["truncated"]), row_valid=jnp.ones((B,), jnp.float32),
-                         correct=jnp.asarray(b["rewards"]))
-    batch = jax.device_put(batch, jax.devices()[0])
+    batch = rollout_batch(b)
     box = {"state": state}
 
     def run() -> dict:
@@ -216,27 +225,21 @@ def mfu_run(args) -> dict:
     """Time the JAX step alone (random weights, ``--mfu-preset`` shape, ``--mfu-dtype`` compute) and report
     MFU = 6 x params x tokens / step time / peak, tokens = P x G x (prompt + response) per step."""
     import jax
-    import jax.numpy as jnp
+    from flax import nnx
 
     import ict_jax
     from ict_jax.config import load_config
-    from ict_jax.train_step import RolloutBatch, init_train_state, make_train_step
+    from ict_jax.train_step import init_train_state, make_train_step
 
     P, G, Lp, Lr = args.mem_prompts, args.mem_group, args.mem_prompt_len, args.mem_response_len
     cfg = load_config(None, _overrides(args, P, G, Lr, Lp) + [f"model.remat={args.mfu_remat}"])
     mcfg = ict_jax.ModelConfig.preset(args.mfu_preset, remat=args.mfu_remat, compute_dtype=args.mfu_dtype)
     model = ict_jax.init_model(mcfg, seed=0)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(__import__("flax").nnx.state(model)))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     state = init_train_state(cfg, model)
     step = make_train_step(cfg)
     b = make_batch(P, G, Lp, Lr, mcfg.vocab_size)
-    B = P * G
-    batch = RolloutBatch(tokens=jnp.asarray(b["tokens"]), attention_mask=jnp.asarray(b["attention_mask"]),
-                         response_valid=jnp.asarray(b["response_valid"]), rewards=jnp.asarray(b["rewards"]),
-                         advantages=jnp.asarray(b["advantages"]), sampler_logp=jnp.zeros((B, Lr), jnp.float32),
-                         truncated=jnp.asarray(b["truncated"]), row_valid=jnp.ones((B,), jnp.float32),
-                         correct=jnp.asarray(b["rewards"]))
-    batch = jax.device_put(batch, jax.devices()[0])
+    batch = rollout_batch(b)
     times = []
     for i in range(args.steps + 2):  # the first call compiles, the second is a warm step
         t0 = time.perf_counter()
@@ -244,7 +247,7 @@ def mfu_run(args) -> dict:
         jax.block_until_ready((state.params, m))
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times[2:]))
-    tokens = B * (Lp + Lr)
+    tokens = P * G * (Lp + Lr)
     kind = jax.devices()[0].device_kind
     peak = peak_flops(kind, args.peak_tflops)
     flops = 6.0 * n_params * tokens
