@@ -241,7 +241,7 @@ def mfu_run(args) -> dict:
     b = make_batch(P, G, Lp, Lr, mcfg.vocab_size)
     batch = rollout_batch(b)
     times = []
-    for i in range(args.steps + 2):  # the first call compiles, the second is a warm step
+    for _ in range(args.steps + 2):  # the first call compiles, the second is a warm step
         t0 = time.perf_counter()
         state, m = step(state, batch)
         jax.block_until_ready((state.params, m))
