@@ -127,9 +127,9 @@ _API: dict[str, str] = {
     "Checkpointer": "checkpoint",
     "load_params_from_checkpoint": "checkpoint",
     "export_checkpoint": "checkpoint",
-    # -- the token inspector (inspect_tokens.py) --
+    # -- the token inspector (inspect_tokens.py, its page in inspect_html.py) --
     "token_report": "inspect_tokens",
-    "render_html": "inspect_tokens",
+    "render_html": "inspect_html",
     # -- the method comparison (compare.py; ``ict_jax.compare`` is the submodule) --
     "run_comparison": "compare",
 }
