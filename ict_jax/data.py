@@ -8,7 +8,8 @@
 
 ``Dataset.scorer`` says how a response is checked: "math" (last \\boxed{} vs the gold, math-verify),
 "gsm8k" (numeric gold from "#### n"), "mc" (one letter), "gym" (reasoning-gym's scorer on
-``meta["gym_entry"]``, see ``gym_score``), "exact" (the stripped response equals the gold; ``arith``).
+``meta["gym_entry"]``, see ``gym_score``), "exact" (the stripped response equals the gold; ``arith``), "sum" (``x+y``, two positive integers adding
+up to the gold; ``split``).
 Sources, file names and field mappings: docs/data.md.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .data_sources import (DataError, Example, arith_examples, examples_from_files, find_files, gym_examples,
+from .data_sources import (DataError, Example, arith_examples, examples_from_files, split_examples, find_files, gym_examples,
                            gym_score, parse_aime, parse_gpqa, parse_gsm8k, parse_math, parse_mmlu, tfds_examples)
 
 __all__ = ["DataError", "Example", "Dataset", "load_dataset", "DATASETS", "PAPER_BENCHMARKS", "TEMPLATES",
@@ -30,7 +31,7 @@ __all__ = ["DataError", "Example", "Dataset", "load_dataset", "DATASETS", "PAPER
 
 log = logging.getLogger(__name__)
 
-SCORERS = ("math", "gsm8k", "mc", "gym", "exact")
+SCORERS = ("math", "gsm8k", "mc", "gym", "exact", "sum")
 TEMPLATES = ("qwen_chat", "plain", "none")
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 MC_INSTRUCTION = "Please reason step by step, and put the letter of the correct option within \\boxed{}."
@@ -89,7 +90,7 @@ DATASETS: dict[str, _FileSource] = {
     **{f"aime{y}": _FileSource((f"aime{y}", "aime"), "test", parse_aime, "math", options=(("year", y),))
        for y in (2023, 2024, 2025)},
 }
-# Built-in and procedural names: "arith", "gym:<reasoning-gym name>", "tfds:<builder name>".
+# Built-in and procedural names: "arith", "split", "gym:<reasoning-gym name>", "tfds:<builder name>".
 
 
 def _parse_value(text: str) -> Any:
@@ -122,7 +123,8 @@ def load_dataset(name: str, *, data_dir: str | None = None, split: str | None = 
     options). ``seed`` drives procedural generation and GPQA's option order; ``limit`` keeps the first N.
 
     Options: ``arith``: size (1000), digits (3), ops ("+-"), allow_negative (False), scratchpad (False,
-    ``ops="+"`` only: the column-by-column working then the sum); ``gym:NAME``: size
+    ``ops="+"`` only: the column-by-column working then the sum); ``split``: size (1000), digits (3);
+    ``gym:NAME``: size
     (1000), seed, and the generator's own config keys; ``mmlu_stem``: stem_only (True).
     """
     base, spec_options = parse_spec(name)
@@ -131,6 +133,9 @@ def load_dataset(name: str, *, data_dir: str | None = None, split: str | None = 
     if base == "arith":
         ds = Dataset(base, arith_examples(seed=seed, source=base, size=int(options.pop("size", 1000)), **options),
                      "exact", split)
+    elif base == "split":
+        ds = Dataset(base, split_examples(seed=seed, source=base, size=int(options.pop("size", 1000)), **options),
+                     "sum", split)
     elif base.startswith("gym:"):
         gym_name = base[4:]
         size = int(options.pop("size", 1000))
@@ -153,7 +158,7 @@ def load_dataset(name: str, *, data_dir: str | None = None, split: str | None = 
         opts = {**dict(src.options), "seed": seed, **options}
         ds = Dataset(base, examples_from_files(files, src.parser, base, **opts), src.scorer, split)
     else:
-        raise ValueError(f"unknown dataset {base!r}: expected one of {sorted(DATASETS)}, 'arith', "
+        raise ValueError(f"unknown dataset {base!r}: expected one of {sorted(DATASETS)}, 'arith', 'split', "
                          "'gym:<reasoning-gym name>' or 'tfds:<builder>'")
     return ds[:limit] if limit is not None else ds
 

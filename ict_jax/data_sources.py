@@ -363,3 +363,20 @@ def arith_examples(*, size: int, seed: int, digits: int = 3, ops: str = "+-", al
         answer = addition_scratchpad(a, b) if scratchpad else str(value)
         out.append(Example(f"{a}{op}{b}=", answer, {"source": source, "index": i}))
     return out
+
+
+def split_examples(*, size: int, seed: int, digits: int = 3, source: str = "split") -> list[Example]:
+    """Seeded problems ``"N="``: write N (2 to ``10**digits - 1``) as a sum ``x+y`` of two positive integers;
+    the gold is ``str(N)`` and every such pair is correct (scorer "sum"). The SFT target
+    (``meta["solution"]``) draws x uniformly from 1..N-1, zero-padded to ``digits`` characters, and
+    writes y = N - x plainly: ``"95="`` -> ``"007+88"``. x is a free choice that decides nothing; y is
+    the computation, and it depends on the x this rollout chose (docs/data.md)."""
+    if digits < 1:
+        raise ValueError(f"split: digits >= 1 required, got digits={digits}")
+    rng = random.Random(f"split:{seed}:{digits}")
+    out = []
+    for i in range(size):
+        n = rng.randint(2, 10 ** digits - 1)
+        x = rng.randint(1, n - 1)
+        out.append(Example(f"{n}=", str(n), {"source": source, "index": i, "solution": f"{x:0{digits}d}+{n - x}"}))
+    return out

@@ -7,8 +7,9 @@
 
 Kinds (``Dataset.scorer``): "math" and "gsm8k" (extracted answer vs gold with math-verify), "mc" (one
 letter), "gym" (reasoning-gym's own scorer on ``meta["gym_entry"]``), "exact" (stripped response equals
-the stripped gold). Only the last ``RewardSpec.max_response_chars`` characters of a response are read
-(the final answer is at the end) and an extracted answer longer than ``MAX_ANSWER_CHARS`` counts as none.
+the stripped gold), "sum" (the response is ``x+y``, two positive integers that add up to the gold).
+Only the last ``RewardSpec.max_response_chars`` characters of a response are read (the final answer is
+at the end) and an extracted answer longer than ``MAX_ANSWER_CHARS`` counts as none.
 
 Safety: our code never hands text to eval/exec/sympify/parse_expr; math-verify parses LaTeX itself.
 Parsing can still be slow or hang (``10^{10^{10^{10}}}``), so the pool runs every check in a worker
@@ -33,7 +34,7 @@ __all__ = ["KINDS", "MAX_ANSWER_CHARS", "MAX_RESPONSE_CHARS", "RewardSpec", "Rew
            "extract_answer", "extract_choice", "math_equal", "choice_equal", "gym_answer_score",
            "check_text", "score_text", "RewardPool"]
 
-KINDS = ("math", "gsm8k", "mc", "gym", "exact")
+KINDS = ("math", "gsm8k", "mc", "gym", "exact", "sum")
 MAX_RESPONSE_CHARS = 16_384  # only the tail of a response is searched for its final answer
 MAX_ANSWER_CHARS = 1_000  # a longer "answer" is garbage: treated as no answer, never parsed
 
@@ -254,6 +255,18 @@ def gym_answer_score(answer: str | None, meta: Mapping[str, Any]) -> float:
 
 
 _GYM_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+# "sum": the whole stripped response is two positive integers of at most 18 digits, "x+y" (no signs,
+# no spaces inside); Python's int() of a bounded digit string is the only conversion.
+_SUM_RE = re.compile(r"([0-9]{1,18})\+([0-9]{1,18})")
+
+
+def sum_split_equal(ans: str | None, gold: Any) -> bool:
+    """``"x+y"`` with positive integers x and y (leading zeros allowed) and x + y == gold."""
+    m = _SUM_RE.fullmatch(ans or "")
+    if m is None:
+        return False
+    x, y = int(m.group(1)), int(m.group(2))
+    return x >= 1 and y >= 1 and x + y == int(str(gold).strip())
 
 
 def check_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | None = None,
@@ -271,6 +284,10 @@ def check_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | No
     elif kind == "exact":
         ans = text.strip() or None
         ok = ans is not None and ans == str(gold).strip()
+    elif kind == "sum":
+        ans = text.strip()
+        ans = ans if _SUM_RE.fullmatch(ans) else None  # not "x+y": no answer (RewardSpec.no_answer)
+        ok = sum_split_equal(ans, gold)
     elif kind == "gym":  # reasoning-gym's own <answer> tags, else our extraction
         tags = _GYM_TAG_RE.findall(text)
         ans = tags[-1].strip() if tags else extract_answer(text, spec.max_response_chars)

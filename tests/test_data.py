@@ -217,6 +217,30 @@ def test_arith_scratchpad_works_each_column_then_the_sum():
         load_dataset("arith?ops=+-&scratchpad=true&size=3")
 
 
+def test_split_is_seeded_and_its_solutions_score_one():
+    from ict_jax.rewards import check_text
+    from ict_jax.trainer import sft_target
+
+    ds = load_dataset("split?digits=3&size=300", seed=2)
+    assert ds.scorer == "sum" and len(ds) == 300
+    assert [e.meta["solution"] for e in ds] == [e.meta["solution"] for e in load_dataset("split", size=300, seed=2)]
+    assert [e.prompt for e in ds] != [e.prompt for e in load_dataset("split", size=300, seed=3)]
+    tok = CharTokenizer()
+    xs = []
+    for ex in ds:
+        n = int(ex.prompt.rstrip("="))
+        assert ex.answer == str(n) and 2 <= n <= 999
+        sol = sft_target(ex, ds.scorer)
+        x, y = sol.split("+")
+        assert sol == ex.meta["solution"] and len(x) == 3 and y == str(n - int(x)) and 1 <= int(x) < n
+        assert check_text("sum", sol, ex.answer).correct
+        assert tok.decode(tok.encode(sol)) == sol
+        xs.append(int(x) / n)
+    assert 0.4 < float(np.mean(xs)) < 0.6  # x is spread over 1..N-1, not a fixed choice
+    with pytest.raises(ValueError, match="digits >= 1"):
+        load_dataset("split?digits=0&size=3")
+
+
 @pytest.mark.parametrize("name", ["basic_arithmetic", "chain_sum", "gsm_symbolic"])
 def test_reasoning_gym_scores_its_own_gold(name):
     ds = load_dataset(f"gym:{name}", size=4, seed=7)

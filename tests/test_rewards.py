@@ -131,6 +131,19 @@ TABLE = [
     # exact (arithmetic drills)
     ("exact", " 357\n", "357", True),
     ("exact", "358", "357", False),
+    # sum (the "split" task: any two positive integers adding up to the gold)
+    ("sum", "007+88", "95", True),
+    ("sum", " 47+48\n", "95", True),
+    ("sum", "94+1", "95", True),
+    ("sum", "0+95", "95", False),       # positive parts only
+    ("sum", "95+0", "95", False),
+    ("sum", "40+56", "95", False),
+    ("sum", "95", "95", False),         # not "x+y": no answer
+    ("sum", "40 + 55", "95", False),
+    ("sum", "40+55+0", "95", False),
+    ("sum", "-5+100", "95", False),
+    ("sum", "40+55.0", "95", False),
+    ("sum", "1" * 19 + "+1", "95", False),  # over 18 digits: no answer, never converted
 ]
 
 
@@ -212,6 +225,13 @@ def test_adversarial_false_within_2s(pool, name):
     assert not os.path.exists("/tmp/ict_jax_pwned")
     # the pool keeps working afterwards
     assert pool.score("math", [r"\boxed{5}", r"\boxed{6}"], ["5", "5"]).tolist() == [1.0, 0.0]
+
+
+def test_sum_scorer_statuses_and_long_outputs():
+    assert check_text("sum", "12+3", "15").status == "ok"
+    for bad in ("15", "12 + 3", "", "+" * 10_000, "9" * 100_000 + "+1", "1+" * 5_000 + "1"):
+        c = check_text("sum", bad, "15")
+        assert (c.correct, c.answer, c.status) == (False, None, "no_answer"), bad[:20]
 
 
 def test_adversarial_batch_one_call(pool):
