@@ -29,7 +29,8 @@
 # format). By default it uses a tiny *random* model, so the statistics are those of an untrained network
 # (near-uniform distributions, small JS); point `ICT_NB_MODEL` at a trained model to see real structure:
 # a run directory or its `checkpoints/` folder (e.g. `runs/demo` after `ict-jax train --config
-# configs/demo.yaml`), a Hugging Face directory, a `.gguf` file or `pkg:<package>/<file>`.
+# configs/demo.yaml`, whose task is `split`: set `ICT_NB_PROMPT=95=`), a Hugging Face directory, a
+# `.gguf` file or `pkg:<package>/<file>`.
 
 # %%
 import os

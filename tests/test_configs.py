@@ -26,7 +26,7 @@ SIZES = ("0p5b", "1p5b", "7b")
 METHODS = ("grpo", "ict", "entropy", "stapo", "random")
 EXPECTED = {f"qwen2p5_{s}_{m}.yaml" for s in SIZES for m in METHODS} | {"smollm2_135m_ict.yaml",
                                                                          "smollm2_135m_grpo.yaml"}
-OTHERS_ALLOWED = {"demo.yaml", "demo_scratchpad.yaml"}  # the built-in demo task: loaded and traced here too
+OTHERS_ALLOWED = {"demo.yaml", "demo_arith.yaml", "demo_scratchpad.yaml"}  # the built-in demo task: loaded and traced here too
 RECIPES = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 BASES = sorted(p.name for p in (CONFIGS / "base").glob("*.yaml"))
 
