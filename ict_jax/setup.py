@@ -200,6 +200,11 @@ def run_eval(cfg: Config, run: Run, step: int) -> dict[str, float]:
                                            mesh=run.mesh if run.mesh.size > 1 else None)
     datasets, gen = run.eval_data, run.eval_gen
     gen.state = run.state.params  # the current policy weights, no copy
+    # Every evaluation samples with the same keys (run i of it: fold_in(key(seed), i)), so its numbers
+    # depend on the weights and the seed only: not on how many evaluations ran before in this process
+    # (a resumed run, or compare's RL-only runs, evaluate a checkpoint exactly as one long run does), and
+    # the warm start and the final policy are compared on common random numbers.
+    gen.calls = 0
     out_dir = Path(cfg.run_dir) / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     res = evaluate(gen, datasets, run.pool, n=d.eval_n, ks=d.eval_k, limit=d.eval_limit,
