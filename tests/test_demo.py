@@ -43,7 +43,7 @@ def test_demo_shortened_end_to_end(tmp_path):
 def test_demo_full_improves_held_out_accuracy_by_a_tenth(tmp_path):
     """The README's main command: RL must lift accuracy (P@1, n = 4, temperature 0.6) on 256 fixed
     held-out problems by >= 0.10 absolute over the SFT warm start, at seed 0. Measured on an AMD EPYC
-    (fourth session): 0.289 -> 0.498 (+0.209); from the same warm start, seeds 0-2 of `ict-jax compare`
+    (fourth session): 0.289 -> 0.526 (+0.237); from the same warm start, seeds 0-2 of `ict-jax compare`
     gained +0.145 to +0.237 (docs/results.md)."""
     summary = _run(tmp_path / "demo", timeout=1800)
     before, after = summary["eval_after_sft"][EVAL], summary["eval_final"][EVAL]
