@@ -240,6 +240,7 @@ def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
     assert (rewards.max(1) > rewards.min(1)).all()
 
 
+@pytest.mark.slow  # a profiled run (~20 s): slow suite, for the default suite's time budget
 def test_profile_steps_write_a_trace(tmp_path, capsys):
     run = tmp_path / "run"
     rc, err = _cli(["train", "--config", str(DEMO), *TINY, "train.steps=2", "train.sft_steps=0",
