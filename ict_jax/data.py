@@ -8,8 +8,8 @@
 
 ``Dataset.scorer`` says how a response is checked: "math" (last \\boxed{} vs the gold, math-verify),
 "gsm8k" (numeric gold from "#### n"), "mc" (one letter), "gym" (reasoning-gym's scorer on
-``meta["gym_entry"]``, see ``gym_score``), "exact" (the stripped response equals the gold; ``arith``), "sum" (``x+y``, two positive integers adding
-up to the gold; ``split``).
+``meta["gym_entry"]``, see ``gym_score``), "exact" (the stripped response equals the gold; ``arith``),
+"sum" (``x+y``, two positive integers adding up to the gold; ``split``).
 Sources, file names and field mappings: docs/data.md.
 """
 
@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from .data_sources import (DataError, Example, arith_examples, examples_from_files, split_examples, find_files, gym_examples,
-                           gym_score, parse_aime, parse_gpqa, parse_gsm8k, parse_math, parse_mmlu, tfds_examples)
+from .data_sources import (DataError, Example, arith_examples, examples_from_files, find_files, gym_examples,
+                           gym_score, parse_aime, parse_gpqa, parse_gsm8k, parse_math, parse_mmlu, split_examples,
+                           tfds_examples)
 
 __all__ = ["DataError", "Example", "Dataset", "load_dataset", "DATASETS", "PAPER_BENCHMARKS", "TEMPLATES",
            "BOXED_INSTRUCTION", "MC_INSTRUCTION", "format_prompt", "EncodedPrompts", "encode_prompts",
@@ -124,8 +125,7 @@ def load_dataset(name: str, *, data_dir: str | None = None, split: str | None = 
 
     Options: ``arith``: size (1000), digits (3), ops ("+-"), allow_negative (False), scratchpad (False,
     ``ops="+"`` only: the column-by-column working then the sum); ``split``: size (1000), digits (3);
-    ``gym:NAME``: size
-    (1000), seed, and the generator's own config keys; ``mmlu_stem``: stem_only (True).
+    ``gym:NAME``: size (1000), seed, and the generator's own config keys; ``mmlu_stem``: stem_only (True).
     """
     base, spec_options = parse_spec(name)
     options = {**spec_options, **options}

@@ -265,8 +265,11 @@ def sum_split_equal(ans: str | None, gold: Any) -> bool:
     m = _SUM_RE.fullmatch(ans or "")
     if m is None:
         return False
+    target = str(gold).strip()
+    if not _SUM_RE.fullmatch(f"1+{target}"):  # a gold that is not a bounded digit string matches nothing
+        return False
     x, y = int(m.group(1)), int(m.group(2))
-    return x >= 1 and y >= 1 and x + y == int(str(gold).strip())
+    return x >= 1 and y >= 1 and x + y == int(target)
 
 
 def check_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | None = None,

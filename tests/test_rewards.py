@@ -144,6 +144,7 @@ TABLE = [
     ("sum", "-5+100", "95", False),
     ("sum", "40+55.0", "95", False),
     ("sum", "1" * 19 + "+1", "95", False),  # over 18 digits: no answer, never converted
+    ("sum", "40+55", "ninety-five", False),  # a gold that is not an integer matches nothing
 ]
 
 
