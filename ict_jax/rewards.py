@@ -258,6 +258,7 @@ _GYM_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
 # "sum": the whole stripped response is two positive integers of at most 18 digits, "x+y" (no signs,
 # no spaces inside); Python's int() of a bounded digit string is the only conversion.
 _SUM_RE = re.compile(r"([0-9]{1,18})\+([0-9]{1,18})")
+_DIGITS_RE = re.compile(r"[0-9]{1,18}")
 
 
 def sum_split_equal(ans: str | None, gold: Any) -> bool:
@@ -266,7 +267,7 @@ def sum_split_equal(ans: str | None, gold: Any) -> bool:
     if m is None:
         return False
     target = str(gold).strip()
-    if not _SUM_RE.fullmatch(f"1+{target}"):  # a gold that is not a bounded digit string matches nothing
+    if not _DIGITS_RE.fullmatch(target):  # a gold that is not a bounded digit string matches nothing
         return False
     x, y = int(m.group(1)), int(m.group(2))
     return x >= 1 and y >= 1 and x + y == int(target)
