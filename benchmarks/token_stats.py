@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ict_jax.selectors import ict_mask
-from ict_jax.token_stats import stats_from_hidden, stats_from_logits
+from ict_jax.rl.selectors import ict_mask
+from ict_jax.rl.token_stats import stats_from_hidden, stats_from_logits
 
 D, V, G = 896, 151_936, 8  # Qwen2.5-0.5B head; G rollouts of one prompt
 

@@ -8,12 +8,12 @@
 
 Timing (issue 5): both sides run the same dense GRPO update from the same random weights (transformers
 ``Qwen2ForCausalLM``, saved and loaded with ``ict_jax.load_hf``) on the same rollout batch:
-one forward over prompt + response, float32 log-probs of the response tokens at temperature T, METHOD §4's
+one forward over prompt + response, float32 log-probs of the response tokens at temperature T, docs/method.md §4's
 clipped surrogate (eps 0.2/0.2, dual clip 3) with ``seq-mean-token-mean`` aggregation, kl_coef = 0 (no
 reference pass), one mini-batch of one micro-batch (so logp_old = stop_gradient(logp), r = 1),
 global-norm clipping 1.0 and AdamW. PyTorch: dense float32 logits of the last Lr positions
 (``logits_to_keep``), ``log_softmax`` + ``gather``, ``torch.optim.AdamW`` and ``clip_grad_norm_``.
-JAX: ``make_train_step`` (it also computes H1, H2 and the JS score for METHOD §5 metrics; the plain PyTorch
+JAX: ``make_train_step`` (it also computes H1, H2 and the JS score for docs/method.md §5 metrics; the plain PyTorch
 step does not). ``--torch-stats`` times a third side, interleaved with the other two: the PyTorch step that
 also computes those statistics the straightforward way from its dense logits (:func:`torch_token_stats`),
 i.e. the same work as the JAX step.
@@ -62,7 +62,7 @@ def cpu_name() -> str:
 
 def make_batch(P: int, G: int, Lp: int, Lr: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
     """A rollout batch as numpy: left-padded prompts, right-padded responses of varied length."""
-    from ict_jax.grpo import group_advantages
+    from ict_jax.rl.losses import group_advantages
 
     rng = np.random.default_rng(seed)
     B = P * G
@@ -89,7 +89,7 @@ def rollout_batch(b: dict):
     import jax
     import jax.numpy as jnp
 
-    from ict_jax.train_step import RolloutBatch
+    from ict_jax.rl.batch import RolloutBatch
 
     B, Lr = b["response_valid"].shape
     batch = RolloutBatch(tokens=jnp.asarray(b["tokens"]), attention_mask=jnp.asarray(b["attention_mask"]),
@@ -106,7 +106,8 @@ def jax_setup(args, ckpt: str, b: dict):
 
     import ict_jax
     from ict_jax.config import load_config
-    from ict_jax.train_step import init_train_state, make_train_step
+    from ict_jax.rl.state import init_train_state
+    from ict_jax.rl.train_step import make_train_step
 
     P, G, Lp, Lr = args.prompts, args.group, args.prompt_len, args.response_len
     cfg = load_config(None, _overrides(args, P, G, Lr, Lp) + [f"model.remat={args.remat}"])
@@ -132,7 +133,7 @@ def jax_setup(args, ckpt: str, b: dict):
 # PyTorch
 # ------------------------------------------------------------------------------------------------
 def torch_token_stats(logits, valid, G: int, T: float) -> dict:
-    """METHOD §1 statistics the JAX step computes for its §5 metrics (H1, H2, the group-mean JS), done
+    """docs/method.md §1 statistics the JAX step computes for its §5 metrics (H1, H2, the group-mean JS), done
     the straightforward way on PyTorch's dense float32 logits ``[B, Lr, V]``, without gradient."""
     import torch
 
@@ -155,7 +156,7 @@ def torch_token_stats(logits, valid, G: int, T: float) -> dict:
 
 def torch_setup(args, hf, b: dict, *, with_stats: bool = False):
     """The PyTorch step as a closure, after its first call. ``with_stats``: it also computes the
-    statistics of the JAX step's METHOD §5 metrics (:func:`torch_token_stats`)."""
+    statistics of the JAX step's docs/method.md §5 metrics (:func:`torch_token_stats`)."""
     import torch
 
     Lr, T = args.response_len, args.temperature
@@ -229,7 +230,8 @@ def mfu_run(args) -> dict:
 
     import ict_jax
     from ict_jax.config import load_config
-    from ict_jax.train_step import init_train_state, make_train_step
+    from ict_jax.rl.state import init_train_state
+    from ict_jax.rl.train_step import make_train_step
 
     P, G, Lp, Lr = args.mem_prompts, args.mem_group, args.mem_prompt_len, args.mem_response_len
     cfg = load_config(None, _overrides(args, P, G, Lr, Lp) + [f"model.remat={args.mfu_remat}"])
@@ -275,7 +277,9 @@ def memory_analysis(args, remat: str, micro: int = 1) -> dict:
 
     import ict_jax
     from ict_jax.config import load_config
-    from ict_jax.train_step import RolloutBatch, TrainState, make_optimizer, make_train_step
+    from ict_jax.rl.batch import RolloutBatch
+    from ict_jax.rl.state import TrainState, make_optimizer
+    from ict_jax.rl.train_step import make_train_step
 
     P, G, Lp, Lr = args.mem_prompts, args.mem_group, args.mem_prompt_len, args.mem_response_len
     cfg = load_config(None, [o for o in _overrides(args, P, G, Lr, Lp) if not o.startswith("train.micro")]
@@ -321,7 +325,7 @@ def main() -> None:
     ap.add_argument("--no-js-metrics", action="store_true",
                     help="JAX: skip the JS score that dense GRPO computes only for the stats/js_* metrics")
     ap.add_argument("--torch-stats", action="store_true",
-                    help="also time a PyTorch step that computes the JAX step's METHOD §5 statistics (H1, H2, JS)")
+                    help="also time a PyTorch step that computes the JAX step's docs/method.md §5 statistics (H1, H2, JS)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps of each, interleaved (medians reported)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--mem-prompts", type=int, default=4)

@@ -1,31 +1,97 @@
 """ict_jax: RLVR on Qwen2.5 in JAX/Flax with ICT (Independent Combinatorial Tokens) and its baselines.
 
-The public API is listed below by section. Names are resolved lazily (PEP 562) so that
-``import ict_jax`` stays cheap (the CLI, reward worker processes) and only the submodule a name lives
-in is imported when the name is first used.
+``__all__`` is what users call, by section; everything else is reached through its subpackage
+(``ict_jax.data.prompts.pad_left``, ``ict_jax.rl.losses.loss_denominators``, ...): docs/architecture.md
+maps every module. Names resolve lazily (PEP 562), so ``import ict_jax`` stays cheap (the CLI, reward
+worker processes) and only the module a name lives in is imported when the name is first used.
+
+Names that were top-level before the package was split into subpackages still resolve here, with a
+``DeprecationWarning`` that names their home (``_MOVED``).
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 __version__ = "0.1.0"
 
-# name -> submodule (relative to this package). One line per public name, grouped by section.
+# name -> module (relative to this package). One line per public name, grouped by section.
 _API: dict[str, str] = {
     # -- model and weights (model/) --
     "ModelConfig": "model.config",
     "Qwen2": "model.qwen2",
-    "KVCache": "model.qwen2",
     "init_model": "model.qwen2",
     "param_count": "model.qwen2",
     "WeightError": "model.weights",
     "load_hf": "model.weights",
     "save_hf": "model.weights",
     "load_gguf": "model.gguf",
-    # -- device mesh and the logical-axis rule table (sharding.py) --
+    "load_model_and_tokenizer": "model.loading",
+    # -- device mesh (sharding.py) --
     "make_mesh": "sharding",
+    # -- token statistics, selectors, losses, the train step, SFT (rl/) --
+    "TokenStats": "rl.token_stats",
+    "stats_from_logits": "rl.token_stats",
+    "stats_from_hidden": "rl.token_stats",
+    "stats_and_surrogate": "rl.token_stats",
+    "dense_mask": "rl.selectors",
+    "ict_mask": "rl.selectors",
+    "entropy_mask": "rl.selectors",
+    "stapo_mask": "rl.selectors",
+    "random_mask": "rl.selectors",
+    "select": "rl.selectors",
+    "register_selector": "rl.selectors",
+    "group_advantages": "rl.losses",
+    "clipped_surrogate": "rl.losses",
+    "k3_kl": "rl.losses",
+    "policy_loss": "rl.losses",
+    "RolloutBatch": "rl.batch",
+    "build_rollout_batch": "rl.batch",
+    "TrainState": "rl.state",
+    "init_train_state": "rl.state",
+    "make_optimizer": "rl.state",
+    "reference_params": "rl.state",
+    "make_train_step": "rl.train_step",
+    "sft_step": "rl.sft",
+    # -- sampling and evaluation (sampling/) --
+    "generate": "sampling.sampler",
+    "make_generate_fn": "sampling.sampler",
+    "Rollout": "sampling.sampler",
+    "make_text_generator": "sampling.text_generation",
+    "evaluate_benchmarks": "sampling.evaluation",  # = sampling.evaluation.evaluate
+    "pass_at_k": "sampling.evaluation",
+    # -- data and tokenizers (data/) --
+    "Example": "data.example",
+    "Dataset": "data.datasets",
+    "load_dataset": "data.datasets",
+    "load_tokenizer": "data.tokenizers",
+    "CharTokenizer": "data.tokenizers",
+    # -- rewards (rewards/) --
+    "RewardSpec": "rewards.checks",
+    "check_text": "rewards.checks",
+    "score_text": "rewards.checks",
+    "RewardPool": "rewards.pool",
+    # -- configuration (config.py) --
+    "Config": "config",
+    "ConfigError": "config",
+    "load_config": "config",
+    # -- training runs (train/) --
+    "Trainer": "train.trainer",
+    "TrainingDiverged": "train.trainer",
+    "Checkpointer": "train.checkpoints",
+    "load_params_from_checkpoint": "train.checkpoints",
+    "export_checkpoint": "train.checkpoints",
+    # -- tools (tools/) --
+    "token_report": "tools.inspector",
+    "render_html": "tools.inspector_page",
+    "run_comparison": "tools.compare",
+}
+
+# Former top-level names (before the subpackages): name -> module. They resolve with a DeprecationWarning.
+_MOVED: dict[str, str] = {
+    "KVCache": "model.qwen2",
     "LOGICAL_RULES": "sharding",
     "logical_sharding": "sharding",
     "batch_sharding": "sharding",
@@ -33,118 +99,65 @@ _API: dict[str, str] = {
     "logical_to_spec": "sharding",
     "state_shardings": "sharding",
     "check_prompts_divide": "sharding",
-    # -- tokenizers (tokenizer.py) --
-    "Tokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer",
-    "CharTokenizer": "tokenizer",
-    "HFTokenizer": "tokenizer",
-    "QWEN2P5_CHAT_TEMPLATE": "tokenizer",
-    "render_chat_template": "tokenizer",
-    # -- losses (grpo.py) --
-    "group_advantages": "grpo",
-    "zero_std_groups": "grpo",
-    "k3_kl": "grpo",
-    "clipped_surrogate": "grpo",
-    "policy_loss": "grpo",
-    "loss_denominators": "grpo",
-    "LossDenominators": "grpo",
-    # -- token statistics (token_stats.py) --
-    "TokenStats": "token_stats",
-    "stats_from_logits": "token_stats",
-    "stats_from_hidden": "token_stats",
-    "stats_and_surrogate": "token_stats",
-    # -- selectors (selectors.py) --
-    "dense_mask": "selectors",
-    "ict_mask": "selectors",
-    "entropy_mask": "selectors",
-    "stapo_mask": "selectors",
-    "random_mask": "selectors",
-    "register_selector": "selectors",
-    "select": "selectors",
-    "RANDOM_MASK_STREAM": "selectors",
-    # -- data (data.py) --
-    "Example": "data",
-    "Dataset": "data",
-    "DataError": "data",
-    "load_dataset": "data",
-    "DATASETS": "data",
-    "PAPER_BENCHMARKS": "data",
-    "format_prompt": "data",
-    "EncodedPrompts": "data",
-    "encode_prompts": "data",
-    "PromptBatch": "data",
-    "PromptIterator": "data",
-    "make_buckets": "data",
-    "pad_left": "data",
-    "gym_score": "data",
-    # -- sampler (sampler.py) --
-    "generate": "sampler",
-    "Rollout": "sampler",
-    "make_generate_fn": "sampler",
-    "GenerateFn": "sampler",
-    "SampleSettings": "sampler",
-    "sample_token": "sampler",
-    # -- the train step (train_step.py) --
-    "RolloutBatch": "train_step",
-    "build_rollout_batch": "train_step",
-    "TrainState": "train_step",
-    "make_train_step": "train_step",
-    "init_train_state": "train_step",
-    "make_optimizer": "train_step",
-    "reference_params": "train_step",
-    # -- rewards (rewards.py) --
-    "RewardPool": "reward_pool",
-    "RewardSpec": "rewards",
-    "RewardCheck": "rewards",
-    "score_text": "rewards",
-    "check_text": "rewards",
-    "math_equal": "rewards",
-    "extract_answer": "rewards",
-    "extract_choice": "rewards",
-    "last_boxed": "rewards",
-    # -- evaluation (evaluate.py) --
-    "evaluate_benchmarks": "evaluate",  # = evaluate.evaluate (``ict_jax.evaluate`` is the submodule)
-    "pass_at_k": "evaluate",
-    "aggregate": "evaluate",
-    "format_table": "evaluate",
-    "EVAL_DEFAULTS": "evaluate",
-    # -- loading a model by path, text generation (loading.py, generation.py) --
-    "load_model_and_tokenizer": "loading",
-    "make_text_generator": "generation",
-    "TextGenerator": "generation",
-    "template_dataset": "generation",
-    # -- SFT warm start and the trainer (sft.py, trainer.py) --
-    "sft_step": "sft",
-    "make_sft_step": "sft",
-    "sft_loss": "sft",
-    "Trainer": "trainer",
-    "TrainingDiverged": "trainer",
-    # -- configuration (config.py) --
-    "Config": "config",
-    "ConfigError": "config",
-    "load_config": "config",
-    # -- checkpoints (checkpoint.py) --
-    "Checkpointer": "checkpoint",
-    "load_params_from_checkpoint": "checkpoint",
-    "export_checkpoint": "checkpoint",
-    # -- the token inspector (inspect_tokens.py, its page in inspect_html.py) --
-    "token_report": "inspect_tokens",
-    "render_html": "inspect_html",
-    # -- the method comparison (compare.py; ``ict_jax.compare`` is the submodule) --
-    "run_comparison": "compare",
+    "Tokenizer": "data.tokenizers",
+    "HFTokenizer": "data.tokenizers",
+    "QWEN2P5_CHAT_TEMPLATE": "data.tokenizers",
+    "render_chat_template": "data.tokenizers",
+    "zero_std_groups": "rl.losses",
+    "loss_denominators": "rl.losses",
+    "LossDenominators": "rl.losses",
+    "RANDOM_MASK_STREAM": "rl.selectors",
+    "DataError": "data.example",
+    "DATASETS": "data.datasets",
+    "PAPER_BENCHMARKS": "data.datasets",
+    "format_prompt": "data.templates",
+    "template_dataset": "data.templates",
+    "EncodedPrompts": "data.prompts",
+    "encode_prompts": "data.prompts",
+    "PromptBatch": "data.prompts",
+    "PromptIterator": "data.prompts",
+    "make_buckets": "data.prompts",
+    "pad_left": "data.prompts",
+    "GenerateFn": "sampling.sampler",
+    "SampleSettings": "sampling.sampler",
+    "sample_token": "sampling.sampler",
+    "TextGenerator": "sampling.text_generation",
+    "aggregate": "sampling.evaluation",
+    "format_table": "sampling.evaluation",
+    "EVAL_DEFAULTS": "sampling.evaluation",
+    "RewardCheck": "rewards.checks",
+    "math_equal": "rewards.checks",
+    "extract_answer": "rewards.checks",
+    "extract_choice": "rewards.checks",
+    "last_boxed": "rewards.checks",
+    "make_sft_step": "rl.sft",
+    "sft_loss": "rl.sft",
 }
+# a former name whose object is now called differently: old name -> (module, new name)
+_RENAMED: dict[str, tuple[str, str]] = {"gym_score": ("rewards.checks", "gym_answer_score")}
 
 __all__ = sorted(_API) + ["__version__"]
+_SUBMODULES = ("config", "sharding", "model", "data", "rewards", "sampling", "rl", "train", "tools", "cli")
+
+
+def _resolve(module: str, name: str) -> Any:
+    if module.endswith("evaluation") and name == "evaluate_benchmarks":
+        name = "evaluate"
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
 
 def __getattr__(name: str) -> Any:
-    try:
-        module = _API[name]
-    except KeyError:
-        raise AttributeError(f"module 'ict_jax' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # cache: the next access skips __getattr__
-    return value
+    if name in _API:
+        value = _resolve(_API[name], name)
+        globals()[name] = value  # cache: the next access skips __getattr__
+        return value
+    if name in _MOVED or name in _RENAMED:
+        module, new = _RENAMED.get(name, (_MOVED.get(name), name))
+        warnings.warn(f"ict_jax.{name} moved: use ict_jax.{module}.{new}", DeprecationWarning, stacklevel=2)
+        return _resolve(module, new)
+    if name in _SUBMODULES:  # ``ict_jax.sharding.make_mesh`` after a bare ``import ict_jax``
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'ict_jax' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -1,10 +1,10 @@
-"""The one typed configuration tree (DESIGN.md "Config layout").
+"""The one typed configuration tree (docs/architecture.md "Config layout").
 
 Frozen dataclasses; YAML files are small overlays over the defaults; ``key.sub=value`` overrides come
 from the command line. Every validation error is a :class:`ConfigError` whose message is one line naming
 the dotted key and what is allowed.
 
-Field defaults cite their source: METHOD.md (``../shared/METHOD.md``), the ICT paper, or verl's GRPO
+Field defaults cite their source: docs/method.md , the ICT paper, or verl's GRPO
 defaults where the paper is silent.
 """
 
@@ -22,7 +22,7 @@ Method = Literal["dense", "grpo", "ict", "entropy", "stapo", "random"]
 Scope = Literal["sequence", "group", "batch"]
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 
-#: Default (rho, scope) per selector, METHOD §2's table. ``random`` mirrors ``ict``.
+#: Default (rho, scope) per selector, docs/method.md §2's table. ``random`` mirrors ``ict``.
 SELECTOR_DEFAULTS: dict[str, tuple[float | None, str | None]] = {
     "dense": (None, None),
     "ict": (0.10, "sequence"),
@@ -44,7 +44,7 @@ class ModelSection:
     path: str | None = None  # HF directory or .gguf file; None = random init from `preset`
     preset: Literal["tiny", "demo", "qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_7b"] = "tiny"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    # "auto": bfloat16 on accelerators, float32 on CPU (DESIGN.md precision policy)
+    # "auto": bfloat16 on accelerators, float32 on CPU (docs/architecture.md precision policy)
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     remat: Literal["none", "block", "full"] = "block"
     scan_layers: bool = True
@@ -73,9 +73,9 @@ class RolloutSection:
 @dataclass(frozen=True)
 class SelectorSection:
     method: Method = "ict"
-    rho: float | None = None  # None = the method's default (METHOD §2)
-    scope: Scope | None = None  # None = the method's default (METHOD §2)
-    warmup_steps: int = 20  # Theta (METHOD §2)
+    rho: float | None = None  # None = the method's default (docs/method.md §2)
+    scope: Scope | None = None  # None = the method's default (docs/method.md §2)
+    warmup_steps: int = 20  # Theta (docs/method.md §2)
     tau_p: float = 0.002  # STAPO probability threshold
     tau_h: float = 0.8  # STAPO entropy quantile
 
@@ -116,7 +116,7 @@ class AdvSection:
 
 @dataclass(frozen=True)
 class RewardSection:
-    correct: float = 1.0  # METHOD §3: 1 correct, 0 otherwise
+    correct: float = 1.0  # docs/method.md §3: 1 correct, 0 otherwise
     wrong: float = 0.0
     no_answer: float = 0.0  # < 0 = a format penalty for responses with no extractable answer
     time_limit: float = 5.0  # seconds per response check (the worker is killed past it)
@@ -134,7 +134,7 @@ class RLSection:
 
 @dataclass(frozen=True)
 class StatsSection:
-    temperature: float | None = None  # T_s; None = the rollout temperature (METHOD notation)
+    temperature: float | None = None  # T_s; None = the rollout temperature (docs/method.md notation)
     chunk: int = 64  # largest block of positions in stats_from_hidden (docs/benchmarks.md, issue 3)
     # the JS score for the stats/js_* metrics also when the selector does not use it (ict always
     # computes it): two more vocabulary-wide passes per step
@@ -172,7 +172,7 @@ class DataSection:
     eval: tuple[str, ...] = ()
     data_dir: str | None = None
     template: Literal["qwen_chat", "plain", "none"] = "qwen_chat"
-    eval_n: int = 4  # samples per problem for pass@k (METHOD §6)
+    eval_n: int = 4  # samples per problem for pass@k (docs/method.md §6)
     eval_k: tuple[int, ...] = (1, 4)
     eval_temperature: float = 0.6
     eval_top_p: float = 0.95
@@ -305,7 +305,7 @@ def _check_fraction(key: str, rho: float) -> None:
     if not (0.0 < rho <= 1.0):
         raise ConfigError(f"{key}: {rho} is out of range; allowed: 0 < rho <= 1")
     if round(rho, 4) != rho:
-        raise ConfigError(f"{key}: {rho} has more than 4 decimals (METHOD §2 stores rho as a fraction)")
+        raise ConfigError(f"{key}: {rho} has more than 4 decimals (docs/method.md §2 stores rho as a fraction)")
 
 
 def validate(cfg: Config) -> Config:
@@ -380,7 +380,7 @@ def validate(cfg: Config) -> Config:
 
 
 def rho_fraction(rho: float) -> tuple[int, int]:
-    """rho (at most 4 decimals) as an exact integer fraction (a, b) (METHOD §2)."""
+    """rho (at most 4 decimals) as an exact integer fraction (a, b) (docs/method.md §2)."""
     _check_fraction("rho", rho)
     f = fractions.Fraction(round(rho * 10_000), 10_000)
     return f.numerator, f.denominator

@@ -1,4 +1,4 @@
-"""The device mesh and the ONE logical-axis rule table (DESIGN.md "Mesh").
+"""The device mesh and the ONE logical-axis rule table (docs/architecture.md "Mesh").
 
 Every parameter carries logical axis names (``nnx.Param(..., logical_axes=(...))``); every activation
 constraint uses the same names. :data:`LOGICAL_RULES` maps a logical name to mesh axes. A dimension the

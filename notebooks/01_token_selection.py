@@ -15,9 +15,9 @@
 # # 01 · Token selection: ICT vs 20-Entropy vs STAPO on the same tokens
 #
 # One prompt, a group of G sampled responses, and for every response token the per-token statistics of
-# METHOD §1: log-probability `logp`, Shannon entropy `H1`, Rényi-2 entropy `H2` and the ICT score
+# docs/method.md §1: log-probability `logp`, Shannon entropy `H1`, Rényi-2 entropy `H2` and the ICT score
 # `u = JS(p || Pbar)`, the Jensen-Shannon divergence between the token's next-token distribution and the
-# group-average distribution at the same position. Then the three token masks of METHOD §2 on the same
+# group-average distribution at the same position. Then the three token masks of docs/method.md §2 on the same
 # tokens:
 #
 # * **ICT** keeps the top 10 % of each response's tokens by `u` (scope `sequence`);
@@ -74,7 +74,7 @@ def load(path: str, tokenizer: str | None):
                                        or any(d.isdigit() for d in os.listdir(path)))
     if is_ckpt:
         model, meta = ict_jax.load_params_from_checkpoint(path)
-        from ict_jax.loading import load_tokenizer_spec
+        from ict_jax.model.loading import load_tokenizer_spec
 
         return model, load_tokenizer_spec(tokenizer or meta.get("tokenizer") or "char")
     return ict_jax.load_model_and_tokenizer(path, tokenizer=tokenizer)
@@ -98,7 +98,7 @@ for j in range(G):
     print(f"{j}: {tok.decode(tokens[j, :n].tolist())!r} ({n} tokens{', truncated' if rollout.truncated[j] else ''})")
 
 # %% [markdown]
-# ## Per-token statistics (METHOD §1)
+# ## Per-token statistics (docs/method.md §1)
 # The hidden state at the position *before* token t predicts token t: run the model on prompt + response
 # minus its last token and keep the last N states. `stats_from_hidden` recomputes the logits in blocks of
 # positions with all G rollouts together, so the group mean `Pbar` is exact.
@@ -117,7 +117,7 @@ for k, x in S.items():
 print("JS is 0 at t = 0 (identical prefixes):", bool(np.all(S["js"][:, 0] == 0)))
 
 # %% [markdown]
-# ## The three masks on the same tokens (METHOD §2)
+# ## The three masks on the same tokens (docs/method.md §2)
 # STAPO needs advantages. Without a reward function here, every response is treated as positive-advantage
 # (A = 1), which shows everything STAPO *could* silence; pass real rewards through
 # `ict_jax.group_advantages(rewards, G)` to see the masks of a training step.

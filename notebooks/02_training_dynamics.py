@@ -14,8 +14,8 @@
 # %% [markdown]
 # # 02 · Training dynamics: H1 vs H2 vs the selected fraction
 #
-# Every RL step of `ict-jax train` appends one JSON row of METHOD §5 metrics to
-# `<run_dir>/metrics.jsonl`; `ict_jax.run_log.read_metrics` reads them back (the last row of a step wins,
+# Every RL step of `ict-jax train` appends one JSON row of docs/method.md §5 metrics to
+# `<run_dir>/metrics.jsonl`; `ict_jax.train.logs.read_metrics` reads them back (the last row of a step wins,
 # so a resumed run is read correctly). This notebook plots, step by step:
 #
 # * the policy's mean Shannon entropy `stats/H1_mean` and Rényi-2 entropy `stats/H2_mean` (the ICT paper
@@ -43,7 +43,7 @@ if "ipykernel" not in sys.modules:
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ict_jax.run_log import read_metrics
+from ict_jax.train.logs import read_metrics
 
 # ---- parameters ----
 RUN_DIR = os.environ.get("ICT_NB_RUN_DIR", "")  # "" = train a short demo run here

@@ -2,6 +2,7 @@
 sharding tests build a (data 2, fsdp 2, tensor 2) mesh on a laptop or CI box."""
 
 import os
+import pathlib
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -10,8 +11,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import pathlib  # noqa: E402
+# subprocess tests (python -m ict_jax.cli ...) import the checkout under test, not whatever is installed
+_REPO = str(pathlib.Path(__file__).resolve().parent.parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 
 import ict_jax
-from ict_jax.checkpoint import Checkpointer, abstract_train_state, load_params_from_checkpoint
+from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, load_params_from_checkpoint
 from ict_jax.config import load_config
-from ict_jax.train_step import RolloutBatch, init_train_state, make_train_step
+from ict_jax.rl.batch import RolloutBatch
+from ict_jax.rl.state import init_train_state
+from ict_jax.rl.train_step import make_train_step
 
 P, G, LP, LR = 2, 4, 3, 5
 MODEL = ict_jax.ModelConfig.tiny()
@@ -126,7 +128,7 @@ def test_restore_with_a_concrete_template_and_params_only():
     for where in (d.parent, d, d / "1"):  # run dir, its checkpoints folder, one step's dir
         model, meta = load_params_from_checkpoint(where)
         assert meta["step"] == 1 and model.config == MODEL
-        _assert_bitwise(ict_jax.train_step.nnx.state(model, ict_jax.train_step.nnx.Param), saved[0])
+        _assert_bitwise(ict_jax.rl.train_step.nnx.state(model, ict_jax.rl.train_step.nnx.Param), saved[0])
 
 
 def test_restore_onto_an_eight_device_mesh(devices8):
@@ -217,9 +219,9 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax.numpy as jnp
 import ict_jax
-from ict_jax.checkpoint import Checkpointer
+from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.config import load_config
-from ict_jax.train_step import init_train_state
+from ict_jax.rl.state import init_train_state
 cfg = load_config(None, [])
 mc = ict_jax.ModelConfig.tiny(vocab_size=32768, hidden_size=256, intermediate_size=512, num_layers=2)
 state = init_train_state(cfg, ict_jax.init_model(mc, seed=0))
@@ -279,7 +281,7 @@ def test_export_reloads_in_transformers_with_the_same_logits(tmp_path):
 
 
 def test_cli_export(tmp_path, capsys):
-    from ict_jax.cli import main
+    from ict_jax.cli.main import main
 
     code = main(["export", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "hf")])
     err = capsys.readouterr().err

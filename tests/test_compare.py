@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ict_jax.cli import main as cli_main
-from ict_jax.compare import (aggregate_group, format_markdown, mean_sd, pass_at_k, plan_runs, run_result,
-                             steps_to_target, tail_mean)
+from ict_jax.cli.main import main as cli_main
+from ict_jax.tools.compare_report import (aggregate_group, format_markdown, mean_sd, pass_at_k, run_result, steps_to_target, tail_mean)
+from ict_jax.tools.compare import plan_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -188,8 +188,8 @@ def test_compare_two_methods_writes_table_and_plots_and_resumes(tmp_path, capsys
 
 @pytest.mark.slow
 def test_rho_ablation_selects_fewer_tokens_at_smaller_rho(tmp_path):
-    from ict_jax.compare import run_comparison
-    from ict_jax.run_log import read_metrics
+    from ict_jax.tools.compare import run_comparison
+    from ict_jax.train.logs import read_metrics
 
     out = tmp_path / "cmp"
     res = run_comparison(DEMO, methods="ict", seeds=2, rhos="0.05,0.3", out=out, progress=False,

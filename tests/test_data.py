@@ -8,10 +8,15 @@ import pathlib
 import numpy as np
 import pytest
 
-from ict_jax import (PAPER_BENCHMARKS, CharTokenizer, DataError, Dataset, Example, PromptIterator, encode_prompts,
-                     format_prompt, gym_score, load_dataset, make_buckets, pad_left)
-from ict_jax.data import bucket_for, parse_spec
-from ict_jax.data_sources import last_boxed
+from ict_jax import CharTokenizer, Dataset, Example, load_dataset
+from ict_jax.data.datasets import PAPER_BENCHMARKS
+from ict_jax.data.example import DataError
+from ict_jax.data.prompts import encode_prompts, make_buckets, pad_left, PromptIterator
+from ict_jax.data.templates import format_prompt
+from ict_jax.rewards.checks import gym_answer_score as gym_score
+from ict_jax.data.prompts import bucket_for
+from ict_jax.data.datasets import parse_spec
+from ict_jax.rewards.checks import last_boxed
 
 
 def write_jsonl(path: pathlib.Path, rows) -> pathlib.Path:
@@ -197,7 +202,7 @@ def test_arith_is_seeded_and_correct():
 
 
 def test_arith_scratchpad_works_each_column_then_the_sum():
-    from ict_jax.data_sources import addition_scratchpad
+    from ict_jax.data.tasks import addition_scratchpad
 
     # by hand: carries in, a missing digit as 0, a carry out of the last column
     assert addition_scratchpad(57, 38) == "7+8=15,5+3+1=9,95"
@@ -218,8 +223,8 @@ def test_arith_scratchpad_works_each_column_then_the_sum():
 
 
 def test_split_is_seeded_and_its_solutions_score_one():
-    from ict_jax.rewards import check_text
-    from ict_jax.trainer import sft_target
+    from ict_jax.rewards.checks import check_text
+    from ict_jax.train.trainer import sft_target
 
     ds = load_dataset("split?digits=3&size=300", seed=2)
     assert ds.scorer == "sum" and len(ds) == 300
@@ -392,7 +397,7 @@ def test_chat_template_falls_back_to_qwen2p5():
     from tokenizers import Tokenizer as Backend
     from tokenizers.models import WordLevel
 
-    from ict_jax import HFTokenizer
+    from ict_jax.data.tokenizers import HFTokenizer
 
     tok = HFTokenizer(Backend(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")), eos_ids=[0], pad_id=0)
     with pytest.raises(ValueError, match="no chat template"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ict_jax.run_log import read_metrics
+from ict_jax.train.logs import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "configs" / "demo.yaml"

@@ -9,10 +9,11 @@ import os
 import numpy as np
 import pytest
 
-from ict_jax import CharTokenizer, ModelConfig, init_model, save_hf
-from ict_jax.cli import main
-from ict_jax.generation import make_text_generator, template_dataset
-from ict_jax.loading import load_model_and_tokenizer, resolve_path
+from ict_jax import CharTokenizer, init_model, ModelConfig, save_hf
+from ict_jax.cli.main import main
+from ict_jax.sampling.text_generation import make_text_generator
+from ict_jax.data.templates import template_dataset
+from ict_jax.model.loading import load_model_and_tokenizer, resolve_path
 
 # ~20-character questions: with the qwen_chat template and the boxed instruction each prompt is
 # 100-128 CharTokenizer ids, i.e. all in the 128 bucket of make_buckets(256).
@@ -100,7 +101,7 @@ def test_eval_cli_model_errors(assets, tmp_path, capsys):
 
 
 # One program for the unit tests below (and the persistent compilation cache shares it between them):
-# n = 2, bucket 32, 2 prompts per run, 8 new tokens, METHOD §6 sampling settings.
+# n = 2, bucket 32, 2 prompts per run, 8 new tokens, docs/method.md §6 sampling settings.
 GEN = dict(max_new_tokens=8, template="none", max_prompt_len=32, batch_size=2)
 
 
@@ -125,8 +126,8 @@ def test_text_generator_decodes_valid_tokens(model):
     """The responses equal decoding the sampler's own rollout (through each row's length)."""
     import jax
 
-    from ict_jax.data import pad_left
-    from ict_jax.sampler import generate
+    from ict_jax.data.prompts import pad_left
+    from ict_jax.sampling.sampler import generate
 
     tok = CharTokenizer()
     gen = make_text_generator(model, tok, seed=7, **GEN)
@@ -164,8 +165,8 @@ def test_resolve_pkg_paths():
         resolve_path("pkg:ict_jax/no_such_file.gguf")
     with pytest.raises(ValueError, match="pkg:<package>/<file"):
         resolve_path("pkg:ict_jax")
-    assert resolve_path("pkg:ict_jax/loading.py") == os.path.join(os.path.dirname(
-        __import__("ict_jax").__file__), "loading.py")
+    assert resolve_path("pkg:ict_jax/config.py") == os.path.join(os.path.dirname(
+        __import__("ict_jax").__file__), "config.py")
     assert resolve_path("plain/path") == "plain/path"
 
 

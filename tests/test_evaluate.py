@@ -7,9 +7,10 @@ from fractions import Fraction
 
 import pytest
 
-from ict_jax.data import Dataset, Example
-from ict_jax.evaluate import EVAL_DEFAULTS, aggregate, evaluate, format_table, pass_at_k
-from ict_jax.rewards import RewardPool
+from ict_jax.data.datasets import Dataset
+from ict_jax.data.example import Example
+from ict_jax.sampling.evaluation import EVAL_DEFAULTS, aggregate, evaluate, format_table, pass_at_k
+from ict_jax.rewards.pool import RewardPool
 
 
 def brute_pass_at_k(n, c, k):
@@ -114,7 +115,7 @@ def test_evaluate_limit_and_errors(pool):
 
 def test_public_names():
     import ict_jax
-    import ict_jax.evaluate as ev
+    import ict_jax.sampling.evaluation as ev
 
     assert ict_jax.evaluate_benchmarks is ev.evaluate and ict_jax.pass_at_k is pass_at_k
-    assert ict_jax.RewardPool is RewardPool and ict_jax.aggregate is aggregate
+    assert ict_jax.RewardPool is RewardPool and ict_jax.sampling.evaluation.aggregate is aggregate

@@ -39,8 +39,8 @@ def test_make_mesh_shapes_and_errors(devices8):
     with pytest.raises(ValueError, match="only one axis may be -1"):
         ict_jax.make_mesh(data=-1, fsdp=-1)
     with pytest.raises(ValueError, match="groups never straddle a shard"):
-        ict_jax.check_prompts_divide(6, m)
-    ict_jax.check_prompts_divide(8, m)
+        ict_jax.sharding.check_prompts_divide(6, m)
+    ict_jax.sharding.check_prompts_divide(8, m)
 
 
 def test_rule_table_replicates_what_does_not_divide(devices8):

@@ -1,5 +1,5 @@
-"""ict_jax.grpo against golden values of an independent PyTorch reference (tests/data/grpo_reference.py),
-plus the semantic properties of METHOD §3-§4: zero gradient where M = 0, advantages that sum to zero,
+"""ict_jax.rl.losses against golden values of an independent PyTorch reference (tests/data/grpo_reference.py),
+plus the semantic properties of docs/method.md §3-§4: zero gradient where M = 0, advantages that sum to zero,
 all-equal groups that do not learn, micro-batch denominators that add up to the mini-batch."""
 
 from __future__ import annotations
@@ -18,14 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ict_jax.config import LossSection
-from ict_jax.grpo import (
-    clipped_surrogate,
-    group_advantages,
-    k3_kl,
-    loss_denominators,
-    policy_loss,
-    zero_std_groups,
-)
+from ict_jax.rl.losses import (clipped_surrogate, group_advantages, k3_kl, loss_denominators, policy_loss, zero_std_groups)
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = json.loads((DATA / "grpo_golden.json").read_text())
@@ -111,7 +104,7 @@ def test_per_token_golden():
 
 @pytest.mark.parametrize("loss_agg", AGGS)
 def test_loss_golden(loss_agg):
-    """Loss, METHOD §5 metrics and d loss / d logp, every normalize_over x kl_masked x method mask."""
+    """Loss, docs/method.md §5 metrics and d loss / d logp, every normalize_over x kl_masked x method mask."""
     cases = [c for c in GOLDEN["loss_cases"] if c["loss_agg"] == loss_agg]
     assert len(cases) == 6 * len(MASKS)
     for c in cases:

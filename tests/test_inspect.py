@@ -1,4 +1,4 @@
-"""The token inspector (ict_jax.inspect_tokens): the report's statistics and masks, the HTML page's
+"""The token inspector (ict_jax.tools.inspector): the report's statistics and masks, the HTML page's
 structure and escaping, the `ict-jax inspect` command, and (slow) a headless-Chromium screenshot."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import ict_jax
-from ict_jax.inspect_tokens import ASSUMED_POSITIVE, render_html, token_report
+from ict_jax.tools.inspector import ASSUMED_POSITIVE, token_report
+from ict_jax.tools.inspector_page import render_html
 
 G, N = 4, 12
 PROMPT = "12+34=<script>alert('x')</script>&amp;"
@@ -221,11 +222,11 @@ def test_untrusted_text_is_escaped(report):
 # CLI
 # ------------------------------------------------------------------------------------------------
 def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tmp_path, capsys):
-    from ict_jax.checkpoint import Checkpointer
-    from ict_jax.cli import main
+    from ict_jax.train.checkpoints import Checkpointer
+    from ict_jax.cli.main import main
     from ict_jax.config import load_config
     from ict_jax.model.weights import save_hf
-    from ict_jax.train_step import init_train_state
+    from ict_jax.rl.state import init_train_state
 
     model, _ = tiny
     cfg = load_config(None, ["rollout.max_new_tokens=12", "rollout.num_samples=4", "data.template=none"])

@@ -162,7 +162,7 @@ def test_mesh_forward_equals_single_device(devices8, tmp_path):
     # 8 rows (a multiple of data x fsdp = 4) mixing plain, left- and right-padded rows
     ids, mask = np.concatenate([ids, ids, ids[:2]]), np.concatenate([mask, mask[::-1], mask[:2]])
     ref = np.asarray(one(jnp.asarray(ids), jnp.asarray(mask)))
-    batch = ict_jax.batch_sharding(mesh)
+    batch = ict_jax.sharding.batch_sharding(mesh)
     with jax.set_mesh(mesh):
         got = jax.jit(lambda i, m: eight(i, m))(jax.device_put(jnp.asarray(ids), batch),
                                                 jax.device_put(jnp.asarray(mask), batch))

@@ -48,7 +48,7 @@ def _free_port() -> int:
 def _params(run: Path):
     from flax import nnx
 
-    from ict_jax.checkpoint import load_params_from_checkpoint
+    from ict_jax.train.checkpoints import load_params_from_checkpoint
 
     model, meta = load_params_from_checkpoint(run / "checkpoints")
     return meta["step"], jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
@@ -80,7 +80,7 @@ def test_two_processes_equal_one_process(tmp_path):
             continue
         close = np.isclose(y, x, rtol=1e-5, atol=1e-7)
         assert close.mean() >= 0.98, f"{name}: {(~close).sum()} of {close.size} entries differ"
-    from ict_jax.run_log import read_metrics
+    from ict_jax.train.logs import read_metrics
 
     sa = read_metrics(tmp_path / "one" / "metrics.jsonl", phase="sft")
     sb = read_metrics(tmp_path / "two" / "metrics.jsonl", phase="sft")

@@ -66,7 +66,7 @@ def test_01_token_selection_on_the_tiny_model(tmp_path, monkeypatch):
 
 def _fake_run(run_dir: Path, steps: int = 6) -> None:
     """A metrics.jsonl written by the trainer's own logger: SFT rows, then RL rows (warm-up, then ICT)."""
-    from ict_jax.run_log import RunLogger
+    from ict_jax.train.logs import RunLogger
 
     log = RunLogger(run_dir, total_steps=steps, progress=False, tensorboard=False)
     log.log(0, {"sft/loss": 2.0}, phase="sft")

@@ -9,7 +9,7 @@ from flax import nnx
 
 import ict_jax
 from ict_jax.model.config import ModelConfig
-from ict_jax.sampler import _FNS, _inverse_cdf, generate, make_generate_fn, sample_token
+from ict_jax.sampling.sampler import _FNS, _inverse_cdf, generate, make_generate_fn, sample_token
 from ict_jax.sharding import make_mesh, state_shardings
 
 P, G, LP, N = 4, 2, 6, 10
@@ -301,7 +301,7 @@ def test_cli_sample_prints_decoded_responses(tmp_path, model, capsys):
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from ict_jax.cli_sample import add_sample_args, sample_main
+    from ict_jax.cli.sample import add_sample_args, sample_main
 
     ict_jax.save_hf(model, tmp_path / "ckpt")
     vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 256)}}

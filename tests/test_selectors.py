@@ -1,4 +1,4 @@
-"""METHOD §2 masks: exact integer counts, ranking and ties, scopes, warm-up, STAPO's conditions, the
+"""docs/method.md §2 masks: exact integer counts, ranking and ties, scopes, warm-up, STAPO's conditions, the
 random control, the registry, global scopes on an 8-device mesh, and hypothesis invariants."""
 
 import functools
@@ -16,13 +16,12 @@ from jax.sharding import PartitionSpec as P
 
 import ict_jax
 from ict_jax.config import SelectorSection
-from ict_jax.selectors import (RANDOM_MASK_STREAM, dense_mask, entropy_mask, ict_mask, random_mask,
-                               register_selector, select, stapo_mask, stapo_quantile)
-from ict_jax.token_stats import TokenStats, stats_from_hidden
+from ict_jax.rl.selectors import (RANDOM_MASK_STREAM, dense_mask, entropy_mask, ict_mask, random_mask, register_selector, select, stapo_mask, stapo_quantile)
+from ict_jax.rl.token_stats import TokenStats, stats_from_hidden
 
 
 # ------------------------------------------------------------------------------------------------
-# NumPy reference (METHOD §2, written independently)
+# NumPy reference (docs/method.md §2, written independently)
 # ------------------------------------------------------------------------------------------------
 def ref_k(n, rho):
     return 0 if n == 0 else max(1, math.ceil(Fraction(str(rho)) * n))
@@ -265,7 +264,7 @@ def test_select_dense_grpo_stapo_and_registry():
     np.testing.assert_array_equal(np.asarray(m), valid)
     with pytest.raises(ValueError, match="not registered"):
         select("nope", stats, adv, valid, key=key, step=0, config=cfg)
-    assert ict_jax.select is select and ict_jax.RANDOM_MASK_STREAM == RANDOM_MASK_STREAM
+    assert ict_jax.select is select and ict_jax.rl.selectors.RANDOM_MASK_STREAM == RANDOM_MASK_STREAM
     for name in ("TokenStats", "stats_from_logits", "stats_from_hidden", "dense_mask", "ict_mask",
                  "entropy_mask", "stapo_mask", "random_mask", "register_selector"):
         assert callable(getattr(ict_jax, name)) and name in dir(ict_jax)

@@ -1,4 +1,4 @@
-"""METHOD §1 statistics against float64 NumPy; the chunked path against the dense one (values and
+"""docs/method.md §1 statistics against float64 NumPy; the chunked path against the dense one (values and
 gradients); no NaN on -inf logits, all-padding groups, G = 1; the chunked path's memory claim."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ict_jax.token_stats import TokenStats, _js, stats_and_surrogate, stats_from_hidden, stats_from_logits
+from ict_jax.rl.token_stats import TokenStats, _js, stats_and_surrogate, stats_from_hidden, stats_from_logits
 
 ATOL, RTOL = 1e-5, 1e-6
 LN2 = np.log(2.0)
@@ -14,7 +14,7 @@ jit_logits = jax.jit(stats_from_logits, static_argnames=("group_size", "temperat
 
 
 # ------------------------------------------------------------------------------------------------
-# float64 NumPy reference (METHOD §1, written independently of the JAX code)
+# float64 NumPy reference (docs/method.md §1, written independently of the JAX code)
 # ------------------------------------------------------------------------------------------------
 def _xlogy(x, y):
     out = np.zeros(np.broadcast(x, y).shape)
@@ -252,7 +252,7 @@ def test_one_pass_surrogate_equals_dense_values_and_gradient(chunk, dense_case):
 
 
 def test_block_size_evens_out_blocks():
-    from ict_jax.token_stats import _block_size
+    from ict_jax.rl.token_stats import _block_size
 
     assert [_block_size(96, c) for c in (16, 32, 64, 128, 1)] == [16, 32, 48, 96, 1]
     assert _block_size(100, 64) == 50 and _block_size(7, 3) == 3 and _block_size(1024, 64) == 64

@@ -14,7 +14,9 @@ from flax import nnx
 
 import ict_jax
 from ict_jax.config import load_config
-from ict_jax.train_step import RolloutBatch, build_rollout_batch, init_train_state, make_train_step
+from ict_jax.rl.batch import RolloutBatch, build_rollout_batch
+from ict_jax.rl.state import init_train_state
+from ict_jax.rl.train_step import make_train_step
 
 P, G, LP, LR = 4, 4, 3, 6
 MODEL = ict_jax.ModelConfig.tiny(num_layers=1, remat="none")
@@ -48,7 +50,7 @@ def _batch() -> RolloutBatch:
         am[i, LP + n:] = 0
     rewards = rng.integers(0, 2, B).astype(np.float32)
     rewards[G:2 * G] = 1.0  # an all-equal group
-    from ict_jax.grpo import group_advantages
+    from ict_jax.rl.losses import group_advantages
 
     return RolloutBatch(
         tokens=jnp.asarray(tokens, jnp.int32), attention_mask=jnp.asarray(am), response_valid=jnp.asarray(rv),
@@ -75,7 +77,7 @@ def _param_delta(cfg, mesh=None):
         ref = jax.tree.map(lambda a: a * 1.01, jax.tree.map(jnp.copy, state.params))  # a reference != policy
     batch = _batch()
     if mesh is not None:
-        batch = ict_jax.shard_batch(batch, mesh)
+        batch = ict_jax.sharding.shard_batch(batch, mesh)
     new, metrics = step(state, batch, ref)
     grads = jax.tree.map(np.asarray, new.opt_state)
     return grads, {k: float(v) for k, v in metrics.items()}
@@ -141,7 +143,7 @@ def test_eight_devices_full_matrix(method, agg, devices8):
 def test_one_pass_head_gives_the_two_pass_gradients(method, monkeypatch):
     """kl_coef = 0, one micro-batch: d loss / d logp is known before the forward pass and the step
     takes the one-pass head (stats_and_surrogate); two micro-batches take the two-pass custom VJP."""
-    import ict_jax.train_step as ts
+    import ict_jax.rl.train_step as ts
 
     calls = []
     real = ts.stats_and_surrogate

@@ -15,9 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-from ict_jax.cli import main as cli_main
+from ict_jax.cli.main import main as cli_main
 from ict_jax.config import load_config
-from ict_jax.run_log import read_metrics
+from ict_jax.train.logs import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -38,7 +38,7 @@ SECTION5 = {"reward/mean", "reward/accuracy", "adv/zero_std_group_frac", "respon
                                     pytest.param("stapo", marks=pytest.mark.slow),
                                     pytest.param("random", marks=pytest.mark.slow)])
 def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
-    from ict_jax.trainer import Trainer
+    from ict_jax.train.trainer import Trainer
 
     cfg = load_config(DEMO, TINY + [f"rl.selector.method={method}", "train.steps=2", "train.save_every=2",
                                      f"run_dir={tmp_path / 'run'}", "rl.loss.kl_coef=0.01",
@@ -110,7 +110,7 @@ def _train_proc(run: Path, steps: int, *extra: str) -> subprocess.Popen:
 
 
 def _final_params(run: Path):
-    from ict_jax.checkpoint import load_params_from_checkpoint
+    from ict_jax.train.checkpoints import load_params_from_checkpoint
     from flax import nnx
 
     model, meta = load_params_from_checkpoint(run / "checkpoints")
@@ -157,8 +157,8 @@ def _rows(run: Path) -> list[dict]:
 def test_evaluation_depends_on_weights_and_seed_only(tmp_path):
     """Two evaluations of the same weights give the same samples (the generator's key stream restarts),
     so a resumed run or an RL-only run evaluates a checkpoint exactly as one long run does."""
-    from ict_jax.setup import run_eval
-    from ict_jax.trainer import Trainer
+    from ict_jax.train.run import run_eval
+    from ict_jax.train.trainer import Trainer
 
     cfg = load_config(DEMO, TINY + ["train.steps=1", "train.sft_steps=0", f"run_dir={tmp_path / 'run'}",
                                      "data.eval=[\"split?digits=1&size=6&seed=5\"]", "data.eval_n=2",
@@ -173,7 +173,7 @@ def test_evaluation_depends_on_weights_and_seed_only(tmp_path):
 
 
 def test_three_non_finite_steps_in_a_row_stop_with_the_last_checkpoint_intact(tmp_path):
-    from ict_jax.trainer import Trainer, TrainingDiverged
+    from ict_jax.train.trainer import Trainer, TrainingDiverged
 
     cfg = load_config(DEMO, TINY + ["train.steps=6", "train.save_every=1", "train.sft_steps=0",
                                      f"run_dir={tmp_path / 'run'}", "mesh.data=-1", "mesh.tensor=2"])
@@ -200,7 +200,7 @@ def test_three_non_finite_steps_in_a_row_stop_with_the_last_checkpoint_intact(tm
 
 
 def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
-    from ict_jax.trainer import Trainer
+    from ict_jax.train.trainer import Trainer
 
     cfg = load_config(DEMO, TINY + ["train.steps=1", "train.sft_steps=0", f"run_dir={tmp_path / 'run'}",
                                      "rl.adv.drop_zero_std_groups=true", "rl.adv.max_refill=2",

@@ -18,7 +18,7 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCa
 class ModelConfig:
     """Shapes and numerics of :class:`ict_jax.Qwen2`.
 
-    ``compute_dtype="auto"`` resolves to bfloat16 on accelerators and float32 on CPU (DESIGN.md
+    ``compute_dtype="auto"`` resolves to bfloat16 on accelerators and float32 on CPU (docs/architecture.md
     precision policy). ``remat``: ``none`` keeps every activation; ``block`` rematerialises each decoder
     block but keeps its matmul outputs (``dots_with_no_batch_dims_saveable``); ``full`` keeps only the
     block inputs (``nothing_saveable``). ``scan_layers`` runs the stacked layers with ``lax.scan`` (one

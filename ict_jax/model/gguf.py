@@ -160,7 +160,7 @@ def load_gguf(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
     """
     from gguf.quants import dequantize
 
-    from ict_jax.tokenizer import load_tokenizer
+    from ict_jax.data.tokenizers import load_tokenizer
 
     path = Path(path)
     reader = _open(path)

@@ -5,7 +5,7 @@ of weight), so the same parameters run either under ``lax.scan`` (``scan_layers=
 layer body) or an unrolled loop, and checkpoints do not depend on that switch. Projection weights keep
 their head structure (``wq: [L, D, H, hd]``) so the rule table can shard or replicate whole heads.
 
-Numerics (DESIGN.md): parameters in ``param_dtype``; activations and matmul inputs in the compute dtype
+Numerics (docs/architecture.md): parameters in ``param_dtype``; activations and matmul inputs in the compute dtype
 with float32 accumulation; RMSNorm, RoPE, softmax and the logits in float32.
 
 Positions count real tokens only: ``pos = cumsum(attention_mask) - 1``, so left- and right-padded rows
@@ -117,7 +117,7 @@ def _mm(a: jax.Array, b: jax.Array, dtype: Any, k: int = 1) -> jax.Array:
     return y.astype(dtype).reshape(lead + out)
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dtype: Any) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dtype: Any) -> jax.Array:
     """q ``[B, T, H, hd]``, k/v ``[B, KV, S, hd]``, allowed ``[B, T, S]`` -> ``[B, T, H, hd]``."""
     B, T, H, hd = q.shape
     KV = k.shape[1]
@@ -130,7 +130,9 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dtype:
     return out.reshape(B, T, H, hd)
 
 
-def _qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: jax.Array, sin: jax.Array, dtype: Any):
+def attention_qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: jax.Array, sin: jax.Array, dtype: Any):
+    """The first half of a decoder block: pre-norm, q/k/v projections (+ biases) and RoPE.
+    x ``[B, T, D]`` -> q ``[B, T, H, hd]``, k and v ``[B, KV, T, hd]`` (the KV-cache layout)."""
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps, dtype)
     q = _mm(h, p["wq"], dtype)  # [B, T, H, hd]
     k = _mm(h, p["wk"], dtype)
@@ -144,7 +146,9 @@ def _qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: jax.Array, 
     return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # k, v: [B, KV, T, hd]
 
 
-def _finish(p: dict[str, jax.Array], x: jax.Array, attn: jax.Array, c: ModelConfig, dtype: Any) -> jax.Array:
+def finish_layer(p: dict[str, jax.Array], x: jax.Array, attn: jax.Array, c: ModelConfig, dtype: Any) -> jax.Array:
+    """The second half of a decoder block: the output projection of ``attn`` ``[B, T, H, hd]`` added to
+    the residual ``x``, then the pre-norm SwiGLU MLP and its residual."""
     x = x + _mm(attn, p["wo"], dtype, k=2)
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps, dtype)
     g = _mm(h, p["w_gate"], dtype)
@@ -157,8 +161,8 @@ def _finish(p: dict[str, jax.Array], x: jax.Array, attn: jax.Array, c: ModelConf
 
 def decoder_layer(p, x, cos, sin, allowed, c: ModelConfig, dtype):
     """One pre-norm decoder block over a full sequence: x ``[B, T, D]`` -> ``[B, T, D]``."""
-    q, k, v = _qkv(p, x, c, cos, sin, dtype)
-    return _finish(p, x, _attend(q, k, v, allowed, dtype), c, dtype)
+    q, k, v = attention_qkv(p, x, c, cos, sin, dtype)
+    return finish_layer(p, x, attend(q, k, v, allowed, dtype), c, dtype)
 
 
 def _remat(fn, mode: str):
@@ -241,6 +245,18 @@ class Qwen2(nnx.Module):
         x = self._run_layers(self._embed(input_ids), cos, sin, allowed)
         return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps, self.compute_dtype)
 
+    def predicting_states(self, tokens: Int[Array, "B L"], attention_mask: Int[Array, "B L"] | None = None,
+                          num_targets: int | None = None) -> tuple[Float[Array, "B N D"], Int[Array, "B N"]]:
+        """The hidden states that predict ``tokens``' last ``num_targets`` positions, and those targets.
+
+        ``hidden[:, t]`` predicts ``tokens[:, t + 1]``: the forward pass reads ``tokens[:, :-1]`` and the
+        last ``N`` of its states predict ``tokens[:, -N:]`` (``N = num_targets``, default all ``L - 1``).
+        Returns ``(hidden [B, N, D], targets [B, N])``, the inputs of
+        :func:`ict_jax.rl.token_stats.stats_from_hidden` for a prompt + response row."""
+        n = tokens.shape[1] - 1 if num_targets is None else num_targets
+        mask = None if attention_mask is None else attention_mask[:, :-1]
+        return self.hidden_states(tokens[:, :-1], mask)[:, -n:], tokens[:, -n:]
+
     def layer_states(self, input_ids: Int[Array, "B T"],
                      attention_mask: Int[Array, "B T"] | None = None) -> list[jax.Array]:
         """The residual stream after each decoder layer (unrolled; for layered parity tests and
@@ -291,10 +307,10 @@ class Qwen2(nnx.Module):
 
         def body(x, inputs):
             p, k_l, v_l = inputs
-            q, k, v = _qkv(p, x, c, cos, sin, dtype)
+            q, k, v = attention_qkv(p, x, c, cos, sin, dtype)
             k_l = jax.lax.dynamic_update_slice(k_l, k.astype(kdt), (0, 0, cache.index, 0))
             v_l = jax.lax.dynamic_update_slice(v_l, v.astype(kdt), (0, 0, cache.index, 0))
-            x = _finish(p, x, _attend(q, k_l.astype(dtype), v_l.astype(dtype), allowed, dtype), c, dtype)
+            x = finish_layer(p, x, attend(q, k_l.astype(dtype), v_l.astype(dtype), allowed, dtype), c, dtype)
             return x, (k_l, v_l)
 
         x = self._embed(input_ids)

@@ -1,4 +1,4 @@
-"""Independent PyTorch reference for ict_jax/grpo.py (METHOD.md §3-§5), written from the METHOD text.
+"""Independent PyTorch reference for ict_jax/grpo.py (docs/method.md §3-§5), written from the docs/method.md text.
 
 Plain torch in float64, no import of ict_jax. Builds one fixed, seeded batch (P = 3 prompts x G = 4,
 T = 7) plus a group-of-one batch and a padded (row_valid) batch, and writes every golden value to
@@ -6,7 +6,7 @@ grpo_golden.json next to this file (or to the path given as the first argument):
 
 - advantages in the three scale_rewards modes;
 - per-token ratio, clipped surrogate (clip-higher, with and without dual clip) and k3;
-- the loss, its METHOD §5 metrics and d loss / d logp for every loss_agg x normalize_over x kl_masked
+- the loss, its docs/method.md §5 metrics and d loss / d logp for every loss_agg x normalize_over x kl_masked
   combination and each method's mask (dense = valid; fixed hand-made masks for ict, entropy, stapo,
   random), plus dual clip off and kl_coef = 0 variants.
 

@@ -1,0 +1,42 @@
+"""``ict-jax info``: devices, the mesh and the model presets with their exact parameter counts."""
+
+from __future__ import annotations
+
+import argparse
+
+from ict_jax.cli.errors import UserError
+
+
+def add_info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", default="-1,1,1", metavar="DATA,FSDP,TENSOR",
+                   help="mesh shape to build and show (-1 = the rest of the devices); default -1,1,1")
+
+
+def info_main(args: argparse.Namespace) -> int:
+    import jax
+
+    from ict_jax import __version__
+    from ict_jax.model.config import ModelConfig
+    from ict_jax.model.qwen2 import param_count
+    from ict_jax.sharding import make_mesh
+
+    try:
+        sizes = [int(x) for x in args.mesh.split(",")]
+    except ValueError:
+        raise UserError(f"--mesh {args.mesh!r}: expected three integers DATA,FSDP,TENSOR") from None
+    if len(sizes) != 3:
+        raise UserError(f"--mesh {args.mesh!r}: expected three integers DATA,FSDP,TENSOR")
+    mesh = make_mesh(*sizes)
+    devs = jax.devices()
+    print(f"ict_jax {__version__}  jax {jax.__version__}  backend {jax.default_backend()}  "
+          f"processes {jax.process_count()}")
+    print(f"devices ({len(devs)}): " + ", ".join(f"{d.platform}:{d.id}" for d in devs[:16])
+          + (" ..." if len(devs) > 16 else ""))
+    print("mesh: " + " x ".join(f"{k}={v}" for k, v in mesh.shape.items()))
+    print("model presets:")
+    print(f"  {'name':<14}{'params':>16}{'layers':>8}{'width':>7}{'heads':>7}{'kv':>4}{'vocab':>9}  head")
+    for name in ("tiny", "qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_7b"):
+        c = ModelConfig.preset(name)
+        print(f"  {name:<14}{param_count(c):>16,}{c.num_layers:>8}{c.hidden_size:>7}{c.num_heads:>7}"
+              f"{c.num_kv_heads:>4}{c.vocab_size:>9}  {'tied' if c.tie_word_embeddings else 'untied'}")
+    return 0

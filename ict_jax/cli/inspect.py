@@ -1,0 +1,97 @@
+"""``ict-jax inspect``: an HTML page of a group's tokens coloured by their statistics, with the masks of
+the selectors (:mod:`ict_jax.tools.inspector`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def add_inspect_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="a run directory, its checkpoints/ folder or one <step>/ directory (the tokenizer and "
+                          "defaults come from the checkpoint's metadata)")
+    src.add_argument("--model", metavar="PATH",
+                     help="instead of a checkpoint: a Hugging Face directory, a .gguf file or pkg:<package>/<file>")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest finished one)")
+    p.add_argument("--tokenizer", default=None, metavar="char|PATH",
+                   help="tokenizer instead of the model's / checkpoint's own: 'char' or a tokenizer directory / .gguf")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt (one)")
+    p.add_argument("-n", "--num-samples", type=int, default=8, metavar="G", help="responses (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="default: the checkpoint config's rollout.max_new_tokens, else 64")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="sampling and statistics temperature (default: the checkpoint config's, else 1.0)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampler seed (default 0)")
+    p.add_argument("--template", default=None, choices=("none", "plain", "qwen_chat"),
+                   help="prompt template (default: the checkpoint config's data.template, else none)")
+    p.add_argument("--rho-ict", type=float, default=0.1, metavar="RHO", help="ICT fraction (default 0.1)")
+    p.add_argument("--rho-entropy", type=float, default=0.2, metavar="RHO", help="20-Entropy fraction (default 0.2)")
+    p.add_argument("--tau-p", type=float, default=None, help="STAPO probability threshold (default: config's, else 0.002)")
+    p.add_argument("--tau-h", type=float, default=None, help="STAPO entropy quantile (default: config's, else 0.8)")
+    p.add_argument("--rewards", default=None, metavar="R1,R2,...",
+                   help="G comma-separated rewards, one per response, for STAPO's advantages (default: all "
+                        "responses treated as positive-advantage)")
+    p.add_argument("--out", default="inspect.html", metavar="PAGE.html", help="output page (default inspect.html)")
+
+
+def _cfg_get(cfg: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(cfg, dict):
+            return None
+        cfg = cfg.get(k)
+    return cfg
+
+
+def inspect_main(args: argparse.Namespace) -> int:
+    from ict_jax.model.loading import load_model_and_tokenizer, load_tokenizer_spec
+    from ict_jax.tools.inspector import token_report
+    from ict_jax.tools.inspector_page import render_html
+    from ict_jax.train.checkpoints import load_params_from_checkpoint
+
+    cfg: dict[str, Any] = {}
+    if args.checkpoint is not None:
+        model, meta = load_params_from_checkpoint(args.checkpoint, args.step)
+        spec = args.tokenizer or meta.get("tokenizer")
+        if not spec:
+            raise ValueError(f"{args.checkpoint}: the checkpoint names no tokenizer; pass --tokenizer char|PATH")
+        tok = load_tokenizer_spec(spec)
+        cfg = meta.get("config") or {}
+        where = f"checkpoint {args.checkpoint} (step {meta.get('step')})"
+    else:
+        if args.step is not None:
+            raise ValueError("--step needs --checkpoint")
+        model, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
+        where = args.model
+
+    def pick(value: Any, *keys: str, default: Any) -> Any:
+        if value is not None:
+            return value
+        found = _cfg_get(cfg, *keys)
+        return default if found is None else found
+
+    rewards = None
+    if args.rewards is not None:
+        try:
+            rewards = [float(x) for x in args.rewards.split(",")]
+        except ValueError:
+            raise ValueError(f"--rewards {args.rewards!r}: expected comma-separated numbers") from None
+    if args.num_samples < 1:
+        raise ValueError(f"-n/--num-samples must be >= 1, got {args.num_samples}")
+    report = token_report(
+        model, tok, args.prompt, num_samples=args.num_samples,
+        max_new_tokens=int(pick(args.max_new_tokens, "rollout", "max_new_tokens", default=64)),
+        temperature=float(pick(args.temperature, "rollout", "temperature", default=1.0)), seed=args.seed,
+        template=str(pick(args.template, "data", "template", default="none")), rho_ict=args.rho_ict,
+        rho_entropy=args.rho_entropy, tau_p=float(pick(args.tau_p, "rl", "selector", "tau_p", default=0.002)),
+        tau_h=float(pick(args.tau_h, "rl", "selector", "tau_h", default=0.8)), rewards=rewards,
+        stats_temperature=_cfg_get(cfg, "stats", "temperature"))  # None: the sampling temperature
+    page = render_html(report, title=f"ict_jax token inspector: {where}")
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(page)
+    print(out)
+    return 0

@@ -1,0 +1,75 @@
+"""``ict-jax``: a thin command-line front end. Parses arguments and dispatches; the work lives in the
+library modules. User errors (bad config, missing files, bad shapes) print one line and exit with 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Callable, Sequence
+
+from ict_jax.cli.errors import UserError
+from ict_jax.config import ConfigError
+
+# subcommand -> (module, add_args function, main function, one-line help). Modules import lazily so
+# `ict-jax info` does not pay for the trainer's imports.
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "info": ("ict_jax.cli.info", "add_info_args", "info_main", "print devices, the mesh and the model presets"),
+    "export": ("ict_jax.cli.export", "add_export_args", "export_main", "checkpoint -> Hugging Face safetensors"),
+    "eval": ("ict_jax.cli.eval", "add_eval_args", "eval_main", "pass@k of a model on benchmarks (docs/method.md §6)"),
+    "train": ("ict_jax.cli.train", "add_train_args", "train_main", "RL training (SFT warm start first if configured)"),
+    "sample": ("ict_jax.cli.sample", "add_sample_args", "sample_main", "sample G responses to a prompt"),
+    "sft": ("ict_jax.cli.train", "add_sft_args", "sft_main", "supervised warm start only; writes <run_dir>/sft_model"),
+    "compare": ("ict_jax.cli.compare", "add_compare_args", "compare_main", "every method x seed from one warm start: table + plots"),
+    "inspect": ("ict_jax.cli.inspect", "add_inspect_args", "inspect_main", "HTML page of a group's tokens: JS/H1/H2, ICT/entropy/STAPO masks"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ict-jax", description="RLVR on Qwen2.5 in JAX: ICT and its baselines (GRPO, 20-Entropy, STAPO, random).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, add_fn, _main, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        getattr(importlib.import_module(module), add_fn)(p)
+    return parser
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    # ValueError covers the library's input checks (mesh shapes, configs, checkpoints); set
+    # ICT_JAX_DEBUG=1 to get the traceback instead.
+    types: list[type[BaseException]] = [UserError, ConfigError, FileNotFoundError, FileExistsError, ValueError]
+    for module, name in (("ict_jax.data.example", "DataError"), ("ict_jax.model.weights", "WeightError")):
+        try:
+            types.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    # KEY=VALUE overrides may come anywhere, also after options (argparse alone stops at the first option)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = list(args.overrides or []) + extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not args.command:
+        parser.print_help()
+        return 2
+    module, _add, main_fn, _help = COMMANDS[args.command]
+    fn: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), main_fn)
+    if os.environ.get("ICT_JAX_DEBUG"):
+        return int(fn(args) or 0)
+    try:
+        return int(fn(args) or 0)
+    except _user_error_types() as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"ict-jax {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ict-jax {args.command}: interrupted", file=sys.stderr)
+        return 130

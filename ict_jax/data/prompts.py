@@ -1,0 +1,175 @@
+"""Tokenised prompts and fixed-shape prompt batches.
+
+    enc = encode_prompts(ds, tokenizer, template="qwen_chat", max_prompt_len=512)
+    it = PromptIterator(enc, batch_size=8, seed=0)                      # endless, reshuffled each epoch
+    batch = next(it)          # PromptBatch: ids/mask [B, L] int32 left-padded, L a length bucket
+    state = it.state_dict()   # {"epoch", "position", "seed"} -> it.load_state_dict(state) on resume
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ict_jax.data.datasets import Dataset
+from ict_jax.data.example import Example
+from ict_jax.data.templates import BOXED_INSTRUCTION, MC_INSTRUCTION, format_prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EncodedPrompts:
+    """Token ids of a dataset's prompts (over-long ones dropped and counted)."""
+
+    name: str
+    scorer: str
+    examples: list[Example]
+    ids: list[np.ndarray]  # int32, one per kept example
+    texts: list[str]  # the templated prompt texts
+    pad_id: int
+    max_prompt_len: int
+    dropped: int  # prompts longer than max_prompt_len
+    dropped_indices: list[int]  # their positions in the dataset
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+def encode_prompts(dataset: Dataset, tokenizer: Any, *, template: str = "qwen_chat", max_prompt_len: int = 512,
+                   instruction: str | None = None) -> EncodedPrompts:
+    """Template and tokenise every example. Prompts longer than ``max_prompt_len`` tokens are dropped
+    (never truncated) and counted in ``dropped`` (and logged). ``instruction`` defaults to
+    ``MC_INSTRUCTION`` for multiple choice and ``BOXED_INSTRUCTION`` otherwise."""
+    if max_prompt_len < 1:
+        raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
+    if instruction is None:
+        instruction = MC_INSTRUCTION if dataset.scorer == "mc" else BOXED_INSTRUCTION
+    examples, ids, texts, dropped = [], [], [], []
+    for i, ex in enumerate(dataset):
+        text = format_prompt(ex.prompt, template, tokenizer, instruction=instruction)
+        tok = np.asarray(tokenizer.encode(text), dtype=np.int32)
+        if len(tok) > max_prompt_len or len(tok) == 0:
+            dropped.append(i)
+            continue
+        examples.append(ex)
+        ids.append(tok)
+        texts.append(text)
+    if dropped:
+        log.warning("%s: dropped %d of %d prompts longer than max_prompt_len=%d tokens", dataset.name,
+                    len(dropped), len(dataset), max_prompt_len)
+    return EncodedPrompts(dataset.name, dataset.scorer, examples, ids, texts, int(tokenizer.pad_id),
+                          max_prompt_len, len(dropped), dropped)
+
+
+def make_buckets(max_len: int, smallest: int = 32) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` below ``max_len``, then ``max_len``: one compiled shape each."""
+    buckets, b = [], smallest
+    while b < max_len:
+        buckets.append(b)
+        b *= 2
+    return (*buckets, max_len)
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+    for b in sorted(buckets):
+        if length <= b:
+            return b
+    raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}")
+
+
+def pad_left(seqs: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``ids, mask`` of shape ``[B, length]`` int32: each sequence right-aligned, ``mask`` 1 on tokens."""
+    ids = np.full((len(seqs), length), pad_id, dtype=np.int32)
+    mask = np.zeros((len(seqs), length), dtype=np.int32)
+    for r, s in enumerate(seqs):
+        if len(s) > length:
+            raise ValueError(f"sequence of length {len(s)} does not fit in {length}")
+        if len(s):
+            ids[r, length - len(s):] = s
+            mask[r, length - len(s):] = 1
+    return ids, mask
+
+
+@dataclass
+class PromptBatch:
+    """``ids``/``mask`` ``[B, L]`` int32, left-padded, ``L`` a bucket; ``valid[b]`` False for filler rows
+    (copies of the last real row that complete the final batch of a pass); ``examples[b]`` the
+    Example of row b (filler rows repeat it); ``indices[b]`` its position in the EncodedPrompts."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    valid: np.ndarray
+    examples: list[Example]
+    indices: np.ndarray
+    epoch: int
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+
+class PromptIterator:
+    """Batches of ``batch_size`` prompts, shuffled per epoch by ``default_rng([seed, epoch])``.
+
+    ``epochs=None`` repeats forever (training); ``drop_last=True`` skips an epoch's incomplete tail,
+    ``False`` fills it with ``valid=False`` rows (evaluation: ``shuffle=False, epochs=1,
+    drop_last=False``). ``state_dict()`` / ``load_state_dict()`` save and restore the position.
+    """
+
+    def __init__(self, prompts: EncodedPrompts, batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 epochs: int | None = None, drop_last: bool = True, buckets: Sequence[int] | None = None):
+        n = len(prompts)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if n == 0 or (drop_last and n < batch_size):
+            raise ValueError(f"{prompts.name}: {n} prompts cannot fill a batch of {batch_size}")
+        self.prompts, self.batch_size, self.seed = prompts, batch_size, seed
+        self.shuffle, self.epochs, self.drop_last = shuffle, epochs, drop_last
+        self.buckets = tuple(buckets) if buckets is not None else make_buckets(prompts.max_prompt_len)
+        if max(self.buckets) < prompts.max_prompt_len:
+            raise ValueError(f"largest bucket {max(self.buckets)} < max_prompt_len {prompts.max_prompt_len}")
+        self.epoch, self.position = 0, 0
+        self._cached_order: tuple[int, np.ndarray] = (-1, np.arange(0))
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._cached_order[0] != epoch:
+            n = len(self.prompts)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._cached_order = (epoch, order)
+        return self._cached_order[1]
+
+    def __iter__(self) -> PromptIterator:
+        return self
+
+    def __next__(self) -> PromptBatch:
+        n, bs = len(self.prompts), self.batch_size
+        if self.position >= n or (self.drop_last and self.position + bs > n):
+            self.epoch, self.position = self.epoch + 1, 0
+        if self.epochs is not None and self.epoch >= self.epochs:
+            raise StopIteration
+        idx = self._order(self.epoch)[self.position:self.position + bs]
+        self.position += len(idx)
+        valid = np.ones(bs, dtype=bool)
+        if len(idx) < bs:
+            valid[len(idx):] = False
+            idx = np.concatenate([idx, np.full(bs - len(idx), idx[-1])])
+        seqs = [self.prompts.ids[i] for i in idx]
+        length = bucket_for(max(len(s) for s in seqs), self.buckets)
+        ids, mask = pad_left(seqs, length, self.prompts.pad_id)
+        return PromptBatch(ids, mask, valid, [self.prompts.examples[i] for i in idx], idx.astype(np.int64),
+                           self.epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.prompts)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("size", len(self.prompts)) != len(self.prompts) or state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"data state {state} is for a different dataset or seed "
+                             f"(size {len(self.prompts)}, seed {self.seed})")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+

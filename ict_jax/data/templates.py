@@ -1,0 +1,47 @@
+"""Prompt templates: the text the model sees for a question (chat template, plain base-model form, or
+as is) and the instruction that asks for a checkable final answer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ict_jax.data.datasets import Dataset
+from ict_jax.data.tokenizers import QWEN2P5_CHAT_TEMPLATE, HFTokenizer, render_chat_template
+
+TEMPLATES = ("qwen_chat", "plain", "none")
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+MC_INSTRUCTION = "Please reason step by step, and put the letter of the correct option within \\boxed{}."
+
+
+def format_prompt(question: str, template: str = "qwen_chat", tokenizer: Any = None, *,
+                  instruction: str = BOXED_INSTRUCTION) -> str:
+    """The text the model sees.
+
+    ``qwen_chat``: one user turn ``"{question}\\n{instruction}"`` through the tokenizer's chat template
+    (Qwen2.5's ``QWEN2P5_CHAT_TEMPLATE`` when the tokenizer has none, or no tokenizer is given), with
+    the generation prompt. ``plain`` (base models): ``"Question: {question}\\n{instruction}\\nAnswer:"``.
+    ``none``: the question as is.
+    """
+    if template == "none":
+        return question
+    if template == "plain":
+        return f"Question: {question}\n{instruction}\nAnswer:"
+    if template == "qwen_chat":
+        messages = [{"role": "user", "content": f"{question}\n{instruction}"}]
+        if tokenizer is None or isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template is None:
+            return render_chat_template(QWEN2P5_CHAT_TEMPLATE, messages)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
+
+
+def template_dataset(dataset: Any, tokenizer: Any, template: str = "qwen_chat") -> Any:
+    """A copy of ``dataset`` (a :class:`~ict_jax.data.datasets.Dataset`) whose prompts are the full templated texts,
+    with the instruction that fits its scorer (``MC_INSTRUCTION`` for multiple choice, else
+    ``BOXED_INSTRUCTION``, as :func:`ict_jax.data.prompts.encode_prompts` does). Use with a generator built with
+    ``template="none"`` when benchmarks of several kinds share one generator (``ict-jax eval``)."""
+    instruction = MC_INSTRUCTION if dataset.scorer == "mc" else BOXED_INSTRUCTION
+    examples = [dataclasses.replace(ex, prompt=format_prompt(ex.prompt, template, tokenizer, instruction=instruction))
+                for ex in dataset]
+    return Dataset(dataset.name, examples, dataset.scorer, dataset.split)
+

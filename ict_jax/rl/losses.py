@@ -1,0 +1,324 @@
+"""GRPO advantages and the one policy loss every method shares (docs/method.md §3, §4, §5).
+
+Pure float32 functions, no model and no state, so the train step, a notebook or a test can call them
+alone. The method (dense, ict, entropy, stapo, random) only changes the token mask ``M``; this module
+never looks at which method made it.
+
+Shapes: ``B`` rows (responses, prompt-major: row = p*G + j), ``T`` response positions
+(``max_new_tokens``), ``P`` prompts, ``G`` rollouts per prompt.
+
+Micro-batching. Every denominator the loss divides by (the number of real responses ``R`` and the
+mini-batch token counts) is gathered in a :class:`LossDenominators` pytree of float32 scalars. Computed
+once over the whole mini-batch with :func:`loss_denominators` and passed to :func:`policy_loss` for each
+micro-batch, the micro-batch losses, gradients and metrics are partial sums: summed over the
+micro-batches they equal the values of the whole mini-batch. Rows (responses) are never split, so the
+per-row denominators of ``seq-mean-token-mean`` are always computed locally.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from ict_jax.config import LossSection
+
+__all__ = [
+    "LossDenominators",
+    "clipped_surrogate",
+    "group_advantages",
+    "k3_kl",
+    "loss_denominators",
+    "policy_loss",
+    "zero_std_groups",
+]
+
+F32 = jnp.float32
+LOG_RATIO_CLAMP = 20.0  # docs/method.md §4: log r and the k3 log difference are clamped to [-20, 20]
+K3_CLAMP = 10.0  # docs/method.md §4: k3 is clamped to [-10, 10]
+
+# Bool or 0/1 float arrays are both accepted for masks.
+Mask = Bool[Array, "B T"] | Float[Array, "B T"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Advantages (docs/method.md §3)
+# --------------------------------------------------------------------------------------------------
+def _grouped(rewards: Array, group_size: int, row_valid: Array | None) -> tuple[Array, Array, Array]:
+    if group_size < 1 or rewards.ndim != 1 or rewards.shape[0] % group_size:
+        raise ValueError(f"rewards of shape {rewards.shape} cannot be split into groups of {group_size}")
+    r_PG = rewards.astype(F32).reshape(-1, group_size)
+    if row_valid is None:
+        v_PG = jnp.ones(r_PG.shape, bool)
+    else:
+        v_PG = (jnp.asarray(row_valid) > 0).reshape(r_PG.shape)
+    n_P = v_PG.sum(-1).astype(F32)
+    return r_PG, v_PG, n_P
+
+
+def _all_equal(r_PG: Array, v_PG: Array) -> Array:
+    """max == min over a group's real rows, tested directly (never through a small std)."""
+    hi = jnp.where(v_PG, r_PG, -jnp.inf).max(-1)
+    lo = jnp.where(v_PG, r_PG, jnp.inf).min(-1)
+    return hi == lo
+
+
+def zero_std_groups(
+    rewards: Float[Array, "B"], group_size: int, row_valid: Bool[Array, "B"] | None = None
+) -> Bool[Array, "P"]:
+    """True for groups with at least two real rows whose rewards are all equal (max == min).
+
+    Their advantages are exactly 0 (docs/method.md §3). ``mean`` of this is docs/method.md §5's
+    ``adv/zero_std_group_frac``; DAPO's ``drop_zero_std_groups`` drops these groups.
+    """
+    r_PG, v_PG, n_P = _grouped(rewards, group_size, row_valid)
+    return (n_P >= 2) & _all_equal(r_PG, v_PG)
+
+
+def group_advantages(
+    rewards: Float[Array, "B"],
+    group_size: int,
+    scale_rewards: str = "group",
+    eps: float = 1e-6,
+    row_valid: Bool[Array, "B"] | None = None,
+) -> Float[Array, "B"]:
+    """Outcome advantages A_i, one per response, float32 (docs/method.md §3).
+
+    Rows are prompt-major: ``rewards.reshape(P, group_size)``. With ``n_g`` real rows in group g::
+
+        group (default): A_i = (R_i - mean_g R) / (std_g R + eps)
+        batch:           A_i = (R_i - mean_g R) / (std_batch R + eps)
+        none (Dr.GRPO):  A_i =  R_i - mean_g R
+
+    Standard deviations are unbiased (ddof 1); ``std_batch`` is over every real reward of the batch (1
+    when there are fewer than two). Special groups:
+
+    - all rewards equal (``max == min`` over its real rows, tested directly; n_g >= 2): A = 0 exactly,
+      in every mode;
+    - a group of one real row (``group_size == 1``, or one real row left by ``row_valid``): verl's
+      convention mean 0 and std 1 in every mode, so A = R / (1 + eps) (``none``: A = R);
+    - no real row: A = 0.
+
+    ``row_valid`` (optional, bool[B]) marks real rows; padding rows of a bucketed batch (False) are
+    left out of every mean, std and max/min, and get A = 0. ``None`` means all rows are real.
+    """
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards: {scale_rewards!r} is not one of 'group', 'batch', 'none'")
+    r_PG, v_PG, n_P = _grouped(rewards, group_size, row_valid)
+    n_P1 = n_P[:, None]
+    mean_P1 = jnp.where(v_PG, r_PG, 0.0).sum(-1, keepdims=True) / jnp.maximum(n_P1, 1.0)
+    if scale_rewards == "group":
+        sq = jnp.where(v_PG, jnp.square(r_PG - mean_P1), 0.0).sum(-1, keepdims=True)
+        std_P1 = jnp.sqrt(sq / jnp.maximum(n_P1 - 1.0, 1.0))
+    elif scale_rewards == "batch":
+        n = v_PG.sum().astype(F32)
+        mu = jnp.where(v_PG, r_PG, 0.0).sum() / jnp.maximum(n, 1.0)
+        sq = jnp.where(v_PG, jnp.square(r_PG - mu), 0.0).sum()
+        std_P1 = jnp.where(n >= 2, jnp.sqrt(sq / jnp.maximum(n - 1.0, 1.0)), 1.0) * jnp.ones_like(mean_P1)
+    else:
+        std_P1 = jnp.ones_like(mean_P1)
+    one = n_P1 == 1  # a group of one: mean 0, std 1 (verl)
+    mean_P1 = jnp.where(one, 0.0, mean_P1)
+    centered = r_PG - mean_P1
+    if scale_rewards == "none":
+        adv_PG = centered
+    else:
+        adv_PG = centered / (jnp.where(one, 1.0, std_P1) + eps)
+    zero = (~v_PG) | (n_P1 == 0) | ((n_P1 >= 2) & _all_equal(r_PG, v_PG)[:, None])
+    return jnp.where(zero, 0.0, adv_PG).reshape(-1).astype(F32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-token terms (docs/method.md §4)
+# --------------------------------------------------------------------------------------------------
+def k3_kl(logp: Float[Array, "*S"], logp_ref: Float[Array, "*S"]) -> Float[Array, "*S"]:
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref), per token (docs/method.md §4)::
+
+        d  = clamp(logp_ref - logp, -20, 20)
+        k3 = clamp(exp(d) - d - 1, -10, 10)
+
+    Unbiased for the KL under samples from pi_theta, always >= 0, and differentiable wrt ``logp``.
+    """
+    d = jnp.clip(logp_ref.astype(F32) - logp.astype(F32), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return jnp.clip(jnp.exp(d) - d - 1.0, -K3_CLAMP, K3_CLAMP)
+
+
+def clipped_surrogate(
+    logp: Float[Array, "B T"],
+    logp_old: Float[Array, "B T"],
+    adv: Float[Array, "B"] | Float[Array, "B T"],
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """The PPO/GRPO clipped objective per token (to be maximised) and the ratio (docs/method.md §4)::
+
+        r    = exp(clamp(logp - logp_old, -20, 20))
+        surr = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)           (clip-higher: eps_high > eps_low)
+        surr = max(surr, dual_clip_c A)   where A < 0, if dual_clip_c is not None   (dual clip)
+
+    ``adv`` is per response ``[B]`` (broadcast over T) or per token ``[B, T]``.
+    Returns ``(surr, r)``, both float32 ``[B, T]``.
+    """
+    logp, logp_old = logp.astype(F32), logp_old.astype(F32)
+    adv = adv.astype(F32)
+    if adv.ndim == logp.ndim - 1:
+        adv = adv[..., None]
+    ratio = jnp.exp(jnp.clip(logp - logp_old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    surr = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv)
+    if dual_clip_c is not None:
+        surr = jnp.where(adv < 0, jnp.maximum(surr, dual_clip_c * adv), surr)
+    return surr, jnp.broadcast_to(ratio, surr.shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# Aggregation (docs/method.md §4) and the loss
+# --------------------------------------------------------------------------------------------------
+class LossDenominators(NamedTuple):
+    """Mini-batch-wide denominators of :func:`policy_loss` (float32 scalars; a pytree).
+
+    Compute them once over the whole mini-batch (:func:`loss_denominators`) and pass them to
+    :func:`policy_loss` for every micro-batch: the loss, its gradient and every metric then become
+    partial sums over the micro-batches.
+    """
+
+    num_responses: Float[Array, ""]  # R: rows with at least one valid token
+    pg_tokens: Float[Array, ""]  # sum of d_pg (token-mean denominator of the policy term)
+    kl_tokens: Float[Array, ""]  # sum of d_kl (token-mean denominator of the KL term)
+    valid_tokens: Float[Array, ""]  # sum of valid
+    selected_tokens: Float[Array, ""]  # sum of M (M <= valid)
+
+
+def _weights(valid: Mask, mask: Mask, config: LossSection) -> tuple[Array, Array, Array, Array, Array]:
+    """(valid, selected, w_kl, d_pg, d_kl) as bool [B, T]; M is intersected with valid (M <= valid)."""
+    valid_b = jnp.asarray(valid) > 0
+    sel_b = (jnp.asarray(mask) > 0) & valid_b
+    wkl_b = sel_b if config.kl_masked else valid_b
+    selected = config.normalize_over == "selected"
+    dpg_b = sel_b if selected else valid_b
+    dkl_b = wkl_b if selected else valid_b
+    return valid_b, sel_b, wkl_b, dpg_b, dkl_b
+
+
+def loss_denominators(valid: Mask, mask: Mask, config: LossSection) -> LossDenominators:
+    """The :class:`LossDenominators` of a (mini-)batch, docs/method.md §4::
+
+        R = #{i : sum_t valid[i,t] > 0},  pg_tokens = sum d_pg,  kl_tokens = sum d_kl
+        d_pg = M if normalize_over == 'selected' else valid
+        d_kl = w_kl if normalize_over == 'selected' else valid,   w_kl = M if kl_masked else valid
+    """
+    valid_b, sel_b, _, dpg_b, dkl_b = _weights(valid, mask, config)
+    return LossDenominators(
+        num_responses=valid_b.any(-1).sum().astype(F32),
+        pg_tokens=dpg_b.sum().astype(F32),
+        kl_tokens=dkl_b.sum().astype(F32),
+        valid_tokens=valid_b.sum().astype(F32),
+        selected_tokens=sel_b.sum().astype(F32),
+    )
+
+
+def _aggregate(x: Array, w_b: Array, d_b: Array, tokens: Array, num_responses: Array, loss_agg: str) -> Array:
+    """AGG(x, w, d) of docs/method.md §4 with mini-batch-wide ``tokens`` = sum d and ``num_responses`` = R."""
+    xw = jnp.where(w_b, x, 0.0)  # never w * x: an inf or NaN times 0 would poison the gradient
+    r = jnp.maximum(num_responses, 1.0)
+    if loss_agg == "seq-mean-token-mean":
+        per_row = xw.sum(-1) / jnp.maximum(d_b.sum(-1).astype(F32), 1.0)
+        return per_row.sum() / r
+    if loss_agg == "token-mean":
+        return xw.sum() / jnp.maximum(tokens, 1.0)
+    if loss_agg == "seq-mean-token-sum-norm":
+        return xw.sum() / (r * x.shape[-1])
+    raise ValueError(f"loss_agg: {loss_agg!r} is not a known aggregation")
+
+
+def policy_loss(
+    logp: Float[Array, "B T"],
+    logp_old: Float[Array, "B T"],
+    logp_ref: Float[Array, "B T"] | None,
+    adv: Float[Array, "B"],
+    valid: Mask,
+    mask: Mask,
+    *,
+    config: LossSection,
+    denoms: LossDenominators | None = None,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """The loss of docs/method.md §4, one for every method (the method only changes ``mask`` = M)::
+
+        loss = -AGG(surr, w_pg, d_pg) + kl_coef * AGG(k3, w_kl, d_kl)
+        w_pg = M;  w_kl = M if kl_masked else valid
+        d_pg = M if normalize_over == 'selected' else valid;  d_kl = w_kl if 'selected' else valid
+
+    with ``surr`` from :func:`clipped_surrogate` (``adv`` broadcast over T) and ``k3`` from
+    :func:`k3_kl`. AGG over the mini-batch, ``i`` over its R real responses (rows with a valid token):
+
+        seq-mean-token-mean       (1/R) sum_i [ sum_t w x / max(1, sum_t d) ]     (default, ICT Eq. 11)
+        token-mean                sum w x / max(1, sum d)                          (DAPO, STAPO)
+        seq-mean-token-sum-norm   sum w x / (R * T)        T = max_new_tokens = logp.shape[-1] (Dr.GRPO)
+
+    (1/R reads 1/max(1, R).) Weights are applied as ``where(w > 0, x, 0)`` and the inputs of every
+    masked-out token are replaced by 0 before use, so NaN or inf log-probs at padding never reach the
+    value or the gradient: tokens with M = 0 get exactly zero policy gradient, and exactly zero total
+    gradient when ``kl_masked`` or ``kl_coef == 0``.
+
+    ``logp_ref`` may be None when ``config.kl_coef == 0`` (the KL metrics are then 0). ``denoms``: the
+    mini-batch :class:`LossDenominators` when this call sees one micro-batch of it; None computes them
+    from the given arrays. With denoms supplied the loss and every metric are additive over
+    micro-batches.
+
+    Returns ``(loss, metrics)``; metrics (float32 device scalars, docs/method.md §5 names, stop-gradient):
+    ``loss/policy`` (= -AGG(surr, ...)), ``loss/kl`` (= AGG(k3, ...), without kl_coef),
+    ``kl/valid_mean`` (mean k3 over valid tokens, comparable across methods), ``clip/frac_selected``,
+    ``clip/frac_unselected`` (clipped = (A > 0 and r > 1 + eps_high) or (A < 0 and r < 1 - eps_low),
+    over selected / valid-but-unselected tokens) and ``mask/selected_frac`` (sum M / sum valid).
+    """
+    if logp_ref is None and config.kl_coef != 0:
+        raise ValueError("policy_loss: logp_ref is required when kl_coef != 0")
+    if denoms is None:
+        denoms = loss_denominators(valid, mask, config)
+    valid_b, sel_b, wkl_b, dpg_b, dkl_b = _weights(valid, mask, config)
+    logp, logp_old = logp.astype(F32), logp_old.astype(F32)
+    adv_BT = jnp.broadcast_to(adv.astype(F32)[:, None], logp.shape)
+    clip_kw = dict(eps_low=config.eps_low, eps_high=config.eps_high, dual_clip_c=config.dual_clip_c)
+    agg = config.loss_agg
+
+    # Policy term: every input of an unselected token is zeroed first (double where), so its
+    # gradient is exactly 0 whatever logp holds there.
+    surr, _ = clipped_surrogate(jnp.where(sel_b, logp, 0.0), jnp.where(sel_b, logp_old, 0.0),
+                                jnp.where(sel_b, adv_BT, 0.0), **clip_kw)
+    pg = -_aggregate(surr, sel_b, dpg_b, denoms.pg_tokens, denoms.num_responses, agg)
+    loss = pg
+
+    kl = jnp.zeros((), F32)
+    kl_valid_sum = jnp.zeros((), F32)
+    if logp_ref is not None:
+        logp_ref = logp_ref.astype(F32)
+        k3 = k3_kl(jnp.where(wkl_b, logp, 0.0), jnp.where(wkl_b, logp_ref, 0.0))
+        kl = _aggregate(k3, wkl_b, dkl_b, denoms.kl_tokens, denoms.num_responses, agg)
+        if config.kl_coef != 0:
+            loss = loss + config.kl_coef * kl
+        sg = jax.lax.stop_gradient
+        k3_valid = k3_kl(jnp.where(valid_b, sg(logp), 0.0), jnp.where(valid_b, logp_ref, 0.0))
+        kl_valid_sum = jnp.where(valid_b, k3_valid, 0.0).sum()
+
+    # Diagnostics over every valid token (stop-gradient).
+    lp_v = jax.lax.stop_gradient(jnp.where(valid_b, logp, 0.0))
+    _, ratio = clipped_surrogate(lp_v, jnp.where(valid_b, logp_old, 0.0), adv_BT, **clip_kw)
+    clipped = valid_b & (((adv_BT > 0) & (ratio > 1.0 + config.eps_high))
+                         | ((adv_BT < 0) & (ratio < 1.0 - config.eps_low)))
+    unselected = denoms.valid_tokens - denoms.selected_tokens
+
+    def frac(num: Array, den: Array) -> Array:
+        return num.astype(F32) / jnp.maximum(den, 1.0)
+
+    metrics = {
+        "loss/policy": pg,
+        "loss/kl": kl,
+        "kl/valid_mean": frac(kl_valid_sum, denoms.valid_tokens),
+        "clip/frac_selected": frac((clipped & sel_b).sum(), denoms.selected_tokens),
+        "clip/frac_unselected": frac((clipped & ~sel_b).sum(), unselected),
+        "mask/selected_frac": frac(sel_b.sum(), denoms.valid_tokens),
+    }
+    return loss, jax.lax.stop_gradient(metrics)

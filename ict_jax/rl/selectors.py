@@ -1,0 +1,250 @@
+"""Token selectors of docs/method.md §2: scores in, mask out.
+
+Every mask is float32 ``[B, T]`` with values in {0., 1.} and ``M <= valid`` (the loss applies it as
+``jnp.where(M > 0, x, 0)``). Rows are P prompts x G rollouts, prompt-major (row = p*G + j).
+
+Counting (docs/method.md §2): a candidate set with n valid positions keeps k = 0 if n = 0, else
+k = max(1, ceil(rho n)), computed in integers from rho = a/b (``config.rho_fraction``). Candidates are
+ranked by a stable descending sort of the score with invalid positions last, ties to the lower flat
+index (row-major over the global [P*G, T] batch); positions of rank < k are kept. Candidate sets by
+scope: ``sequence`` = one response (row), ``group`` = the G responses of a prompt, ``batch`` = the
+whole mini-batch. The functions take the global arrays: under ``jit`` with a sharded batch XLA inserts
+the collectives, so the mask is the one a single device computes.
+"""
+
+from __future__ import annotations
+
+import fractions
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int, Key
+
+from ict_jax.config import SelectorSection, rho_fraction
+from ict_jax.rl.token_stats import TokenStats
+
+#: RNG stream of the random selector: scores from fold_in(fold_in(root, RANDOM_MASK_STREAM), step).
+RANDOM_MASK_STREAM = 0x4D41534B  # "MASK"
+
+Mask = Float[Array, "B T"]
+Valid = Float[Array, "B T"] | Bool[Array, "B T"]
+_SCOPES = ("sequence", "group", "batch")
+
+
+def _as_bool(valid) -> jax.Array:
+    return jnp.asarray(valid) > 0
+
+
+def _count_k(n: jax.Array, a: int, b: int) -> jax.Array:
+    """k = 0 if n = 0 else max(1, ceil(a n / b)), exact in int32 (a n could overflow, so split
+    n = q b + r: ceil(a n / b) = a q + ceil(a r / b), with a r < b^2 <= 1e8)."""
+    n = n.astype(jnp.int32)
+    q, r = n // b, n % b
+    k = a * q + (a * r + b - 1) // b
+    return jnp.where(n > 0, jnp.minimum(jnp.maximum(k, 1), n), 0)
+
+
+def _sets(x: jax.Array, scope: str, group_size: int | None) -> jax.Array:
+    """Reshape ``[B, T]`` into candidate sets ``[S, L]`` (row-major order kept, so a lower position
+    within a set is a lower global flat index)."""
+    B, T = x.shape
+    if scope == "sequence":
+        return x
+    if scope == "batch":
+        return x.reshape(1, B * T)
+    if scope == "group":
+        if group_size is None or group_size < 1 or B % group_size:
+            raise ValueError(f"scope 'group' needs a group_size that divides B={B}; got {group_size}")
+        return x.reshape(B // group_size, group_size * T)
+    raise ValueError(f"scope: {scope!r}; allowed: {list(_SCOPES)}")
+
+
+def topk_mask(
+    score: Float[Array, "B T"], valid: Valid, *, rho: float, scope: str, group_size: int | None = None
+) -> Mask:
+    """Keep the top ``k = max(1, ceil(rho n))`` valid positions of each candidate set (docs/method.md §2).
+
+    Stable sort on the keys (invalid, -score): invalid last, descending score, ties to the lower flat
+    index; rank r < k is kept. ``-0.0`` and ``0.0`` compare equal. Returns float32 {0, 1}.
+    """
+    a, b = rho_fraction(rho)
+    shape = score.shape
+    valid = _as_bool(valid)
+    s = _sets(jnp.asarray(score, jnp.float32), scope, group_size)
+    v = _sets(valid, scope, group_size)
+    S, L = s.shape
+    k = _count_k(jnp.sum(v, axis=1), a, b)  # [S]
+    idx = lax.broadcasted_iota(jnp.int32, (S, L), 1)
+    # sorted position r holds flat index perm[r]; keep if r < k
+    _, _, perm = lax.sort((jnp.where(v, 0, 1).astype(jnp.int32), -s, idx), dimension=1,
+                          is_stable=True, num_keys=2)
+    keep_sorted = idx < k[:, None]
+    # scatter back: sort (perm, keep) by perm
+    _, keep = lax.sort((perm, keep_sorted), dimension=1, is_stable=True, num_keys=1)
+    return (keep & v).reshape(shape).astype(jnp.float32)
+
+
+def dense_mask(valid: Valid) -> Mask:
+    """GRPO: M = valid (docs/method.md §2)."""
+    return _as_bool(valid).astype(jnp.float32)
+
+
+def ict_mask(
+    js: Float[Array, "B T"], valid: Valid, *, group_size: int | None = None, rho: float = 0.1,
+    scope: str = "sequence",
+) -> Mask:
+    """ICT: the top-rho fraction of valid tokens by u = JS(p || Pbar) (docs/method.md §1-2), per ``scope``."""
+    return topk_mask(js, valid, rho=rho, scope=scope, group_size=group_size)
+
+
+def entropy_mask(
+    H1: Float[Array, "B T"], valid: Valid, *, group_size: int | None = None, rho: float = 0.2,
+    scope: str = "batch",
+) -> Mask:
+    """20-Entropy: the top-rho fraction of valid tokens by Shannon entropy H1, global over the
+    mini-batch by default (docs/method.md §2)."""
+    return topk_mask(H1, valid, rho=rho, scope=scope, group_size=group_size)
+
+
+def random_mask(
+    key: Key[Array, ""] | jax.Array, valid: Valid, *, group_size: int | None = None, rho: float = 0.1,
+    scope: str = "sequence",
+) -> Mask:
+    """Control: ict's counts with Uniform[0, 1) scores drawn from ``key`` (docs/method.md §2). :func:`select`
+    passes ``fold_in(fold_in(root_key, RANDOM_MASK_STREAM), step)``."""
+    valid = _as_bool(valid)
+    u = jax.random.uniform(key, valid.shape, jnp.float32)
+    return topk_mask(u, valid, rho=rho, scope=scope, group_size=group_size)
+
+
+def _fraction(x: float) -> tuple[int, int]:
+    f = fractions.Fraction(x).limit_denominator(10_000)
+    return f.numerator, f.denominator
+
+
+def stapo_quantile(H1: Float[Array, "B T"], valid: Valid, tau_h: float) -> Float[Array, ""]:
+    """The ``tau_h`` quantile of H1 over the n valid tokens: sort them, linear interpolation at
+    position (n-1) tau_h (NumPy's 'linear' method); the position is split exactly in integers from
+    tau_h = a/b. Returns +inf when n = 0 (nothing is valid then, so nothing is silenced)."""
+    valid = _as_bool(valid).reshape(-1)
+    s = jnp.sort(jnp.where(valid, jnp.asarray(H1, jnp.float32).reshape(-1), jnp.inf))
+    n = jnp.sum(valid, dtype=jnp.int32)
+    a, b = _fraction(tau_h)
+    m = jnp.maximum(n - 1, 0)
+    q, r = m // b, m % b
+    lo = q * a + (r * a) // b
+    frac = ((r * a) % b).astype(jnp.float32) / b
+    hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
+    slo, shi = s[lo], s[hi]
+    val = jnp.where(frac > 0, slo + frac * (shi - slo), slo)
+    return jnp.where(n > 0, val, jnp.inf)
+
+
+def stapo_mask(
+    logp: Float[Array, "B T"], H1: Float[Array, "B T"], adv: Float[Array, "B"] | Float[Array, "B T"],
+    valid: Valid, *, tau_p: float = 0.002, tau_h: float = 0.8,
+) -> Mask:
+    """STAPO: M = valid and not silenced; (i, t) is silenced when A_i > 0 and p(o_t) < tau_p and
+    H1 < q, q the tau_h quantile of H1 over the valid tokens of the mini-batch (strict '<');
+    n = 0 silences nothing (docs/method.md §2)."""
+    valid = _as_bool(valid)
+    adv = jnp.asarray(adv, jnp.float32)
+    adv = adv[:, None] if adv.ndim == 1 else adv
+    q = stapo_quantile(H1, valid, tau_h)
+    silenced = (adv > 0) & (jnp.exp(jnp.asarray(logp, jnp.float32)) < tau_p) & (H1 < q)
+    return (valid & ~silenced).astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry and the entry point
+# --------------------------------------------------------------------------------------------------
+class SelectorFn(Protocol):
+    def __call__(self, stats: TokenStats, adv: jax.Array, valid: jax.Array, *, key: jax.Array,
+                 step: Any, config: SelectorSection, group_size: int | None) -> jax.Array: ...
+
+
+_REGISTRY: dict[str, tuple[SelectorFn, bool]] = {}
+
+
+def register_selector(name: str, fn: SelectorFn, *, warmup: bool = False, overwrite: bool = False) -> None:
+    """Register ``fn(stats, adv, valid, *, key, step, config, group_size) -> mask [B, T]`` under
+    ``name`` for :func:`select`. ``key`` is the root key (derive a stream with ``fold_in``); with
+    ``warmup=True``, :func:`select` returns M = valid while ``step < config.warmup_steps``."""
+    if name in _REGISTRY and not overwrite:
+        raise ValueError(f"selector {name!r} is already registered (pass overwrite=True to replace it)")
+    _REGISTRY[name] = (fn, warmup)
+
+
+def registered_selectors() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def _need(stats: TokenStats, field: str, method: str) -> jax.Array:
+    x = getattr(stats, field)
+    if x is None:
+        raise ValueError(f"selector {method!r} needs stats.{field}; compute it in the statistics pass")
+    return x
+
+
+def _dense(stats, adv, valid, *, key, step, config, group_size):
+    return dense_mask(valid)
+
+
+def _ict(stats, adv, valid, *, key, step, config, group_size):
+    return ict_mask(_need(stats, "js", "ict"), valid, group_size=group_size, rho=config.resolved_rho,
+                    scope=config.resolved_scope)
+
+
+def _entropy(stats, adv, valid, *, key, step, config, group_size):
+    return entropy_mask(_need(stats, "H1", "entropy"), valid, group_size=group_size,
+                        rho=config.resolved_rho, scope=config.resolved_scope)
+
+
+def _stapo(stats, adv, valid, *, key, step, config, group_size):
+    return stapo_mask(_need(stats, "logp", "stapo"), _need(stats, "H1", "stapo"), adv, valid,
+                      tau_p=config.tau_p, tau_h=config.tau_h)
+
+
+def _random(stats, adv, valid, *, key, step, config, group_size):
+    k = jax.random.fold_in(jax.random.fold_in(key, RANDOM_MASK_STREAM), step)
+    return random_mask(k, valid, group_size=group_size, rho=config.resolved_rho, scope=config.resolved_scope)
+
+
+register_selector("dense", _dense)
+register_selector("ict", _ict, warmup=True)
+register_selector("entropy", _entropy)
+register_selector("stapo", _stapo)
+register_selector("random", _random, warmup=True)
+
+
+def select(
+    method: str,
+    stats: TokenStats,
+    adv: Float[Array, "B"] | Float[Array, "B T"],
+    valid: Valid,
+    *,
+    key: jax.Array,
+    step: Int[Array, ""] | int,
+    config: SelectorSection,
+    group_size: int | None = None,
+) -> Mask:
+    """The train step's one entry point: the mask of ``method`` (``'grpo'`` = ``'dense'``) (docs/method.md §2).
+
+    ``key`` is the run's root key (``random`` derives fold_in(fold_in(key, RANDOM_MASK_STREAM),
+    step)); ``step`` is the 0-based rollout-batch count, a traced int is fine. For ``ict`` and
+    ``random`` (and selectors registered with ``warmup=True``), ``step < config.warmup_steps`` gives
+    M = valid, as traced data (no recompilation). ``group_size`` (G) is needed by the ``group`` scope
+    only. Returns float32 {0, 1} ``[B, T]`` with M <= valid.
+    """
+    name = "dense" if method == "grpo" else method
+    if name not in _REGISTRY:
+        raise ValueError(f"selector {method!r} is not registered; known: {list(registered_selectors())}")
+    fn, warmup = _REGISTRY[name]
+    dense = dense_mask(valid)
+    m = fn(stats, adv, valid, key=key, step=step, config=config, group_size=group_size)
+    m = jnp.where(dense > 0, jnp.asarray(m, jnp.float32), 0.0)  # M <= valid, whatever fn returns
+    if warmup:
+        m = jnp.where(jnp.asarray(step) < config.warmup_steps, dense, m)
+    return m

@@ -1,0 +1,200 @@
+"""pass@k evaluation (docs/method.md §6).
+
+    def generate_fn(prompts: list[str], n: int) -> list[list[str]]: ...   # n responses per prompt
+    with RewardPool() as pool:
+        res = evaluate(generate_fn, {"gsm8k_test": ds}, pool, n=4, ks=(1, 4),
+                       json_path="run/eval.json", samples_path="run/eval_samples.jsonl")
+    res["average"]["pass@1"]
+
+pass@k is the unbiased estimator of Chen et al. (2021) from n >= k samples of which c are correct,
+averaged over a benchmark's problems; P@1 equals the mean accuracy over all n samples. The average row
+is the unweighted mean over benchmarks (the paper's 7-benchmark average). ``evaluate`` does not sample:
+``generate_fn`` owns the model, the chat template and the sampling settings (docs/method.md §6 defaults in
+``EVAL_DEFAULTS``: n = 4, k in {1, 4}, temperature 0.6, top-p 0.95). docs/evaluation.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["EVAL_DEFAULTS", "pass_at_k", "aggregate", "format_table", "evaluate", "evaluate_benchmarks"]
+
+#: docs/method.md §6: samples per problem, the k reported, and the sampling settings of the eval generate_fn.
+EVAL_DEFAULTS: dict[str, Any] = {"n": 4, "ks": (1, 4), "temperature": 0.6, "top_p": 0.95}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct: the probability that a uniformly drawn
+    k-subset holds at least one correct sample,
+
+        1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n-c+1}^{n} (1 - k / i),
+
+    the product form never forms the (huge) binomials. 1.0 when n - c < k."""
+    if not (1 <= k <= n) or not (0 <= c <= n):
+        raise ValueError(f"pass_at_k: need 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def aggregate(correct: Mapping[str, Sequence[Sequence[bool]]], ks: Sequence[int] = EVAL_DEFAULTS["ks"]) -> dict:
+    """Per-benchmark and average pass@k. ``correct[benchmark][problem]`` lists the correctness of that
+    problem's samples (n may differ between problems, but every n must be >= max(ks)).
+
+    Returns ``{"benchmarks": {name: {"problems", "samples", "pass@k"...}}, "average": {"pass@k"...}}``
+    with fractions in [0, 1]; the average is the unweighted mean over benchmarks with problems."""
+    out: dict[str, Any] = {"benchmarks": {}, "average": {}}
+    for name, rows in correct.items():
+        ns = [len(r) for r in rows]
+        if rows and min(ns) < max(ks):
+            raise ValueError(f"aggregate: {name}: a problem has {min(ns)} samples < k={max(ks)}")
+        entry: dict[str, Any] = {"problems": len(rows), "samples": int(sum(ns))}
+        for k in ks:
+            vals = [pass_at_k(len(r), int(sum(map(bool, r))), k) for r in rows]
+            entry[f"pass@{k}"] = float(np.mean(vals)) if vals else float("nan")
+        out["benchmarks"][name] = entry
+    scored = [b for b in out["benchmarks"].values() if b["problems"]]
+    for k in ks:
+        out["average"][f"pass@{k}"] = float(np.mean([b[f"pass@{k}"] for b in scored])) if scored else float("nan")
+    return out
+
+
+def format_table(results: Mapping[str, Any], ks: Sequence[int] | None = None) -> str:
+    """The per-benchmark + average table of :func:`aggregate` / :func:`evaluate` results, in percent."""
+    ks = list(ks or [int(key[5:]) for key in results["average"] if key.startswith("pass@")])
+    names = list(results["benchmarks"])
+    w = max([len("benchmark"), len("average")] + [len(n) for n in names])
+    cols = [f"pass@{k}" for k in ks]
+    lines = [f"{'benchmark':<{w}}  {'problems':>8}  " + "  ".join(f"{c:>8}" for c in cols)]
+    for name in names:
+        b = results["benchmarks"][name]
+        lines.append(f"{name:<{w}}  {b['problems']:>8d}  " + "  ".join(f"{100 * b[c]:>8.2f}" for c in cols))
+    total = sum(b["problems"] for b in results["benchmarks"].values())
+    lines.append(f"{'average':<{w}}  {total:>8d}  " + "  ".join(f"{100 * results['average'][c]:>8.2f}" for c in cols))
+    return "\n".join(lines)
+
+
+def _as_benchmarks(datasets: Any) -> list[tuple[str, str, Sequence[Any]]]:
+    """``{name: Dataset}``, ``{name: (scorer, examples)}`` or a list of Datasets -> (name, scorer, examples)."""
+    items = datasets.items() if isinstance(datasets, Mapping) else [(getattr(d, "name", None), d) for d in datasets]
+    out = []
+    for name, ds in items:
+        if isinstance(ds, tuple):
+            scorer, examples = ds
+        else:
+            scorer, examples = getattr(ds, "scorer", None), ds
+        if name is None or scorer is None:
+            raise ValueError("evaluate: each dataset needs a name and a scorer (a Dataset, or name -> (scorer, examples))")
+        out.append((str(name), str(scorer), examples))
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    try:
+        json.dumps(x)
+        return x
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], datasets: Any, pool: Any = None, *,
+             n: int = EVAL_DEFAULTS["n"], ks: Sequence[int] = EVAL_DEFAULTS["ks"], batch_size: int = 8,
+             limit: int | None = None, json_path: str | os.PathLike | None = None,
+             samples_path: str | os.PathLike | None = None, settings: Mapping[str, Any] | None = None,
+             progress: bool = True, print_table: bool = True) -> dict:
+    """Sample ``n`` responses per problem, score them, and report pass@k per benchmark and on average.
+
+    ``generate_fn(prompts, n)`` gets up to ``batch_size`` prompts (``Example.prompt``) and returns ``n``
+    responses for each, in order. Scoring of a batch runs on ``pool`` (a :class:`RewardPool`; None = a
+    temporary 2-worker pool) while the next batch is generated. ``limit``: first problems per benchmark.
+    Writes the results as JSON (``json_path``: the :func:`aggregate` dict plus ``n``, ``ks``,
+    ``settings``, per-benchmark ``no_answer`` fraction, ``timeouts`` and ``seconds``) and one JSONL line
+    per sample (``samples_path``: benchmark, index, sample, prompt, response, answer (extracted), gold,
+    correct, reward, status); prints the table (:func:`format_table`); returns the results dict."""
+    from tqdm.auto import tqdm
+
+    ks = tuple(int(k) for k in ks)
+    if n < 1 or not ks or min(ks) < 1 or max(ks) > n:
+        raise ValueError(f"evaluate: need 1 <= k <= n for every k, got n={n}, ks={ks}")
+    benches = [(name, scorer, list(ex)[:limit] if limit is not None else list(ex))
+               for name, scorer, ex in _as_benchmarks(datasets)]
+    own_pool = pool is None
+    if own_pool:
+        from .rewards import RewardPool
+
+        pool = RewardPool(2)
+    correct: dict[str, list[list[bool]]] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    sample_file = None
+    if samples_path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(samples_path)), exist_ok=True)
+        sample_file = open(samples_path, "w", encoding="utf-8")
+    bar = tqdm(total=sum(len(ex) for _, _, ex in benches), desc="eval", unit="problem", disable=not progress)
+    try:
+        for name, scorer, examples in benches:
+            t0 = time.monotonic()
+            rows: list[list[bool]] = []
+            no_answer = timeouts = 0
+            inflight: list[tuple[int, list, list[list[str]], Any]] = []
+
+            def collect(item: tuple[int, list, list[list[str]], Any]) -> None:
+                nonlocal no_answer, timeouts
+                start, chunk, responses, fut = item
+                checks = fut.result()
+                for p, ex in enumerate(chunk):
+                    row = checks[p * n:(p + 1) * n]
+                    rows.append([c.correct for c in row])
+                    no_answer += sum(c.status == "no_answer" for c in row)
+                    timeouts += sum(c.status == "timeout" for c in row)
+                    if sample_file is not None:
+                        for j, c in enumerate(row):
+                            rec = {"benchmark": name, "index": start + p, "sample": j, "prompt": ex.prompt,
+                                   "response": responses[p][j], "answer": c.answer, "gold": _jsonable(ex.answer),
+                                   "correct": c.correct, "reward": c.reward, "status": c.status}
+                            sample_file.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                bar.update(len(chunk))
+
+            for start in range(0, len(examples), batch_size):
+                chunk = examples[start:start + batch_size]
+                responses = [list(r) for r in generate_fn([ex.prompt for ex in chunk], n)]
+                if len(responses) != len(chunk) or any(len(r) != n for r in responses):
+                    raise ValueError(f"evaluate: {name}: generate_fn returned {[len(r) for r in responses]} "
+                                     f"responses for {len(chunk)} prompts, expected {n} each")
+                flat = [r for rs in responses for r in rs]
+                fut = pool.check_async(scorer, flat, [ex.answer for ex in chunk for _ in range(n)],
+                                       [ex.meta for ex in chunk for _ in range(n)])
+                inflight.append((start, chunk, responses, fut))
+                if len(inflight) > 1:  # score batch b while generating batch b + 1
+                    collect(inflight.pop(0))
+            for item in inflight:
+                collect(item)
+            correct[name] = rows
+            total = max(1, len(rows) * n)
+            extra[name] = {"no_answer": no_answer / total, "timeouts": timeouts, "seconds": time.monotonic() - t0}
+    finally:
+        bar.close()
+        if sample_file is not None:
+            sample_file.close()
+        if own_pool:
+            pool.close()
+    results = aggregate(correct, ks)
+    for name, e in extra.items():
+        results["benchmarks"][name].update(e)
+    results.update({"n": n, "ks": list(ks), "settings": {k: _jsonable(v) for k, v in (settings or {}).items()}})
+    if print_table:
+        print(format_table(results, ks), flush=True)
+    if json_path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+#: The package-level name of :func:`evaluate` (``ict_jax.sampling.evaluation`` itself is this submodule).
+evaluate_benchmarks = evaluate

@@ -1,0 +1,366 @@
+"""Rollouts: a jitted KV-cache sampler that draws G responses per prompt (docs/architecture.md data path).
+
+One compiled program per (shapes, static settings): prefill the P left-padded prompts once, repeat the
+KV cache G times along the batch (rows prompt-major: ``row = p * G + j``, docs/method.md notation), then a
+``lax.while_loop`` decode that stops as soon as every row has emitted an EOS id. Output shapes are fixed
+at ``max_new_tokens`` whatever the stopping step.
+
+Sampling (:func:`sample_token`) is an exact inverse-CDF draw with ONE uniform per row: with
+``top_p == 1`` and ``top_k == 0`` it is sort-free (softmax, cumulative sum, one comparison pass), which
+costs a few ms a step at V = 152k where ``jax.random.categorical`` (one Gumbel per vocabulary entry)
+costs ~166 ms (docs/architecture.md). Truncation uses ``lax.top_k`` (a full-vocabulary sort only for top-p
+without top-k).
+
+``logp`` convention: the log-probability of the sampled token under ``softmax(logits / temperature)``
+over the FULL vocabulary, i.e. BEFORE top-k/top-p truncation (the distribution docs/method.md §1 recomputes with
+``stats.temperature`` = the rollout temperature). Greedy rows use the same convention.
+
+Randomness: the uniforms of decode step t are ``uniform(fold_in(key, t), [P*G])`` drawn for the whole
+batch at once, so a row's draw does not depend on how the batch is sharded: 1 and 8 devices give the
+same tokens for the same key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding
+from jaxtyping import Array, Bool, Float, Int
+
+from ict_jax.model.qwen2 import KVCache, attend, attention_qkv, finish_layer, rms_norm, rope_tables
+from ict_jax.sharding import BATCH_AXES, check_prompts_divide, constrain
+
+#: On CPU, decode unrolls the layer loop over per-layer weights by default up to this depth (no
+#: per-layer scan overhead and no per-step weight copies; compile time grows with depth). Elsewhere the
+#: default is the model's ``lax.scan`` decode: the per-layer weights are a temporary copy of the layer
+#: weights for the duration of a call, memory an accelerator training run may not have.
+UNROLL_MAX_LAYERS = 32
+
+
+@struct.dataclass
+class Rollout:
+    """G responses per prompt, rows prompt-major (``row = p * G + j``), N = ``max_new_tokens``.
+
+    - ``tokens [P*G, N]`` int32: sampled ids, ``pad_id`` after the EOS that ended the row;
+    - ``valid [P*G, N]`` bool: real response tokens, the ending EOS included, padding excluded;
+    - ``logp [P*G, N]`` float32: log softmax(logits / temperature)[token] before top-k/top-p truncation
+      (0 where not valid);
+    - ``lengths [P*G]`` int32: ``valid.sum(1)``;
+    - ``truncated [P*G]`` bool: the row hit ``max_new_tokens`` without an EOS.
+    """
+
+    tokens: Int[Array, "B N"]
+    valid: Bool[Array, "B N"]
+    logp: Float[Array, "B N"]
+    lengths: Int[Array, "B"]
+    truncated: Bool[Array, "B"]
+
+
+# ------------------------------------------------------------------------------------------------
+# One sampling step (pure)
+# ------------------------------------------------------------------------------------------------
+_BLOCK = 1024  # vocabulary block of the two-level inverse CDF
+
+
+def _pick(cdf: Float[Array, "B K"], t: Float[Array, "B"]) -> Int[Array, "B"]:
+    """First index with ``cdf >= t`` (clamped to the last index)."""
+    return jnp.minimum(jnp.sum(cdf < t[:, None], axis=-1, dtype=jnp.int32), cdf.shape[-1] - 1)
+
+
+def _inverse_cdf(logw: Float[Array, "B K"], u: Float[Array, "B"]
+                 ) -> tuple[Int[Array, "B"], Float[Array, "B"], Float[Array, "B"]]:
+    """Exact inverse-CDF draw from the unnormalised weights ``exp(logw)`` (``-inf``: weight 0; keep
+    ``max(logw)`` near 0) with one uniform per row:
+    index i with ``cdf[i-1] < (1 - u) * total <= cdf[i]``. ``1 - u`` lies in (0, 1], so a zero-weight
+    entry is never picked (its cdf step is empty). Returns ``(index, total, weight of index)``.
+
+    Over more than ``_BLOCK`` entries the cumulative sum is two-level (sums of 1024-entry blocks, then
+    the chosen block): a full-length ``cumsum`` over V = 152k costs ~10x more on CPU (docs/architecture.md)."""
+    B, K = logw.shape
+    if K <= _BLOCK:
+        weights = jnp.exp(logw)
+        cdf = jnp.cumsum(weights, axis=-1)
+        total = cdf[:, -1]
+        idx = _pick(cdf, (1.0 - u) * total)
+        # float rounding could in principle land on a zero-weight entry: fall back to the mode there
+        idx = jnp.where(jnp.take_along_axis(weights, idx[:, None], axis=-1)[:, 0] > 0, idx,
+                        jnp.argmax(weights, axis=-1).astype(jnp.int32))
+        return idx, total, jnp.take_along_axis(weights, idx[:, None], axis=-1)[:, 0]
+    nb = -(-K // _BLOCK)
+    # pad the log-weights (not the weights): the pad fuses into the exp instead of copying [B, V]
+    w = jnp.exp(jnp.pad(logw, ((0, 0), (0, nb * _BLOCK - K)), constant_values=-jnp.inf)).reshape(B, nb, _BLOCK)
+    bsum = jnp.sum(w, axis=-1)  # [B, nb]
+    bcdf = jnp.cumsum(bsum, axis=-1)
+    total = bcdf[:, -1]
+    t = (1.0 - u) * total
+    b = _pick(bcdf, t)
+    start = jnp.take_along_axis(bcdf, b[:, None], -1)[:, 0] - jnp.take_along_axis(bsum, b[:, None], -1)[:, 0]
+    blk = jnp.take_along_axis(w, b[:, None, None], axis=1)[:, 0]  # [B, _BLOCK]
+    j = _pick(jnp.cumsum(blk, axis=-1), t - start)
+    ok = jnp.take_along_axis(blk, j[:, None], axis=-1)[:, 0] > 0
+    j = jnp.where(ok, j, jnp.argmax(blk, axis=-1).astype(jnp.int32))
+    return b * _BLOCK + j, total, jnp.take_along_axis(blk, j[:, None], axis=-1)[:, 0]
+
+
+def sample_token(logits: Float[Array, "B V"], u: Float[Array, "B"], *, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, greedy: bool = False
+                 ) -> tuple[Int[Array, "B"], Float[Array, "B"]]:
+    """Draw one token per row from ``softmax(logits / temperature)`` truncated by top-k then top-p.
+
+    - top-k (``top_k > 0``): keep the k largest logits (ties: lower id first).
+    - top-p (``top_p < 1``): over the (top-k-kept) distribution renormalised, keep the tokens of the
+      descending order whose preceding cumulative probability is ``< top_p`` (the first always stays).
+    - draw by inverse CDF with the row's uniform ``u`` in [0, 1) over the kept, renormalised
+      probabilities. ``greedy`` takes the argmax and ignores ``u``.
+
+    Returns ``(token [B] int32, logp [B] float32)`` with ``logp = log softmax(logits / T)[token]`` over the
+    full vocabulary (before truncation). ``temperature`` must be > 0.
+    """
+    z = logits.astype(jnp.float32)
+    if temperature != 1.0:
+        z = z / jnp.float32(temperature)
+    m = jnp.max(z, axis=-1)
+    if greedy:
+        tok = jnp.argmax(z, axis=-1).astype(jnp.int32)
+        total = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
+    elif top_k == 0 and top_p >= 1.0:  # sort-free
+        tok, total, w = _inverse_cdf(z - m[:, None], u)
+        # log of the chosen exp(z - m) (error ~1 ulp): on CPU, gathering z[tok] from the [B, V] logits
+        # here costs more than the whole draw
+        return tok, jnp.log(w) - jnp.log(total)
+    else:
+        k = top_k if top_k > 0 else z.shape[-1]
+        vals, ids = jax.lax.top_k(z, min(k, z.shape[-1]))  # descending
+        logw = vals - vals[:, :1]
+        if top_p < 1.0:
+            p = jax.nn.softmax(logw, axis=-1)
+            before = jnp.cumsum(p, axis=-1) - p
+            logw = jnp.where(before < jnp.float32(top_p), logw, -jnp.inf)
+        j = _inverse_cdf(logw, u)[0]
+        tok = jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        total = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
+    logp = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - m - jnp.log(total)
+    return tok, logp
+
+
+# ------------------------------------------------------------------------------------------------
+# The generation program
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SampleSettings:
+    """Static settings of a compiled generate program (part of its cache key)."""
+
+    num_samples: int = 1
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_ids: tuple[int, ...] = ()
+    greedy: bool = False
+    kv_cache_dtype: str | None = None
+    pad_id: int = 0
+    unroll_layers: bool | None = None  # None: unroll on CPU when num_layers <= UNROLL_MAX_LAYERS
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+def _cache_constrain(cache: KVCache) -> KVCache:
+    return KVCache(k=constrain(cache.k, ("layers", "batch", "kv_heads", "cache_seq", "head_dim")),
+                   v=constrain(cache.v, ("layers", "batch", "kv_heads", "cache_seq", "head_dim")),
+                   mask=constrain(cache.mask, ("batch", "cache_seq")), pos=constrain(cache.pos, ("batch",)),
+                   index=cache.index)
+
+
+def _repeat_cache(cache: KVCache, g: int) -> KVCache:
+    """Rows p -> p*G .. p*G+G-1 (prompt-major)."""
+    return KVCache(k=jnp.repeat(cache.k, g, axis=1), v=jnp.repeat(cache.v, g, axis=1),
+                   mask=jnp.repeat(cache.mask, g, axis=0), pos=jnp.repeat(cache.pos, g, axis=0), index=cache.index)
+
+
+_CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+
+
+def _split_layers(model: Any) -> list[dict[str, jax.Array]]:
+    """Per-layer weight dicts sliced from the stacked ``[L, ...]`` parameters. Done once per generate
+    call, outside the decode loop: XLA CPU copies a static slice of a stacked weight feeding a dot on
+    every use (24 sliced GEMMs cost ~4x 24 separate ones), so slicing inside the loop would copy all
+    the weights at every step."""
+    params = model.layers.arrays()
+    return [{k: v[i] for k, v in params.items()} for i in range(model.config.num_layers)]
+
+
+def _decode_unrolled(model: Any, layers: list[dict], tok: Int[Array, "B"], ks: list, vs: list,
+                     mask: Int[Array, "B S"], pos: Int[Array, "B"], index: jax.Array):
+    """One decode step over per-layer weights and per-layer caches ``ks[i], vs[i]: [B, KV, S, hd]``
+    (updated in place in the while loop; no restacking). The same computation as
+    ``Qwen2.extend(tok[:, None], None, cache)`` + ``logits_from_hidden`` (tests compare with the
+    full forward)."""
+    c, dtype = model.config, model.compute_dtype
+    cos, sin = rope_tables(pos[:, None], c.resolved_head_dim, c.rope_theta)
+    mask = jax.lax.dynamic_update_slice(mask, jnp.ones((mask.shape[0], 1), mask.dtype), (0, index))
+    allowed = ((jnp.arange(mask.shape[1]) <= index)[None, :] & (mask > 0))[:, None, :]  # [B, 1, S]
+    x = model._embed(tok[:, None])
+    ks, vs = list(ks), list(vs)
+    for i, p in enumerate(layers):
+        q, k, v = attention_qkv(p, x, c, cos, sin, dtype)
+        ks[i] = constrain(jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype), (0, 0, index, 0)), _CACHE_AXES)
+        vs[i] = constrain(jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype), (0, 0, index, 0)), _CACHE_AXES)
+        x = finish_layer(p, x, attend(q, ks[i].astype(dtype), vs[i].astype(dtype), allowed, dtype), c, dtype)
+    h = rms_norm(x[:, 0], model.final_norm[...], c.rms_norm_eps, dtype)
+    return model.logits_from_hidden(h), tuple(ks), tuple(vs), mask, pos + 1
+
+
+def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int[Array, "P Lp"],
+                   prompt_mask: Int[Array, "P Lp"], key: jax.Array) -> Rollout:
+    model = nnx.merge(graphdef, state)
+    c = model.config
+    unroll = s.unroll_layers
+    if unroll is None:
+        unroll = jax.default_backend() == "cpu" and c.num_layers <= UNROLL_MAX_LAYERS
+    G, N = s.num_samples, s.max_new_tokens
+    P, Lp = prompt_ids.shape
+    B = P * G
+    prompt_ids = constrain(prompt_ids.astype(jnp.int32), ("batch", "seq"))
+    prompt_mask = constrain(prompt_mask.astype(jnp.int32), ("batch", "seq"))
+    sample = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, greedy=s.greedy)
+    eos = jnp.asarray(s.eos_ids if s.eos_ids else (-1,), jnp.int32)
+
+    def draw(logits, step):
+        u = jax.random.uniform(jax.random.fold_in(key, step), (B,), jnp.float32)
+        return sample_token(logits, constrain(u, ("batch",)), **sample)
+
+    # prefill the P prompts once; Lp + N - 1 slots: the last sampled token is never decoded
+    cache = _cache_constrain(model.init_cache(P, Lp + N - 1, s.kv_cache_dtype))
+    h, cache = model.extend(prompt_ids, prompt_mask, cache)
+    logits = jnp.repeat(model.logits_from_hidden(h[:, -1]), G, axis=0)  # [B, V], prompt-major
+    cache = _cache_constrain(_repeat_cache(cache, G))
+
+    tok, lp = draw(constrain(logits, ("batch", "vocab")), 0)
+    done = jnp.isin(tok, eos)
+    tokens = jnp.full((B, N), s.pad_id, jnp.int32).at[:, 0].set(tok)
+    logps = jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp)
+    valid = jnp.zeros((B, N), bool).at[:, 0].set(True)
+
+    def cond(carry):
+        t, _, _, done, *_ = carry
+        return (t < N) & ~jnp.all(done)
+
+    if unroll:  # decode state: per-layer caches (split once) and per-layer weights (sliced once)
+        layers = _split_layers(model)
+        cache = (tuple(cache.k[i] for i in range(c.num_layers)), tuple(cache.v[i] for i in range(c.num_layers)),
+                 cache.mask, cache.pos, cache.index)
+
+        def step(tok, cache):
+            ks, vs, mask, pos, index = cache
+            logits, ks, vs, mask, pos = _decode_unrolled(model, layers, tok, ks, vs, mask, pos, index)
+            return logits, (ks, vs, constrain(mask, ("batch", "cache_seq")), constrain(pos, ("batch",)), index + 1)
+    else:
+        def step(tok, cache):
+            logits, cache = model.decode(tok, cache)
+            return logits, _cache_constrain(cache)
+
+    def body(carry):
+        t, cache, tok, done, tokens, logps, valid = carry
+        logits, cache = step(tok, cache)
+        new, lp = draw(logits, t)
+        live = ~done
+        new = jnp.where(live, new, s.pad_id)
+        tokens = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, t))
+        logps = jax.lax.dynamic_update_slice(logps, jnp.where(live, lp, 0.0)[:, None], (0, t))
+        valid = jax.lax.dynamic_update_slice(valid, live[:, None], (0, t))
+        done = done | jnp.isin(new, eos)
+        return (t + 1, cache, new, constrain(done, ("batch",)), tokens, logps, valid)
+
+    carry = (jnp.int32(1), cache, tok, done, tokens, logps, valid)
+    _, _, _, done, tokens, logps, valid = jax.lax.while_loop(cond, body, carry)
+    row = ("batch", None)
+    return Rollout(tokens=constrain(tokens, row), valid=constrain(valid, row), logp=constrain(logps, row),
+                   lengths=constrain(valid.sum(axis=1, dtype=jnp.int32), ("batch",)),
+                   truncated=constrain(~done, ("batch",)))
+
+
+class GenerateFn:
+    """``fn(state, prompt_ids [P, Lp], prompt_mask [P, Lp], key) -> Rollout``: the jitted program for
+    one model graph and one :class:`SampleSettings`, run under ``mesh`` when given. ``state`` is
+    ``nnx.split(model)[1]`` (e.g. the trainer's current policy parameters; no copy is made).
+    ``.jitted`` is the underlying ``jax.jit`` object (one compiled executable per input shapes)."""
+
+    def __init__(self, graphdef: Any, settings: SampleSettings, mesh: Mesh | None = None):
+        self.graphdef, self.settings, self.mesh = graphdef, settings, mesh
+
+        def pure(state, prompt_ids, prompt_mask, key):
+            return _generate_pure(graphdef, settings, state, prompt_ids, prompt_mask, key)
+
+        self.jitted = jax.jit(pure)
+
+    def __call__(self, state: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array, "P Lp"] | None,
+                 key: jax.Array) -> Rollout:
+        if prompt_mask is None:
+            prompt_mask = jnp.ones(prompt_ids.shape, jnp.int32)
+        if self.mesh is None:
+            return self.jitted(state, prompt_ids, prompt_mask, key)
+        check_prompts_divide(prompt_ids.shape[0], self.mesh)
+        rows = NamedSharding(self.mesh, jax.sharding.PartitionSpec(BATCH_AXES, None))
+        prompt_ids, prompt_mask = jax.device_put((prompt_ids, prompt_mask), rows)
+        with jax.set_mesh(self.mesh):
+            return self.jitted(state, prompt_ids, prompt_mask, key)
+
+
+def make_generate_fn(graphdef: Any, *, num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
+                     top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (), greedy: bool = False,
+                     kv_cache_dtype: str | None = None, pad_id: int = 0, unroll_layers: bool | None = None,
+                     mesh: Mesh | None = None) -> GenerateFn:
+    """The pure jitted generate function for ``graphdef`` (from ``nnx.split(model)``), for callers that
+    hold the state themselves (the trainer calls it every step with the current policy state)."""
+    settings = SampleSettings(num_samples=int(num_samples), max_new_tokens=int(max_new_tokens),
+                              temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                              eos_ids=tuple(int(i) for i in eos_ids), greedy=bool(greedy),
+                              kv_cache_dtype=None if kv_cache_dtype is None else str(jnp.dtype(kv_cache_dtype)),
+                              pad_id=int(pad_id), unroll_layers=unroll_layers)
+    return GenerateFn(graphdef, settings, mesh)
+
+
+_FNS: dict[tuple, GenerateFn] = {}
+
+
+def state_mesh(state: Any) -> Mesh | None:
+    for leaf in jax.tree.leaves(state):
+        sh = getattr(leaf, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
+            return sh.mesh
+    return None
+
+
+def generate(model: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array, "P Lp"] | None, key: jax.Array, *,
+             num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
+             top_k: int = 0, eos_ids: Sequence[int] = (), greedy: bool = False, kv_cache_dtype: str | None = None,
+             pad_id: int = 0, unroll_layers: bool | None = None, mesh: Mesh | None = None) -> Rollout:
+    """Sample ``num_samples`` (G) responses for each of the P left-padded prompts -> :class:`Rollout`
+    with ``P * G`` rows, prompt-major.
+
+    Compiles once per (model graph, settings, P, Lp): later calls with new weights, prompts or keys reuse
+    the program. ``mesh`` defaults to the mesh the model's parameters are sharded on (if any); prompts
+    are then split over ('data', 'fsdp') and P must be a multiple of data * fsdp.
+    """
+    graphdef, state = nnx.split(model)
+    mesh = mesh if mesh is not None else state_mesh(state)
+    fn = make_generate_fn(graphdef, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, top_k=top_k, eos_ids=eos_ids, greedy=greedy, kv_cache_dtype=kv_cache_dtype,
+                          pad_id=pad_id, unroll_layers=unroll_layers, mesh=mesh)
+    cache_key = (graphdef, fn.settings, mesh)
+    fn = _FNS.setdefault(cache_key, fn)
+    return fn(state, jnp.asarray(prompt_ids), None if prompt_mask is None else jnp.asarray(prompt_mask), key)

@@ -1,0 +1,155 @@
+"""Text in, text out: the bridge from prompt strings to the jitted sampler, for ``ict-jax eval`` and the
+trainer's periodic evaluation (the ``generate_fn`` of :func:`ict_jax.evaluate_benchmarks`).
+
+    gen = make_text_generator(model, tokenizer, max_new_tokens=1024, max_prompt_len=512, batch_size=8)
+    responses = gen(["What is 2+3?", "Solve x + 1 = 3."], n=4)   # 2 lists of 4 strings
+    gen.state = nnx.split(new_model)[1]                         # trainer: sample from the current weights
+
+Fixed shapes, few programs: each prompt is templated (:func:`ict_jax.data.templates.format_prompt`), tokenised and
+left-padded to a length bucket (:func:`ict_jax.data.prompts.make_buckets` of ``max_prompt_len``), and every
+batch is filled to ``batch_size`` prompts with copies of its last prompt (their samples are discarded),
+so one program is compiled per (bucket, n) whatever the number of prompts in a call.
+
+Over-long prompts are never truncated: a prompt of more than ``max_prompt_len`` tokens raises
+``ValueError`` (``overlong="error"``, the default), or (``overlong="skip"``) gets n empty responses
+(scored wrong: no answer) and is counted in ``gen.skipped``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ict_jax.sharding import to_host
+
+__all__ = ["TextGenerator", "make_text_generator"]
+
+
+class TextGenerator:
+    """``gen(prompts, n) -> list[list[str]]``: n responses per prompt, in order. Built by
+    :func:`make_text_generator` (its docstring lists the settings). Attributes: ``state`` (the model
+    state sampled from; assign a new one to follow training), ``skipped`` (over-long prompts answered
+    with empty responses), ``calls`` (generate programs run; the sampling key of run i is
+    ``fold_in(key(seed), i)``), ``buckets``, ``fns`` (n -> :class:`ict_jax.sampling.sampler.GenerateFn`)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float,
+                 top_k: int, template: str, max_prompt_len: int, batch_size: int, seed: int, mesh: Any,
+                 overlong: str, instruction: str | None, kv_cache_dtype: str | None):
+        import jax
+        from flax import nnx
+
+        from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES
+        from ict_jax.data.prompts import make_buckets
+        from ict_jax.sampling.sampler import SampleSettings, state_mesh
+        from ict_jax.sharding import check_prompts_divide
+
+        if template not in TEMPLATES:
+            raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
+        if overlong not in ("error", "skip"):
+            raise ValueError(f"overlong must be 'error' or 'skip', got {overlong!r}")
+        if max_prompt_len < 1 or batch_size < 1:
+            raise ValueError(f"need max_prompt_len >= 1 and batch_size >= 1, got {max_prompt_len}, {batch_size}")
+        if isinstance(model, tuple):
+            self.graphdef, self.state = model
+        else:
+            self.graphdef, self.state = nnx.split(model)
+        self.mesh = mesh if mesh is not None else state_mesh(self.state)
+        if self.mesh is not None:
+            check_prompts_divide(batch_size, self.mesh)
+        self.tokenizer, self.template = tokenizer, template
+        self.instruction = BOXED_INSTRUCTION if instruction is None else instruction
+        self.max_prompt_len, self.batch_size, self.overlong = int(max_prompt_len), int(batch_size), overlong
+        self.buckets = make_buckets(self.max_prompt_len)
+        self.sample_kwargs = dict(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                                  top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(tokenizer.eos_ids),
+                                  pad_id=int(tokenizer.pad_id), kv_cache_dtype=kv_cache_dtype)
+        SampleSettings(**{k: v for k, v in self.sample_kwargs.items() if k != "kv_cache_dtype"})  # validate now
+        self.key = jax.random.key(seed)
+        self.fns: dict[int, Any] = {}
+        self.skipped = 0
+        self.calls = 0
+
+    def _fn(self, n: int) -> Any:
+        from ict_jax.sampling.sampler import make_generate_fn
+
+        if n not in self.fns:
+            self.fns[n] = make_generate_fn(self.graphdef, num_samples=n, mesh=self.mesh, **self.sample_kwargs)
+        return self.fns[n]
+
+    def encode(self, prompt: str) -> np.ndarray:
+        """The templated prompt's token ids (int32), untruncated."""
+        from ict_jax.data.templates import format_prompt
+
+        text = format_prompt(prompt, self.template, self.tokenizer, instruction=self.instruction)
+        return np.asarray(self.tokenizer.encode(text), np.int32)
+
+    def __call__(self, prompts: Sequence[str], n: int) -> list[list[str]]:
+        import jax
+
+        from ict_jax.data.prompts import bucket_for, pad_left
+
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of strings, got one string")
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        encoded = [self.encode(p) for p in prompts]
+        out: list[list[str]] = [[""] * n for _ in prompts]
+        keep = []
+        for i, ids in enumerate(encoded):
+            if 0 < len(ids) <= self.max_prompt_len:
+                keep.append(i)
+            elif self.overlong == "skip":
+                self.skipped += 1
+            else:
+                raise ValueError(f"prompt {i} is {len(ids)} tokens after templating, more than max_prompt_len="
+                                 f"{self.max_prompt_len} (prompts are never truncated: raise max_prompt_len or "
+                                 "skip over-long prompts)")
+        fn, bs, tok = self._fn(n), self.batch_size, self.tokenizer
+        for start in range(0, len(keep), bs):
+            rows = keep[start:start + bs]
+            seqs = [encoded[i] for i in rows]
+            seqs += [seqs[-1]] * (bs - len(seqs))  # filler rows: same shape every batch, samples dropped
+            ids, mask = pad_left(seqs, bucket_for(max(len(s) for s in seqs), self.buckets), tok.pad_id)
+            r = fn(self.state, ids, mask, jax.random.fold_in(self.key, self.calls))
+            self.calls += 1
+            tokens, valid = to_host((r.tokens, r.valid))  # all-gathered in a multi-process run
+            for p, i in enumerate(rows):
+                for j in range(n):
+                    row = p * n + j
+                    out[i][j] = tok.decode(tokens[row][valid[row]].tolist(), skip_special_tokens=True)
+        return out
+
+    def compiled_programs(self) -> int:
+        """Executables compiled so far over all n (one per bucket and n used)."""
+        return sum(fn.jitted._cache_size() for fn in self.fns.values())
+
+
+def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float = 0.6,
+                        top_p: float = 0.95, top_k: int = 0, template: str = "qwen_chat", max_prompt_len: int,
+                        batch_size: int, seed: int = 0, mesh: Any = None, overlong: str = "error",
+                        instruction: str | None = None, kv_cache_dtype: str | None = None) -> TextGenerator:
+    """``generate_fn(prompts: list[str], n: int) -> list[list[str]]`` sampling from ``model``.
+
+    - ``model``: a :class:`ict_jax.Qwen2`, or ``(graphdef, state)`` from ``nnx.split`` (the returned
+      generator's ``.state`` can be reassigned later, e.g. to the trainer's current weights);
+    - prompts are questions: ``template`` (``qwen_chat`` | ``plain`` | ``none``) and ``instruction``
+      (default ``BOXED_INSTRUCTION``) go to :func:`ict_jax.data.templates.format_prompt`; with ``template="none"``
+      prompts are used exactly as given (already templated, see :func:`template_dataset`);
+    - sampling: ``temperature``, ``top_p``, ``top_k`` (0 = off), ``max_new_tokens`` (docs/method.md §6 defaults
+      0.6 / 0.95; max_new_tokens = the training maximum); stops at ``tokenizer.eos_ids``;
+    - shapes: up to ``batch_size`` prompts per program run (a multiple of data * fsdp under ``mesh``),
+      left-padded to a bucket of :func:`ict_jax.data.prompts.make_buckets(max_prompt_len)`;
+    - responses: the valid tokens (through the ending EOS), decoded with special tokens skipped;
+    - ``overlong``: ``"error"`` (ValueError) or ``"skip"`` (n empty responses, counted in ``.skipped``);
+    - ``seed``: the same seed and the same sequence of calls give the same responses.
+    ``mesh`` defaults to the mesh the model's parameters are sharded on (None: no mesh).
+    """
+    return TextGenerator(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                         top_k=top_k, template=template, max_prompt_len=max_prompt_len, batch_size=batch_size,
+                         seed=seed, mesh=mesh, overlong=overlong, instruction=instruction,
+                         kv_cache_dtype=kv_cache_dtype)
+
+

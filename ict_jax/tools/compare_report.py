@@ -1,0 +1,235 @@
+"""The numbers, table and plots of a method comparison (:mod:`ict_jax.tools.compare`): pure functions of
+a run's metrics rows and summary, the Markdown table, and reading finished runs from disk."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from ict_jax.train.logs import read_metrics
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    group: str  # "ict", "grpo", ..., or "ict_rho0.05"
+    method: str
+    rho: float | None  # None = the method's default (docs/method.md §2)
+    seed: int
+    run_dir: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}_s{self.seed}"
+
+
+#: Moving-average window of ``reward/mean`` for "steps to target", and the number of final RL steps
+#: that H1 / H2 are averaged over.
+MA_WINDOW = 5
+LAST_STEPS = 5
+INCONCLUSIVE = ("Differences between methods within one standard deviation (over seeds) are inconclusive.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-run numbers and their aggregation (pure functions of metrics rows / summaries)
+# --------------------------------------------------------------------------------------------------
+def is_finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def steps_to_target(rows: Sequence[Mapping[str, Any]], target: float, window: int = MA_WINDOW,
+                    key: str = "reward/mean") -> int | None:
+    """The number of RL steps until the trailing moving average of ``key`` (over ``window`` steps; over
+    all steps so far while fewer than ``window`` exist) first reaches ``target``: the 1-based position
+    of that step. None if it never does."""
+    vals: list[float] = []
+    for r in sorted(rows, key=lambda r: r["step"]):
+        v = r.get(key)
+        if not is_finite(v):
+            continue
+        vals.append(float(v))
+        tail = vals[-window:]
+        if sum(tail) / len(tail) >= target:
+            return int(r["step"]) + 1
+    return None
+
+
+def tail_mean(rows: Sequence[Mapping[str, Any]], key: str, n: int = LAST_STEPS) -> float | None:
+    """Mean of ``key`` over the last ``n`` RL steps that logged it (None if none did)."""
+    vals = [float(r[key]) for r in sorted(rows, key=lambda r: r["step"]) if is_finite(r.get(key))]
+    return sum(vals[-n:]) / len(vals[-n:]) if vals else None
+
+
+def pass_at_k(evals: Mapping[str, Any] | None) -> dict[int, float]:
+    """``{"eval/<bench>/pass@k": v}`` -> ``{k: mean of v over benchmarks}``."""
+    per_k: dict[int, list[float]] = {}
+    for key, v in (evals or {}).items():
+        if not key.startswith("eval/") or not is_finite(v):
+            continue
+        _bench, _, metric = key[len("eval/"):].rpartition("/")
+        if metric.startswith("pass@") and metric[5:].isdigit():
+            per_k.setdefault(int(metric[5:]), []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in sorted(per_k.items())}
+
+
+def mean_sd(values: Iterable[float | None]) -> dict[str, Any]:
+    """``{"mean", "sd", "n"}`` over the non-None values; sd is the sample sd (ddof 1), None when n < 2."""
+    vals = [float(v) for v in values if v is not None]
+    n = len(vals)
+    if n == 0:
+        return {"mean": None, "sd": None, "n": 0}
+    mean = sum(vals) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else None
+    return {"mean": mean, "sd": sd, "n": n}
+
+
+def run_result(rl_rows: Sequence[Mapping[str, Any]], final_evals: Mapping[str, Any] | None,
+               target: float, wall_s: float | None = None) -> dict[str, Any]:
+    """One run's numbers: final P@k (averaged over benchmarks), steps to target, final H1 / H2."""
+    return {"pass": {f"pass@{k}": v for k, v in pass_at_k(final_evals).items()},
+            "steps_to_target": steps_to_target(rl_rows, target),
+            "H1": tail_mean(rl_rows, "stats/H1_mean"), "H2": tail_mean(rl_rows, "stats/H2_mean"),
+            "reward": tail_mean(rl_rows, "reward/mean"), "steps": len(rl_rows), "wall_s": wall_s}
+
+
+def aggregate_group(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean +- sd over a group's seeds. ``steps_to_target`` averages the seeds that reached the target
+    (``n`` of them out of ``n_runs``); its mean is None ("never") when none did."""
+    names = sorted({k for r in runs for k in r["pass"]}, key=lambda k: int(k[5:]))
+    return {"pass": {k: mean_sd(r["pass"].get(k) for r in runs) for k in names},
+            "steps_to_target": {**mean_sd(r["steps_to_target"] for r in runs), "n_runs": len(runs)},
+            "H1": mean_sd(r["H1"] for r in runs), "H2": mean_sd(r["H2"] for r in runs),
+            "reward": mean_sd(r["reward"] for r in runs), "wall_s": mean_sd(r["wall_s"] for r in runs)}
+
+
+def _fmt(stat: Mapping[str, Any], digits: int = 3) -> str:
+    if stat.get("mean") is None:
+        return "n/a"
+    s = f"{stat['mean']:.{digits}f}"
+    return s + (f" ± {stat['sd']:.{digits}f}" if stat.get("sd") is not None else "")
+
+
+def _fmt_steps(stat: Mapping[str, Any]) -> str:
+    if not stat.get("n_runs"):
+        return "n/a"
+    if stat.get("mean") is None:
+        return "never"
+    s = _fmt(stat, 1)
+    return s if stat["n"] == stat["n_runs"] else f"{s} ({stat['n']}/{stat['n_runs']} reached)"
+
+
+def format_markdown(results: Mapping[str, Any]) -> str:
+    """The results table (one row per group, plus the warm start's P@k) and the caveat under it."""
+    groups = results["groups"]
+    ks = sorted({int(k[5:]) for g in groups for k in g["pass"]}
+                | set(pass_at_k(results.get("warmstart", {}).get("eval"))))
+    target = results["target_reward"]
+    head = (["method", "rho", "seeds"] + [f"P@{k}" for k in ks]
+            + [f"steps to reward ≥ {target:g} (MA{results.get('window', MA_WINDOW)})",
+               f"H1 (last {LAST_STEPS})", f"H2 (last {LAST_STEPS})", "wall s / run"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ws = results.get("warmstart") or {}
+    if ws.get("eval"):
+        p = pass_at_k(ws["eval"])
+        lines.append("| " + " | ".join(["warm start (SFT)", "", ""] + [f"{p[k]:.3f}" if k in p else "n/a" for k in ks]
+                                       + ["", "", "", f"{ws['wall_s']:.0f}" if ws.get("wall_s") else ""]) + " |")
+    for g in groups:
+        rho = "" if g["rho"] is None else f"{g['rho']:g}"
+        cells = [g["group"], rho, str(len(g["seeds"]))]
+        cells += [_fmt(g["pass"].get(f"pass@{k}", {})) for k in ks]
+        cells += [_fmt_steps(g["steps_to_target"]), _fmt(g["H1"]), _fmt(g["H2"]), _fmt(g["wall_s"], 0)]
+        lines.append("| " + " | ".join(cells) + " |")
+    n = max((len(g["seeds"]) for g in groups), default=0)
+    notes = [
+        "",
+        f"Mean ± sample sd over {n} seed(s) (no sd with one seed). P@k: final evaluation on data.eval "
+        f"({', '.join(results.get('eval', [])) or 'none'}), averaged over benchmarks. Steps to target: the "
+        f"first RL step whose trailing {results.get('window', MA_WINDOW)}-step moving average of reward/mean "
+        f"reaches {target:g}, averaged over the seeds that reached it. H1 / H2: stats/H1_mean, stats/H2_mean "
+        f"averaged over the last {LAST_STEPS} RL steps.",
+        "",
+        f"**{INCONCLUSIVE}**",
+    ]
+    return "\n".join(lines + notes) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading runs from disk
+# --------------------------------------------------------------------------------------------------
+def has_checkpoint(run_dir: Path) -> bool:
+    ck = run_dir / "checkpoints"
+    return ck.is_dir() and any(d.is_dir() and d.name.isdigit() for d in ck.iterdir())
+
+
+def read_run(run_dir: Path, target: float) -> dict[str, Any] | None:
+    """A finished run's numbers (None while it has no ``summary.json``)."""
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        return None
+    summary = json.loads(summary_path.read_text())
+    metrics = run_dir / "metrics.jsonl"
+    rl_rows = read_metrics(metrics, "rl") if metrics.is_file() else []
+    evals = summary.get("eval_final")
+    if not evals and metrics.is_file():  # fall back on the last logged evaluation
+        ev_rows = read_metrics(metrics, "eval")
+        evals = ev_rows[-1] if ev_rows else None
+    return run_result(rl_rows, evals, target, summary.get("wall_s"))
+
+
+def collect(specs: Sequence[RunSpec], target: float) -> tuple[list[dict[str, Any]], dict[str, dict[int, list]]]:
+    """(groups for results.json, {group: {seed: RL metrics rows}} for the plots) from the finished runs."""
+    groups: dict[str, dict[str, Any]] = {}
+    curves: dict[str, dict[int, list]] = {}
+    for spec in specs:
+        g = groups.setdefault(spec.group, {"group": spec.group, "method": spec.method, "rho": spec.rho,
+                                           "seeds": [], "runs": {}})
+        res = read_run(spec.run_dir, target)
+        if res is None:
+            continue
+        g["seeds"].append(spec.seed)
+        g["runs"][str(spec.seed)] = {"run_dir": str(spec.run_dir), **res}
+        curves.setdefault(spec.group, {})[spec.seed] = read_metrics(spec.run_dir / "metrics.jsonl", "rl") \
+            if (spec.run_dir / "metrics.jsonl").is_file() else []
+    return [{**g, **aggregate_group(list(g["runs"].values()))} for g in groups.values()], curves
+
+
+def plot_groups(curves: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]], key: str, out_png: Path, *,
+                title: str, target: float | None = None) -> Path:
+    """Per group: the mean over seeds of ``key`` vs step, with the min-max band over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(6.0, 3.8))
+    for i, (group, seeds) in enumerate(curves.items()):
+        by_step: dict[int, list[float]] = {}
+        for rows in seeds.values():
+            for r in rows:
+                if is_finite(r.get(key)):
+                    by_step.setdefault(int(r["step"]), []).append(float(r[key]))
+        if not by_step:
+            continue
+        steps = sorted(by_step)
+        mean = [sum(by_step[s]) / len(by_step[s]) for s in steps]
+        color = f"C{i % 10}"
+        ax.plot(steps, mean, lw=1.4, color=color, label=f"{group} (n={len(seeds)})")
+        if len(seeds) > 1:
+            ax.fill_between(steps, [min(by_step[s]) for s in steps], [max(by_step[s]) for s in steps],
+                            color=color, alpha=0.18, lw=0)
+    if target is not None:
+        ax.axhline(target, color="0.4", ls="--", lw=0.8, label=f"target {target:g}")
+    ax.set_title(f"{title}: mean over seeds, band = min-max", fontsize=10)
+    ax.set_xlabel("RL step")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_ylabel(key)
+    ax.grid(alpha=0.3)
+    if ax.has_data():
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,304 @@
+"""Training checkpoints with orbax, and export of a checkpoint's policy to Hugging Face safetensors.
+
+Layout (docs/checkpoints.md). The trainer keeps its checkpoints in ``<run_dir>/checkpoints``::
+
+    <run_dir>/checkpoints/<step>/params/      the policy parameters (an nnx.State of nnx.Param), own item
+    <run_dir>/checkpoints/<step>/opt/         {"opt_state": optax state, "step": int32, "rng": uint32[2]}
+    <run_dir>/checkpoints/<step>/meta/metadata  JSON: data position, config, "model_config", tokenizer, metrics
+    <run_dir>/checkpoints/<step>.orbax-checkpoint-tmp*/   a save in progress (or one a crash interrupted)
+
+``<step>`` is the caller's step number (the trainer uses rollout batches done). Orbax writes every save
+into a temporary directory and renames it to ``<step>`` only when every item is complete, so a crash at
+any moment leaves the earlier checkpoints intact; :meth:`Checkpointer.latest_step` only sees renamed
+(finished) steps, and opening a :class:`Checkpointer` for writing deletes stale temporary directories.
+The ``graphdef`` of a :class:`~ict_jax.TrainState` is not saved: it comes from the restore template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ict_jax.rl.state import TrainState
+
+FORMAT = 1  # meta["format"]: bump when the saved items change
+_ITEMS = ("params", "opt", "meta")
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
+# ------------------------------------------------------------------------------------------------
+def _jsonable(x: Any, where: str = "meta") -> Any:
+    """``x`` as plain JSON types (dataclasses, numpy / JAX scalars and small arrays, paths, tuples)."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x  # NaN / inf round-trip through Python's json
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(x.to_dict() if hasattr(x, "to_dict") else dataclasses.asdict(x), where)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v, f"{where}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(x)]
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        return _jsonable(np.asarray(jax.device_get(x)).tolist(), where)
+    raise TypeError(f"checkpoint {where}: {type(x).__name__} is not JSON-able")
+
+
+def _default_sharding() -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _abstract(tree: Any) -> Any:
+    """Each leaf (a jax.Array or ShapeDtypeStruct) as a ShapeDtypeStruct carrying its sharding."""
+    def one(a: Any) -> jax.ShapeDtypeStruct:
+        sh = getattr(a, "sharding", None) or _default_sharding()
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+
+    return jax.tree.map(one, tree)
+
+
+def abstract_train_state(config: Any, model_config: Any, *, mesh: jax.sharding.Mesh | None = None,
+                         tx: Any = None) -> TrainState:
+    """A restore template: the :class:`~ict_jax.TrainState` that ``init_train_state(config,
+    init_model(model_config, mesh=mesh), tx=tx)`` would build, as ShapeDtypeStructs with the same
+    shardings (rule table on ``mesh``, else the default device); nothing is allocated."""
+    from ict_jax.sharding import replicated
+    from ict_jax.rl.state import make_optimizer, opt_state_shardings
+
+    graphdef, params = _abstract_params(model_config, mesh)
+    tx = tx or make_optimizer(config)
+    opt_sh = opt_state_shardings(tx, params)
+    opt_shapes = jax.eval_shape(tx.init, params)
+    if opt_sh is None:
+        opt_state = _abstract(opt_shapes)
+    else:
+        opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                 opt_shapes, opt_sh)
+    rep = _default_sharding() if mesh is None else replicated(mesh)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    return TrainState(params=params, opt_state=opt_state, step=jax.ShapeDtypeStruct((), np.int32, sharding=rep),
+                      rng=jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep), graphdef=graphdef)
+
+
+def _abstract_params(model_config: Any, mesh: jax.sharding.Mesh | None) -> tuple[Any, Any]:
+    """(graphdef, nnx.State of nnx.Param over ShapeDtypeStructs with the model's shardings)."""
+    from flax import nnx
+
+    from ict_jax.model.qwen2 import Qwen2
+    from ict_jax.sharding import state_shardings
+
+    abstract = nnx.eval_shape(lambda: Qwen2(model_config, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    shardings = (jax.tree.map(lambda v: _default_sharding(), params, is_leaf=is_var) if mesh is None
+                 else state_shardings(params, mesh))
+    params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
+                          params, shardings, is_leaf=is_var)
+    return graphdef, params
+
+
+def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{key path as names: shape} of a tree of arrays, ShapeDtypeStructs or orbax array metadata."""
+    def name(k: Any) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {tuple(name(k) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in flat}
+
+
+def resolve_checkpoint_dir(directory: str | Path, step: int | None = None) -> tuple[Path, int | None]:
+    """(the folder holding ``<step>/`` directories, step) for a run dir, its ``checkpoints/`` folder
+    or one step's directory; FileNotFoundError when it does not exist."""
+    p = Path(directory)
+    if not p.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(p)!r} does not exist")
+    if (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    elif p.name.isdigit() and (p / "params").is_dir():  # one step's directory
+        if step is not None and step != int(p.name):
+            raise ValueError(f"{p} is the checkpoint of step {p.name}, but step {step} was asked for")
+        return p.parent, int(p.name)
+    return p, step
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpointer
+# ------------------------------------------------------------------------------------------------
+class Checkpointer:
+    """Saves and restores :class:`~ict_jax.TrainState` + JSON metadata under ``directory/<step>/``.
+
+    ``keep``: the last K finished checkpoints are kept. ``async_save``: :meth:`save` returns once the
+    arrays are copied off the devices (the state may then be donated or changed); the files are written
+    in the background; the next save, :meth:`wait` and :meth:`close` wait for it. ``read_only`` opens
+    an existing directory without creating or cleaning anything. Multi-host: every process calls
+    :meth:`save` and :meth:`restore` (orbax writes each array shard once and only the primary process
+    writes the JSON metadata).
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"Checkpointer: keep must be a positive integer, got {keep!r}")
+        self.directory = Path(directory).absolute()
+        if read_only and not self.directory.is_dir():
+            raise FileNotFoundError(f"checkpoint directory {str(self.directory)!r} does not exist")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=not read_only,
+            cleanup_tmp_directories=not read_only, read_only=read_only)
+        handlers = {"params": ocp.StandardCheckpointHandler(), "opt": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
+        self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    # -- queries (finished checkpoints only: read from disk) ----------------------------------------
+    def all_steps(self) -> list[int]:
+        """Steps whose save finished (renamed from its temporary directory), ascending."""
+        return sorted(ocp.path.step.checkpoint_steps(self.directory)) if self.directory.is_dir() else []
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def resolve_step(self, step: int | None) -> int:
+        """``step`` if a finished checkpoint of it exists, the latest finished step for None; else
+        FileNotFoundError naming the steps there are."""
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no finished checkpoint in {str(self.directory)!r}")
+            return steps[-1]
+        if step not in steps:
+            have = ", ".join(map(str, steps)) or "none"
+            raise FileNotFoundError(f"no finished checkpoint of step {step} in {str(self.directory)!r} "
+                                    f"(finished steps: {have})")
+        return step
+
+    # -- save / restore ------------------------------------------------------------------------------
+    def save(self, step: int, state: TrainState, meta: dict[str, Any] | None = None) -> None:
+        """Save ``state`` (params, opt_state, step, rng) and ``meta`` as checkpoint ``step``.
+
+        ``meta`` must be JSON-able (dataclasses such as Config and ModelConfig are converted);
+        ``meta["model_config"]`` is filled from the state when absent; ``meta["step"]`` is ``step``.
+        """
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"Checkpointer.save: step must be >= 0, got {step}")
+        meta = dict(meta or {})
+        if meta.get("model_config") is None and state.graphdef is not None:
+            meta["model_config"] = state.model().config
+        meta = _jsonable({**meta, "step": step, "format": FORMAT})
+        if (self.directory / str(step)).exists():
+            raise FileExistsError(f"a checkpoint of step {step} already exists in {str(self.directory)!r}")
+        self._mgr.save(step, force=True, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params),
+            opt=ocp.args.StandardSave({"opt_state": state.opt_state, "step": state.step, "rng": state.rng}),
+            meta=ocp.args.JsonSave(meta)))
+
+    def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+        """(the TrainState of checkpoint ``step`` (default: the latest finished one), its meta).
+
+        ``template``: a TrainState of the same structure, concrete (``init_train_state``) or abstract
+        (:func:`abstract_train_state`); every array is restored with the template's sharding and dtype,
+        and the template's ``graphdef`` is kept.
+        """
+        step = self.resolve_step(step)
+        opt_t = {"opt_state": template.opt_state, "step": template.step, "rng": template.rng}
+        self._check_fits(step, {"params": template.params, "opt": opt_t})
+        try:
+            r = self._mgr.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(_abstract(template.params)),
+                opt=ocp.args.StandardRestore(_abstract(opt_t)), meta=ocp.args.JsonRestore()))
+        except (ValueError, KeyError, TypeError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"checkpoint of step {step} in {self.directory} does not fit the restore template "
+                             f"(another model or optimizer?): {why}") from e
+        state = TrainState(params=r.params, opt_state=r.opt["opt_state"], step=r.opt["step"], rng=r.opt["rng"],
+                           graphdef=template.graphdef)
+        return state, dict(r.meta)
+
+    def restore_params(self, template_params: Any, step: int | None = None) -> Any:
+        """Only the ``params`` item of checkpoint ``step``, with the template's shardings."""
+        step = self.resolve_step(step)
+        self._check_fits(step, {"params": template_params})
+        r = self._mgr.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract(template_params))))
+        return r.params
+
+    def _check_fits(self, step: int, items: dict[str, Any]) -> None:
+        """ValueError naming the first array whose path or shape differs between checkpoint and template."""
+        saved = self._mgr.item_metadata(step)
+        for name, template in items.items():
+            have, want = _shapes(saved[name]), _shapes(template)
+            for key in sorted(set(have) | set(want)):
+                if have.get(key) != want.get(key):
+                    what = ("is missing from the checkpoint" if key not in have else
+                            "is not in the template" if key not in want else
+                            f"has shape {have[key]} in the checkpoint but {want[key]} in the template")
+                    raise ValueError(f"checkpoint of step {step} in {self.directory} does not fit the restore "
+                                     f"template (another model or optimizer?): {name}/{'/'.join(key)} {what}")
+
+    def restore_meta(self, step: int | None = None) -> dict[str, Any]:
+        step = self.resolve_step(step)
+        return dict(self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Block until a background save has finished (and old checkpoints are pruned)."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Params only, and export
+# ------------------------------------------------------------------------------------------------
+def load_params_from_checkpoint(directory: str | Path, step: int | None = None, *,
+                                mesh: jax.sharding.Mesh | None = None) -> tuple[Any, dict[str, Any]]:
+    """(the :class:`~ict_jax.Qwen2` of checkpoint ``step`` (default: the latest), its meta).
+
+    ``directory``: a run dir, its ``checkpoints/`` folder or one ``<step>/`` directory. The model is
+    rebuilt from ``meta["model_config"]``; only the ``params`` item is read (no optimizer state).
+    With ``mesh`` every parameter is placed in its rule-table sharding.
+    """
+    from flax import nnx
+
+    from ict_jax.model.config import ModelConfig
+
+    directory, step = resolve_checkpoint_dir(directory, step)
+    with Checkpointer(directory, read_only=True) as ckpt:
+        meta = ckpt.restore_meta(step)
+        step = int(meta.get("step", step if step is not None else ckpt.latest_step()))
+        if not isinstance(meta.get("model_config"), dict):
+            raise ValueError(f"checkpoint of step {step} in {directory} has no model_config in its metadata")
+        try:
+            model_config = ModelConfig(**meta["model_config"])
+        except TypeError as e:
+            raise ValueError(f"checkpoint of step {step} in {directory}: bad model_config in its metadata "
+                             f"({e})") from None
+        graphdef, template = _abstract_params(model_config, mesh)
+        params = ckpt.restore_params(template, step)
+    return nnx.merge(graphdef, params), meta
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
+                      dtype: str | None = None) -> Path:
+    """Write checkpoint ``step`` (default: the latest) of ``ckpt_dir`` as a Hugging Face directory
+    (``config.json`` + safetensors) at ``out_dir``, which must not exist or be empty."""
+    from ict_jax.model.weights import save_hf
+
+    model, _meta = load_params_from_checkpoint(ckpt_dir, step)
+    return save_hf(model, out_dir, dtype=dtype)
