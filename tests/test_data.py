@@ -4,19 +4,17 @@ buckets, deterministic shuffling and resumable iteration, reasoning-gym, tfds.""
 import csv
 import json
 import pathlib
+import sys
 
 import numpy as np
 import pytest
 
 from ict_jax import CharTokenizer, Dataset, Example, load_dataset
-from ict_jax.data.datasets import PAPER_BENCHMARKS
+from ict_jax.data.datasets import PAPER_BENCHMARKS, parse_spec
 from ict_jax.data.example import DataError
-from ict_jax.data.prompts import encode_prompts, make_buckets, pad_left, PromptIterator
+from ict_jax.data.prompts import PromptIterator, bucket_for, encode_prompts, make_buckets, pad_left
 from ict_jax.data.templates import format_prompt
-from ict_jax.rewards.checks import gym_answer_score as gym_score
-from ict_jax.data.prompts import bucket_for
-from ict_jax.data.datasets import parse_spec
-from ict_jax.rewards.checks import last_boxed
+from ict_jax.rewards.checks import gym_answer_score, last_boxed
 
 
 def write_jsonl(path: pathlib.Path, rows) -> pathlib.Path:
@@ -253,8 +251,8 @@ def test_reasoning_gym_scores_its_own_gold(name):
     assert ds.scorer == "gym" and len(ds) == 4 and [ex.prompt for ex in ds] == [ex.prompt for ex in again]
     for ex in ds:
         assert ex.meta["gym_dataset"] == name and ex.meta["gym_entry"]["answer"] == ex.answer
-        assert gym_score(ex.answer, ex.meta) == 1.0
-        assert gym_score("definitely wrong", ex.meta) == 0.0
+        assert gym_answer_score(ex.answer, ex.meta) == 1.0
+        assert gym_answer_score("definitely wrong", ex.meta) == 0.0
 
 
 def test_parse_spec():
@@ -404,3 +402,10 @@ def test_chat_template_falls_back_to_qwen2p5():
         tok.apply_chat_template([{"role": "user", "content": "q"}])
     assert format_prompt("q", "qwen_chat", tok) == format_prompt("q", "qwen_chat")
     assert format_prompt("q", "qwen_chat", tok).startswith("<|im_start|>system\nYou are Qwen")
+
+
+def test_tfds_missing_is_one_line_naming_the_extra(monkeypatch):
+    """tensorflow-datasets is an optional extra: without it a tfds: source says how to get it."""
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes `import tensorflow_datasets` fail
+    with pytest.raises(ImportError, match=r"pip install 'ict_jax\[tfds\]'"):
+        load_dataset("tfds:gsm8k", data_dir="/nonexistent", split="train")

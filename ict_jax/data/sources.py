@@ -231,7 +231,11 @@ def examples_from_files(files: list[str], parser: Callable[..., Example | None],
 # --------------------------------------------------------------------------------------------------
 def tfds_examples(builder_name: str, *, data_dir: str | None, split: str, source: str) -> list[Example]:
     """Rows of a prepared TFDS builder whose features hold GSM8K-style ``question``/``answer``."""
-    import tensorflow_datasets as tfds
+    try:
+        import tensorflow_datasets as tfds  # optional: the `tfds` extra
+    except ImportError:
+        raise ImportError("tensorflow-datasets is not installed: pip install 'ict_jax[tfds]' (needed only for "
+                          f"'tfds:{builder_name}'; local JSONL/Parquet files need nothing more)") from None
 
     prepare = (f"prepare it once on a machine with network access: python -c \"import tensorflow_datasets as tfds, "
                f"tensorflow_datasets.text.gsm8k; tfds.builder('{builder_name}', data_dir='{data_dir or '~/tensorflow_datasets'}', "
