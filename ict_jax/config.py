@@ -22,13 +22,16 @@ Method = Literal["dense", "grpo", "ict", "entropy", "stapo", "random"]
 Scope = Literal["sequence", "group", "batch"]
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 
-#: Default (rho, scope) per selector, docs/method.md §2's table. ``random`` mirrors ``ict``.
+_ICT_DEFAULTS = (0.10, "sequence")
+#: Default (rho, scope) per selector, docs/method.md §2's table: the one place these numbers are written
+#: (``SelectorSection.resolved_rho`` / ``resolved_scope``, the inspector, the CLI help read them).
+#: ``random`` mirrors ``ict`` (same counts).
 SELECTOR_DEFAULTS: dict[str, tuple[float | None, str | None]] = {
     "dense": (None, None),
-    "ict": (0.10, "sequence"),
+    "ict": _ICT_DEFAULTS,
     "entropy": (0.20, "batch"),
     "stapo": (None, None),
-    "random": (0.10, "sequence"),
+    "random": _ICT_DEFAULTS,
 }
 
 
@@ -76,8 +79,8 @@ class SelectorSection:
     rho: float | None = None  # None = the method's default (docs/method.md §2)
     scope: Scope | None = None  # None = the method's default (docs/method.md §2)
     warmup_steps: int = 20  # Theta (docs/method.md §2)
-    tau_p: float = 0.002  # STAPO probability threshold
-    tau_h: float = 0.8  # STAPO entropy quantile
+    tau_p: float = 0.002  # STAPO probability threshold (the one place the default is written)
+    tau_h: float = 0.8  # STAPO entropy quantile (the one place the default is written)
 
     @property
     def canonical_method(self) -> str:
