@@ -250,7 +250,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
     if origin is tuple:
         if isinstance(value, str):  # "1,4" from the command line: each element parsed as YAML
-            import yaml
+            import yaml  # yaml only where text is parsed (the CLI parser imports this module)
 
             value = [yaml.safe_load(v) for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
@@ -421,7 +421,7 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``"rl.loss.kl_coef=0"`` -> ``("rl.loss.kl_coef", 0)``; the value is parsed as YAML."""
-    import yaml
+    import yaml  # yaml only where text is parsed (the CLI parser imports this module)
 
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key.sub=value")
@@ -441,8 +441,6 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 
     A YAML may name a ``base:`` file (relative to itself) that it overlays.
     """
-    import yaml
-
     data: dict[str, Any] = {}
     if path is not None:
         data = _load_yaml(Path(path), seen=())
@@ -453,7 +451,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 
 
 def _load_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    import yaml
+    import yaml  # yaml only where text is parsed (the CLI parser imports this module)
 
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")

@@ -14,6 +14,8 @@ _DEFAULT = SelectorSection()  # the selector of a --model (no checkpoint): ict_j
 
 
 def add_inspect_args(p: argparse.ArgumentParser) -> None:
+    from ict_jax.data.templates import TEMPLATES
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR",
                      help="a run directory, its checkpoints/ folder or one <step>/ directory (the tokenizer and "
@@ -30,7 +32,7 @@ def add_inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, metavar="T",
                    help="sampling and statistics temperature (default: the checkpoint config's, else 1.0)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="sampler seed (default 0)")
-    p.add_argument("--template", default=None, choices=("none", "plain", "qwen_chat"),
+    p.add_argument("--template", default=None, choices=TEMPLATES,
                    help="prompt template (default: the checkpoint config's data.template, else none)")
     own = "(default: the checkpoint's rl.selector.{key} when the run trained {who}, else {value})"
     p.add_argument("--rho-ict", type=float, default=None, metavar="RHO",
