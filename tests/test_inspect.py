@@ -259,7 +259,6 @@ def test_untrusted_text_is_escaped(report):
 def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tmp_path, capsys):
     from ict_jax.train.checkpoints import Checkpointer
     from ict_jax.cli.main import main
-    from ict_jax.config import load_config
     from ict_jax.model.weights import save_hf
     from ict_jax.rl.state import init_train_state
 

@@ -77,7 +77,8 @@ class _Checkpoint:
     """The tensors of a HF checkpoint directory (single or index-sharded safetensors), read lazily."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open  # safetensors: imported on the paths that read or write files
+        # safetensors: imported on the paths that read or write weight files
+        from safetensors import safe_open
 
         self.path = path
         index = path / "model.safetensors.index.json"
@@ -224,7 +225,8 @@ def save_hf(model: Qwen2, path: str | os.PathLike, *, dtype: str | None = None,
     """Write ``config.json`` + safetensors (index-sharded above ``max_shard_bytes``) that
     ``transformers.Qwen2ForCausalLM.from_pretrained`` loads. Written to a temporary directory first and
     renamed into place, so an interrupted save never leaves a half-written checkpoint at ``path``."""
-    from safetensors.numpy import save_file  # safetensors: imported on the paths that read or write files
+    # safetensors: imported on the paths that read or write weight files
+    from safetensors.numpy import save_file
 
     path = Path(path)
     if path.exists() and any(path.iterdir()):

@@ -31,7 +31,7 @@ from ict_jax.rl.token_stats import TokenStats, stats_from_hidden
 from ict_jax.sampling.sampler import generate
 from ict_jax.tools.inspector_page import MASKS
 
-__all__ = ["token_report", "column_selectors", "checkpoint_selector"]
+__all__ = ["checkpoint_selector", "column_selectors", "token_report"]
 
 _STATS = ("logp", "H1", "H2", "js")
 
@@ -189,11 +189,11 @@ def _summary(arrays: Mapping[str, np.ndarray], q: float) -> dict[str, Any]:
 def _settings(run: SelectorSection, columns: Mapping[str, SelectorSection], **sampling: Any) -> dict[str, Any]:
     """The report's settings: sampling, each column's selector parameters, the run's selector."""
     ict, ent, stapo = columns["ict"], columns["entropy"], columns["stapo"]
-    return dict(**sampling, rho_ict=float(ict.resolved_rho), rho_entropy=float(ent.resolved_rho),
-                ict_scope=ict.resolved_scope, entropy_scope=ent.resolved_scope, tau_p=float(stapo.tau_p),
-                tau_h=float(stapo.tau_h),
-                run_selector=dict(method=run.method, rho=run.resolved_rho, scope=run.resolved_scope,
-                                  tau_p=float(run.tau_p), tau_h=float(run.tau_h)))
+    return {**sampling, "rho_ict": float(ict.resolved_rho), "rho_entropy": float(ent.resolved_rho),
+            "ict_scope": ict.resolved_scope, "entropy_scope": ent.resolved_scope, "tau_p": float(stapo.tau_p),
+            "tau_h": float(stapo.tau_h),
+            "run_selector": {"method": run.method, "rho": run.resolved_rho, "scope": run.resolved_scope,
+                             "tau_p": float(run.tau_p), "tau_h": float(run.tau_h)}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def token_report(
     tokens, valid = np.asarray(ro.tokens, np.int32), np.asarray(ro.valid, bool)
     st = _group_stats(model, ids, tokens, valid, t_s=t_s, chunk=chunk)
 
-    eos = set(int(e) for e in tokenizer.eos_ids)
+    eos = {int(e) for e in tokenizer.eos_ids}
     texts = [tokenizer.decode([int(t) for t, v in zip(tokens[i], valid[i]) if v and int(t) not in eos])
              for i in range(G)]
     reward_list, adv, source = _advantages(rewards, texts, G)

@@ -154,9 +154,9 @@ def _legend_box(vmax: float) -> str:
 def _summary_box(report: dict[str, Any]) -> str:
     """Per response: length, end, reward, advantage, selected / silenced counts, mean statistics; totals."""
     summ = report["summary"]
-    out = ["<div class=\"box\"><h2>Summary</h2><table id=\"summary\"><tr><th>response</th><th>tokens</th>"
-           "<th>end</th><th>reward</th><th>advantage</th><th>ICT</th><th>entropy</th><th>STAPO silenced</th>"
-           "<th>mean JS</th><th>mean H1</th><th>mean H2</th></tr>"]
+    out = [("<div class=\"box\"><h2>Summary</h2><table id=\"summary\"><tr><th>response</th><th>tokens</th>"
+            "<th>end</th><th>reward</th><th>advantage</th><th>ICT</th><th>entropy</th><th>STAPO silenced</th>"
+            "<th>mean JS</th><th>mean H1</th><th>mean H2</th></tr>")]
     for r in report["responses"]:
         toks = r["tokens"]
         n = max(1, len(toks))
@@ -241,8 +241,8 @@ def render_html(report: dict[str, Any], *, title: str = "ict_jax token inspector
     ramp_css = ",".join(_colour(x / 4) for x in range(5))
     heads = _column_heads(report["settings"])
     out = ["<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
-           "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
-           "script-src 'unsafe-inline'\">",
+           ("<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
+            "script-src 'unsafe-inline'\">"),
            f"<title>{_e(title)}</title><style>{_CSS % ramp_css}</style></head>",
            "<body " + " ".join(f'data-max-{k}="{_fmt(v)}"' for k, v in maxima.items()) + ">",
            f"<h1>{_e(title)}</h1>", _prompt_box(report), _legend_box(vmax), _summary_box(report),
