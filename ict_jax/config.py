@@ -22,13 +22,16 @@ Method = Literal["dense", "grpo", "ict", "entropy", "stapo", "random"]
 Scope = Literal["sequence", "group", "batch"]
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 
-#: Default (rho, scope) per selector, docs/method.md §2's table. ``random`` mirrors ``ict``.
+_ICT_DEFAULTS = (0.10, "sequence")
+#: Default (rho, scope) per selector, docs/method.md §2's table: the one place these numbers are written
+#: (``SelectorSection.resolved_rho`` / ``resolved_scope``, the inspector, the CLI help read them).
+#: ``random`` mirrors ``ict`` (same counts).
 SELECTOR_DEFAULTS: dict[str, tuple[float | None, str | None]] = {
     "dense": (None, None),
-    "ict": (0.10, "sequence"),
+    "ict": _ICT_DEFAULTS,
     "entropy": (0.20, "batch"),
     "stapo": (None, None),
-    "random": (0.10, "sequence"),
+    "random": _ICT_DEFAULTS,
 }
 
 
@@ -76,8 +79,8 @@ class SelectorSection:
     rho: float | None = None  # None = the method's default (docs/method.md §2)
     scope: Scope | None = None  # None = the method's default (docs/method.md §2)
     warmup_steps: int = 20  # Theta (docs/method.md §2)
-    tau_p: float = 0.002  # STAPO probability threshold
-    tau_h: float = 0.8  # STAPO entropy quantile
+    tau_p: float = 0.002  # STAPO probability threshold (the one place the default is written)
+    tau_h: float = 0.8  # STAPO entropy quantile (the one place the default is written)
 
     @property
     def canonical_method(self) -> str:
@@ -247,7 +250,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
     if origin is tuple:
         if isinstance(value, str):  # "1,4" from the command line: each element parsed as YAML
-            import yaml
+            import yaml  # yaml only where text is parsed (the CLI parser imports this module)
 
             value = [yaml.safe_load(v) for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
@@ -418,7 +421,7 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``"rl.loss.kl_coef=0"`` -> ``("rl.loss.kl_coef", 0)``; the value is parsed as YAML."""
-    import yaml
+    import yaml  # yaml only where text is parsed (the CLI parser imports this module)
 
     if "=" not in text:
         raise ConfigError(f"override {text!r} is not of the form key.sub=value")
@@ -438,8 +441,6 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 
     A YAML may name a ``base:`` file (relative to itself) that it overlays.
     """
-    import yaml
-
     data: dict[str, Any] = {}
     if path is not None:
         data = _load_yaml(Path(path), seen=())
@@ -450,7 +451,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
 
 
 def _load_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    import yaml
+    import yaml  # yaml only where text is parsed (the CLI parser imports this module)
 
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")

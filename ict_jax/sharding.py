@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 log = logging.getLogger(__name__)
@@ -157,8 +159,6 @@ def to_host(tree: Any) -> Any:
         if isinstance(a, jax.Array) and not a.is_fully_addressable:
             if a.is_fully_replicated:
                 return np.asarray(a.addressable_data(0))
-            from jax.experimental import multihost_utils
-
             return np.asarray(multihost_utils.process_allgather(a, tiled=True))
         return np.asarray(jax.device_get(a))
 
@@ -183,8 +183,6 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
 
     Variables without ``logical_axes`` are replicated.
     """
-    from flax import nnx
-
     def one(v: Any) -> Any:
         if isinstance(v, nnx.Variable):
             axes = v.get_metadata().get("logical_axes")

@@ -47,6 +47,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import ict_jax
+from ict_jax.config import SELECTOR_DEFAULTS, SelectorSection
 
 # ---- parameters ----
 MODEL = os.environ.get("ICT_NB_MODEL", "")  # "" = tiny random model; else run dir / checkpoint / HF dir / .gguf
@@ -56,7 +57,8 @@ G = int(os.environ.get("ICT_NB_G", "8"))  # responses in the group
 MAX_NEW_TOKENS = int(os.environ.get("ICT_NB_MAX_NEW_TOKENS", "24"))
 TEMPERATURE = 1.0
 SEED = 0
-RHO_ICT, RHO_ENTROPY, TAU_P, TAU_H = 0.1, 0.2, 0.002, 0.8
+(RHO_ICT, ICT_SCOPE), (RHO_ENTROPY, ENTROPY_SCOPE) = SELECTOR_DEFAULTS["ict"], SELECTOR_DEFAULTS["entropy"]
+TAU_P, TAU_H = SelectorSection().tau_p, SelectorSection().tau_h  # the config's defaults (docs/method.md §2)
 OUT_DIR = os.environ.get("ICT_NB_OUT") or tempfile.mkdtemp(prefix="ict_nb01_")
 os.makedirs(OUT_DIR, exist_ok=True)
 print("figures ->", OUT_DIR)
@@ -99,16 +101,17 @@ for j in range(G):
 
 # %% [markdown]
 # ## Per-token statistics (docs/method.md §1)
-# The hidden state at the position *before* token t predicts token t: run the model on prompt + response
-# minus its last token and keep the last N states. `stats_from_hidden` recomputes the logits in blocks of
-# positions with all G rollouts together, so the group mean `Pbar` is exact.
+# The hidden state at the position *before* token t predicts token t: `Qwen2.predicting_states` runs the
+# model on prompt + response minus its last token and keeps the N states that predict the response (and
+# returns those N target tokens). `stats_from_hidden` recomputes the logits in blocks of positions with all
+# G rollouts together, so the group mean `Pbar` is exact.
 
 # %%
 Lp, N = prompt_ids.shape[1], MAX_NEW_TOKENS
 full = jnp.concatenate([jnp.repeat(prompt_ids, G, 0), rollout.tokens], 1)
 full_mask = jnp.concatenate([jnp.ones((G, Lp), jnp.int32), rollout.valid.astype(jnp.int32)], 1)
-hidden = model.hidden_states(full[:, :-1], full_mask[:, :-1])[:, -N:]
-stats = ict_jax.stats_from_hidden(hidden, model.unembedding(), rollout.tokens, rollout.valid, group_size=G,
+hidden, targets = model.predicting_states(full, full_mask, N)  # targets == rollout.tokens
+stats = ict_jax.stats_from_hidden(hidden, model.unembedding(), targets, rollout.valid, group_size=G,
                                   temperature=TEMPERATURE)
 S = {k: np.asarray(getattr(stats, k)) for k in ("logp", "H1", "H2", "js")}
 v = valid.astype(bool)
@@ -125,8 +128,8 @@ print("JS is 0 at t = 0 (identical prefixes):", bool(np.all(S["js"][:, 0] == 0))
 # %%
 adv = jnp.ones((G,), jnp.float32)
 masks = {
-    "ict": np.asarray(ict_jax.ict_mask(stats.js, rollout.valid, rho=RHO_ICT, scope="sequence")) > 0,
-    "entropy": np.asarray(ict_jax.entropy_mask(stats.H1, rollout.valid, rho=RHO_ENTROPY, scope="batch")) > 0,
+    "ict": np.asarray(ict_jax.ict_mask(stats.js, rollout.valid, rho=RHO_ICT, scope=ICT_SCOPE)) > 0,
+    "entropy": np.asarray(ict_jax.entropy_mask(stats.H1, rollout.valid, rho=RHO_ENTROPY, scope=ENTROPY_SCOPE)) > 0,
     "stapo": np.asarray(ict_jax.stapo_mask(stats.logp, stats.H1, adv, rollout.valid, tau_p=TAU_P, tau_h=TAU_H)) > 0,
 }
 silenced = v & ~masks["stapo"]
@@ -188,7 +191,7 @@ print(sorted(os.listdir(OUT_DIR)))
 # %%
 report = ict_jax.token_report(model, tok, PROMPT, num_samples=G, max_new_tokens=MAX_NEW_TOKENS,
                               temperature=TEMPERATURE, seed=SEED, rho_ict=RHO_ICT, rho_entropy=RHO_ENTROPY,
-                              tau_p=TAU_P, tau_h=TAU_H)
+                              ict_scope=ICT_SCOPE, entropy_scope=ENTROPY_SCOPE, tau_p=TAU_P, tau_h=TAU_H)
 assert np.array_equal(report["arrays"]["tokens"], tokens)
 for key in ("js", "H1", "H2", "logp"):
     np.testing.assert_allclose(report["arrays"][key], S[key], rtol=1e-4, atol=1e-5)

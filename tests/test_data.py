@@ -305,6 +305,12 @@ def test_buckets_and_left_padding():
     np.testing.assert_array_equal(ids, [[0, 5, 6, 7], [0, 0, 0, 9]])
     np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 1]])
     assert ids.dtype == np.int32 and mask.dtype == np.int32
+    # widening an already left-padded batch: its padding stays padding (even a pad id that is a real token)
+    ids, mask = pad_left(np.array([[9, 5, 6, 7], [9, 0, 0, 9]]), 6, pad_id=9, masks=np.array([[0, 1, 1, 1], [0, 1, 1, 1]]))
+    np.testing.assert_array_equal(ids, [[9, 9, 9, 5, 6, 7], [9, 9, 9, 0, 0, 9]])
+    np.testing.assert_array_equal(mask, [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]])
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_left(np.zeros((1, 5)), 4, pad_id=0)
 
     tok = CharTokenizer()
     enc = encode_prompts(_dataset(40), tok, template="none", max_prompt_len=16)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import ict_jax
-from ict_jax.tools.inspector import ASSUMED_POSITIVE, token_report
+from ict_jax.config import SelectorSection, load_config
+from ict_jax.tools.inspector import ASSUMED_POSITIVE, checkpoint_selector, column_selectors, token_report
 from ict_jax.tools.inspector_page import render_html
 
 G, N = 4, 12
@@ -167,6 +168,40 @@ def test_rewards_give_stapo_its_advantages(tiny):
         token_report(model, tok, PROMPT, num_samples=G, max_new_tokens=N, rewards=[1.0, 0.0])
 
 
+def test_columns_take_the_runs_selector_settings():
+    defaults = column_selectors()
+    assert [(c.method, c.resolved_rho, c.resolved_scope) for c in defaults.values()] == [
+        ("ict", 0.1, "sequence"), ("entropy", 0.2, "batch"), ("stapo", None, None)]
+    assert all(c.warmup_steps == 0 and (c.tau_p, c.tau_h) == (0.002, 0.8) for c in defaults.values())
+    # the run's own method takes its rho and scope; the others keep their defaults; tau from the run
+    cols = column_selectors(SelectorSection(method="entropy", rho=0.3, scope="sequence", tau_p=0.01, tau_h=0.5))
+    assert (cols["entropy"].resolved_rho, cols["entropy"].resolved_scope) == (0.3, "sequence")
+    assert (cols["ict"].resolved_rho, cols["ict"].resolved_scope) == (0.1, "sequence")
+    assert (cols["stapo"].tau_p, cols["stapo"].tau_h) == (0.01, 0.5)
+    # random keeps ICT's counts, so its run shows in the ICT column; arguments override the run
+    assert column_selectors(SelectorSection(method="random", rho=0.05))["ict"].resolved_rho == 0.05
+    cols = column_selectors(SelectorSection(rho=0.05, scope="group"), rho_ict=0.25, entropy_scope="group", tau_h=0.7)
+    assert (cols["ict"].resolved_rho, cols["ict"].resolved_scope) == (0.25, "group")
+    assert cols["entropy"].resolved_scope == "group" and cols["stapo"].tau_h == 0.7
+    # a checkpoint's saved config gives back its selector section; no checkpoint gives the defaults
+    cfg = load_config(None, ["rl.selector.method=random", "rl.selector.rho=0.05", "rl.selector.scope=batch"])
+    assert checkpoint_selector({"config": cfg.to_dict()}) == cfg.rl.selector
+    assert checkpoint_selector(None) == checkpoint_selector({"config": {}}) == SelectorSection()
+
+
+def test_report_selects_with_the_runs_rho_and_scope(tiny):
+    model, tok = tiny
+    r = token_report(model, tok, PROMPT, num_samples=G, max_new_tokens=N, seed=0,
+                     selector=SelectorSection(method="ict", rho=0.25, scope="group"))
+    a, vj = r["arrays"], jnp.asarray(r["arrays"]["valid"])
+    np.testing.assert_array_equal(a["ict"], np.asarray(ict_jax.ict_mask(
+        jnp.asarray(a["js"]), vj, group_size=G, rho=0.25, scope="group")))
+    np.testing.assert_array_equal(a["entropy"], np.asarray(ict_jax.entropy_mask(jnp.asarray(a["H1"]), vj, rho=0.2)))
+    s = r["settings"]
+    assert (s["rho_ict"], s["ict_scope"], s["rho_entropy"], s["entropy_scope"]) == (0.25, "group", 0.2, "batch")
+    assert s["run_selector"] == {"method": "ict", "rho": 0.25, "scope": "group", "tau_p": 0.002, "tau_h": 0.8}
+
+
 # ------------------------------------------------------------------------------------------------
 # The page
 # ------------------------------------------------------------------------------------------------
@@ -224,7 +259,6 @@ def test_untrusted_text_is_escaped(report):
 def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tmp_path, capsys):
     from ict_jax.train.checkpoints import Checkpointer
     from ict_jax.cli.main import main
-    from ict_jax.config import load_config
     from ict_jax.model.weights import save_hf
     from ict_jax.rl.state import init_train_state
 
@@ -254,6 +288,44 @@ def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tmp_path, capsys):
     assert main(["inspect", "--model", str(tmp_path / "hf"), "--tokenizer", "char", "--prompt", PROMPT, "-n", "4",
                  "--max-new-tokens", "12", "--rewards", "1,x", "--out", str(out2)]) == 2
     assert "--rewards" in capsys.readouterr().err
+
+
+def test_cli_inspects_a_run_at_the_rho_it_trained_with(tmp_path, capsys):
+    """A run trained at rl.selector.rho=0.05 is shown at 5 %, not at ICT's default 10 % (the page used to
+    take temperature and STAPO's thresholds from the checkpoint, but not rho, scope or the method)."""
+    from ict_jax.cli.main import main
+    from ict_jax.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    cfg = load_config(None, [  # the shortest run there is: one RL step of a tiny model, no warm start
+        "model.preset=tiny", "model.tokenizer=char", "rollout.num_samples=4", "train.prompts_per_step=4",
+        "rollout.max_new_tokens=4", "rollout.max_prompt_len=8", "data.train=[\"arith?digits=1&size=16\"]",
+        "data.eval=[]", "data.template=none", "stats.chunk=4", "rl.reward.workers=1", "train.steps=1",
+        "train.save_every=1", "rl.selector.rho=0.05", f"run_dir={run}", "mesh.data=-1", "mesh.tensor=2"])
+    with Trainer(cfg, progress=False) as t:
+        t.train()
+    out = tmp_path / "page.html"
+    assert main(["inspect", "--checkpoint", str(run), "--prompt", "3+4=", "-n", "4", "--max-new-tokens", "40",
+                 "--out", str(out)]) == 0
+    page = out.read_text()
+    p = _parse(page)
+    lengths = []
+    for i in range(4):  # ICT keeps k = max(1, ceil(0.05 n)) tokens of each response of n tokens
+        spans = p.cols[(i, "ict")]
+        n = len(spans)
+        lengths.append(n)
+        assert sum("sel" in s["class"] for s in spans) == max(1, (n + 19) // 20), (i, n)
+    assert any(n > 10 for n in lengths), lengths  # where 5 % and 10 % keep different counts
+    total = sum(lengths)  # 20-Entropy (not the run's method) keeps its default: 20 % of the group
+    assert sum("sel" in s["class"] for i in range(4) for s in p.cols[(i, "entropy")]) == max(1, (total + 4) // 5)
+    assert "rl.selector: method ict, rho = 0.05 (5%), scope sequence" in page
+    assert "ICT: top 5% by JS per sequence" in page and "20-Entropy: top 20% by H1 per batch" in page
+    # a flag still overrides the checkpoint
+    assert main(["inspect", "--checkpoint", str(run), "--prompt", "3+4=", "-n", "4", "--max-new-tokens", "40",
+                 "--rho-ict", "0.5", "--out", str(out)]) == 0
+    p = _parse(out.read_text())
+    assert all(sum("sel" in s["class"] for s in p.cols[(i, "ict")]) == max(1, (n + 1) // 2)
+               for i, n in enumerate(lengths))
 
 
 # ------------------------------------------------------------------------------------------------

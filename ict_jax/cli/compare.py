@@ -5,25 +5,25 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ict_jax.tools.compare import DEFAULT_METHODS, PLOTS, run_comparison
-from ict_jax.tools.compare_report import MA_WINDOW
-
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML config: the warm start and every run's settings")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated selectors (default {DEFAULT_METHODS})")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated selectors (default: every method once, grpo standing for dense)")
     p.add_argument("--seeds", default="3", help="N = seeds 0..N-1, or a list like 0,1,2 (default 3)")
     p.add_argument("--rho", default=None, metavar="R1,R2,...",
                    help="sparsity ablation: one ICT run group per rho (e.g. 0.05,0.1,0.2,0.3)")
     p.add_argument("--out", default=None, help="output folder (default runs/compare_<config name>)")
     p.add_argument("--target-reward", type=float, default=0.5,
-                   help=f"steps to reach this {MA_WINDOW}-step moving average of reward/mean (default 0.5)")
+                   help="steps for the moving average of reward/mean to reach this (default 0.5)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def compare_main(args: argparse.Namespace) -> int:
     import jax
+
+    from ict_jax.tools.compare import PLOTS, run_comparison
 
     results = run_comparison(args.config, methods=args.methods, seeds=args.seeds, rhos=args.rho, out=args.out,
                              target_reward=args.target_reward, overrides=args.overrides,

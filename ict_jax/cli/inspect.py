@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import typing
 from typing import Any
+
+from ict_jax.config import SELECTOR_DEFAULTS, Scope, SelectorSection
+
+_DEFAULT = SelectorSection()  # the selector of a --model (no checkpoint): ict_jax.config's defaults
 
 
 def add_inspect_args(p: argparse.ArgumentParser) -> None:
+    from ict_jax.data.templates import TEMPLATES
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR",
                      help="a run directory, its checkpoints/ folder or one <step>/ directory (the tokenizer and "
@@ -25,12 +32,21 @@ def add_inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=None, metavar="T",
                    help="sampling and statistics temperature (default: the checkpoint config's, else 1.0)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="sampler seed (default 0)")
-    p.add_argument("--template", default=None, choices=("none", "plain", "qwen_chat"),
+    p.add_argument("--template", default=None, choices=TEMPLATES,
                    help="prompt template (default: the checkpoint config's data.template, else none)")
-    p.add_argument("--rho-ict", type=float, default=0.1, metavar="RHO", help="ICT fraction (default 0.1)")
-    p.add_argument("--rho-entropy", type=float, default=0.2, metavar="RHO", help="20-Entropy fraction (default 0.2)")
-    p.add_argument("--tau-p", type=float, default=None, help="STAPO probability threshold (default: config's, else 0.002)")
-    p.add_argument("--tau-h", type=float, default=None, help="STAPO entropy quantile (default: config's, else 0.8)")
+    own = "(default: the checkpoint's rl.selector.{key} when the run trained {who}, else {value})"
+    p.add_argument("--rho-ict", type=float, default=None, metavar="RHO",
+                   help="ICT fraction " + own.format(key="rho", who="ict or random", value=SELECTOR_DEFAULTS["ict"][0]))
+    p.add_argument("--rho-entropy", type=float, default=None, metavar="RHO", help="20-Entropy fraction "
+                   + own.format(key="rho", who="entropy", value=SELECTOR_DEFAULTS["entropy"][0]))
+    p.add_argument("--ict-scope", default=None, choices=typing.get_args(Scope), help="ICT candidate sets "
+                   + own.format(key="scope", who="ict or random", value=SELECTOR_DEFAULTS["ict"][1]))
+    p.add_argument("--entropy-scope", default=None, choices=typing.get_args(Scope), help="20-Entropy candidate sets "
+                   + own.format(key="scope", who="entropy", value=SELECTOR_DEFAULTS["entropy"][1]))
+    p.add_argument("--tau-p", type=float, default=None,
+                   help=f"STAPO probability threshold (default: the checkpoint's, else {_DEFAULT.tau_p})")
+    p.add_argument("--tau-h", type=float, default=None,
+                   help=f"STAPO entropy quantile (default: the checkpoint's, else {_DEFAULT.tau_h})")
     p.add_argument("--rewards", default=None, metavar="R1,R2,...",
                    help="G comma-separated rewards, one per response, for STAPO's advantages (default: all "
                         "responses treated as positive-advantage)")
@@ -47,11 +63,12 @@ def _cfg_get(cfg: Any, *keys: str) -> Any:
 
 def inspect_main(args: argparse.Namespace) -> int:
     from ict_jax.model.loading import load_model_and_tokenizer, load_tokenizer_spec
-    from ict_jax.tools.inspector import token_report
+    from ict_jax.tools.inspector import checkpoint_selector, token_report
     from ict_jax.tools.inspector_page import render_html
     from ict_jax.train.checkpoints import load_params_from_checkpoint
 
     cfg: dict[str, Any] = {}
+    meta: dict[str, Any] | None = None
     if args.checkpoint is not None:
         model, meta = load_params_from_checkpoint(args.checkpoint, args.step)
         spec = args.tokenizer or meta.get("tokenizer")
@@ -84,9 +101,10 @@ def inspect_main(args: argparse.Namespace) -> int:
         model, tok, args.prompt, num_samples=args.num_samples,
         max_new_tokens=int(pick(args.max_new_tokens, "rollout", "max_new_tokens", default=64)),
         temperature=float(pick(args.temperature, "rollout", "temperature", default=1.0)), seed=args.seed,
-        template=str(pick(args.template, "data", "template", default="none")), rho_ict=args.rho_ict,
-        rho_entropy=args.rho_entropy, tau_p=float(pick(args.tau_p, "rl", "selector", "tau_p", default=0.002)),
-        tau_h=float(pick(args.tau_h, "rl", "selector", "tau_h", default=0.8)), rewards=rewards,
+        template=str(pick(args.template, "data", "template", default="none")),
+        selector=checkpoint_selector(meta),  # the run's method, rho, scope, tau_p, tau_h (defaults: no checkpoint)
+        rho_ict=args.rho_ict, rho_entropy=args.rho_entropy, ict_scope=args.ict_scope,
+        entropy_scope=args.entropy_scope, tau_p=args.tau_p, tau_h=args.tau_h, rewards=rewards,
         stats_temperature=_cfg_get(cfg, "stats", "temperature"))  # None: the sampling temperature
     page = render_html(report, title=f"ict_jax token inspector: {where}")
     out = os.path.abspath(args.out)

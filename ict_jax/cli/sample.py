@@ -54,6 +54,7 @@ def sample_main(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
+    from ict_jax.data.prompts import pad_left
     from ict_jax.model.loading import load_model_and_tokenizer
     from ict_jax.sampling.sampler import generate
 
@@ -61,12 +62,7 @@ def sample_main(args: argparse.Namespace) -> int:
     encoded = [tok.encode(_format(tok, text, args.chat)) for text in args.prompt]
     if any(len(e) == 0 for e in encoded):
         raise ValueError("a prompt encodes to zero tokens")
-    lp = max(len(e) for e in encoded)
-    ids = np.full((len(encoded), lp), tok.pad_id, np.int32)
-    mask = np.zeros((len(encoded), lp), np.int32)
-    for i, e in enumerate(encoded):  # left padding: every prompt ends at the last column
-        ids[i, lp - len(e):] = e
-        mask[i, lp - len(e):] = 1
+    ids, mask = pad_left(encoded, max(len(e) for e in encoded), tok.pad_id)  # every prompt ends at the last column
     t0 = time.perf_counter()
     r = generate(model, ids, mask, jax.random.key(args.seed), num_samples=args.num_samples,
                  max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -82,8 +82,14 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}")
 
 
-def pad_left(seqs: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """``ids, mask`` of shape ``[B, length]`` int32: each sequence right-aligned, ``mask`` 1 on tokens."""
+def pad_left(seqs: Sequence[np.ndarray] | np.ndarray, length: int, pad_id: int,
+             masks: Sequence[np.ndarray] | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Left padding, the one implementation: ``ids, mask`` of shape ``[B, length]`` int32, each of the B
+    sequences right-aligned (its last token in the last column), ``pad_id`` / 0 before it.
+
+    ``seqs`` are sequences of any lengths (``mask`` is then 1 on their tokens), or the rows of an array
+    ``[B, L]`` that is already left-padded, with its ``masks`` ``[B, L]``: both are widened to ``length``
+    (``masks[r]`` is copied, so the old padding stays padding)."""
     ids = np.full((len(seqs), length), pad_id, dtype=np.int32)
     mask = np.zeros((len(seqs), length), dtype=np.int32)
     for r, s in enumerate(seqs):
@@ -91,7 +97,7 @@ def pad_left(seqs: Sequence[np.ndarray], length: int, pad_id: int) -> tuple[np.n
             raise ValueError(f"sequence of length {len(s)} does not fit in {length}")
         if len(s):
             ids[r, length - len(s):] = s
-            mask[r, length - len(s):] = 1
+            mask[r, length - len(s):] = 1 if masks is None else masks[r]
     return ids, mask
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import jax
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 #: HF ``architectures`` values whose weights this model can hold (same tensors, maybe without q/k/v bias).
@@ -68,8 +70,6 @@ class ModelConfig:
     def resolved_compute_dtype(self) -> str:
         if self.compute_dtype != "auto":
             return self.compute_dtype
-        import jax
-
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
     def replace(self, **kw: Any) -> "ModelConfig":

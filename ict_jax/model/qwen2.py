@@ -23,7 +23,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ict_jax.model.config import ModelConfig
-from ict_jax.sharding import constrain
+from ict_jax.sharding import constrain, state_shardings
 
 _MASKED = -1e9  # large finite negative: a fully masked (padding) query row stays NaN-free
 
@@ -349,8 +349,6 @@ def init_model(config: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | 
         # committed to the default device, as every jit output that later replaces them will be: the
         # first call of a jitted step then sees the same placement as all later ones (one executable)
         return nnx.merge(graphdef, jax.jit(_init, out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))())
-    from ict_jax.sharding import state_shardings
-
     with jax.set_mesh(mesh):
         state = jax.jit(_init, out_shardings=state_shardings(abs_state, mesh))()
     return nnx.merge(graphdef, state)

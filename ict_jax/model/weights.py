@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +24,7 @@ from flax import nnx
 
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import Qwen2
+from ict_jax.sharding import logical_sharding
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class _Checkpoint:
     """The tensors of a HF checkpoint directory (single or index-sharded safetensors), read lazily."""
 
     def __init__(self, path: Path):
+        # safetensors: imported on the paths that read or write weight files
         from safetensors import safe_open
 
         self.path = path
@@ -160,8 +164,6 @@ def load_from_source(cfg: ModelConfig, get: Callable[[str], np.ndarray], *, mesh
         if mesh is None:
             arr = jax.device_put(host, jax.devices()[0])  # committed, like jit outputs
         else:
-            from ict_jax.sharding import logical_sharding
-
             sharding = logical_sharding(var.get_metadata()["logical_axes"], host.shape, mesh)
             arr = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
         var.set_value(arr)
@@ -223,9 +225,7 @@ def save_hf(model: Qwen2, path: str | os.PathLike, *, dtype: str | None = None,
     """Write ``config.json`` + safetensors (index-sharded above ``max_shard_bytes``) that
     ``transformers.Qwen2ForCausalLM.from_pretrained`` loads. Written to a temporary directory first and
     renamed into place, so an interrupted save never leaves a half-written checkpoint at ``path``."""
-    import shutil
-    import tempfile
-
+    # safetensors: imported on the paths that read or write weight files
     from safetensors.numpy import save_file
 
     path = Path(path)

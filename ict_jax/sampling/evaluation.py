@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from ict_jax.rewards.pool import RewardPool
+
 __all__ = ["EVAL_DEFAULTS", "pass_at_k", "aggregate", "format_table", "evaluate", "evaluate_benchmarks"]
 
 #: docs/method.md §6: samples per problem, the k reported, and the sampling settings of the eval generate_fn.
@@ -117,7 +119,7 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
     ``settings``, per-benchmark ``no_answer`` fraction, ``timeouts`` and ``seconds``) and one JSONL line
     per sample (``samples_path``: benchmark, index, sample, prompt, response, answer (extracted), gold,
     correct, reward, status); prints the table (:func:`format_table`); returns the results dict."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # imported only when used
 
     ks = tuple(int(k) for k in ks)
     if n < 1 or not ks or min(ks) < 1 or max(ks) > n:
@@ -126,8 +128,6 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
                for name, scorer, ex in _as_benchmarks(datasets)]
     own_pool = pool is None
     if own_pool:
-        from .rewards import RewardPool
-
         pool = RewardPool(2)
     correct: dict[str, list[list[bool]]] = {}
     extra: dict[str, dict[str, Any]] = {}

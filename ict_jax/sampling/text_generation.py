@@ -20,9 +20,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
-from ict_jax.sharding import to_host
+from ict_jax.data.prompts import bucket_for, make_buckets, pad_left
+from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES, format_prompt
+from ict_jax.sampling.sampler import SampleSettings, make_generate_fn, state_mesh
+from ict_jax.sharding import check_prompts_divide, to_host
 
 __all__ = ["TextGenerator", "make_text_generator"]
 
@@ -37,14 +42,6 @@ class TextGenerator:
     def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int, template: str, max_prompt_len: int, batch_size: int, seed: int, mesh: Any,
                  overlong: str, instruction: str | None, kv_cache_dtype: str | None):
-        import jax
-        from flax import nnx
-
-        from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES
-        from ict_jax.data.prompts import make_buckets
-        from ict_jax.sampling.sampler import SampleSettings, state_mesh
-        from ict_jax.sharding import check_prompts_divide
-
         if template not in TEMPLATES:
             raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
         if overlong not in ("error", "skip"):
@@ -72,24 +69,16 @@ class TextGenerator:
         self.calls = 0
 
     def _fn(self, n: int) -> Any:
-        from ict_jax.sampling.sampler import make_generate_fn
-
         if n not in self.fns:
             self.fns[n] = make_generate_fn(self.graphdef, num_samples=n, mesh=self.mesh, **self.sample_kwargs)
         return self.fns[n]
 
     def encode(self, prompt: str) -> np.ndarray:
         """The templated prompt's token ids (int32), untruncated."""
-        from ict_jax.data.templates import format_prompt
-
         text = format_prompt(prompt, self.template, self.tokenizer, instruction=self.instruction)
         return np.asarray(self.tokenizer.encode(text), np.int32)
 
     def __call__(self, prompts: Sequence[str], n: int) -> list[list[str]]:
-        import jax
-
-        from ict_jax.data.prompts import bucket_for, pad_left
-
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings, got one string")
         n = int(n)

@@ -26,12 +26,16 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+import jax
+
 from ict_jax.config import Config, ConfigError, Method, load_config
 from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, RunSpec, collect, format_markdown,
                                           has_checkpoint, is_finite, pass_at_k, plot_groups)
+from ict_jax.train.trainer import Trainer, TrainingDiverged
 
 #: Methods accepted by ``--methods`` (``grpo`` = ``dense``).
 METHODS: tuple[str, ...] = typing.get_args(Method)
+#: The default ``--methods``: every method once (``grpo`` standing for ``dense``), ICT first.
 DEFAULT_METHODS = "ict,grpo,entropy,stapo,random"
 #: curve name -> (metrics key, png file)
 PLOTS = {"reward": ("reward/mean", "reward.png"), "H1": ("stats/H1_mean", "H1.png"),
@@ -152,8 +156,6 @@ def run_config(cfg: Config, spec: RunSpec, model_path: str, tokenizer: str) -> C
 # Running
 # --------------------------------------------------------------------------------------------------
 def _primary() -> bool:
-    import jax
-
     return jax.process_index() == 0
 
 
@@ -165,8 +167,6 @@ def _say(text: str) -> None:
 
 def warm_start(cfg: Config, out: Path, *, progress: bool = True, say: Callable[[str], None] = _say) -> dict[str, Any]:
     """SFT once into ``<out>/warmstart`` (reused when its ``sft_model`` exists); returns warmstart.json."""
-    from ict_jax.train.trainer import Trainer
-
     ws_dir = out / "warmstart"
     info_path = ws_dir / "warmstart.json"
     if (ws_dir / "sft_model" / "config.json").is_file():
@@ -188,8 +188,6 @@ def warm_start(cfg: Config, out: Path, *, progress: bool = True, say: Callable[[
 
 def run_one(cfg: Config, spec: RunSpec, *, progress: bool = True, say: Callable[[str], None] = _say) -> str:
     """Train one run unless it is finished; returns what was done: skipped / resumed / started / diverged."""
-    from ict_jax.train.trainer import Trainer, TrainingDiverged
-
     d = spec.run_dir
     status_path = d / "compare_status.json"
     if (d / "summary.json").is_file():
@@ -223,15 +221,15 @@ def run_one(cfg: Config, spec: RunSpec, *, progress: bool = True, say: Callable[
     return what
 
 
-def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | str = DEFAULT_METHODS,
+def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | str | None = None,
                    seeds: Sequence[int] | int | str = 3, rhos: Sequence[float] | str | None = None,
                    out: str | Path | None = None, target_reward: float = 0.5, overrides: Sequence[str] = (),
                    progress: bool = True, say: Callable[[str], None] = _say) -> dict[str, Any]:
     """Run (or resume) the comparison and write ``results.json``, ``results.md`` and the plots to
-    ``out``; returns the results. ``config``: a YAML path (with ``overrides``) or a :class:`Config`."""
-    import jax
-
+    ``out``; returns the results. ``config``: a YAML path (with ``overrides``) or a :class:`Config`;
+    ``methods`` None: :data:`DEFAULT_METHODS`."""
     cfg = config if isinstance(config, Config) else load_config(config, overrides)
+    methods = DEFAULT_METHODS if methods is None else methods
     methods = parse_methods(methods) if isinstance(methods, str) else parse_methods(",".join(methods))
     seeds = parse_seeds(seeds) if isinstance(seeds, (str, int)) else parse_seeds(",".join(map(str, seeds)))
     rhos = parse_rhos(rhos) if (rhos is None or isinstance(rhos, str)) else parse_rhos(",".join(map(str, rhos)))

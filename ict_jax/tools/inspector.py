@@ -1,23 +1,37 @@
 """The token inspector: which tokens of a group of responses ICT, 20-Entropy and STAPO would train on.
 
 :func:`token_report` samples G responses to one prompt, recomputes every response token's docs/method.md §1
-statistics (logp, H1, H2 and the JS score u against the group-mean distribution) from the model's
-hidden states with :func:`ict_jax.stats_from_hidden`, and applies the three docs/method.md §2 masks to the same
-tokens. :func:`~ict_jax.tools.inspector_page.render_html` turns the report into one self-contained HTML page (inline CSS and JS, no
-external resources): every token coloured by its JS score, outlined when selected, its statistics on
-hover, and the ICT / entropy / STAPO masks side by side. ``ict-jax inspect`` does both (docs/inspector.md).
-
-The module imports nothing heavy at import time (the CLI builds its parser from it).
+statistics (logp, H1, H2 and the JS score u against the group-mean distribution) from the hidden states
+that predict them (:meth:`ict_jax.model.qwen2.Qwen2.predicting_states`, then
+:func:`ict_jax.rl.token_stats.stats_from_hidden`), and selects the same tokens three times through the
+train step's entry point :func:`ict_jax.rl.selectors.select`: ICT, 20-Entropy and STAPO (docs/method.md §2),
+each with the selector settings of the run being inspected (:func:`column_selectors`).
+:func:`~ict_jax.tools.inspector_page.render_html` turns the report into one self-contained HTML page
+(inline CSS and JS, no external resources): every token coloured by its JS score, outlined when
+selected, its statistics on hover, and the ICT / entropy / STAPO masks side by side. ``ict-jax inspect``
+does both (docs/inspector.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ict_jax.config import SelectorSection, from_dict
+from ict_jax.data.templates import format_prompt
+from ict_jax.rl.losses import group_advantages
+from ict_jax.rl.selectors import select, stapo_quantile
+from ict_jax.rl.token_stats import TokenStats, stats_from_hidden
+from ict_jax.sampling.sampler import generate
 from ict_jax.tools.inspector_page import MASKS
 
-__all__ = ["token_report"]
+__all__ = ["checkpoint_selector", "column_selectors", "token_report"]
 
 _STATS = ("logp", "H1", "H2", "js")
 
@@ -25,9 +39,52 @@ _STATS = ("logp", "H1", "H2", "js")
 ASSUMED_POSITIVE = ("assumed positive: no rewards were given, so every response is treated as having "
                     "A > 0 (STAPO then silences every token it would silence in a correct response)")
 
+#: A run's method -> the page column that shows it (``random`` keeps ICT's counts, docs/method.md §2).
+_OWN_COLUMN = {"ict": "ict", "random": "ict", "entropy": "entropy", "stapo": "stapo"}
+
 
 # ------------------------------------------------------------------------------------------------
-# The report
+# The selector settings of each column
+# ------------------------------------------------------------------------------------------------
+def checkpoint_selector(meta: Mapping[str, Any] | None) -> SelectorSection:
+    """The selector section a run trained with, rebuilt (and validated) from a checkpoint's metadata
+    (``meta["config"]["rl"]["selector"]``, as :class:`~ict_jax.train.trainer.Trainer` saves it); the
+    ``ict_jax.config`` defaults for whatever it does not hold (``meta`` None: no checkpoint)."""
+    section: Any = meta or {}
+    for key in ("config", "rl", "selector"):
+        section = section.get(key) if isinstance(section, Mapping) else None
+    return from_dict({"rl": {"selector": dict(section or {})}}).rl.selector
+
+
+def column_selectors(
+    run: SelectorSection | None = None, *, rho_ict: float | None = None, rho_entropy: float | None = None,
+    ict_scope: str | None = None, entropy_scope: str | None = None, tau_p: float | None = None,
+    tau_h: float | None = None,
+) -> dict[str, SelectorSection]:
+    """The :class:`~ict_jax.config.SelectorSection` of each page column (``ict``, ``entropy``, ``stapo``)
+    for a run trained with ``run`` (None = the ``ict_jax.config`` defaults).
+
+    The column of the run's own method (``random`` -> the ICT column: same counts) takes the run's rho
+    and scope; the other columns take their method's defaults (``SELECTOR_DEFAULTS``). ``tau_p`` and
+    ``tau_h`` come from ``run`` (they are set whatever the method). Arguments that are not None override.
+    ``warmup_steps`` is 0: the masks are those after the warm-up.
+    """
+    run = SelectorSection() if run is None else run
+    own = _OWN_COLUMN.get(run.canonical_method)
+    given = {"ict": (rho_ict, ict_scope), "entropy": (rho_entropy, entropy_scope), "stapo": (None, None)}
+    columns = {}
+    for method in MASKS:
+        rho, scope = (run.rho, run.scope) if method == own else (None, None)  # None: the method's default
+        rho_over, scope_over = given[method]
+        columns[method] = dataclasses.replace(
+            run, method=method, rho=rho if rho_over is None else float(rho_over),
+            scope=scope if scope_over is None else scope_over, warmup_steps=0,
+            tau_p=run.tau_p if tau_p is None else float(tau_p), tau_h=run.tau_h if tau_h is None else float(tau_h))
+    return columns
+
+
+# ------------------------------------------------------------------------------------------------
+# The steps of a report
 # ------------------------------------------------------------------------------------------------
 _STATS_FNS: dict[tuple, Any] = {}  # (graphdef, G, N, T_s, chunk) -> jitted statistics pass
 
@@ -40,140 +97,83 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
         return tokenizer.decode([int(token_id)])
 
 
-def token_report(
-    model: Any,
-    tokenizer: Any,
-    prompt: str,
-    *,
-    num_samples: int = 8,
-    max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    seed: int = 0,
-    template: str = "none",
-    rho_ict: float = 0.1,
-    rho_entropy: float = 0.2,
-    ict_scope: str = "sequence",
-    entropy_scope: str = "batch",
-    tau_p: float = 0.002,
-    tau_h: float = 0.8,
-    rewards: Sequence[float] | Callable[[str], float] | None = None,
-    stats_temperature: float | None = None,
-    chunk: int = 128,
-) -> dict[str, Any]:
-    """Sample ``num_samples`` (G) responses to ``prompt`` and compute, for every response token, the
-    docs/method.md §1 statistics and the ICT, 20-Entropy and STAPO masks (docs/method.md §2).
-
-    - ``template``: how the prompt is wrapped (:func:`ict_jax.data.templates.format_prompt`: ``"none"`` = as is,
-      ``"plain"``, ``"qwen_chat"``).
-    - Sampling: :func:`ict_jax.generate` with key ``jax.random.key(seed)``, the tokenizer's EOS ids.
-    - Statistics: ``hidden_states`` of prompt + response, shifted so that ``hidden[:, t]`` predicts
-      response token t, then :func:`ict_jax.stats_from_hidden` with p = softmax(logits / T_s),
-      T_s = ``stats_temperature`` (default: the sampling ``temperature``, as in training).
-    - Masks: ``ict_mask(js, rho=rho_ict, scope=ict_scope)``, ``entropy_mask(H1, rho=rho_entropy,
-      scope=entropy_scope)`` and ``stapo_mask(logp, H1, A, tau_p, tau_h)`` (1 = kept, 0 = silenced),
-      all over this one group (the "mini-batch" of the entropy and STAPO quantiles is the group).
-    - STAPO needs advantages: with ``rewards`` (G floats, or a callable ``text -> reward`` applied to
-      each decoded response) A = :func:`ict_jax.group_advantages` (scale ``group``); without, every
-      response gets A = 1 (``advantage_source`` says so: :data:`ASSUMED_POSITIVE`).
-
-    Returns a dict of plain Python values plus ``arrays`` (numpy, ``[G, N]``): ``tokens``, ``valid``,
-    ``logp``, ``H1``, ``H2``, ``js``, ``ict``, ``entropy``, ``stapo``, ``advantages``. ``responses``
-    holds one dict per response with ``tokens``: a list of ``{"id", "text", "logp", "H1", "H2", "js",
-    "ict", "entropy", "stapo"}`` over its valid positions (the ending EOS included), ``text`` being the
-    token decoded on its own with special tokens kept.
-    """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from ict_jax.data.templates import format_prompt
-    from ict_jax.rl.losses import group_advantages
-    from ict_jax.sampling.sampler import generate
-    from ict_jax.rl.selectors import entropy_mask, ict_mask, stapo_mask, stapo_quantile
-    from ict_jax.rl.token_stats import stats_from_hidden
-
-    G = int(num_samples)
-    if G < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    t_s = float(temperature if stats_temperature is None else stats_temperature)
-    if not t_s > 0:
-        raise ValueError(f"the statistics temperature must be > 0, got {t_s}")
+def _encode_prompt(tokenizer: Any, prompt: str, template: str, vocab: int) -> tuple[str, list[int]]:
+    """The templated prompt text and its token ids, checked against the model's vocabulary."""
     text = format_prompt(prompt, template, tokenizer)
     prompt_ids = [int(i) for i in tokenizer.encode(text)]
     if not prompt_ids:
         raise ValueError("the prompt encodes to zero tokens")
-    vocab = model.config.vocab_size
     if max(prompt_ids) >= vocab:
         raise ValueError(f"the prompt has token id {max(prompt_ids)} but the model's vocabulary has {vocab} ids")
-    Lp, N = len(prompt_ids), int(max_new_tokens)
+    return text, prompt_ids
 
-    ids = np.asarray([prompt_ids], np.int32)
-    ro = generate(model, ids, np.ones_like(ids), jax.random.key(int(seed)), num_samples=G, max_new_tokens=N,
-                  temperature=float(temperature), eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
-    tokens = np.asarray(ro.tokens, np.int32)
-    valid = np.asarray(ro.valid, bool)
-    truncated = np.asarray(ro.truncated, bool)
 
-    # prompt + response; hidden[:, Lp - 1 + t] predicts response token t
+def _group_stats(model: Any, ids: np.ndarray, tokens: np.ndarray, valid: np.ndarray, *, t_s: float,
+                 chunk: int) -> TokenStats:
+    """docs/method.md §1 statistics of the G responses ``tokens [G, N]`` to the one prompt ``ids [1, Lp]``:
+    the hidden states of prompt + response that predict each response token, then
+    :func:`stats_from_hidden` over the group (one jitted pass, cached per shape and setting)."""
+    G, N = tokens.shape
     full = np.concatenate([np.repeat(ids, G, axis=0), tokens], axis=1)
-    full_mask = np.concatenate([np.ones((G, Lp), np.int32), valid.astype(np.int32)], axis=1)
+    full_mask = np.concatenate([np.ones((G, ids.shape[1]), np.int32), valid.astype(np.int32)], axis=1)
     graphdef, state = nnx.split(model)
     fn_key = (graphdef, G, N, t_s, int(chunk))
     stats_fn = _STATS_FNS.get(fn_key)
     if stats_fn is None:
         @jax.jit
-        def stats_fn(state, full, full_mask, tokens, valid):
+        def stats_fn(state, full, full_mask, valid):
             m = nnx.merge(graphdef, state)
-            h = m.hidden_states(full[:, :-1], full_mask[:, :-1])[:, -N:]
-            return stats_from_hidden(h, m.unembedding(), tokens, valid, group_size=G, temperature=t_s, chunk=chunk)
+            hidden, targets = m.predicting_states(full, full_mask, N)
+            return stats_from_hidden(hidden, m.unembedding(), targets, valid, group_size=G, temperature=t_s,
+                                     chunk=chunk)
 
         _STATS_FNS[fn_key] = stats_fn
-    st = stats_fn(state, jnp.asarray(full), jnp.asarray(full_mask), jnp.asarray(tokens), jnp.asarray(valid))
+    return stats_fn(state, jnp.asarray(full), jnp.asarray(full_mask), jnp.asarray(valid))
 
-    eos = set(int(e) for e in tokenizer.eos_ids)
-    texts = [tokenizer.decode([int(t) for t, v in zip(tokens[i], valid[i]) if v and int(t) not in eos])
-             for i in range(G)]
+
+def _advantages(rewards: Sequence[float] | Callable[[str], float] | None, texts: list[str],
+                G: int) -> tuple[list[float] | None, jax.Array, str]:
+    """(rewards as floats or None, advantages [G], where they came from) for STAPO."""
     if rewards is None:
-        reward_list = None
-        adv = jnp.ones((G,), jnp.float32)
-        source = ASSUMED_POSITIVE
-    else:
-        reward_list = [float(rewards(t)) for t in texts] if callable(rewards) else [float(r) for r in rewards]
-        if len(reward_list) != G:
-            raise ValueError(f"rewards: expected {G} values (one per response), got {len(reward_list)}")
-        adv = group_advantages(jnp.asarray(reward_list, jnp.float32), G)
-        source = "rewards: A = group_advantages(rewards, G) (docs/method.md §3, scale 'group')"
+        return None, jnp.ones((G,), jnp.float32), ASSUMED_POSITIVE
+    reward_list = [float(rewards(t)) for t in texts] if callable(rewards) else [float(r) for r in rewards]
+    if len(reward_list) != G:
+        raise ValueError(f"rewards: expected {G} values (one per response), got {len(reward_list)}")
+    adv = group_advantages(jnp.asarray(reward_list, jnp.float32), G)
+    return reward_list, adv, "rewards: A = group_advantages(rewards, G) (docs/method.md §3, scale 'group')"
 
+
+def _select_columns(stats: TokenStats, adv: jax.Array, valid: np.ndarray,
+                    columns: Mapping[str, SelectorSection], seed: int) -> dict[str, jax.Array]:
+    """Each column's mask through the train step's :func:`select`, over the one group (its mini-batch)."""
     vj = jnp.asarray(valid)
-    masks = {
-        "ict": ict_mask(st.js, vj, group_size=G, rho=rho_ict, scope=ict_scope),
-        "entropy": entropy_mask(st.H1, vj, group_size=G, rho=rho_entropy, scope=entropy_scope),
-        "stapo": stapo_mask(st.logp, st.H1, adv, vj, tau_p=tau_p, tau_h=tau_h),
-    }
-    q = float(stapo_quantile(st.H1, vj, tau_h))
-    arrays: dict[str, Any] = {"tokens": tokens, "valid": valid}
-    for name in _STATS:
-        arrays[name] = np.asarray(getattr(st, name), np.float32)
-    for name, m in masks.items():
-        arrays[name] = np.asarray(m, np.float32)
-    arrays["advantages"] = np.asarray(adv, np.float32)
+    return {name: select(col.method, stats, adv, vj, key=jax.random.key(int(seed)), step=0, config=col,
+                         group_size=vj.shape[0])
+            for name, col in columns.items()}
 
+
+def _responses(tokenizer: Any, arrays: Mapping[str, np.ndarray], truncated: np.ndarray, texts: list[str],
+               reward_list: list[float] | None) -> list[dict[str, Any]]:
+    """One dict per response with its per-token list over its valid positions."""
+    tokens, valid = arrays["tokens"], arrays["valid"]
     responses = []
-    for i in range(G):
+    for i in range(tokens.shape[0]):
         n = int(valid[i].sum())
-        toks = []
-        for t in range(n):
-            toks.append({"id": int(tokens[i, t]), "text": _token_text(tokenizer, tokens[i, t]),
-                         **{k: float(arrays[k][i, t]) for k in _STATS},
-                         **{k: bool(arrays[k][i, t] > 0) for k in MASKS}})
+        toks = [{"id": int(tokens[i, t]), "text": _token_text(tokenizer, tokens[i, t]),
+                 **{k: float(arrays[k][i, t]) for k in _STATS},
+                 **{k: bool(arrays[k][i, t] > 0) for k in MASKS}} for t in range(n)]
         responses.append({"index": i, "text": texts[i], "length": n, "truncated": bool(truncated[i]),
                           "reward": None if reward_list is None else reward_list[i],
                           "advantage": float(arrays["advantages"][i]), "tokens": toks})
+    return responses
+
+
+def _summary(arrays: Mapping[str, np.ndarray], q: float) -> dict[str, Any]:
+    valid = arrays["valid"]
     n_valid = int(valid.sum())
     ict_sel, ent_sel = arrays["ict"] > 0, arrays["entropy"] > 0
     union = int((ict_sel | ent_sel).sum())
-    summary = {
+    return {
         "valid_tokens": n_valid,
         "ict_selected": int(ict_sel.sum()),
         "entropy_selected": int(ent_sel.sum()),
@@ -184,8 +184,99 @@ def token_report(
         **{f"{k}_mean": (float(arrays[k][valid].mean()) if n_valid else 0.0) for k in _STATS},
         "js_max": float(arrays["js"][valid].max()) if n_valid else 0.0,
     }
-    settings = dict(num_samples=G, max_new_tokens=N, temperature=float(temperature), stats_temperature=t_s,
-                    seed=int(seed), template=template, rho_ict=float(rho_ict), rho_entropy=float(rho_entropy),
-                    ict_scope=ict_scope, entropy_scope=entropy_scope, tau_p=float(tau_p), tau_h=float(tau_h))
+
+
+def _settings(run: SelectorSection, columns: Mapping[str, SelectorSection], **sampling: Any) -> dict[str, Any]:
+    """The report's settings: sampling, each column's selector parameters, the run's selector."""
+    ict, ent, stapo = columns["ict"], columns["entropy"], columns["stapo"]
+    return {**sampling, "rho_ict": float(ict.resolved_rho), "rho_entropy": float(ent.resolved_rho),
+            "ict_scope": ict.resolved_scope, "entropy_scope": ent.resolved_scope, "tau_p": float(stapo.tau_p),
+            "tau_h": float(stapo.tau_h),
+            "run_selector": {"method": run.method, "rho": run.resolved_rho, "scope": run.resolved_scope,
+                             "tau_p": float(run.tau_p), "tau_h": float(run.tau_h)}}
+
+
+# ------------------------------------------------------------------------------------------------
+# The report
+# ------------------------------------------------------------------------------------------------
+def token_report(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    *,
+    num_samples: int = 8,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    template: str = "none",
+    selector: SelectorSection | None = None,
+    rho_ict: float | None = None,
+    rho_entropy: float | None = None,
+    ict_scope: str | None = None,
+    entropy_scope: str | None = None,
+    tau_p: float | None = None,
+    tau_h: float | None = None,
+    rewards: Sequence[float] | Callable[[str], float] | None = None,
+    stats_temperature: float | None = None,
+    chunk: int = 128,
+) -> dict[str, Any]:
+    """Sample ``num_samples`` (G) responses to ``prompt`` and compute, for every response token, the
+    docs/method.md §1 statistics and the ICT, 20-Entropy and STAPO masks (docs/method.md §2).
+
+    - ``template``: how the prompt is wrapped (:func:`ict_jax.data.templates.format_prompt`: ``"none"`` = as is,
+      ``"plain"``, ``"qwen_chat"``).
+    - Sampling: :func:`ict_jax.sampling.sampler.generate` with key ``jax.random.key(seed)``, the tokenizer's
+      EOS ids.
+    - Statistics: :meth:`~ict_jax.model.qwen2.Qwen2.predicting_states` of prompt + response (``hidden[:, t]``
+      predicts response token t), then :func:`~ict_jax.rl.token_stats.stats_from_hidden` with
+      p = softmax(logits / T_s), T_s = ``stats_temperature`` (default: the sampling ``temperature``, as in
+      training).
+    - Masks: :func:`ict_jax.rl.selectors.select` with each column's section of :func:`column_selectors`
+      (``selector`` = the inspected run's selector config, None = the ``ict_jax.config`` defaults;
+      ``rho_ict``, ``rho_entropy``, ``ict_scope``, ``entropy_scope``, ``tau_p``, ``tau_h`` override it
+      when not None), all over this one group (the "mini-batch" of the entropy and STAPO quantiles is
+      the group); 1 = kept, 0 = silenced.
+    - STAPO needs advantages: with ``rewards`` (G floats, or a callable ``text -> reward`` applied to
+      each decoded response) A = :func:`ict_jax.rl.losses.group_advantages` (scale ``group``); without,
+      every response gets A = 1 (``advantage_source`` says so: :data:`ASSUMED_POSITIVE`).
+
+    Returns a dict of plain Python values plus ``arrays`` (numpy, ``[G, N]``): ``tokens``, ``valid``,
+    ``logp``, ``H1``, ``H2``, ``js``, ``ict``, ``entropy``, ``stapo``, ``advantages``. ``responses``
+    holds one dict per response with ``tokens``: a list of ``{"id", "text", "logp", "H1", "H2", "js",
+    "ict", "entropy", "stapo"}`` over its valid positions (the ending EOS included), ``text`` being the
+    token decoded on its own with special tokens kept. ``settings`` holds each column's rho / scope /
+    tau and ``run_selector`` (the run's method, rho, scope, tau_p, tau_h).
+    """
+    G, N = int(num_samples), int(max_new_tokens)
+    if G < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    t_s = float(temperature if stats_temperature is None else stats_temperature)
+    if not t_s > 0:
+        raise ValueError(f"the statistics temperature must be > 0, got {t_s}")
+    run = SelectorSection() if selector is None else selector
+    columns = column_selectors(run, rho_ict=rho_ict, rho_entropy=rho_entropy, ict_scope=ict_scope,
+                               entropy_scope=entropy_scope, tau_p=tau_p, tau_h=tau_h)
+    text, prompt_ids = _encode_prompt(tokenizer, prompt, template, model.config.vocab_size)
+
+    ids = np.asarray([prompt_ids], np.int32)
+    ro = generate(model, ids, np.ones_like(ids), jax.random.key(int(seed)), num_samples=G, max_new_tokens=N,
+                  temperature=float(temperature), eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
+    tokens, valid = np.asarray(ro.tokens, np.int32), np.asarray(ro.valid, bool)
+    st = _group_stats(model, ids, tokens, valid, t_s=t_s, chunk=chunk)
+
+    eos = {int(e) for e in tokenizer.eos_ids}
+    texts = [tokenizer.decode([int(t) for t, v in zip(tokens[i], valid[i]) if v and int(t) not in eos])
+             for i in range(G)]
+    reward_list, adv, source = _advantages(rewards, texts, G)
+    masks = _select_columns(st, adv, valid, columns, seed)
+    arrays: dict[str, Any] = {"tokens": tokens, "valid": valid,
+                              **{k: np.asarray(getattr(st, k), np.float32) for k in _STATS},
+                              **{k: np.asarray(m, np.float32) for k, m in masks.items()},
+                              "advantages": np.asarray(adv, np.float32)}
+    q = float(stapo_quantile(st.H1, jnp.asarray(valid), columns["stapo"].tau_h))
+    settings = _settings(run, columns, num_samples=G, max_new_tokens=N, temperature=float(temperature),
+                         stats_temperature=t_s, seed=int(seed), template=template)
     return {"prompt": prompt, "prompt_text": text, "prompt_ids": prompt_ids, "settings": settings,
-            "advantage_source": source, "responses": responses, "summary": summary, "arrays": arrays}
+            "advantage_source": source,
+            "responses": _responses(tokenizer, arrays, np.asarray(ro.truncated, bool), texts, reward_list),
+            "summary": _summary(arrays, q), "arrays": arrays}

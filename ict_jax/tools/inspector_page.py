@@ -96,6 +96,134 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}" if math.isfinite(x) else str(x)
 
 
+def _pct(rho: float) -> str:
+    """A fraction as a percentage, exact to 4 decimals of rho: 0.05 -> '5%', 0.025 -> '2.5%'."""
+    return f"{rho * 100:.4g}%"
+
+
+def _maxima(report: dict[str, Any]) -> dict[str, float]:
+    """The top of each colour scale (JS, H1, H2, surprisal) over the page's tokens; never 0."""
+    toks = [t for r in report["responses"] for t in r["tokens"]]
+    maxima = {"js": report["summary"].get("js_max", 0.0),
+              "H1": max((t["H1"] for t in toks), default=0.0), "H2": max((t["H2"] for t in toks), default=0.0),
+              "surprisal": max((-t["logp"] for t in toks), default=0.0)}
+    return {k: (v if v > 0 else (_LN2 if k == "js" else 1.0)) for k, v in maxima.items()}
+
+
+def _column_heads(s: dict[str, Any]) -> dict[str, str]:
+    return {"ict": f"ICT: top {_pct(s['rho_ict'])} by JS per {s['ict_scope']} (outlined)",
+            "entropy": f"20-Entropy: top {_pct(s['rho_entropy'])} by H1 per {s['entropy_scope']} (outlined)",
+            "stapo": "STAPO: silenced tokens (dashed, struck through)"}
+
+
+def _prompt_box(report: dict[str, Any]) -> str:
+    """The prompt (as typed, and as the model sees it) and the settings: sampling, the run's selector,
+    each column's parameters, the advantages' source."""
+    s = report["settings"]
+    out = ["<div class=\"box\"><h2>Prompt</h2>", f"<div class=\"prompt\" id=\"prompt\">{_e(report['prompt'])}</div>"]
+    if report.get("prompt_text") != report["prompt"]:
+        out.append(f"<div class=\"muted\">as the model sees it (template {_e(s['template'])}):</div>")
+        out.append(f"<div class=\"prompt\">{_e(report['prompt_text'])}</div>")
+    run = s.get("run_selector")
+    run_text = "" if run is None else (
+        f"rl.selector: method {run['method']}"
+        + (f", rho = {run['rho']:g} ({_pct(run['rho'])}), scope {run['scope']}" if run["rho"] is not None else "")
+        + f", tau_p = {run['tau_p']}, tau_h = {run['tau_h']}. ")
+    out.append("<p class=\"muted\" id=\"settings\">" + _e(
+        f"G = {s['num_samples']} responses, at most {s['max_new_tokens']} new tokens, temperature "
+        f"{s['temperature']} (statistics at T_s = {s['stats_temperature']}), seed {s['seed']}. " + run_text
+        + f"ICT: top {_pct(s['rho_ict'])} (rho = {s['rho_ict']:g}) by JS per {s['ict_scope']}; 20-Entropy: top "
+        f"{_pct(s['rho_entropy'])} (rho = {s['rho_entropy']:g}) by H1 per {s['entropy_scope']}; STAPO: tau_p = "
+        f"{s['tau_p']}, tau_h = {s['tau_h']}. Advantages: {report['advantage_source']}.") + "</p></div>")
+    return "".join(out)
+
+
+def _legend_box(vmax: float) -> str:
+    return ("<div class=\"box legend\"><b>Colour:</b> <span id=\"legend-name\">JS(p || group mean)</span> "
+            f"<span>0</span><span class=\"ramp\"></span><span id=\"legend-max\">{_fmt(vmax)}</span>"
+            "<label>colour by <select id=\"colour-by\"><option value=\"js\" selected>JS(p || group mean)</option>"
+            "<option value=\"H1\">H1 (Shannon)</option><option value=\"H2\">H2 (Renyi-2)</option>"
+            "<option value=\"surprisal\">surprisal -logp</option></select></label>"
+            "<span><span class=\"tok\" style=\"outline:2px solid #1a5fb4\">ab</span> selected by ICT</span>"
+            "<span><span class=\"tok\" style=\"outline:2px solid #26a269\">ab</span> selected by 20-Entropy</span>"
+            "<span><span class=\"tok\" style=\"outline:2px dashed #c01c28;text-decoration:line-through\">ab</span>"
+            " silenced by STAPO</span>"
+            "<span class=\"muted\">&#8629; newline, &#8709; empty token; hover a token for its statistics</span></div>")
+
+
+def _summary_box(report: dict[str, Any]) -> str:
+    """Per response: length, end, reward, advantage, selected / silenced counts, mean statistics; totals."""
+    summ = report["summary"]
+    out = [("<div class=\"box\"><h2>Summary</h2><table id=\"summary\"><tr><th>response</th><th>tokens</th>"
+            "<th>end</th><th>reward</th><th>advantage</th><th>ICT</th><th>entropy</th><th>STAPO silenced</th>"
+            "<th>mean JS</th><th>mean H1</th><th>mean H2</th></tr>")]
+    for r in report["responses"]:
+        toks = r["tokens"]
+        n = max(1, len(toks))
+        out.append("<tr>" + "".join(f"<td>{_e(x)}</td>" for x in (
+            r["index"], r["length"], "truncated" if r["truncated"] else "eos",
+            "-" if r["reward"] is None else _fmt(r["reward"]), _fmt(r["advantage"]),
+            sum(t["ict"] for t in toks), sum(t["entropy"] for t in toks), sum(not t["stapo"] for t in toks),
+            _fmt(sum(t["js"] for t in toks) / n), _fmt(sum(t["H1"] for t in toks) / n),
+            _fmt(sum(t["H2"] for t in toks) / n))) + "</tr>")
+    q = summ["stapo_h1_quantile"] if summ["stapo_h1_quantile"] is not None else math.inf
+    out.append("</table><p class=\"muted\">" + _e(
+        f"{summ['valid_tokens']} tokens; ICT selects {summ['ict_selected']}, 20-Entropy "
+        f"{summ['entropy_selected']} ({summ['ict_entropy_overlap']} in both, Jaccard "
+        f"{summ['ict_entropy_jaccard']:.2f}); STAPO silences {summ['stapo_silenced']} "
+        f"(H1 quantile q = {_fmt(q)}).") + "</p></div>")
+    return "".join(out)
+
+
+def _token_spans(r: dict[str, Any], t_idx: int, t: dict[str, Any], vmax: float) -> dict[str, str]:
+    """One token's ``<span>`` in each mask column: text escaped, JS colour, statistics in title / data-*."""
+    text = t["text"]
+    p = math.exp(t["logp"]) if math.isfinite(t["logp"]) else 0.0
+    tip = (f"response {r['index']}, token {t_idx}: id {t['id']} {text!r}\n"
+           f"logp {t['logp']:.4f} (p = {p:.4g})   H1 {t['H1']:.4f}   H2 {t['H2']:.4f}   JS {t['js']:.5f}\n"
+           f"ICT {'selected' if t['ict'] else '-'}   entropy {'selected' if t['entropy'] else '-'}   "
+           f"STAPO {'kept' if t['stapo'] else 'silenced'}")
+    base = ["tok"]
+    if text == "":
+        base.append("empty")
+    elif "\n" in text:
+        base.append("nl")
+    if text.startswith("<") and text.endswith(">") and len(text) > 2:
+        base.append("special")
+    attrs = (f'title="{_e(tip)}" style="background:{_colour(t["js"] / vmax)}" data-i="{t_idx}" '
+             f'data-id="{t["id"]}" data-js="{_fmt(t["js"])}" data-H1="{_fmt(t["H1"])}" '
+             f'data-H2="{_fmt(t["H2"])}" data-surprisal="{_fmt(-t["logp"])}" data-logp="{_fmt(t["logp"])}"')
+    spans = {}
+    for m in MASKS:
+        cls = list(base)
+        if m == "stapo":
+            if not t["stapo"]:
+                cls.append("silenced")
+        elif t[m]:
+            cls.append("sel")
+        spans[m] = f'<span class="{" ".join(cls)}" {attrs}>{_e(text)}</span>'
+    return spans
+
+
+def _response_section(r: dict[str, Any], heads: dict[str, str], vmax: float) -> str:
+    """One response: its header line and its tokens three times, one column per mask."""
+    toks = r["tokens"]
+    spans: dict[str, list[str]] = {m: [] for m in MASKS}
+    for t_idx, t in enumerate(toks):
+        for m, span in _token_spans(r, t_idx, t, vmax).items():
+            spans[m].append(span)
+    end = "truncated" if r["truncated"] else "eos"
+    reward = "" if r["reward"] is None else f", reward {_fmt(r['reward'])}"
+    line = f"{len(toks)} tokens ({end}){reward}, advantage {_fmt(r['advantage'])}"
+    out = [f"<section class=\"resp\" id=\"r{r['index']}\" data-index=\"{r['index']}\">",
+           f"<h2>response {r['index']}</h2><div class=\"muted\">{_e(line)}</div>", "<div class=\"cols\">"]
+    for m in MASKS:
+        out.append(f"<div class=\"col {m}\" data-mask=\"{m}\"><h3>{_e(heads[m])}</h3><div class=\"toks\">"
+                   + "".join(spans[m]) + "</div></div>")
+    out.append("</div></section>")
+    return "".join(out)
+
+
 def render_html(report: dict[str, Any], *, title: str = "ict_jax token inspector") -> str:
     """One self-contained HTML page for a :func:`token_report` (inline CSS and JS, nothing external).
 
@@ -103,114 +231,22 @@ def render_html(report: dict[str, Any], *, title: str = "ict_jax token inspector
     is a ``<span class="tok">`` holding its decoded text (escaped), its background coloured by its JS
     score on a 0 .. max(JS) scale (the legend), ``class="sel"`` (solid outline) where the column's
     method selects it, ``class="silenced"`` (dashed, struck through) where STAPO silences it, and
-    logp / p / H1 / H2 / JS / the three masks in its ``title`` (hover) and ``data-*`` attributes. All
+    logp / p / H1 / H2 / JS / the three masks in its ``title`` (hover) and ``data-*`` attributes. The
+    settings paragraph states the inspected run's selector and each column's rho, scope and tau. All
     text from the prompt and the model is escaped with :func:`html.escape`; the script only reads
     ``data-*`` numbers and sets colours and ``textContent``.
     """
-    s = report["settings"]
-    summ = report["summary"]
-    maxima = {"js": summ.get("js_max", 0.0)}
-    for key in ("H1", "H2"):
-        maxima[key] = max((t[key] for r in report["responses"] for t in r["tokens"]), default=0.0)
-    maxima["surprisal"] = max((-t["logp"] for r in report["responses"] for t in r["tokens"]), default=0.0)
-    maxima = {k: (v if v > 0 else (_LN2 if k == "js" else 1.0)) for k, v in maxima.items()}
+    maxima = _maxima(report)
     vmax = maxima["js"]
     ramp_css = ",".join(_colour(x / 4) for x in range(5))
-
-    out: list[str] = []
-    w = out.append
-    w("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">")
-    w("<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
-      "script-src 'unsafe-inline'\">")
-    w(f"<title>{_e(title)}</title><style>{_CSS % ramp_css}</style></head>")
-    w("<body " + " ".join(f'data-max-{k}="{_fmt(v)}"' for k, v in maxima.items()) + ">")
-    w(f"<h1>{_e(title)}</h1>")
-
-    # prompt and settings
-    w("<div class=\"box\"><h2>Prompt</h2>")
-    w(f"<div class=\"prompt\" id=\"prompt\">{_e(report['prompt'])}</div>")
-    if report.get("prompt_text") != report["prompt"]:
-        w(f"<div class=\"muted\">as the model sees it (template {_e(s['template'])}):</div>")
-        w(f"<div class=\"prompt\">{_e(report['prompt_text'])}</div>")
-    w("<p class=\"muted\">" + _e(
-        f"G = {s['num_samples']} responses, at most {s['max_new_tokens']} new tokens, temperature "
-        f"{s['temperature']} (statistics at T_s = {s['stats_temperature']}), seed {s['seed']}. "
-        f"ICT: top {s['rho_ict']:.0%} by JS per {s['ict_scope']}; 20-Entropy: top {s['rho_entropy']:.0%} by H1 "
-        f"per {s['entropy_scope']}; STAPO: tau_p = {s['tau_p']}, tau_h = {s['tau_h']}. "
-        f"Advantages: {report['advantage_source']}.") + "</p></div>")
-
-    # legend and colouring control
-    w("<div class=\"box legend\"><b>Colour:</b> <span id=\"legend-name\">JS(p || group mean)</span> "
-      f"<span>0</span><span class=\"ramp\"></span><span id=\"legend-max\">{_fmt(vmax)}</span>")
-    w("<label>colour by <select id=\"colour-by\"><option value=\"js\" selected>JS(p || group mean)</option>"
-      "<option value=\"H1\">H1 (Shannon)</option><option value=\"H2\">H2 (Renyi-2)</option>"
-      "<option value=\"surprisal\">surprisal -logp</option></select></label>")
-    w("<span><span class=\"tok\" style=\"outline:2px solid #1a5fb4\">ab</span> selected by ICT</span>"
-      "<span><span class=\"tok\" style=\"outline:2px solid #26a269\">ab</span> selected by 20-Entropy</span>"
-      "<span><span class=\"tok\" style=\"outline:2px dashed #c01c28;text-decoration:line-through\">ab</span>"
-      " silenced by STAPO</span>"
-      "<span class=\"muted\">&#8629; newline, &#8709; empty token; hover a token for its statistics</span></div>")
-
-    # summary table
-    w("<div class=\"box\"><h2>Summary</h2><table id=\"summary\"><tr><th>response</th><th>tokens</th><th>end</th>"
-      "<th>reward</th><th>advantage</th><th>ICT</th><th>entropy</th><th>STAPO silenced</th>"
-      "<th>mean JS</th><th>mean H1</th><th>mean H2</th></tr>")
-    for r in report["responses"]:
-        toks = r["tokens"]
-        n = max(1, len(toks))
-        w("<tr>" + "".join(f"<td>{_e(x)}</td>" for x in (
-            r["index"], r["length"], "truncated" if r["truncated"] else "eos",
-            "-" if r["reward"] is None else _fmt(r["reward"]), _fmt(r["advantage"]),
-            sum(t["ict"] for t in toks), sum(t["entropy"] for t in toks), sum(not t["stapo"] for t in toks),
-            _fmt(sum(t["js"] for t in toks) / n), _fmt(sum(t["H1"] for t in toks) / n),
-            _fmt(sum(t["H2"] for t in toks) / n))) + "</tr>")
-    w("</table><p class=\"muted\">" + _e(
-        f"{summ['valid_tokens']} tokens; ICT selects {summ['ict_selected']}, 20-Entropy "
-        f"{summ['entropy_selected']} ({summ['ict_entropy_overlap']} in both, Jaccard "
-        f"{summ['ict_entropy_jaccard']:.2f}); STAPO silences {summ['stapo_silenced']} "
-        f"(H1 quantile q = {_fmt(summ['stapo_h1_quantile'] if summ['stapo_h1_quantile'] is not None else math.inf)}).") + "</p></div>")
-    w("<div id=\"info\">hover a token</div>")
-
-    heads = {"ict": f"ICT: top {s['rho_ict']:.0%} by JS (outlined)",
-             "entropy": f"20-Entropy: top {s['rho_entropy']:.0%} by H1 (outlined)",
-             "stapo": "STAPO: silenced tokens (dashed, struck through)"}
-    for r in report["responses"]:
-        toks = r["tokens"]
-        spans = {m: [] for m in MASKS}
-        for t_idx, t in enumerate(toks):
-            text = t["text"]
-            p = math.exp(t["logp"]) if math.isfinite(t["logp"]) else 0.0
-            tip = (f"response {r['index']}, token {t_idx}: id {t['id']} {text!r}\n"
-                   f"logp {t['logp']:.4f} (p = {p:.4g})   H1 {t['H1']:.4f}   H2 {t['H2']:.4f}   JS {t['js']:.5f}\n"
-                   f"ICT {'selected' if t['ict'] else '-'}   entropy {'selected' if t['entropy'] else '-'}   "
-                   f"STAPO {'kept' if t['stapo'] else 'silenced'}")
-            base = ["tok"]
-            if text == "":
-                base.append("empty")
-            elif "\n" in text:
-                base.append("nl")
-            if text.startswith("<") and text.endswith(">") and len(text) > 2:
-                base.append("special")
-            attrs = (f'title="{_e(tip)}" style="background:{_colour(t["js"] / vmax)}" data-i="{t_idx}" '
-                     f'data-id="{t["id"]}" data-js="{_fmt(t["js"])}" data-H1="{_fmt(t["H1"])}" '
-                     f'data-H2="{_fmt(t["H2"])}" data-surprisal="{_fmt(-t["logp"])}" data-logp="{_fmt(t["logp"])}"')
-            for m in MASKS:
-                cls = list(base)
-                if m == "stapo":
-                    if not t["stapo"]:
-                        cls.append("silenced")
-                elif t[m]:
-                    cls.append("sel")
-                spans[m].append(f'<span class="{" ".join(cls)}" {attrs}>{_e(text)}</span>')
-        end = "truncated" if r["truncated"] else "eos"
-        reward = "" if r["reward"] is None else f", reward {_fmt(r['reward'])}"
-        w(f"<section class=\"resp\" id=\"r{r['index']}\" data-index=\"{r['index']}\">")
-        line = f"{len(toks)} tokens ({end}){reward}, advantage {_fmt(r['advantage'])}"
-        w(f"<h2>response {r['index']}</h2><div class=\"muted\">{_e(line)}</div>")
-        w("<div class=\"cols\">")
-        for m in MASKS:
-            w(f"<div class=\"col {m}\" data-mask=\"{m}\"><h3>{_e(heads[m])}</h3><div class=\"toks\">"
-              + "".join(spans[m]) + "</div></div>")
-        w("</div></section>")
-    w(f"<script>{_JS}</script></body></html>\n")
+    heads = _column_heads(report["settings"])
+    out = ["<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
+           ("<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
+            "script-src 'unsafe-inline'\">"),
+           f"<title>{_e(title)}</title><style>{_CSS % ramp_css}</style></head>",
+           "<body " + " ".join(f'data-max-{k}="{_fmt(v)}"' for k, v in maxima.items()) + ">",
+           f"<h1>{_e(title)}</h1>", _prompt_box(report), _legend_box(vmax), _summary_box(report),
+           "<div id=\"info\">hover a token</div>"]
+    out += [_response_section(r, heads, vmax) for r in report["responses"]]
+    out.append(f"<script>{_JS}</script></body></html>\n")
     return "".join(out)

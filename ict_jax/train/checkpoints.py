@@ -23,8 +23,13 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
-from ict_jax.rl.state import TrainState
+from ict_jax.model.config import ModelConfig
+from ict_jax.model.qwen2 import Qwen2
+from ict_jax.model.weights import save_hf
+from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings
+from ict_jax.sharding import replicated, state_shardings
 
 FORMAT = 1  # meta["format"]: bump when the saved items change
 _ITEMS = ("params", "opt", "meta")
@@ -68,9 +73,6 @@ def abstract_train_state(config: Any, model_config: Any, *, mesh: jax.sharding.M
     """A restore template: the :class:`~ict_jax.TrainState` that ``init_train_state(config,
     init_model(model_config, mesh=mesh), tx=tx)`` would build, as ShapeDtypeStructs with the same
     shardings (rule table on ``mesh``, else the default device); nothing is allocated."""
-    from ict_jax.sharding import replicated
-    from ict_jax.rl.state import make_optimizer, opt_state_shardings
-
     graphdef, params = _abstract_params(model_config, mesh)
     tx = tx or make_optimizer(config)
     opt_sh = opt_state_shardings(tx, params)
@@ -88,11 +90,6 @@ def abstract_train_state(config: Any, model_config: Any, *, mesh: jax.sharding.M
 
 def _abstract_params(model_config: Any, mesh: jax.sharding.Mesh | None) -> tuple[Any, Any]:
     """(graphdef, nnx.State of nnx.Param over ShapeDtypeStructs with the model's shardings)."""
-    from flax import nnx
-
-    from ict_jax.model.qwen2 import Qwen2
-    from ict_jax.sharding import state_shardings
-
     abstract = nnx.eval_shape(lambda: Qwen2(model_config, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
@@ -274,10 +271,6 @@ def load_params_from_checkpoint(directory: str | Path, step: int | None = None, 
     rebuilt from ``meta["model_config"]``; only the ``params`` item is read (no optimizer state).
     With ``mesh`` every parameter is placed in its rule-table sharding.
     """
-    from flax import nnx
-
-    from ict_jax.model.config import ModelConfig
-
     directory, step = resolve_checkpoint_dir(directory, step)
     with Checkpointer(directory, read_only=True) as ckpt:
         meta = ckpt.restore_meta(step)
@@ -298,7 +291,5 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | 
                       dtype: str | None = None) -> Path:
     """Write checkpoint ``step`` (default: the latest) of ``ckpt_dir`` as a Hugging Face directory
     (``config.json`` + safetensors) at ``out_dir``, which must not exist or be empty."""
-    from ict_jax.model.weights import save_hf
-
     model, _meta = load_params_from_checkpoint(ckpt_dir, step)
     return save_hf(model, out_dir, dtype=dtype)

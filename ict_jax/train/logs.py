@@ -12,6 +12,8 @@ from typing import Any, Iterable, Mapping
 import jax
 import numpy as np
 
+from ict_jax.sharding import to_host
+
 #: Metrics shown in the progress bar (short label -> key).
 BAR_KEYS = {"reward": "reward/mean", "acc": "reward/accuracy", "H1": "stats/H1_mean", "sel": "mask/selected_frac"}
 #: Metrics plotted by :func:`plot_metrics`.
@@ -20,8 +22,6 @@ PLOT_KEYS = ("reward/mean", "reward/accuracy", "stats/H1_mean", "stats/H2_mean",
 
 def metrics_to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Device scalars -> Python floats (one transfer; multi-process safe)."""
-    from ict_jax.sharding import to_host
-
     values = to_host(dict(metrics))
     return {k: float(np.asarray(v)) for k, v in values.items()}
 
@@ -41,7 +41,7 @@ class RunLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+        if tensorboard:  # optional or heavy packages, imported only when used
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(self.run_dir / "tb"))

@@ -33,6 +33,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from ict_jax.config import Config
+from ict_jax.data.prompts import pad_left
 from ict_jax.model.weights import save_hf
 from ict_jax.rl.sft import make_sft_step, sft_arrays
 from ict_jax.rl.batch import build_rollout_batch
@@ -49,10 +50,6 @@ def _informative(rewards: np.ndarray, G: int) -> np.ndarray:
     """Per group: the G rewards are not all equal (docs/method.md §3: max > min)."""
     r = rewards.reshape(-1, G)
     return r.max(axis=1) > r.min(axis=1)
-
-
-def _left_pad(a: np.ndarray, width: int, value: int) -> np.ndarray:
-    return a if a.shape[1] == width else np.pad(a, ((0, 0), (width - a.shape[1], 0)), constant_values=value)
 
 
 class TrainingDiverged(RuntimeError):
@@ -165,8 +162,8 @@ class Trainer:
                 if not donors:
                     continue
                 width = max(ids.shape[1], pb2.ids.shape[1])
-                ids, mask = _left_pad(ids, width, r.tokenizer.pad_id), _left_pad(mask, width, 0)
-                ids2, mask2 = _left_pad(pb2.ids, width, r.tokenizer.pad_id), _left_pad(pb2.mask, width, 0)
+                ids, mask = pad_left(ids, width, r.tokenizer.pad_id, mask)
+                ids2, mask2 = pad_left(pb2.ids, width, r.tokenizer.pad_id, pb2.mask)
                 fields = {f: np.array(getattr(ro, f)) for f in ("tokens", "valid", "logp", "lengths", "truncated")}
                 for hole, donor in zip(holes, donors):
                     ids[hole], mask[hole] = ids2[donor], mask2[donor]
