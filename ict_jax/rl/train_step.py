@@ -34,7 +34,8 @@ from flax import nnx
 
 from ict_jax.config import Config
 from ict_jax.rl.batch import RolloutBatch
-from ict_jax.rl.losses import loss_denominators, policy_loss, zero_std_groups
+from ict_jax.rl.losses import loss_denominators, policy_loss
+from ict_jax.rl.metrics import step_metrics
 from ict_jax.rl.selectors import select
 from ict_jax.rl.state import TrainState, make_optimizer
 from ict_jax.rl.token_stats import TokenStats, stats_and_surrogate, stats_from_hidden
@@ -62,56 +63,6 @@ def _valid(batch: RolloutBatch, mask_truncated: bool) -> jax.Array:
     if mask_truncated:
         v = v & (batch.truncated[:, None] <= 0)
     return v.astype(F32)
-
-
-def _masked_mean(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.where(w > 0, x, 0.0).sum() / jnp.maximum(w.sum(), 1.0)
-
-
-def _sorted_valid(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Ascending sort of x over valid entries (invalid pushed to +inf) and the count n."""
-    flat = jnp.where(valid > 0, x, jnp.inf).reshape(-1)
-    return jnp.sort(flat), (valid > 0).sum()
-
-
-def step_metrics(batch: RolloutBatch, valid: jax.Array, mask: jax.Array, stats: TokenStats,
-                 logp_old: jax.Array, group_size: int) -> dict[str, jax.Array]:
-    """docs/method.md §5 metrics of the rollout batch, masks and statistics (device scalars)."""
-    rv = batch.row_valid > 0
-    sel = mask * valid
-    n_rows = jnp.maximum(rv.sum(), 1)
-    m: dict[str, jax.Array] = {
-        "reward/mean": jnp.where(rv, batch.rewards, 0.0).sum() / n_rows,
-        "reward/accuracy": jnp.where(rv, batch.correct, 0.0).sum() / n_rows,
-        "adv/zero_std_group_frac": zero_std_groups(batch.rewards, group_size, batch.row_valid).mean(),
-        "response/length_mean": jnp.where(rv, batch.response_valid.sum(-1), 0.0).sum() / n_rows,
-        "response/truncated_frac": jnp.where(rv, batch.truncated, 0.0).sum() / n_rows,
-        "mask/selected_frac": sel.sum() / jnp.maximum(valid.sum(), 1.0),
-        "rollout/logp_abs_diff_mean": _masked_mean(jnp.abs(batch.sampler_logp - logp_old), valid),
-    }
-    if stats.logp is not None:
-        m["mask/selected_prob_mean"] = _masked_mean(jnp.exp(jax.lax.stop_gradient(stats.logp)), sel)
-    if stats.H1 is not None:
-        srt, n = _sorted_valid(stats.H1, valid)
-        med = srt[jnp.maximum(n - 1, 0) // 2]  # lower median of H1 over valid tokens
-        hi = ((sel > 0) & (stats.H1 > med)).sum()
-        lo = ((sel > 0) & (stats.H1 <= med)).sum()
-        m["mask/high_low_entropy_ratio"] = hi / jnp.maximum(lo, 1)
-        m["stats/H1_mean"] = _masked_mean(stats.H1, valid)
-        m["stats/H1_selected_mean"] = _masked_mean(stats.H1, sel)
-    if stats.H2 is not None:
-        m["stats/H2_mean"] = _masked_mean(stats.H2, valid)
-        m["stats/H2_selected_mean"] = _masked_mean(stats.H2, sel)
-    if stats.js is not None:
-        srt, n = _sorted_valid(stats.js, valid)
-        pos = jnp.maximum(n - 1, 0).astype(F32) * 0.9  # linear interpolation, as numpy's default
-        lo_i = jnp.floor(pos).astype(jnp.int32)
-        hi_i = jnp.minimum(lo_i + 1, jnp.maximum(n - 1, 0))
-        p90 = srt[lo_i] + (srt[hi_i] - srt[lo_i]) * (pos - lo_i)
-        m["stats/js_mean"] = _masked_mean(stats.js, valid)
-        m["stats/js_p90"] = jnp.where(n > 0, p90, 0.0)
-        m["stats/js_selected_mean"] = _masked_mean(stats.js, sel)
-    return m
 
 
 # ------------------------------------------------------------------------------------------------
