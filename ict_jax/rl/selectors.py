@@ -14,8 +14,7 @@ the collectives, so the mask is the one a single device computes.
 
 from __future__ import annotations
 
-import fractions
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Key
 
 from ict_jax.config import SelectorSection, rho_fraction
+from ict_jax.rl.metrics import valid_quantile
 from ict_jax.rl.token_stats import TokenStats
 
 #: RNG stream of the random selector: scores from fold_in(fold_in(root, RANDOM_MASK_STREAM), step).
@@ -119,27 +119,12 @@ def random_mask(
     return topk_mask(u, valid, rho=rho, scope=scope, group_size=group_size)
 
 
-def _fraction(x: float) -> tuple[int, int]:
-    f = fractions.Fraction(x).limit_denominator(10_000)
-    return f.numerator, f.denominator
-
-
 def stapo_quantile(H1: Float[Array, "B T"], valid: Valid, tau_h: float) -> Float[Array, ""]:
     """The ``tau_h`` quantile of H1 over the n valid tokens: sort them, linear interpolation at
     position (n-1) tau_h (NumPy's 'linear' method); the position is split exactly in integers from
-    tau_h = a/b. Returns +inf when n = 0 (nothing is valid then, so nothing is silenced)."""
-    valid = _as_bool(valid).reshape(-1)
-    s = jnp.sort(jnp.where(valid, jnp.asarray(H1, jnp.float32).reshape(-1), jnp.inf))
-    n = jnp.sum(valid, dtype=jnp.int32)
-    a, b = _fraction(tau_h)
-    m = jnp.maximum(n - 1, 0)
-    q, r = m // b, m % b
-    lo = q * a + (r * a) // b
-    frac = ((r * a) % b).astype(jnp.float32) / b
-    hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
-    slo, shi = s[lo], s[hi]
-    val = jnp.where(frac > 0, slo + frac * (shi - slo), slo)
-    return jnp.where(n > 0, val, jnp.inf)
+    tau_h = a/b (:func:`ict_jax.rl.metrics.valid_quantile`). Returns +inf when n = 0 (nothing is
+    valid then, so nothing is silenced)."""
+    return valid_quantile(H1, valid, tau_h, empty=jnp.inf)
 
 
 def stapo_mask(

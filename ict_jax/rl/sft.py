@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from ict_jax.config import Config
@@ -31,9 +32,9 @@ def sft_loss(params: Any, graphdef: Any, tokens: jax.Array, attention_mask: jax.
     hidden state at ``t - 1``; the log-probs are those of softmax(logits) (temperature 1).
     """
     model = nnx.merge(graphdef, params)
-    h = model.hidden_states(tokens[:, :-1], attention_mask[:, :-1])
+    h, targets = model.predicting_states(tokens, attention_mask)  # every position after the first
     w = loss_mask[:, 1:].astype(F32)
-    stats = stats_from_hidden(h, model.unembedding(), tokens[:, 1:], w, group_size=1, temperature=1.0,
+    stats = stats_from_hidden(h, model.unembedding(), targets, w, group_size=1, temperature=1.0,
                               chunk=min(chunk, h.shape[1]), compute=("logp",))
     n = jnp.maximum(w.sum(), 1.0)
     nll = -jnp.where(w > 0, stats.logp, 0.0).sum() / n
@@ -46,8 +47,6 @@ def sft_step(state: TrainState, tokens: jax.Array, attention_mask: jax.Array, lo
     (loss, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
         state.params, state.graphdef, tokens, attention_mask, loss_mask, chunk=chunk)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    import optax
-
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, **{"sft/grad_norm": optax.tree.norm(grads)})
     return state.replace(params=params, opt_state=opt_state), metrics

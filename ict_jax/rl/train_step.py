@@ -1,30 +1,40 @@
 """The single compiled, sharded train step (docs/method.md §4 schedule, §5 metrics).
 
 ``step = make_train_step(config, mesh)``; ``state, metrics = step(state, batch, ref_params)`` is ONE
-``jax.jit`` with explicit in/out shardings and the state donated. Per rollout batch:
+``jax.jit`` with explicit in/out shardings and the state donated. Per rollout batch
+(:func:`step_fn`), one function per part of the schedule of docs/method.md §4:
 
-(a) old policy: with one mini-batch of one micro-batch (the default) the gradient forward itself,
-    under stop_gradient, gives logp_old (so r = 1) and ICT's u. Otherwise a no-grad old-policy pass
-    over the whole rollout batch (micro-batch by micro-batch) gives them, fixed for every update.
-    ``rl.loss.old_logp: sampler`` takes logp_old from the sampler instead (u still from the old pass);
-(b) kl_coef > 0: a reference pass with ``ref_params`` gives logp_ref;
-(c) a scan over mini-batches (whole groups). With several micro-batches a no-grad statistics pass over
-    the mini-batch first gives H1, the STAPO quantile, the global top-k mask and every loss denominator;
-    then micro-batch gradients are accumulated and one AdamW update (global-norm clipping first) is
-    applied. A non-finite loss or gradient skips that update (``train/skipped``).
+(a) :func:`fused_grads`: with one mini-batch of one micro-batch (the default) the gradient forward
+    itself, under stop_gradient, gives logp_old (so r = 1) and ICT's u;
+(b) :func:`old_policy_pass`: otherwise a no-grad old-policy pass over the whole rollout batch (micro-batch
+    by micro-batch) gives them, fixed for every update. ``rl.loss.old_logp: sampler`` takes logp_old
+    from the sampler instead (u still from the old pass). With kl_coef > 0 it also runs the reference
+    pass with ``ref_params`` for logp_ref;
+(c) :func:`micro_batched_grads`: a scan over mini-batches (whole groups, :func:`mini_batch_update`).
+    With several micro-batches a no-grad statistics pass over the mini-batch first gives H1, the STAPO
+    quantile, the global top-k mask and every loss denominator; then micro-batch gradients are
+    accumulated. :func:`apply_update` applies one AdamW update (global-norm clipping first); a
+    non-finite loss or gradient skips that update (``train/skipped``).
 
 Statistics never materialise float32 ``[B, T, V]`` logits: hidden states go to
 :func:`ict_jax.stats_from_hidden` (blocks of ``stats.chunk`` positions).
 
 One-pass head: when d loss / d logp is known before the forward pass (fused schedule so r = 1,
 ``kl_coef = 0``, logp_old not from the sampler, and a mask that ignores the statistics: ``dense`` and
-``random``), the gradient is taken through :func:`ict_jax.rl.token_stats.stats_and_surrogate`, which
-applies it to each block's softmax while the block is in memory (three vocabulary matmuls per token
-instead of four). Same gradient to float32 rounding; the other methods keep the two-pass form.
+``random``), the gradient is taken through :func:`ict_jax.rl.token_stats.stats_and_surrogate`
+(:func:`one_pass_surrogate`), which applies it to each block's softmax while the block is in memory
+(three vocabulary matmuls per token instead of four). Same gradient to float32 rounding; the other
+methods keep the two-pass form (:func:`loss_and_aux`).
+
+The static choices (method, schedule, which statistics each pass computes) are read from the config
+once into a :class:`StepPlan`; :func:`jit_step` builds the ``jax.jit`` (shardings, donation).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -32,9 +42,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from ict_jax.config import Config
+from ict_jax.config import Config, LossSection, SelectorSection
 from ict_jax.rl.batch import RolloutBatch
-from ict_jax.rl.losses import loss_denominators, policy_loss, zero_std_groups
+from ict_jax.rl.losses import LossDenominators, loss_denominators, policy_loss
+from ict_jax.rl.metrics import step_metrics
 from ict_jax.rl.selectors import select
 from ict_jax.rl.state import TrainState, make_optimizer
 from ict_jax.rl.token_stats import TokenStats, stats_and_surrogate, stats_from_hidden
@@ -43,6 +54,58 @@ from ict_jax.sharding import batch_sharding, check_prompts_divide, replicated
 F32 = jnp.float32
 #: Built-in selectors whose mask does not read the token statistics (the one-pass head applies).
 _STATS_FREE_SELECTORS = ("dense", "random")
+#: What the no-grad statistics pass of schedule (c) computes for the mask (u comes from the old pass).
+_MINI_BATCH_COMPUTE = ("logp", "H1", "H2")
+
+#: (grads, loss, loss metrics, mask, statistics, logp_old used) of one mini-batch.
+MiniBatchGrads = tuple[Any, jax.Array, dict[str, jax.Array], jax.Array, TokenStats, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The static choices of one train step, read from the :class:`~ict_jax.config.Config` once."""
+
+    group_size: int  # G
+    method: str  # the canonical selector name
+    selector: SelectorSection
+    loss: LossSection
+    mini_batches: int
+    micro_batches: int
+    temperature: float  # of the statistics
+    chunk: int  # positions per statistics block
+    need_js: bool  # u is needed: ict's mask, or the §5 js metrics
+    tx: optax.GradientTransformation
+
+    @classmethod
+    def from_config(cls, config: Config, tx: optax.GradientTransformation) -> StepPlan:
+        method = config.rl.selector.canonical_method
+        return cls(group_size=config.rollout.num_samples, method=method, selector=config.rl.selector,
+                   loss=config.rl.loss, mini_batches=config.train.mini_batches,
+                   micro_batches=config.train.micro_batches, temperature=config.stats_temperature,
+                   chunk=config.stats.chunk, need_js=method == "ict" or config.stats.js_metrics, tx=tx)
+
+    @property
+    def fused(self) -> bool:
+        """docs/method.md §4 (a): the gradient forward gives logp_old and u."""
+        return self.mini_batches == 1 and self.micro_batches == 1
+
+    @property
+    def use_kl(self) -> bool:
+        return self.loss.kl_coef > 0
+
+    @property
+    def current_compute(self) -> tuple[str, ...]:
+        """Statistics of the gradient forward: everything for the §5 metrics (js costs two more
+        vocabulary passes, so only where this forward is the old policy)."""
+        return ("logp", "H1", "H2") + (("js",) if self.fused and self.need_js else ())
+
+    @property
+    def one_pass(self) -> bool:
+        """docs/method.md §4 with r = 1 (fused, logp_old = this forward's logp) and no KL: d loss / d logp
+        depends on the mask and denominators only, so for masks that ignore the statistics it is known
+        before the forward pass."""
+        return (self.fused and not self.use_kl and self.loss.old_logp != "sampler"
+                and self.method in _STATS_FREE_SELECTORS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -57,6 +120,14 @@ def _merge(x: Any) -> Any:
     return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), x)
 
 
+def _split_or_none(x: Any, n: int) -> Any:
+    return None if x is None else _split(x, n)
+
+
+def _stop(stats: TokenStats) -> TokenStats:
+    return TokenStats(*(None if s is None else jax.lax.stop_gradient(s) for s in stats))
+
+
 def _valid(batch: RolloutBatch, mask_truncated: bool) -> jax.Array:
     v = (batch.response_valid > 0) & (batch.row_valid[:, None] > 0)
     if mask_truncated:
@@ -64,59 +135,234 @@ def _valid(batch: RolloutBatch, mask_truncated: bool) -> jax.Array:
     return v.astype(F32)
 
 
-def _masked_mean(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.where(w > 0, x, 0.0).sum() / jnp.maximum(w.sum(), 1.0)
+def head_inputs(params: Any, graphdef: Any, mb: RolloutBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(hidden states that predict the response tokens ``[B, Lr, D]``, unembedding, response tokens)."""
+    model = nnx.merge(graphdef, params)
+    hidden, targets = model.predicting_states(mb.tokens, mb.attention_mask, mb.response_len)
+    return hidden, model.unembedding(), targets
 
 
-def _sorted_valid(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Ascending sort of x over valid entries (invalid pushed to +inf) and the count n."""
-    flat = jnp.where(valid > 0, x, jnp.inf).reshape(-1)
-    return jnp.sort(flat), (valid > 0).sum()
+def batch_stats(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
+                compute: tuple[str, ...]) -> TokenStats:
+    """The docs/method.md §1 statistics ``compute`` of ``mb`` under ``params`` (blocks of positions)."""
+    return stats_from_hidden(*head_inputs(params, graphdef, mb), valid, group_size=plan.group_size,
+                             temperature=plan.temperature, chunk=plan.chunk, compute=compute)
 
 
-def step_metrics(batch: RolloutBatch, valid: jax.Array, mask: jax.Array, stats: TokenStats,
-                 logp_old: jax.Array, group_size: int) -> dict[str, jax.Array]:
-    """docs/method.md §5 metrics of the rollout batch, masks and statistics (device scalars)."""
-    rv = batch.row_valid > 0
-    sel = mask * valid
-    n_rows = jnp.maximum(rv.sum(), 1)
-    m: dict[str, jax.Array] = {
-        "reward/mean": jnp.where(rv, batch.rewards, 0.0).sum() / n_rows,
-        "reward/accuracy": jnp.where(rv, batch.correct, 0.0).sum() / n_rows,
-        "adv/zero_std_group_frac": zero_std_groups(batch.rewards, group_size, batch.row_valid).mean(),
-        "response/length_mean": jnp.where(rv, batch.response_valid.sum(-1), 0.0).sum() / n_rows,
-        "response/truncated_frac": jnp.where(rv, batch.truncated, 0.0).sum() / n_rows,
-        "mask/selected_frac": sel.sum() / jnp.maximum(valid.sum(), 1.0),
-        "rollout/logp_abs_diff_mean": _masked_mean(jnp.abs(batch.sampler_logp - logp_old), valid),
-    }
-    if stats.logp is not None:
-        m["mask/selected_prob_mean"] = _masked_mean(jnp.exp(jax.lax.stop_gradient(stats.logp)), sel)
-    if stats.H1 is not None:
-        srt, n = _sorted_valid(stats.H1, valid)
-        med = srt[jnp.maximum(n - 1, 0) // 2]  # lower median of H1 over valid tokens
-        hi = ((sel > 0) & (stats.H1 > med)).sum()
-        lo = ((sel > 0) & (stats.H1 <= med)).sum()
-        m["mask/high_low_entropy_ratio"] = hi / jnp.maximum(lo, 1)
-        m["stats/H1_mean"] = _masked_mean(stats.H1, valid)
-        m["stats/H1_selected_mean"] = _masked_mean(stats.H1, sel)
-    if stats.H2 is not None:
-        m["stats/H2_mean"] = _masked_mean(stats.H2, valid)
-        m["stats/H2_selected_mean"] = _masked_mean(stats.H2, sel)
-    if stats.js is not None:
-        srt, n = _sorted_valid(stats.js, valid)
-        pos = jnp.maximum(n - 1, 0).astype(F32) * 0.9  # linear interpolation, as numpy's default
-        lo_i = jnp.floor(pos).astype(jnp.int32)
-        hi_i = jnp.minimum(lo_i + 1, jnp.maximum(n - 1, 0))
-        p90 = srt[lo_i] + (srt[hi_i] - srt[lo_i]) * (pos - lo_i)
-        m["stats/js_mean"] = _masked_mean(stats.js, valid)
-        m["stats/js_p90"] = jnp.where(n > 0, p90, 0.0)
-        m["stats/js_selected_mean"] = _masked_mean(stats.js, sel)
-    return m
+def nograd_stats(plan: StepPlan, params: Any, graphdef: Any, batch: RolloutBatch, valid: jax.Array,
+                 compute: tuple[str, ...], n: int) -> TokenStats:
+    """Statistics over a batch in ``n`` micro-batch-sized chunks (a scan), without gradient."""
+    params = jax.lax.stop_gradient(params)
+
+    def body(_, xs):
+        mb, v = xs
+        return None, batch_stats(plan, params, graphdef, mb, v, compute)
+
+    _, out = jax.lax.scan(body, None, (_split(batch, n), _split(valid, n)))
+    return _merge(out)
+
+
+def loss_and_aux(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
+                 logp_old: jax.Array | None, logp_ref: jax.Array | None, mask: jax.Array | None,
+                 denoms: LossDenominators | None, key: jax.Array, step: jax.Array) -> tuple[jax.Array, tuple]:
+    """The loss of docs/method.md §4 on ``mb`` (differentiate w.r.t. ``params``), two-pass head.
+
+    ``logp_old = None`` (fused): the old policy is this forward (stop-gradient); ``mask = None`` (fused):
+    the mask and denominators come from this forward's stop-gradient statistics. Aux: (loss metrics,
+    mask, stop-gradient statistics, logp_old)."""
+    stats = batch_stats(plan, params, graphdef, mb, valid, plan.current_compute)
+    if logp_old is None:  # fused: the old policy is the current one
+        logp_old = jax.lax.stop_gradient(stats.logp)
+    if mask is None:  # fused: select from this forward's (stop-gradient) statistics
+        mask = select(plan.method, _stop(stats), mb.advantages, valid, key=key, step=step,
+                      config=plan.selector, group_size=plan.group_size)
+        denoms = loss_denominators(valid, mask, plan.loss)
+    loss, metrics = policy_loss(stats.logp, logp_old, logp_ref, mb.advantages, valid, mask,
+                                config=plan.loss, denoms=denoms)
+    return loss, (metrics, mask, _stop(stats), logp_old)
+
+
+def one_pass_surrogate(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
+                       key: jax.Array, step: jax.Array) -> tuple[jax.Array, tuple]:
+    """The one-pass form of :func:`loss_and_aux` (fused, r = 1, no KL, statistics-free mask): its value
+    is sum g * logp, whose gradient is the loss's; the loss itself comes back in the aux, with (loss
+    metrics, mask, statistics, logp_old)."""
+    sg = jax.lax.stop_gradient
+    no_stats = TokenStats(None, None, None, None)
+    mask = select(plan.method, no_stats, mb.advantages, valid, key=key, step=step, config=plan.selector,
+                  group_size=plan.group_size)
+    denoms = loss_denominators(valid, mask, plan.loss)
+
+    def loss_at(lp):  # r = exp(lp - sg(lp)) = 1 at any lp: the gradient does not depend on lp
+        return policy_loss(lp, sg(lp), None, mb.advantages, valid, mask, config=plan.loss, denoms=denoms)[0]
+
+    g_logp = jax.grad(loss_at)(jnp.zeros(valid.shape, F32))
+    stats, surrogate = stats_and_surrogate(*head_inputs(params, graphdef, mb), valid, g_logp,
+                                           group_size=plan.group_size, temperature=plan.temperature,
+                                           chunk=plan.chunk, compute=plan.current_compute)
+    logp_old = stats.logp  # already stop-gradient
+    loss, metrics = policy_loss(stats.logp, logp_old, None, mb.advantages, valid, mask, config=plan.loss,
+                                denoms=denoms)
+    return surrogate, (loss, metrics, mask, stats, logp_old)
 
 
 # ------------------------------------------------------------------------------------------------
-# The step
+# The schedules of docs/method.md §4
 # ------------------------------------------------------------------------------------------------
+def old_policy_pass(plan: StepPlan, params: Any, ref_params: Any, graphdef: Any, batch: RolloutBatch,
+                    valid: jax.Array) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
+    """docs/method.md §4 (a)-(b): ``(logp_old, logp_ref, u_old)`` over the whole rollout batch, each
+    ``[B, Lr]`` or None.
+
+    With kl_coef > 0 the reference pass gives logp_ref. Unless fused, the no-grad old-policy pass gives
+    logp_old and u (u only where needed); ``old_logp: sampler`` takes logp_old from the sampler. Fused
+    and not from the sampler, logp_old is None: the gradient forward gives it."""
+    n = plan.mini_batches * plan.micro_batches
+    logp_ref = None
+    if plan.use_kl:
+        logp_ref = nograd_stats(plan, ref_params, graphdef, batch, valid, ("logp",), n).logp
+    old = None
+    if not plan.fused:  # (a): old-policy pass over the whole rollout batch
+        old = nograd_stats(plan, params, graphdef, batch, valid, ("logp", "js") if plan.need_js else ("logp",), n)
+    logp_old = None
+    if plan.loss.old_logp == "sampler":
+        logp_old = jnp.where(valid > 0, batch.sampler_logp, 0.0)
+    elif old is not None:
+        logp_old = old.logp
+    return logp_old, logp_ref, None if old is None else old.js
+
+
+def fused_grads(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
+                logp_old: jax.Array | None, logp_ref: jax.Array | None, key: jax.Array,
+                step: jax.Array) -> MiniBatchGrads:
+    """docs/method.md §4 (a), one mini-batch of one micro-batch: one gradient forward whose stop-gradient
+    statistics give logp_old (r = 1, unless ``logp_old`` comes from the sampler), u and the mask. The
+    one-pass head (:func:`one_pass_surrogate`) where the plan allows it, else :func:`loss_and_aux`."""
+    if plan.one_pass:
+        grads, (loss, lm, mask, stats, lp_old_used) = jax.grad(one_pass_surrogate, argnums=1, has_aux=True)(
+            plan, params, graphdef, mb, valid, key, step)
+    else:
+        (loss, (lm, mask, stats, lp_old_used)), grads = jax.value_and_grad(loss_and_aux, argnums=1, has_aux=True)(
+            plan, params, graphdef, mb, valid, logp_old, logp_ref, None, None, key, step)
+    return grads, loss, lm, mask, stats, lp_old_used
+
+
+def _micro_batch_grads(plan: StepPlan, params: Any, graphdef: Any, denoms: LossDenominators, key: jax.Array,
+                       step: jax.Array, xs: tuple) -> tuple[Any, jax.Array, dict[str, jax.Array]]:
+    """(grads, loss, loss metrics) of one micro-batch with the mini-batch's mask and denominators:
+    partial sums of the mini-batch's (docs/loss.md, micro-batching)."""
+    mb, valid, logp_old, logp_ref, mask = xs
+    (loss, (lm, _, _, _)), grads = jax.value_and_grad(loss_and_aux, argnums=1, has_aux=True)(
+        plan, params, graphdef, mb, valid, logp_old, logp_ref, mask, denoms, key, step)
+    return grads, loss, lm
+
+
+def micro_batched_grads(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
+                        logp_old: jax.Array | None, logp_ref: jax.Array | None, js_old: jax.Array | None,
+                        key: jax.Array, step: jax.Array) -> MiniBatchGrads:
+    """docs/method.md §4 (c), a mini-batch of ``micro_batches`` micro-batches: a no-grad statistics pass
+    over the mini-batch gives H1, STAPO's quantile, the global top-k mask and every denominator (u is the
+    old policy's ``js_old``, docs/method.md §2); then the micro-batch gradients, losses and metrics are
+    summed (the denominators are the mini-batch's, so the sums are the mini-batch's values)."""
+    n = plan.micro_batches
+    cur = nograd_stats(plan, params, graphdef, mb, valid, _MINI_BATCH_COMPUTE, n)
+    cur = cur._replace(js=js_old)  # ICT's u comes from the old policy (docs/method.md §2)
+    mask = select(plan.method, cur, mb.advantages, valid, key=key, step=step, config=plan.selector,
+                  group_size=plan.group_size)
+    denoms = loss_denominators(valid, mask, plan.loss)
+    micro = functools.partial(_micro_batch_grads, plan, params, graphdef, denoms, key, step)
+    xs = tuple(_split_or_none(a, n) for a in (mb, valid, logp_old, logp_ref, mask))
+    shapes = jax.eval_shape(micro, jax.tree.map(lambda a: a[0], xs))
+    acc0 = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
+    (grads, loss, lm), _ = jax.lax.scan(lambda acc, ys: (jax.tree.map(jnp.add, acc, micro(ys)), None), acc0, xs)
+    return grads, loss, lm, mask, cur, logp_old
+
+
+def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any,
+                 loss: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """One optimizer update -> (params, opt_state, grad norm before clipping, skipped). A non-finite
+    loss or gradient norm keeps the old params and optimizer state (skipped = True)."""
+    gnorm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    return keep(new_params, params), keep(new_opt, opt_state), gnorm, ~finite
+
+
+def mini_batch_update(plan: StepPlan, graphdef: Any, key: jax.Array, step: jax.Array, carry: tuple,
+                      xs: tuple) -> tuple[tuple, tuple]:
+    """The body of the scan over mini-batches: the gradient by schedule (a) or (c), one optimizer
+    update. ``carry = (params, opt_state)``, ``xs = (mini-batch, valid, logp_old, logp_ref, u_old)``."""
+    params, opt_state = carry
+    mb, valid, logp_old, logp_ref, js_old = xs
+    if plan.fused:
+        out = fused_grads(plan, params, graphdef, mb, valid, logp_old, logp_ref, key, step)
+    else:
+        out = micro_batched_grads(plan, params, graphdef, mb, valid, logp_old, logp_ref, js_old, key, step)
+    grads, loss, lm, mask, stats, lp_old_used = out
+    params, opt_state, gnorm, skipped = apply_update(plan.tx, params, opt_state, grads, loss)
+    lm = dict(lm, **{"grad/norm": gnorm, "train/skipped": skipped.astype(F32), "loss/total": loss})
+    return (params, opt_state), (lm, mask, stats, lp_old_used)
+
+
+def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: Any) -> tuple[TrainState, dict]:
+    """One rollout batch, unjitted: the old-policy and reference passes, the scan over mini-batches,
+    the §5 metrics (loss metrics averaged over mini-batches, ``train/skipped`` counted)."""
+    graphdef = state.graphdef
+    valid = _valid(batch, plan.loss.mask_truncated)
+    logp_old, logp_ref, js_old = old_policy_pass(plan, state.params, ref_params, graphdef, batch, valid)
+    body = functools.partial(mini_batch_update, plan, graphdef, state.rng, state.step)
+    xs = tuple(_split_or_none(a, plan.mini_batches) for a in (batch, valid, logp_old, logp_ref, js_old))
+    (params, opt_state), (lms, masks, stats, lp_old_used) = jax.lax.scan(
+        body, (state.params, state.opt_state), xs)
+    masks, stats, lp_old_used = _merge(masks), _merge(stats), _merge(lp_old_used)
+    if not plan.fused:
+        stats = stats._replace(js=js_old)
+    metrics = {k: v.mean() for k, v in lms.items()}
+    metrics["train/skipped"] = lms["train/skipped"].sum()
+    metrics.update(step_metrics(batch, valid, masks, stats, lp_old_used, plan.group_size))
+    new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
+    return new_state, metrics
+
+
+# ------------------------------------------------------------------------------------------------
+# jit, shardings and the public entry point
+# ------------------------------------------------------------------------------------------------
+def check_step_inputs(plan: StepPlan, mesh: jax.sharding.Mesh | None, batch: RolloutBatch,
+                      ref_params: Any) -> None:
+    """Clear errors for a batch the plan cannot split (whole groups per micro-batch and per shard)."""
+    if plan.use_kl and ref_params is None:
+        raise ValueError("rl.loss.kl_coef > 0 needs ref_params (see ict_jax.rl.state.reference_params)")
+    G, n = plan.group_size, plan.mini_batches * plan.micro_batches
+    B = batch.tokens.shape[0]
+    if B % G:
+        raise ValueError(f"batch of {B} rows is not a multiple of rollout.num_samples={G}")
+    P = B // G
+    if P % n:
+        raise ValueError(f"{P} prompts cannot be split into train.mini_batches={plan.mini_batches} x "
+                         f"train.micro_batches={plan.micro_batches} whole groups")
+    if mesh is not None:
+        check_prompts_divide(P // n if not plan.fused else P, mesh)
+
+
+def jit_step(plan: StepPlan, mesh: jax.sharding.Mesh | None, state: TrainState, batch: RolloutBatch,
+             ref_params: Any) -> Callable:
+    """``jax.jit`` of :func:`step_fn` with the state donated; on a mesh, the state and reference keep
+    their shardings, batch rows are split over ('data', 'fsdp') and the metrics are replicated."""
+    fn = functools.partial(step_fn, plan)
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=(0,))
+    st_sh = jax.tree.map(lambda a: a.sharding, state)
+    b_sh = jax.tree.map(lambda a: batch_sharding(mesh, a.ndim), batch)
+    r_sh = None if ref_params is None else jax.tree.map(lambda a: a.sharding, ref_params)
+    return jax.jit(fn, donate_argnums=(0,), in_shardings=(st_sh, b_sh, r_sh), out_shardings=(st_sh, replicated(mesh)))
+
+
+def _on_mesh(mesh: jax.sharding.Mesh | None) -> Any:
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
 def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
                     tx: optax.GradientTransformation | None = None) -> Callable[..., tuple[TrainState, dict]]:
     """``step(state, batch, ref_params=None) -> (state, metrics)``: ONE jitted program per shape.
@@ -126,206 +372,31 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
     donated. The warm-up switch (``step < warmup_steps``) is traced data: no recompilation.
     ``step.lower(state, batch, ref_params=None)`` gives the ``jax.stages.Lowered`` program (arguments
     may be abstract ``jax.ShapeDtypeStruct`` trees) for ``.compile().memory_analysis()`` and cost
-    estimates without running it.
+    estimates without running it. ``step.jitted`` maps argument structures to their ``jax.jit``.
     """
-    cfg = config
-    G = cfg.rollout.num_samples
-    sel_cfg = cfg.rl.selector
-    method = sel_cfg.canonical_method
-    loss_cfg = cfg.rl.loss
-    n_mini, n_micro = cfg.train.mini_batches, cfg.train.micro_batches
-    fused = n_mini == 1 and n_micro == 1  # docs/method.md §4 (a): the gradient forward gives logp_old and u
-    temperature = cfg.stats_temperature
-    chunk = cfg.stats.chunk
-    use_kl = loss_cfg.kl_coef > 0
-    tx = tx or make_optimizer(cfg)
-    # statistics each pass computes: everything for the §5 metrics (js costs two more vocab passes)
-    need_js = method == "ict" or cfg.stats.js_metrics
-    cur_compute = ("logp", "H1", "H2") + (("js",) if fused and need_js else ())
-    # docs/method.md §4 with r = 1 (fused, logp_old = this forward's logp) and no KL: d loss / d logp depends on
-    # the mask and denominators only, so for masks that ignore the statistics it is known up front.
-    one_pass = (fused and not use_kl and loss_cfg.old_logp != "sampler"
-                and method in _STATS_FREE_SELECTORS)
-
-    def head_inputs(params, graphdef, mb: RolloutBatch):
-        """(hidden states that predict the response tokens, unembedding, response tokens)."""
-        model = nnx.merge(graphdef, params)
-        Lr = mb.response_len
-        # hidden[:, t] predicts tokens[:, t + 1]: drop the last input token, keep the last Lr states
-        h = model.hidden_states(mb.tokens[:, :-1], mb.attention_mask[:, :-1])[:, -Lr:]
-        return h, model.unembedding(), mb.tokens[:, -Lr:]
-
-    def stats_of(params, graphdef, mb: RolloutBatch, valid, compute) -> TokenStats:
-        return stats_from_hidden(*head_inputs(params, graphdef, mb), valid, group_size=G,
-                                 temperature=temperature, chunk=chunk, compute=compute)
-
-    def nograd_pass(params, graphdef, batch: RolloutBatch, valid, compute, n: int) -> TokenStats:
-        """Statistics over a batch in ``n`` micro-batch-sized chunks, without gradient."""
-        params = jax.lax.stop_gradient(params)
-
-        def body(_, xs):
-            mb, v = xs
-            return None, stats_of(params, graphdef, mb, v, compute)
-
-        _, out = jax.lax.scan(body, None, (_split(batch, n), _split(valid, n)))
-        return _merge(out)
-
-    def loss_fn(params, graphdef, mb, valid, logp_old, logp_ref, mask, denoms, key, step):
-        stats = stats_of(params, graphdef, mb, valid, cur_compute)
-        sg = jax.lax.stop_gradient
-        if logp_old is None:  # fused: the old policy is the current one
-            logp_old = sg(stats.logp)
-        if mask is None:  # fused: select from this forward's (stop-gradient) statistics
-            sg_stats = TokenStats(*(None if s is None else sg(s) for s in stats))
-            mask = select(method, sg_stats, mb.advantages, valid, key=key, step=step, config=sel_cfg,
-                          group_size=G)
-            denoms = loss_denominators(valid, mask, loss_cfg)
-        loss, metrics = policy_loss(stats.logp, logp_old, logp_ref, mb.advantages, valid, mask,
-                                    config=loss_cfg, denoms=denoms)
-        return loss, (metrics, mask, TokenStats(*(None if s is None else sg(s) for s in stats)), logp_old)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def surrogate_fn(params, graphdef, mb, valid, key, step):
-        """The one-pass form of ``loss_fn`` (fused, r = 1, no KL, statistics-free mask): its value is
-        sum g * logp, whose gradient is the loss's; the loss itself comes back in the aux."""
-        sg = jax.lax.stop_gradient
-        no_stats = TokenStats(None, None, None, None)
-        mask = select(method, no_stats, mb.advantages, valid, key=key, step=step, config=sel_cfg,
-                      group_size=G)
-        denoms = loss_denominators(valid, mask, loss_cfg)
-
-        def loss_at(lp):  # r = exp(lp - sg(lp)) = 1 at any lp: the gradient does not depend on lp
-            return policy_loss(lp, sg(lp), None, mb.advantages, valid, mask, config=loss_cfg, denoms=denoms)[0]
-
-        g_logp = jax.grad(loss_at)(jnp.zeros(valid.shape, F32))
-        stats, surrogate = stats_and_surrogate(*head_inputs(params, graphdef, mb), valid, g_logp,
-                                               group_size=G, temperature=temperature, chunk=chunk,
-                                               compute=cur_compute)
-        logp_old = stats.logp  # already stop-gradient
-        loss, metrics = policy_loss(stats.logp, logp_old, None, mb.advantages, valid, mask, config=loss_cfg,
-                                    denoms=denoms)
-        return surrogate, (loss, metrics, mask, stats, logp_old)
-
-    surrogate_grad_fn = jax.grad(surrogate_fn, has_aux=True)
-
-    def update(params, opt_state, grads, loss):
-        gnorm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-        updates, new_opt = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        return keep(new_params, params), keep(new_opt, opt_state), gnorm, ~finite
-
-    def step_fn(state: TrainState, batch: RolloutBatch, ref_params):
-        graphdef = state.graphdef
-        valid = _valid(batch, loss_cfg.mask_truncated)
-        logp_ref = None
-        if use_kl:
-            logp_ref = nograd_pass(ref_params, graphdef, batch, valid, ("logp",), n_mini * n_micro).logp
-        old = None
-        if not fused:  # (a): old-policy pass over the whole rollout batch
-            old = nograd_pass(state.params, graphdef, batch, valid, ("logp", "js") if need_js else ("logp",),
-                              n_mini * n_micro)
-        logp_old_all = None
-        if loss_cfg.old_logp == "sampler":
-            logp_old_all = jnp.where(valid > 0, batch.sampler_logp, 0.0)
-        elif old is not None:
-            logp_old_all = old.logp
-
-        def one_update(carry, xs):
-            params, opt_state = carry
-            mb, v, lp_old, lp_ref, js_old = xs
-            if one_pass:
-                grads, (loss, lm, mask, stats, lp_old_used) = surrogate_grad_fn(
-                    params, graphdef, mb, v, state.rng, state.step)
-            elif fused:
-                (loss, (lm, mask, stats, lp_old_used)), grads = grad_fn(
-                    params, graphdef, mb, v, lp_old, lp_ref, None, None, state.rng, state.step)
-            else:
-                cur = nograd_pass(params, graphdef, mb, v, ("logp", "H1", "H2"), n_micro)
-                cur = cur._replace(js=js_old)  # ICT's u comes from the old policy (docs/method.md §2)
-                mask = select(method, cur, mb.advantages, v, key=state.rng, step=state.step, config=sel_cfg,
-                              group_size=G)
-                denoms = loss_denominators(v, mask, loss_cfg)
-
-                def micro(ys):
-                    mmb, mv, mlo, mlr, mm = ys
-                    (l, (mlm, _, _, _)), g = grad_fn(params, graphdef, mmb, mv, mlo, mlr, mm, denoms,
-                                                     state.rng, state.step)
-                    return g, l, mlm
-
-                split_mu = lambda a: None if a is None else _split(a, n_micro)  # noqa: E731
-                xs_mu = (split_mu(mb), split_mu(v), split_mu(lp_old), split_mu(lp_ref), split_mu(mask))
-                shapes = jax.eval_shape(micro, jax.tree.map(lambda a: a[0], xs_mu))
-                acc0 = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), shapes)
-                # denominators are the mini-batch's: the micro-batch losses, grads and metrics add up
-                (grads, loss, lm), _ = jax.lax.scan(
-                    lambda acc, ys: (jax.tree.map(jnp.add, acc, micro(ys)), None), acc0, xs_mu)
-                stats, lp_old_used = cur, lp_old
-            params, opt_state, gnorm, skipped = update(params, opt_state, grads, loss)
-            lm = dict(lm, **{"grad/norm": gnorm, "train/skipped": skipped.astype(F32), "loss/total": loss})
-            return (params, opt_state), (lm, mask, stats, lp_old_used)
-
-        split = lambda a: None if a is None else _split(a, n_mini)  # noqa: E731
-        js_old = None if old is None else old.js
-        (params, opt_state), (lms, masks, stats, lp_old_used) = jax.lax.scan(
-            one_update, (state.params, state.opt_state),
-            (split(batch), split(valid), split(logp_old_all), split(logp_ref), split(js_old)))
-        masks, stats, lp_old_used = _merge(masks), _merge(stats), _merge(lp_old_used)
-        if old is not None:
-            stats = stats._replace(js=old.js)
-        metrics = {k: v.mean() for k, v in lms.items()}
-        metrics["train/skipped"] = lms["train/skipped"].sum()
-        metrics.update(step_metrics(batch, valid, masks, stats, lp_old_used, G))
-        new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
-        return new_state, metrics
-
+    plan = StepPlan.from_config(config, tx or make_optimizer(config))
     compiled: dict[Any, Callable] = {}
 
     def jitted_for(state: TrainState, batch: RolloutBatch, ref_params: Any) -> Callable:
         """The jax.jit object for these argument structures (built once, with the shape checks)."""
-        if use_kl and ref_params is None:
-            raise ValueError("rl.loss.kl_coef > 0 needs ref_params (see ict_jax.rl.state.reference_params)")
-        B = batch.tokens.shape[0]
-        if B % G:
-            raise ValueError(f"batch of {B} rows is not a multiple of rollout.num_samples={G}")
-        P = B // G
-        if P % (n_mini * n_micro):
-            raise ValueError(f"{P} prompts cannot be split into train.mini_batches={n_mini} x "
-                             f"train.micro_batches={n_micro} whole groups")
-        if mesh is not None:
-            check_prompts_divide(P // (n_mini * n_micro) if not fused else P, mesh)
+        check_step_inputs(plan, mesh, batch, ref_params)
         key = (jax.tree.structure(state), jax.tree.structure(batch), ref_params is None)
-        fn = compiled.get(key)
-        if fn is None:
-            if mesh is None:
-                fn = jax.jit(step_fn, donate_argnums=(0,))
-            else:
-                st_sh = jax.tree.map(lambda a: a.sharding, state)
-                b_sh = jax.tree.map(lambda a: batch_sharding(mesh, a.ndim), batch)
-                r_sh = None if ref_params is None else jax.tree.map(lambda a: a.sharding, ref_params)
-                fn = jax.jit(step_fn, donate_argnums=(0,), in_shardings=(st_sh, b_sh, r_sh),
-                             out_shardings=(st_sh, replicated(mesh)))
-            compiled[key] = fn
-        return fn
+        if key not in compiled:
+            compiled[key] = jit_step(plan, mesh, state, batch, ref_params)
+        return compiled[key]
 
     def step(state: TrainState, batch: RolloutBatch, ref_params: Any = None) -> tuple[TrainState, dict]:
         fn = jitted_for(state, batch, ref_params)
-        if mesh is not None:
-            with jax.set_mesh(mesh):
-                return fn(state, batch, ref_params)
-        return fn(state, batch, ref_params)
+        with _on_mesh(mesh):
+            return fn(state, batch, ref_params)
 
     def lower(state: TrainState, batch: RolloutBatch, ref_params: Any = None) -> Any:
         """``jax.stages.Lowered`` of the step for these arguments, which may be abstract
         (``jax.ShapeDtypeStruct`` leaves with shardings): ``step.lower(...).compile().memory_analysis()``
         sizes a step without running or allocating it."""
         fn = jitted_for(state, batch, ref_params)
-        if mesh is not None:
-            with jax.set_mesh(mesh):
-                return fn.lower(state, batch, ref_params)
-        return fn.lower(state, batch, ref_params)
+        with _on_mesh(mesh):
+            return fn.lower(state, batch, ref_params)
 
     step.jitted = compiled  # for tests and benchmarks (compile counts)
     step.lower = lower
