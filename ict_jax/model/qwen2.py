@@ -254,6 +254,9 @@ class Qwen2(nnx.Module):
         Returns ``(hidden [B, N, D], targets [B, N])``, the inputs of
         :func:`ict_jax.rl.token_stats.stats_from_hidden` for a prompt + response row."""
         n = tokens.shape[1] - 1 if num_targets is None else num_targets
+        if not 1 <= n <= tokens.shape[1] - 1:
+            raise ValueError(f"num_targets={n}: a row of {tokens.shape[1]} tokens has 1..{tokens.shape[1] - 1} "
+                             "predicted positions")
         mask = None if attention_mask is None else attention_mask[:, :-1]
         return self.hidden_states(tokens[:, :-1], mask)[:, -n:], tokens[:, -n:]
 

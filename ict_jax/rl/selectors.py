@@ -21,12 +21,16 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ict_jax.config import SelectorSection, rho_fraction
+from ict_jax.config import SELECTOR_DEFAULTS, SelectorSection, rho_fraction
 from ict_jax.rl.metrics import valid_quantile
 from ict_jax.rl.token_stats import TokenStats
 
 #: RNG stream of the random selector: scores from fold_in(fold_in(root, RANDOM_MASK_STREAM), step).
 RANDOM_MASK_STREAM = 0x4D41534B  # "MASK"
+# the functions' defaults are config.py's (the one place they are written): docs/method.md §2's table
+_ICT_RHO, _ICT_SCOPE = SELECTOR_DEFAULTS["ict"]
+_ENTROPY_RHO, _ENTROPY_SCOPE = SELECTOR_DEFAULTS["entropy"]
+_STAPO = SelectorSection(method="stapo")
 
 Mask = Float[Array, "B T"]
 Valid = Float[Array, "B T"] | Bool[Array, "B T"]
@@ -92,16 +96,16 @@ def dense_mask(valid: Valid) -> Mask:
 
 
 def ict_mask(
-    js: Float[Array, "B T"], valid: Valid, *, group_size: int | None = None, rho: float = 0.1,
-    scope: str = "sequence",
+    js: Float[Array, "B T"], valid: Valid, *, group_size: int | None = None, rho: float = _ICT_RHO,
+    scope: str = _ICT_SCOPE,
 ) -> Mask:
     """ICT: the top-rho fraction of valid tokens by u = JS(p || Pbar) (docs/method.md §1-2), per ``scope``."""
     return topk_mask(js, valid, rho=rho, scope=scope, group_size=group_size)
 
 
 def entropy_mask(
-    H1: Float[Array, "B T"], valid: Valid, *, group_size: int | None = None, rho: float = 0.2,
-    scope: str = "batch",
+    H1: Float[Array, "B T"], valid: Valid, *, group_size: int | None = None, rho: float = _ENTROPY_RHO,
+    scope: str = _ENTROPY_SCOPE,
 ) -> Mask:
     """20-Entropy: the top-rho fraction of valid tokens by Shannon entropy H1, global over the
     mini-batch by default (docs/method.md §2)."""
@@ -109,8 +113,8 @@ def entropy_mask(
 
 
 def random_mask(
-    key: Key[Array, ""] | jax.Array, valid: Valid, *, group_size: int | None = None, rho: float = 0.1,
-    scope: str = "sequence",
+    key: Key[Array, ""] | jax.Array, valid: Valid, *, group_size: int | None = None, rho: float = _ICT_RHO,
+    scope: str = _ICT_SCOPE,
 ) -> Mask:
     """Control: ict's counts with Uniform[0, 1) scores drawn from ``key`` (docs/method.md §2). :func:`select`
     passes ``fold_in(fold_in(root_key, RANDOM_MASK_STREAM), step)``."""
@@ -129,7 +133,7 @@ def stapo_quantile(H1: Float[Array, "B T"], valid: Valid, tau_h: float) -> Float
 
 def stapo_mask(
     logp: Float[Array, "B T"], H1: Float[Array, "B T"], adv: Float[Array, "B"] | Float[Array, "B T"],
-    valid: Valid, *, tau_p: float = 0.002, tau_h: float = 0.8,
+    valid: Valid, *, tau_p: float = _STAPO.tau_p, tau_h: float = _STAPO.tau_h,
 ) -> Mask:
     """STAPO: M = valid and not silenced; (i, t) is silenced when A_i > 0 and p(o_t) < tau_p and
     H1 < q, q the tau_h quantile of H1 over the valid tokens of the mini-batch (strict '<');
