@@ -31,3 +31,41 @@ def devices8():
     devs = jax.devices()
     assert len(devs) == 8, f"expected 8 fake CPU devices, got {len(devs)}: XLA_FLAGS set too late?"
     return devs
+
+
+# ------------------------------------------------------------------------------------------------
+# One tiny model for the whole session (built and compiled once). It is the `tiny` preset as the
+# trainer builds it for the CharTokenizer (vocabulary 100), seed 0: the model of `ict-jax train
+# model.preset=tiny`, the token inspector's tests and notebook 01. Tests that need another shape, dtype
+# or seed build their own.
+# READ-ONLY: never hand these to a train step (the step donates its state, which would delete the
+# shared arrays) nor change them; build a fresh model with `ict_jax.init_model(tiny_config, seed=...)`.
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    from ict_jax import CharTokenizer
+
+    return CharTokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_config(char_tokenizer):
+    from ict_jax import ModelConfig
+
+    return ModelConfig.tiny(vocab_size=char_tokenizer.vocab_size)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config):
+    from ict_jax import init_model
+
+    return init_model(tiny_config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, tiny_model):
+    """`tiny_model` saved as a Hugging Face directory (config.json + model.safetensors, no tokenizer
+    files: pass `--tokenizer char`). Read-only."""
+    from ict_jax import save_hf
+
+    return save_hf(tiny_model, tmp_path_factory.mktemp("tiny_hf") / "model")

@@ -50,6 +50,7 @@ def test_notebooks_are_percent_scripts_importing_only_the_allowed_packages(name)
     assert "ict_jax" in mods
 
 
+@pytest.mark.e2e
 def test_01_token_selection_on_the_tiny_model(tmp_path, monkeypatch):
     out = tmp_path / "nb01"
     ns = _run("01_token_selection.py", monkeypatch,
@@ -89,7 +90,7 @@ def test_02_training_dynamics_reads_a_run(tmp_path, monkeypatch):
     assert steps.tolist() == list(range(6)) and sel.tolist() == [1.0, 1.0] + [0.1] * 4
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_02_training_dynamics_trains_its_own_demo_run(tmp_path, monkeypatch):
     out = tmp_path / "nb02"
     ns = _run("02_training_dynamics.py", monkeypatch,
