@@ -7,9 +7,10 @@ import pathlib
 # Compile for compile time, not run time: the tests' programs are tiny and run for milliseconds, while XLA's
 # CPU backend spends most of a test's seconds optimising their machine code (the tiny model's init: ~6 s at
 # XLA's default level, ~1 s at level 0; a train step: ~40 % less). Same programs, same semantics; the
-# numbers may differ in the last bits from level 2, which no tolerance here is near. Subprocess tests that
-# set their own XLA_FLAGS (the demo, resume) compile at the default level. ICT_JAX_TEST_XLA_OPT=default
-# runs everything at XLA's default level.
+# numbers may differ in the last bits from level 2 (a random init too), which no tolerance here is near, but
+# a subprocess whose bits are compared with this process's must keep these flags (test_checkpoint's child).
+# Subprocess tests that set their own XLA_FLAGS (the demo, resume, two processes) compile at the default
+# level and compare only among themselves. ICT_JAX_TEST_XLA_OPT=default runs everything at the default.
 _OPT = "" if os.environ.get("ICT_JAX_TEST_XLA_OPT") == "default" else " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _OPT
