@@ -117,7 +117,8 @@ S = {k: np.asarray(getattr(stats, k)) for k in ("logp", "H1", "H2", "js")}
 v = valid.astype(bool)
 for k, x in S.items():
     print(f"{k:>4}: mean {x[v].mean():8.4f}  min {x[v].min():8.4f}  max {x[v].max():8.4f}")
-print("JS is 0 at t = 0 (identical prefixes):", bool(np.all(S["js"][:, 0] == 0)))
+# every rollout sees the same prompt at t = 0, so p = Pbar there: JS is 0 up to float32 rounding of the mean
+print(f"JS at t = 0 (identical prefixes): max {S['js'][:, 0].max():.1e}")
 
 # %% [markdown]
 # ## The three masks on the same tokens (docs/method.md §2)

@@ -97,6 +97,9 @@ def series(key: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray([p[0] for p in pts]), np.asarray([p[1] for p in pts], float)
 
 
+MARK = dict(marker="o", ms=3) if len(rows) <= 50 else {}  # a marker per step only on short runs
+
+
 for key in ("stats/H1_mean", "stats/H2_mean", "mask/selected_frac", "reward/mean"):
     s, x = series(key)
     print(f"{key:>22}: first {x[0]:.4f}  last {x[-1]:.4f}  ({len(x)} steps)" if len(x) else f"{key}: not logged")
@@ -110,12 +113,12 @@ for key in ("stats/H1_mean", "stats/H2_mean", "mask/selected_frac", "reward/mean
 fig, ax = plt.subplots(figsize=(7.5, 4))
 for key, colour, label in (("stats/H1_mean", "#e66100", "H1 (Shannon)"), ("stats/H2_mean", "#5d3a9b", "H2 (Rényi-2)")):
     s, x = series(key)
-    ax.plot(s, x, color=colour, marker="o", ms=3, label=label)
+    ax.plot(s, x, color=colour, lw=1, label=label, **MARK)
 ax.set_xlabel("RL step")
 ax.set_ylabel("mean entropy of the response tokens (nats)")
 ax2 = ax.twinx()
 s, x = series("mask/selected_frac")
-ax2.plot(s, x, color="#1a5fb4", ls="--", marker="s", ms=3, label="selected fraction")
+ax2.plot(s, x, color="#1a5fb4", ls="--", label="selected fraction", **MARK)
 ax2.set_ylabel("selected fraction of valid tokens")
 ax2.set_ylim(0, 1.05)
 lines = ax.get_legend_handles_labels()
@@ -137,7 +140,7 @@ for ax, (a, b, title) in zip(axes, panels):
     for key in (a, b):
         s, x = series(key)
         if len(x):
-            ax.plot(s, x, marker="o", ms=3, label=key)
+            ax.plot(s, x, lw=1, label=key, **MARK)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("RL step")
     ax.legend(fontsize=7)

@@ -4,8 +4,16 @@ sharding tests build a (data 2, fsdp 2, tensor 2) mesh on a laptop or CI box."""
 import os
 import pathlib
 
+# Compile for compile time, not run time: the tests' programs are tiny and run for milliseconds, while XLA's
+# CPU backend spends most of a test's seconds optimising their machine code (the tiny model's init: ~6 s at
+# XLA's default level, ~1 s at level 0; a train step: ~40 % less). Same programs, same semantics; the
+# numbers may differ in the last bits from level 2 (a random init too), which no tolerance here is near, but
+# a subprocess whose bits are compared with this process's must keep these flags (test_checkpoint's child).
+# Subprocess tests that set their own XLA_FLAGS (the demo, resume, two processes) compile at the default
+# level and compare only among themselves. ICT_JAX_TEST_XLA_OPT=default runs everything at the default.
+_OPT = "" if os.environ.get("ICT_JAX_TEST_XLA_OPT") == "default" else " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _OPT
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -31,3 +39,41 @@ def devices8():
     devs = jax.devices()
     assert len(devs) == 8, f"expected 8 fake CPU devices, got {len(devs)}: XLA_FLAGS set too late?"
     return devs
+
+
+# ------------------------------------------------------------------------------------------------
+# One tiny model for the whole session (built and compiled once). It is the `tiny` preset as the
+# trainer builds it for the CharTokenizer (vocabulary 100), seed 0: the model of `ict-jax train
+# model.preset=tiny`, the token inspector's tests and notebook 01. Tests that need another shape, dtype
+# or seed build their own.
+# READ-ONLY: never hand these to a train step (the step donates its state, which would delete the
+# shared arrays) nor change them; build a fresh model with `ict_jax.init_model(tiny_config, seed=...)`.
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    from ict_jax import CharTokenizer
+
+    return CharTokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_config(char_tokenizer):
+    from ict_jax import ModelConfig
+
+    return ModelConfig.tiny(vocab_size=char_tokenizer.vocab_size)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_config):
+    from ict_jax import init_model
+
+    return init_model(tiny_config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, tiny_model):
+    """`tiny_model` saved as a Hugging Face directory (config.json + model.safetensors, no tokenizer
+    files: pass `--tokenizer char`). Read-only."""
+    from ict_jax import save_hf
+
+    return save_hf(tiny_model, tmp_path_factory.mktemp("tiny_hf") / "model")

@@ -215,7 +215,10 @@ def test_empty_and_mismatched(tmp_path):
 
 _CHILD = r"""
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+# one device, and the test process's other XLA flags (tests/conftest.py: its optimisation level), so the
+# child's random init has the bits of the `fresh` state the test builds in its own process
+os.environ["XLA_FLAGS"] = " ".join([f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+                                   + ["--xla_force_host_platform_device_count=1"])
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax.numpy as jnp
 import ict_jax

@@ -125,8 +125,125 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path
 
 
 # --------------------------------------------------------------------------------------------------
+# The orchestration without training: a stand-in Trainer writes what a real run writes
+# --------------------------------------------------------------------------------------------------
+class _FakeTrainer:
+    """Stands in for ict_jax.train.trainer.Trainer in `run_comparison` (warm start: sft + evaluate; a
+    run: train), writing the files the real one writes: sft_model/, metrics.jsonl, a checkpoint folder
+    and summary.json. Records (run_dir, resume) per construction."""
+
+    calls: list = []
+    configs: dict = {}  # run folder name -> the Config the run was given
+    diverge: set = set()  # methods whose train() raises TrainingDiverged
+
+    def __init__(self, cfg, resume=False, progress=True):
+        self.cfg, self.run = cfg, Path(cfg.run_dir)
+        _FakeTrainer.calls.append((self.run.name, resume))
+        _FakeTrainer.configs[self.run.name] = cfg
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def sft(self):
+        (self.run / "sft_model").mkdir(parents=True)
+        (self.run / "sft_model" / "config.json").write_text("{}")
+        return {"sft/loss": 1.0}
+
+    def evaluate(self, step):
+        return {"eval/arith/pass@1": 0.125, "eval/arith/pass@2": 0.25}
+
+    def train(self):
+        from ict_jax.train.logs import RunLogger
+        from ict_jax.train.trainer import TrainingDiverged
+
+        method, steps = self.cfg.rl.selector.method, self.cfg.train.steps
+        if method in _FakeTrainer.diverge:
+            raise TrainingDiverged("3 non-finite updates in a row")
+        if not (self.run / "metrics.jsonl").is_file():
+            log = RunLogger(self.run, total_steps=steps, progress=False, tensorboard=False)
+            for s in range(steps):
+                log.log(s, {"reward/mean": 0.25 * (s + 1), "stats/H1_mean": 2.0 - 0.1 * s, "stats/H2_mean": 1.0})
+            log.close()
+            (self.run / "checkpoints" / str(steps)).mkdir(parents=True)
+        p1 = 0.5 if method == "ict" else 0.375
+        summary = {"eval_final": {"eval/arith/pass@1": p1, "eval/arith/pass@2": p1 + 0.25}, "wall_s": 2.0}
+        (self.run / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+
+def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeypatch):
+    """What `ict-jax compare` does around the training runs (the e2e test below trains for real): one
+    warm start shared by every run, each run's config, the table, the plots, skip / resume / diverged on
+    a second invocation, and the refusal of another config in the same folder."""
+    import ict_jax.train.trainer
+
+    monkeypatch.setattr(ict_jax.train.trainer, "Trainer", _FakeTrainer)
+    monkeypatch.setattr(_FakeTrainer, "calls", [])
+    monkeypatch.setattr(_FakeTrainer, "configs", {})
+    monkeypatch.setattr(_FakeTrainer, "diverge", {"stapo"})
+    out = tmp_path / "cmp"
+    argv = ["compare", "--config", str(DEMO), "--methods", "ict,grpo,stapo", "--seeds", "1", "--out", str(out),
+            "--target-reward", "0.5", "--no-progress", *TINY]
+    assert cli_main(argv) == 0
+    cap = capsys.readouterr()
+    assert _FakeTrainer.calls == [("warmstart", False), ("ict_s0", False), ("grpo_s0", False), ("stapo_s0", False)]
+    warm = out / "warmstart" / "sft_model"
+    assert json.loads((out / "warmstart" / "warmstart.json").read_text())["eval"] == {
+        "eval/arith/pass@1": 0.125, "eval/arith/pass@2": 0.25}
+    assert _FakeTrainer.configs["warmstart"].train.sft_steps == 5
+    cfgs = {m: _FakeTrainer.configs[f"{m}_s0"].to_dict() for m in ("ict", "grpo", "stapo")}
+    for m, c in cfgs.items():
+        assert c["model"]["path"] == str(warm.absolute()) and c["model"]["tokenizer"] == "char"
+        assert c["train"]["sft_steps"] == 0 and c["seed"] == 0 and c["rl"]["selector"]["method"] == m
+        assert c["run_dir"] == str(out / "runs" / f"{m}_s0")
+    strip = lambda c: {**c, "rl": {**c["rl"], "selector": None}, "run_dir": None}  # noqa: E731
+    assert strip(cfgs["ict"]) == strip(cfgs["grpo"]) == strip(cfgs["stapo"])
+    assert "stapo_s0: diverged" in cap.err
+    assert json.loads((out / "runs" / "stapo_s0" / "compare_status.json").read_text())["status"] == "diverged"
+
+    md = (out / "results.md").read_text()
+    assert md in cap.out
+    rows = _table_rows(md)
+    assert rows[0][:5] == ["method", "rho", "seeds", "P@1", "P@2"]
+    assert rows[1][:5] == ["warm start (SFT)", "", "", "0.125", "0.250"]
+    # reward 0.25, 0.5, 0.75: the 5-step moving average reaches 0.5 at step 3 ((.25 + .5 + .75) / 3)
+    assert rows[2][:6] == ["ict", "", "1", "0.500", "0.750", "3.0"]
+    assert rows[3][:6] == ["grpo", "", "1", "0.375", "0.625", "3.0"]
+    assert rows[4] == ["stapo", "", "0"] + ["n/a"] * 6  # diverged: left out of the table
+    res = json.loads((out / "results.json").read_text())
+    assert res["runs"] == {"ict_s0": "started", "grpo_s0": "started", "stapo_s0": "diverged"}
+    assert res["groups"][0]["runs"]["0"]["H1"] == pytest.approx(1.9)  # tail mean of 2.0, 1.9, 1.8
+    for png in ("reward.png", "H1.png", "H2.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000, png
+
+    # again: the warm start is reused, finished and diverged runs are skipped, nothing trains
+    _FakeTrainer.calls.clear()
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warm start: reusing" in err and "ict_s0: skipped" in err and "stapo_s0: skipped (diverged" in err
+    assert _FakeTrainer.calls == [] and _table_rows((out / "results.md").read_text()) == rows
+
+    # a run with a checkpoint but no summary is resumed, not restarted
+    (out / "runs" / "grpo_s0" / "summary.json").unlink()
+    assert cli_main(argv) == 0
+    assert "grpo_s0: resuming" in capsys.readouterr().err
+    assert _FakeTrainer.calls == [("grpo_s0", True)]
+    assert json.loads((out / "results.json").read_text())["runs"]["grpo_s0"] == "resumed"
+
+    # another config in the same folder is refused before anything runs
+    assert cli_main(argv + ["train.steps=4"]) == 2
+    assert "holds a comparison made with another config (differs in train.steps)" in capsys.readouterr().err
+    assert _FakeTrainer.calls == [("grpo_s0", True)]
+
+
+# --------------------------------------------------------------------------------------------------
 # End to end
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_compare_two_methods_writes_table_and_plots_and_resumes(tmp_path, capsys):
     out = tmp_path / "cmp"
     argv = ["compare", "--config", str(DEMO), "--methods", "ict,grpo", "--seeds", "1", "--out", str(out),

@@ -26,6 +26,7 @@ def _run(run_dir: Path, *overrides: str, timeout: int) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.e2e
 def test_demo_shortened_end_to_end(tmp_path):
     """The demo's own model, task and pipeline (SFT warm start, ICT RL, eval, checkpoint, plot), shortened."""
     run = tmp_path / "demo"

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from ict_jax import CharTokenizer, init_model, ModelConfig, save_hf
+from ict_jax import CharTokenizer
 from ict_jax.cli.main import main
 from ict_jax.sampling.text_generation import make_text_generator
 from ict_jax.data.templates import template_dataset
@@ -20,19 +20,16 @@ from ict_jax.model.loading import load_model_and_tokenizer, resolve_path
 QUESTIONS = [("What is 12 + 30?", "#### 42"), ("What is 7 times 6?", "#### 42"), ("Compute 100 - 58.", "#### 42")]
 
 
-def _cfg() -> ModelConfig:
-    return ModelConfig.tiny(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2, max_position_embeddings=512)
+@pytest.fixture(scope="module")
+def model(tiny_model):  # the session's tiny random model (conftest.py), vocabulary 100 = CharTokenizer's
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
-def model():
-    return init_model(_cfg(), seed=3)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory, model):
+def assets(tmp_path_factory, tiny_hf_dir):
+    """model/: the session's tiny model as a HF directory (no tokenizer files); data/: three GSM8K rows."""
     root = tmp_path_factory.mktemp("eval_cli")
-    save_hf(model, root / "model")
+    (root / "model").symlink_to(tiny_hf_dir, target_is_directory=True)
     (root / "data" / "gsm8k").mkdir(parents=True)
     with open(root / "data" / "gsm8k" / "test.jsonl", "w") as f:
         for q, a in QUESTIONS:

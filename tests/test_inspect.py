@@ -24,9 +24,8 @@ PROMPT = "12+34=<script>alert('x')</script>&amp;"
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    model = ict_jax.init_model(ict_jax.ModelConfig.tiny(vocab_size=100), seed=0)
-    return model, ict_jax.CharTokenizer()
+def tiny(tiny_model, char_tokenizer):  # the session's tiny model (conftest.py): vocabulary 100, seed 0
+    return tiny_model, char_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -256,10 +255,9 @@ def test_untrusted_text_is_escaped(report):
 # ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
-def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tmp_path, capsys):
+def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tiny_hf_dir, tmp_path, capsys):
     from ict_jax.train.checkpoints import Checkpointer
     from ict_jax.cli.main import main
-    from ict_jax.model.weights import save_hf
     from ict_jax.rl.state import init_train_state
 
     model, _ = tiny
@@ -274,9 +272,8 @@ def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tmp_path, capsys):
     assert {k[1] for k in p.cols} == {"ict", "entropy", "stapo"} and len(p.cols) == 12
     assert "step 3" in out.read_text()
 
-    save_hf(model, tmp_path / "hf")
-    out2 = tmp_path / "sub" / "page2.html"
-    assert main(["inspect", "--model", str(tmp_path / "hf"), "--tokenizer", "char", "--prompt", PROMPT, "-n", "4",
+    out2 = tmp_path / "sub" / "page2.html"  # the same model saved as a HF directory (conftest.py)
+    assert main(["inspect", "--model", str(tiny_hf_dir), "--tokenizer", "char", "--prompt", PROMPT, "-n", "4",
                  "--max-new-tokens", "12", "--rewards", "1,0,0,1", "--out", str(out2)]) == 0
     assert "reward" in out2.read_text() and out2.exists()
 
@@ -285,7 +282,7 @@ def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tmp_path, capsys):
     assert main(["inspect", "--checkpoint", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ict-jax inspect: error:") and err.count("\n") == 1
-    assert main(["inspect", "--model", str(tmp_path / "hf"), "--tokenizer", "char", "--prompt", PROMPT, "-n", "4",
+    assert main(["inspect", "--model", str(tiny_hf_dir), "--tokenizer", "char", "--prompt", PROMPT, "-n", "4",
                  "--max-new-tokens", "12", "--rewards", "1,x", "--out", str(out2)]) == 2
     assert "--rewards" in capsys.readouterr().err
 

@@ -1,10 +1,16 @@
-"""The notebooks (notebooks/*.py, jupytext percent format) run as plain Python on the tiny model and write
-their figures; they import only ict_jax, numpy, matplotlib, jax and the standard library."""
+"""The notebooks: their sources (notebooks/*.py, jupytext percent format, the reviewed source of truth) run
+as plain Python on the tiny model and write their figures; they import only ict_jax, numpy, matplotlib, jax
+and the standard library. The committed notebooks (notebooks/*.ipynb, built by notebooks/build.py) carry
+their outputs, are current with their sources and stay small; the build itself runs in the e2e stage."""
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
+import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NB = ROOT / "notebooks"
 NOTEBOOKS = ("01_token_selection.py", "02_training_dynamics.py")
+FIGURES = {"01_token_selection": 3, "02_training_dynamics": 2}  # inline figures each notebook shows
+MAX_BYTES = 2_000_000
 ALLOWED = {"ict_jax", "numpy", "matplotlib", "jax"}
 
 
@@ -50,6 +58,7 @@ def test_notebooks_are_percent_scripts_importing_only_the_allowed_packages(name)
     assert "ict_jax" in mods
 
 
+@pytest.mark.e2e
 def test_01_token_selection_on_the_tiny_model(tmp_path, monkeypatch):
     out = tmp_path / "nb01"
     ns = _run("01_token_selection.py", monkeypatch,
@@ -89,7 +98,7 @@ def test_02_training_dynamics_reads_a_run(tmp_path, monkeypatch):
     assert steps.tolist() == list(range(6)) and sel.tolist() == [1.0, 1.0] + [0.1] * 4
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_02_training_dynamics_trains_its_own_demo_run(tmp_path, monkeypatch):
     out = tmp_path / "nb02"
     ns = _run("02_training_dynamics.py", monkeypatch,
@@ -99,3 +108,54 @@ def test_02_training_dynamics_trains_its_own_demo_run(tmp_path, monkeypatch):
     assert [r["step"] for r in ns["rows"]] == [0, 1, 2, 3]
     _steps, sel = ns["series"]("mask/selected_frac")
     assert sel[0] == 1.0 and sel[-1] < 0.5  # warm-up (2 steps) with every token, then ICT's ~10 %
+
+
+# ------------------------------------------------------------------------------------------------
+# The .ipynb files with outputs (notebooks/build.py)
+# ------------------------------------------------------------------------------------------------
+def _check_executed(path: Path, source: Path) -> dict:
+    """An executed notebook built from `source` as it is now: every code cell ran, none raised, the
+    figures are there, and the file stays small enough to read on the web."""
+    assert path.is_file(), f"{path} is missing: python notebooks/build.py"
+    assert path.stat().st_size < MAX_BYTES, f"{path}: {path.stat().st_size} bytes"
+    nb = json.loads(path.read_text())
+    meta = nb["metadata"]["ict_jax"]
+    assert meta["source"] == source.name
+    assert meta["source_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest(), (
+        f"{path.name} was built from another version of {source.name}: run python notebooks/build.py")
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert len(code) >= 4 and all(c["execution_count"] for c in code), "a code cell did not run"
+    outputs = [o for c in code for o in c["outputs"]]
+    errors = [o for o in outputs if o["output_type"] == "error"]
+    assert not errors, [(o["ename"], o["evalue"]) for o in errors]
+    pngs = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(pngs) >= FIGURES[path.stem], f"{path.name}: {len(pngs)} figures"
+    assert any(o["output_type"] == "stream" and o["text"] for o in outputs)  # printed tables / numbers
+    return nb
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebooks_are_current_executed_and_small(name):
+    _check_executed((NB / name).with_suffix(".ipynb"), NB / name)
+
+
+@pytest.mark.e2e
+def test_build_executes_every_notebook(tmp_path):
+    """`notebooks/build.py --fast`: jupytext converts each source, a Jupyter kernel executes it, the
+    .ipynb is written with its outputs (notebook 02 trains its own few-step demo)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu",  # one CPU device, like a user's machine
+               JAX_COMPILATION_CACHE_DIR=os.environ["ICT_JAX_TEST_CACHE"])
+    p = subprocess.run([sys.executable, str(NB / "build.py"), "--fast", "--out", str(out), "--work", str(work)],
+                       env=env, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for name in NOTEBOOKS:
+        nb = _check_executed(out / Path(name).with_suffix(".ipynb").name, NB / name)
+        assert nb["metadata"]["ict_jax"]["mode"] == "fast"
+    for png in ("distributions.png", "js_vs_h1.png", "masks.png"):
+        _png_ok(work / "01_token_selection" / png)
+    _png_ok(work / "02_training_dynamics" / "h1_h2_selected.png")
+    from ict_jax.train.logs import read_metrics
+
+    rows = read_metrics(work / "02_training_dynamics" / "demo_run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(6))  # ICT_NB_DEMO_STEPS' default

@@ -243,6 +243,7 @@ def _run(method: str, seed: int, steps: int, *extra: str):
     return np.array(rewards), metrics, step, gen
 
 
+@pytest.mark.e2e  # 3 seeds x 40 rollout + update steps; the loop itself stays in the default suite (next test)
 @pytest.mark.parametrize("method", ["dense", "ict"])
 def test_learning_sanity_toy_reward(method):
     for seed in (0, 1, 2):

@@ -34,9 +34,13 @@ SECTION5 = {"reward/mean", "reward/accuracy", "adv/zero_std_group_frac", "respon
             "rollout/logp_abs_diff_mean", "time/rollout_s", "time/update_s", "throughput/tokens_per_s"}
 
 
-@pytest.mark.parametrize("method", ["ict", "grpo", pytest.param("entropy", marks=pytest.mark.slow),
-                                    pytest.param("stapo", marks=pytest.mark.slow),
-                                    pytest.param("random", marks=pytest.mark.slow)])
+# ict stays in the default suite as the trainer's representative end-to-end run (SFT warm start, RL,
+# metrics, checkpoint, TensorBoard, plot, summary); the other methods differ only in the selector, which
+# tests/test_train_step.py and tests/test_selectors.py cover as units
+@pytest.mark.parametrize("method", ["ict", pytest.param("grpo", marks=pytest.mark.e2e),
+                                    pytest.param("entropy", marks=pytest.mark.e2e),
+                                    pytest.param("stapo", marks=pytest.mark.e2e),
+                                    pytest.param("random", marks=pytest.mark.e2e)])
 def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
     from ict_jax.train.trainer import Trainer
 
@@ -240,7 +244,7 @@ def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
     assert (rewards.max(1) > rewards.min(1)).all()
 
 
-@pytest.mark.slow  # a profiled run (~20 s): slow suite, for the default suite's time budget
+@pytest.mark.e2e  # a profiled trainer run (~20 s)
 def test_profile_steps_write_a_trace(tmp_path, capsys):
     run = tmp_path / "run"
     rc, err = _cli(["train", "--config", str(DEMO), *TINY, "train.steps=2", "train.sft_steps=0",
