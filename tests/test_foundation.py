@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,9 +62,8 @@ def test_sharded_init_equals_unsharded(devices8):
     a = ict_jax.init_model(cfg, seed=3)
     b = ict_jax.init_model(cfg, seed=3, mesh=mesh)
     assert b.layers.w_gate[...].sharding.spec == P(None, "fsdp", "tensor")
-    for x, y in zip(jax.tree.leaves(jax.tree.map(np.asarray, a.layers.arrays())),
-                    jax.tree.leaves(jax.tree.map(np.asarray, b.layers.arrays()))):
-        np.testing.assert_array_equal(x, y)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, a.layers.arrays()),
+                                jax.tree.map(np.asarray, b.layers.arrays()))
 
 
 def test_remat_modes_give_the_same_gradients():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,8 +90,7 @@ def _cached_delta(method, loss_agg, micro, *extra):
 
 
 def _assert_close_trees(a, b, rtol=2e-5, atol=1e-7):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+    chex.assert_trees_all_close(a, b, rtol=rtol, atol=atol)  # same structure, shapes, and values within tol
 
 
 # random shares ict's aggregation and per-response counts; its cases are in the slow full matrix below

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -142,8 +143,7 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
     step_a, params_a = _final_params(full)
     step_b, params_b = _final_params(cut)
     assert step_a == step_b == 6
-    for x, y in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
-        np.testing.assert_array_equal(x, y)
+    chex.assert_trees_all_equal(params_a, params_b)
     ra, rb = read_metrics(full / "metrics.jsonl"), read_metrics(cut / "metrics.jsonl")
     assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(6))
     for a, b in zip(ra, rb):
