@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from ict_jax.cli.main import main as cli_main
-from ict_jax.tools.compare_report import (aggregate_group, format_markdown, mean_sd, pass_at_k, run_result, steps_to_target, tail_mean)
 from ict_jax.tools.compare import plan_runs
+from ict_jax.tools.compare_report import (aggregate_group, format_markdown, mean_sd, pass_at_k, run_result,
+                                          steps_to_target, tail_mean)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -178,9 +179,9 @@ def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeyp
     """What `ict-jax compare` does around the training runs (the e2e test below trains for real): one
     warm start shared by every run, each run's config, the table, the plots, skip / resume / diverged on
     a second invocation, and the refusal of another config in the same folder."""
-    import ict_jax.train.trainer
+    import ict_jax.tools.compare
 
-    monkeypatch.setattr(ict_jax.train.trainer, "Trainer", _FakeTrainer)
+    monkeypatch.setattr(ict_jax.tools.compare, "Trainer", _FakeTrainer)
     monkeypatch.setattr(_FakeTrainer, "calls", [])
     monkeypatch.setattr(_FakeTrainer, "configs", {})
     monkeypatch.setattr(_FakeTrainer, "diverge", {"stapo"})
