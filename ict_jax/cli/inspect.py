@@ -62,10 +62,10 @@ def _cfg_get(cfg: Any, *keys: str) -> Any:
 
 
 def inspect_main(args: argparse.Namespace) -> int:
-    from ict_jax.model.loading import load_model_and_tokenizer, load_tokenizer_spec
+    from ict_jax.model.loading import load_tokenizer_spec
     from ict_jax.tools.inspector import checkpoint_selector, token_report
     from ict_jax.tools.inspector_page import render_html
-    from ict_jax.train.checkpoints import load_params_from_checkpoint
+    from ict_jax.train.checkpoints import load_params_from_checkpoint, load_run_model
 
     cfg: dict[str, Any] = {}
     meta: dict[str, Any] | None = None
@@ -80,8 +80,7 @@ def inspect_main(args: argparse.Namespace) -> int:
     else:
         if args.step is not None:
             raise ValueError("--step needs --checkpoint")
-        model, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
-        where = args.model
+        model, tok, where = load_run_model(args.model, tokenizer=args.tokenizer)
 
     def pick(value: Any, *keys: str, default: Any) -> Any:
         if value is not None:

@@ -106,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"ict-jax {args.command}: error: {msg}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the output went to a pipe that closed (`| head`): not an error of ours
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt as e:
         print(f"ict-jax {args.command}: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130
