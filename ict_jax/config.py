@@ -258,6 +258,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, get_args(tp)))}")
     if origin in (typing.Union, types.UnionType):
+        others = [a for a in get_args(tp) if a is not type(None)]
+        if value is None and len(others) < len(get_args(tp)):
+            return None
+        if len(others) == 1:  # "X or null" with a value: X's own message ("not a finite number", ...)
+            return _coerce(value, others[0], key)
         errors = []
         for arg in get_args(tp):
             try:
