@@ -350,7 +350,7 @@ def test_training_with_a_custom_reward_function_and_a_file_task(tmp_path, monkey
     (tmp_path / "t17_reward.py").write_text(
         "import os\n"
         "def score(response, gold, meta):\n"
-        "    open(os.path.join(meta['out'], f'pid_{os.getpid()}'), 'a').write(response + '\\n')\n"
+        "    open(os.path.join(meta['out'], f'pid_{os.getpid()}'), 'a').write(repr(response) + '\\n')\n"
         "    return 1.0 if response.startswith(meta['lead']) else 0.0\n")
     rows = [{"q": f"{i}+1=", "a": str(i + 1), "lead": str(i)[0], "out": str(tmp_path)} for i in range(8)]
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

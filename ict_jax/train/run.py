@@ -257,7 +257,7 @@ def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, mesh: An
     point = resume_point(cfg, run_dir, rl_step) if resume else None
     ref_params = None
     if cfg.rl.loss.kl_coef > 0:
-        ref_source = _reference_source(cfg, run_dir, model, resumed)
+        ref_source = _reference_source(cfg, run_dir, model, resumed, mesh)
         ref_params = reference_params(ref_source, model.config.resolved_compute_dtype())
     if jax.process_index() == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -269,15 +269,15 @@ def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, mesh: An
                resumed=resumed, resume_point=point)
 
 
-def _reference_source(cfg: Config, run_dir: Path, model: Any, resumed: bool) -> Any:
+def _reference_source(cfg: Config, run_dir: Path, model: Any, resumed: bool, mesh: Any) -> Any:
     """The KL reference is the policy at the start of RL. A resumed run rebuilds it: the SFT result
-    saved at ``<run_dir>/sft_model`` if there is one, else the initial model (reloaded / re-initialised
-    deterministically, which is what ``model`` is before any checkpoint is restored into the state)."""
+    saved at ``<run_dir>/sft_model`` if there is one (placed on the run's mesh, like the policy), else
+    the initial model (reloaded / re-initialised deterministically, which is what ``model`` is before
+    any checkpoint is restored into the state)."""
 
     sft_dir = run_dir / SFT_MODEL
     if resumed and sft_dir.is_dir():
-
-        return nnx.state(load_hf(sft_dir, **model_overrides(cfg)), nnx.Param)
+        return nnx.state(load_hf(sft_dir, mesh=mesh, dtype=cfg.model.param_dtype, **model_overrides(cfg)), nnx.Param)
     return nnx.state(model, nnx.Param)
 
 
