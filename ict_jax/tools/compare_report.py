@@ -3,7 +3,6 @@ a run's metrics rows and summary, the Markdown table, and reading finished runs 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from dataclasses import dataclass

@@ -115,7 +115,7 @@ class RunLogger:
         """Show the progress of a new phase (``desc``: "sft", "rl"): a new bar, or lines counted anew."""
         self.total, self.initial, self.desc = int(total_steps), int(initial_step), desc
         self._every = 0
-        self._t0 = time.perf_counter()
+        self._t_first = time.perf_counter()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -162,9 +162,14 @@ class RunLogger:
             self._bar.update(1)
         elif self._every:
             done = int(step) + 1
+            now = time.perf_counter()
+            if done == self.initial + 1:  # the first step compiles: the rate is measured after it
+                self._t_first = now
             if done == self.initial + 1 or done % self._every == 0 or done == self.total:
-                rate = (time.perf_counter() - self._t0) / max(1, done - self.initial)
-                self.message(compact_line(phase, done, self.total, metrics, rate * (self.total - done)))
+                eta = None
+                if done > self.initial + 1:
+                    eta = (now - self._t_first) / (done - self.initial - 1) * (self.total - done)
+                self.message(compact_line(phase, done, self.total, metrics, eta))
 
     def message(self, text: str) -> None:
         if not self.enabled:
