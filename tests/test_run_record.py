@@ -559,3 +559,27 @@ def test_first_ctrl_c_asks_to_stop_after_the_step_the_second_stops_at_once():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.5)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_extension_that_crashed_is_not_taken_for_finished(tmp_path, monkeypatch):
+    """A finished run extended (train.steps 2 -> 3) records the new train.steps in config.json at once;
+    if that invocation dies, --resume with train.steps=3 must train, not report 'finished' (the
+    summary's own step count decides)."""
+    import ict_jax.train.trainer as trainer_mod
+    from ict_jax.config import load_config
+
+    run, args = _recorded_run(tmp_path, "train.steps=3")  # config.json already says 3; summary says 2 done
+
+    class Built(Exception):
+        pass
+
+    def fake_build(*a, **k):
+        raise Built
+
+    monkeypatch.setattr(trainer_mod, "build_run", fake_build)
+    with pytest.raises(Built):
+        trainer_mod.Trainer(load_config(DEMO, args), resume=True)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "steps": 3}))  # the extension finished
+    t = trainer_mod.Trainer(load_config(DEMO, args), resume=True)
+    assert t.finished is not None and t.finished["steps"] == 3

@@ -121,8 +121,10 @@ class Trainer:
             previous = read_config(self.run_dir)
             if previous is not None:
                 check_resume(previous, config)
-            if previous is None or config.train.steps <= previous.train.steps:
-                self.finished = read_summary(self.run_dir)
+            summary = read_summary(self.run_dir) or {}
+            done = summary.get("steps", previous.train.steps if previous is not None else config.train.steps)
+            if config.train.steps <= int(done):
+                self.finished = summary
                 return
         self.run = build_run(config, resume=resume, model=model, tokenizer=tokenizer)
         if resume:
@@ -415,6 +417,8 @@ class Trainer:
         cfg, r = self.cfg, self.run
         t0 = time.perf_counter()
         wall_before = float(self._summary.get("wall_s", 0.0))
+        if self._summary.get("status") in (None, "finished"):  # until it finishes (again), it is not finished
+            self._save_summary("running")
         sft_part = f"SFT {cfg.train.sft_steps} steps, then " if cfg.train.sft_steps > 0 else ""
         self.say(f"run {self.run_dir}: {sft_part}{cfg.train.steps} RL steps ({cfg.rl.selector.method})")
         if not r.resumed and cfg.train.sft_steps > 0:
