@@ -45,7 +45,8 @@ from ict_jax.rl.batch import build_rollout_batch
 from ict_jax.rl.state import TrainState, init_opt_state, init_train_state, reference_params
 from ict_jax.sharding import shard_batch, to_host
 from ict_jax.train.checkpoints import Checkpointer
-from ict_jax.train.logs import RunLogger, format_eval, metrics_to_floats, plot_metrics, truncate_metrics
+from ict_jax.train.logs import (RunLogger, format_eval, metrics_to_floats, plot_metrics, read_metrics,
+                                truncate_metrics)
 from ict_jax.train.record import check_resume, read_config, read_resumes, read_summary, run_finished, write_summary
 from ict_jax.train.run import SFT_CHECKPOINTS, SFT_MODEL, build_run, model_overrides, run_eval
 from ict_jax.train.tracking import WandbTracker
@@ -129,8 +130,14 @@ class Trainer:
         self.run = build_run(config, resume=resume, model=model, tokenizer=tokenizer)
         if resume:
             self._summary = read_summary(self.run_dir) or {}
+            metrics = self.run_dir / "metrics.jsonl"
+            point = self.run.resume_point
             if jax.process_index() == 0:  # the rows this run logs again: one row per (phase, step) in the end
-                truncate_metrics(self.run_dir / "metrics.jsonl", self.run.resume_point.keep_below)
+                truncate_metrics(metrics, point.keep_below)
+            if point.phase == "rl" and metrics.is_file():  # an evaluation of the resumed step is on record
+                done = [r for r in read_metrics(metrics, "eval") if r["step"] == point.step]
+                if done:
+                    self._last_eval = (point.step, {k: v for k, v in done[-1].items() if k.startswith("eval/")})
         if self._summary.get("status", "finished") == "finished" and "final" in self._summary:
             # a finished run trained further (train.steps raised): its earlier end stays on record
             earlier = {k: self._summary.pop(k) for k in ("final", "eval_final", "steps") if k in self._summary}
