@@ -21,7 +21,8 @@ def add_inspect_args(p: argparse.ArgumentParser) -> None:
                      help="a run directory, its checkpoints/ folder or one <step>/ directory (the tokenizer and "
                           "defaults come from the checkpoint's metadata)")
     src.add_argument("--model", metavar="PATH",
-                     help="instead of a checkpoint: a Hugging Face directory, a .gguf file or pkg:<package>/<file>")
+                     help="instead of a checkpoint: a Hugging Face directory, a .gguf file, pkg:<package>/<file> or "
+                          "a training run directory (its last checkpoint, else its sft_model)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest finished one)")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH",
                    help="tokenizer instead of the model's / checkpoint's own: 'char' or a tokenizer directory / .gguf")
