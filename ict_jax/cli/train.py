@@ -59,7 +59,7 @@ def print_config(cfg) -> None:
     """The resolved config tree, every key with its value (defaults included), as YAML."""
     import yaml  # only where text is written
 
-    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None, width=110), end="")
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False), end="")
 
 
 def train_main(args: argparse.Namespace) -> int:
