@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -125,6 +127,9 @@ class RewardSection:
     time_limit: float = 5.0  # seconds per response check (the worker is killed past it)
     workers: int = 2  # reward worker processes
     max_response_chars: int = 16384  # only the tail of a response is read for its final answer
+    # "package.module:function" scoring every training response inside the reward workers (never in the
+    # trainer process); None = each dataset's own reward kind (docs/rewards.md "Custom reward functions")
+    fn: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,7 @@ class TrainSection:
     sft_steps: int = 0  # SFT warm-start steps before RL (0 = none)
     sft_lr: float = 1e-3
     sft_batch_size: int = 32
+    sft_save_every: int = 200  # SFT checkpoint every N SFT steps (<run_dir>/checkpoints_sft); 0 = none
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,16 @@ class DataSection:
 
 
 @dataclass(frozen=True)
+class LoggingSection:
+    # a compact line every N steps when no progress bar is shown (not a terminal, --no-progress);
+    # None = about ten lines per phase
+    print_every: int | None = None
+    wandb: bool = False  # also log to Weights & Biases (the optional `wandb` extra), same metric names
+    wandb_project: str = "ict_jax"
+    wandb_name: str | None = None  # None = the run directory's name
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     mesh: MeshSection = field(default_factory=MeshSection)
@@ -192,6 +208,7 @@ class Config:
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
     seed: int = 0
     run_dir: str = "runs/default"
 
@@ -241,6 +258,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, get_args(tp)))}")
     if origin in (typing.Union, types.UnionType):
+        others = [a for a in get_args(tp) if a is not type(None)]
+        if value is None and len(others) < len(get_args(tp)):
+            return None
+        if len(others) == 1:  # "X or null" with a value: X's own message ("not a finite number", ...)
+            return _coerce(value, others[0], key)
         errors = []
         for arg in get_args(tp):
             try:
@@ -250,9 +272,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
     if origin is tuple:
         if isinstance(value, str):  # "1,4" from the command line: each element parsed as YAML
-            import yaml  # yaml only where text is parsed (the CLI parser imports this module)
-
-            value = [yaml.safe_load(v) for v in value.split(",") if v.strip()]
+            value = [_yaml_or_text(v) for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
         return tuple(_coerce(v, get_args(tp)[0], key) for v in value)
@@ -269,19 +289,34 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
             try:
-                return float(value.strip())
+                number = float(value.strip())
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # nan / inf (also YAML's .nan, .inf) never make sense here
+            raise ConfigError(f"{key}: {value!r} is not a finite number; allowed: {_range_text(key)}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     raise TypeError(f"unsupported config type {tp!r} for {key}")  # programming error, not user input
+
+
+def _yaml_or_text(text: str) -> Any:
+    """``text`` parsed as YAML, or the text itself when it is not valid YAML (``[a?b`` is a string)."""
+    import yaml  # yaml only where text is parsed (the CLI parser imports this module)
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
@@ -304,6 +339,86 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+@dataclass(frozen=True)
+class Range:
+    """The allowed values of a numeric field: ``lo``/``hi`` bounds (None = unbounded), each closed
+    (``<=``) or open (``<``)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def contains(self, v: float) -> bool:
+        if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
+            return False
+        return not (self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)))
+
+    def text(self, name: str) -> str:
+        def num(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        left = "" if self.lo is None else f"{num(self.lo)} {'<' if self.lo_open else '<='} "
+        right = "" if self.hi is None else f" {'<' if self.hi_open else '<='} {num(self.hi)}"
+        return f"{left}{name}{right}" if (left or right) else f"any finite {name}"
+
+
+_POS, _NONNEG, _ANY = Range(0, lo_open=True), Range(0), Range()
+_UNIT_OPEN_CLOSED = Range(0, 1, lo_open=True)  # (0, 1]: a fraction that may not be 0
+_BETA = Range(0, 1, hi_open=True)
+#: The allowed range of every numeric field, by dotted key (a test checks that every int and float field
+#: of the tree is listed). Every float must also be finite. ``None`` (where a field allows it) is not checked.
+RANGES: dict[str, Range] = {
+    "mesh.data": Range(-1), "mesh.fsdp": Range(-1), "mesh.tensor": Range(-1),  # -1 = the rest; 0 below
+    "rollout.num_samples": Range(1), "rollout.max_prompt_len": Range(1), "rollout.max_new_tokens": Range(1),
+    "rollout.temperature": _POS, "rollout.top_p": _UNIT_OPEN_CLOSED, "rollout.top_k": _NONNEG,
+    "rl.selector.rho": _UNIT_OPEN_CLOSED, "rl.selector.warmup_steps": _NONNEG,
+    "rl.selector.tau_p": Range(0, 1, lo_open=True, hi_open=True), "rl.selector.tau_h": Range(0, 1),
+    "rl.loss.eps_low": _BETA, "rl.loss.eps_high": _NONNEG, "rl.loss.dual_clip_c": Range(1, lo_open=True),
+    "rl.loss.kl_coef": _NONNEG,
+    "rl.adv.max_refill": _NONNEG, "rl.adv.eps": _POS,
+    "rl.reward.correct": _ANY, "rl.reward.wrong": _ANY, "rl.reward.no_answer": _ANY,
+    "rl.reward.time_limit": _POS, "rl.reward.workers": Range(1), "rl.reward.max_response_chars": Range(1),
+    "stats.temperature": _POS, "stats.chunk": Range(1),
+    "optim.lr": _NONNEG, "optim.lr_warmup_steps": _NONNEG, "optim.weight_decay": _NONNEG,
+    "optim.grad_clip": _POS, "optim.b1": _BETA, "optim.b2": _BETA,
+    "train.steps": _NONNEG, "train.prompts_per_step": Range(1), "train.mini_batches": Range(1),
+    "train.micro_batches": Range(1), "train.eval_every": _NONNEG, "train.save_every": _NONNEG,
+    "train.keep": Range(1), "train.sft_steps": _NONNEG, "train.sft_lr": _POS, "train.sft_batch_size": Range(1),
+    "train.sft_save_every": _NONNEG,
+    "data.eval_n": Range(1), "data.eval_k": Range(1), "data.eval_temperature": _POS,
+    "data.eval_top_p": _UNIT_OPEN_CLOSED, "data.eval_limit": Range(1),
+    "logging.print_every": Range(1),
+    "seed": Range(0, 2**32, hi_open=True),  # jax.random.key(seed) wraps at 2**32: two seeds would be one run
+}
+
+
+def _range_text(key: str) -> str:
+    r = RANGES.get(key)
+    return r.text(key.rsplit(".", 1)[-1]) if r is not None else "a finite number"
+
+
+def _leaves(obj: Any, prefix: str = "") -> typing.Iterator[tuple[str, Any]]:
+    for f in dataclasses.fields(obj):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, key)
+        else:
+            yield key, value
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every numeric field (:data:`RANGES`) within its range; the message names the key and the range."""
+    for key, value in _leaves(cfg):
+        r = RANGES.get(key)
+        if r is None or value is None:
+            continue
+        for v in (value if isinstance(value, tuple) else (value,)):
+            if not r.contains(v):
+                raise ConfigError(f"{key}: {v!r} is out of range; allowed: {_range_text(key)}")
+
+
 def _check_fraction(key: str, rho: float) -> None:
     if not (0.0 < rho <= 1.0):
         raise ConfigError(f"{key}: {rho} is out of range; allowed: 0 < rho <= 1")
@@ -311,60 +426,27 @@ def _check_fraction(key: str, rho: float) -> None:
         raise ConfigError(f"{key}: {rho} has more than 4 decimals (docs/method.md §2 stores rho as a fraction)")
 
 
-def validate(cfg: Config) -> Config:
-    """Cross-field checks; returns ``cfg``. Raises :class:`ConfigError`."""
-    def positive(key: str, v: float, allow_zero: bool = False) -> None:
-        if v < 0 or (v == 0 and not allow_zero):
-            raise ConfigError(f"{key}: {v} must be {'>= 0' if allow_zero else '> 0'}")
+_FN_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
+
+def validate(cfg: Config) -> Config:
+    """Ranges of every numeric field, then cross-field checks; returns ``cfg``. Raises :class:`ConfigError`."""
+    check_ranges(cfg)
     for name in ("data", "fsdp", "tensor"):
         v = getattr(cfg.mesh, name)
         if v == 0 or v < -1:
             raise ConfigError(f"mesh.{name}: {v} is not allowed; use a positive size or -1 (the rest)")
     if sum(getattr(cfg.mesh, n) == -1 for n in ("data", "fsdp", "tensor")) > 1:
         raise ConfigError("mesh: at most one of data, fsdp, tensor may be -1")
-    r = cfg.rollout
-    positive("rollout.num_samples", r.num_samples)
-    positive("rollout.max_prompt_len", r.max_prompt_len)
-    positive("rollout.max_new_tokens", r.max_new_tokens)
-    positive("rollout.temperature", r.temperature)
-    if not (0.0 < r.top_p <= 1.0):
-        raise ConfigError(f"rollout.top_p: {r.top_p} is out of range; allowed: 0 < top_p <= 1")
-    positive("rollout.top_k", r.top_k, allow_zero=True)
     s = cfg.rl.selector
     if s.rho is not None:
         _check_fraction("rl.selector.rho", s.rho)
-    positive("rl.selector.warmup_steps", s.warmup_steps, allow_zero=True)
-    if not (0.0 < s.tau_p < 1.0):
-        raise ConfigError(f"rl.selector.tau_p: {s.tau_p} is out of range; allowed: 0 < tau_p < 1")
-    if not (0.0 <= s.tau_h <= 1.0):
-        raise ConfigError(f"rl.selector.tau_h: {s.tau_h} is out of range; allowed: 0 <= tau_h <= 1")
-    lo = cfg.rl.loss
-    positive("rl.loss.eps_low", lo.eps_low, allow_zero=True)
-    positive("rl.loss.eps_high", lo.eps_high, allow_zero=True)
-    if lo.eps_low >= 1:
-        raise ConfigError(f"rl.loss.eps_low: {lo.eps_low} must be < 1")
-    if lo.dual_clip_c is not None and lo.dual_clip_c <= 1:
-        raise ConfigError(f"rl.loss.dual_clip_c: {lo.dual_clip_c} must be > 1 or null")
-    positive("rl.loss.kl_coef", lo.kl_coef, allow_zero=True)
-    positive("rl.adv.eps", cfg.rl.adv.eps)
-    positive("rl.adv.max_refill", cfg.rl.adv.max_refill, allow_zero=True)
-    positive("rl.reward.time_limit", cfg.rl.reward.time_limit)
-    positive("rl.reward.workers", cfg.rl.reward.workers)
-    positive("rl.reward.max_response_chars", cfg.rl.reward.max_response_chars)
-    if cfg.stats.temperature is not None:
-        positive("stats.temperature", cfg.stats.temperature)
-    positive("stats.chunk", cfg.stats.chunk)
-    o = cfg.optim
-    positive("optim.lr", o.lr, allow_zero=True)
-    positive("optim.lr_warmup_steps", o.lr_warmup_steps, allow_zero=True)
-    positive("optim.weight_decay", o.weight_decay, allow_zero=True)
-    positive("optim.grad_clip", o.grad_clip)
+    rw = cfg.rl.reward
+    if not rw.correct > rw.wrong:
+        raise ConfigError(f"rl.reward.correct: {rw.correct} must be greater than rl.reward.wrong={rw.wrong}")
+    if rw.fn is not None and not _FN_RE.fullmatch(rw.fn):
+        raise ConfigError(f"rl.reward.fn: {rw.fn!r} is not of the form package.module:function")
     t = cfg.train
-    positive("train.steps", t.steps, allow_zero=True)
-    positive("train.prompts_per_step", t.prompts_per_step)
-    positive("train.mini_batches", t.mini_batches)
-    positive("train.micro_batches", t.micro_batches)
     if t.prompts_per_step % t.mini_batches:
         raise ConfigError(
             f"train.mini_batches: {t.mini_batches} does not divide train.prompts_per_step={t.prompts_per_step} "
@@ -373,9 +455,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"train.micro_batches: {t.micro_batches} does not divide the {t.prompts_per_step // t.mini_batches} "
             "prompts of a mini-batch (groups never split across micro-batches)")
-    positive("train.eval_every", t.eval_every, allow_zero=True)
-    positive("train.save_every", t.save_every, allow_zero=True)
-    positive("train.keep", t.keep)
     for k in cfg.data.eval_k:
         if k < 1 or k > cfg.data.eval_n:
             raise ConfigError(f"data.eval_k: {k} must be between 1 and data.eval_n={cfg.data.eval_n}")

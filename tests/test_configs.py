@@ -256,3 +256,160 @@ def test_bad_override_on_a_recipe(override, key):
         _load("qwen2p5_1p5b_ict.yaml", [override])
     msg = str(e.value)
     assert key in msg and "\n" not in msg, msg
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 17 item 6: every numeric field has a range (finite, sign, fractions), named in the error
+# --------------------------------------------------------------------------------------------------
+def _numeric_fields():
+    import dataclasses
+    import typing
+
+    from ict_jax.config import Config
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                yield from walk(tp, key)
+                continue
+            args = set(typing.get_args(tp)) | {tp}
+            if args & {int, float} or any(typing.get_args(a) and set(typing.get_args(a)) & {int, float} for a in args):
+                yield key, float in args
+
+    return list(walk(Config, ""))
+
+
+def test_every_numeric_field_has_a_range():
+    from ict_jax.config import RANGES
+
+    fields = _numeric_fields()
+    assert len(fields) > 40
+    missing = [k for k, _ in fields if k not in RANGES]
+    assert not missing, f"numeric config fields without a range in config.RANGES: {missing}"
+    assert set(RANGES) <= {k for k, _ in fields}, "RANGES names a key that is not a numeric field"
+
+
+@pytest.mark.parametrize("key,is_float", _numeric_fields())
+def test_each_numeric_field_refuses_out_of_range_and_non_finite_values(key, is_float):
+    """For every field: a value just outside its range, and (floats) nan / inf / -inf, are one-line
+    ConfigErrors naming the key and the allowed range."""
+    from ict_jax.config import RANGES
+
+    r = RANGES[key]
+    bad = []
+    if r.lo is not None:
+        bad.append(r.lo if r.lo_open else (r.lo - (0.5 if is_float else 1)))
+    if r.hi is not None:
+        bad.append(r.hi if r.hi_open else (r.hi + (0.5 if is_float else 1)))
+    if is_float:
+        bad += [".nan", ".inf", "-.inf", "nan"]
+    if key == "data.eval_k":
+        bad = [[0]]
+    for value in bad:
+        if not is_float and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"{key}={value}"])
+        msg = str(e.value)
+        assert msg.startswith(f"{key}:") and "allowed" in msg and "\n" not in msg, (value, msg)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.lr=nan", "optim.lr: 'nan' is not a finite number; allowed: 0 <= lr"),
+    ("rollout.temperature=nan", "rollout.temperature: 'nan' is not a finite number; allowed: 0 < temperature"),
+    ("train.sft_lr=-1", "train.sft_lr: -1.0 is out of range; allowed: 0 < sft_lr"),
+    ("rl.reward.time_limit=.inf", "rl.reward.time_limit: inf is not a finite number"),
+    ("seed=-1", "seed: -1 is out of range; allowed: 0 <= seed < 4294967296"),
+    ("optim.b2=1", "optim.b2: 1.0 is out of range; allowed: 0 <= b2 < 1"),
+    ("rl.reward.wrong=1", "rl.reward.correct: 1.0 must be greater than rl.reward.wrong=1.0"),
+    ("rl.reward.fn=my rewards", "rl.reward.fn: 'my rewards' is not of the form package.module:function"),
+])
+def test_issue_examples_are_refused(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "demo.yaml", [override])
+    assert message in str(e.value)
+
+
+def test_nan_learning_rate_exits_2_before_training(tmp_path, capsys):
+    """`optim.lr=nan` used to train to NaN weights and exit 0 with no checkpoint."""
+    from ict_jax.cli.main import main
+
+    rc = main(["train", "--config", str(CONFIGS / "demo.yaml"), f"run_dir={tmp_path / 'r'}", "optim.lr=nan"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.splitlines() == ["ict-jax train: error: optim.lr: 'nan' is not a finite number; "
+                                            "allowed: 0 <= lr"]
+    assert not (tmp_path / "r").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 17 item 11: the override examples of docs/config.md are what load_config does
+# --------------------------------------------------------------------------------------------------
+def _documented_overrides():
+    doc = (CONFIGS.parent / "docs" / "config.md").read_text()
+    if "### Override examples" not in doc:
+        return []
+    section = doc.split("### Override examples", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        m = re.match(r"\| `([^`]+)` \| (.+) \|$", line.strip())
+        if m:
+            rows.append((m.group(1), m.group(2).strip()))
+    return rows
+
+
+def test_docs_override_examples_table_exists():
+    rows = _documented_overrides()
+    assert len(rows) >= 10
+    assert ("optim.lr=1e-6", "`1e-06`") in rows  # docs/config.md used to say this is rejected
+
+
+@pytest.mark.parametrize("override,result", _documented_overrides())
+def test_docs_override_examples_hold(override, result):
+    key = override.split("=", 1)[0]
+    if result.startswith("error: "):
+        expected = result[len("error: "):].strip("`")
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [override])
+        assert str(e.value) == expected
+        return
+    value = load_config(None, [override])
+    for part in key.split("."):
+        value = getattr(value, part)
+    assert f"`{value!r}`" == result, (override, value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 17 item 18: --print-config (the resolved tree, every default) and --version
+# --------------------------------------------------------------------------------------------------
+def test_print_config_prints_the_resolved_tree_and_exits(tmp_path, capsys):
+    import yaml
+
+    from ict_jax.cli.main import main
+
+    rc = main(["train", "--config", str(CONFIGS / "demo.yaml"), "train.steps=7", f"run_dir={tmp_path / 'r'}",
+               "--print-config"])
+    out = capsys.readouterr().out
+    assert rc == 0 and not (tmp_path / "r").exists()
+    printed = yaml.safe_load(out)
+    cfg = load_config(CONFIGS / "demo.yaml", ["train.steps=7", f"run_dir={tmp_path / 'r'}"])
+    assert printed == json_roundtrip(cfg.to_dict())  # every key, defaults included
+    assert printed["train"]["steps"] == 7 and printed["rl"]["loss"]["eps_low"] == 0.2
+    assert main(["sft", "--config", str(CONFIGS / "demo.yaml"), "--print-config"]) == 0
+
+
+def json_roundtrip(d):
+    import json
+
+    return json.loads(json.dumps(d))
+
+
+def test_version_flag(capsys):
+    from ict_jax import __version__
+    from ict_jax.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"ict-jax {__version__}"

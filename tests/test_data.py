@@ -415,3 +415,52 @@ def test_tfds_missing_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes `import tensorflow_datasets` fail
     with pytest.raises(ImportError, match=r"pip install 'ict_jax\[tfds\]'"):
         load_dataset("tfds:gsm8k", data_dir="/nonexistent", split="train")
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 17 item 19: a generic task from a JSONL / Parquet file (docs/data.md "Your own task file")
+# ------------------------------------------------------------------------------------------------
+def test_file_task_from_jsonl_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ict_jax.rewards.checks import check_text
+
+    rows = [{"question": "2+2?", "solution": 4, "level": 1}, {"question": "Half of 7?", "solution": "3.5", "level": 2}]
+    (tmp_path / "tasks.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    pq.write_table(pa.Table.from_pylist([{**r, "solution": str(r["solution"])} for r in rows]),
+                   tmp_path / "tasks.parquet")  # a Parquet column has one type
+    for name in ("tasks.jsonl", "tasks.parquet"):
+        ds = load_dataset(f"file:{name}?prompt=question&answer=solution&reward=math", data_dir=str(tmp_path))
+        assert ds.scorer == "math" and len(ds) == 2
+        assert [(e.prompt, e.answer) for e in ds] == [("2+2?", "4"), ("Half of 7?", "3.5")]
+        assert ds[1].meta["level"] == 2 and ds[1].meta["index"] == 1  # the other fields go to meta
+        assert check_text(ds.scorer, r"so \boxed{\frac72}", ds[1].answer).correct
+    # absolute path, defaults (prompt, answer, math), and the custom kind
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"prompt": "p", "answer": "a"}) + "\n")
+    ds = load_dataset(f"file:{tmp_path / 'plain.jsonl'}?reward=custom")
+    assert ds.scorer == "custom" and ds[0].answer == "a"
+    # multiple choice: a list-of-options field, a 0-based index answer
+    (tmp_path / "mc.jsonl").write_text(json.dumps({"q": "Pick", "opts": ["x", "y", "z"], "a": 2}) + "\n")
+    ds = load_dataset("file:mc.jsonl?prompt=q&answer=a&choices=opts&reward=mc", data_dir=str(tmp_path))
+    assert ds[0].answer == "C" and ds[0].prompt.endswith("C. z") and ds[0].meta["choices"] == ["x", "y", "z"]
+
+
+@pytest.mark.parametrize("name,rows,error,message", [
+    ("bad.jsonl", ['{"question": "1?", "solution": "1"}', '{"question": "2?"}'], "DataError",
+     "bad.jsonl:2: missing field 'solution'"),
+    ("bad.jsonl", ['{"question": "1?", "solution": "1"}', '{not json'], "DataError", "bad.jsonl:2: invalid JSON"),
+    ("bad.jsonl", ['{"question": ["a"], "solution": "1"}'], "DataError", "bad.jsonl:1: field 'question' should be str"),
+    ("ok.jsonl", ['{"question": "1?", "solution": "1"}'], "ValueError", "reward='nope' is not a reward kind"),
+    ("ok.txt", ['x'], "ValueError", "expected a .jsonl, .parquet, .csv file"),
+    ("missing.jsonl", None, "FileNotFoundError", "file:missing.jsonl: no such file"),
+])
+def test_file_task_errors_name_the_file_and_line(tmp_path, name, rows, error, message):
+    if rows is not None:
+        (tmp_path / name).write_text("\n".join(rows) + "\n")
+    reward = "nope" if "reward=" in message else "math"
+    with pytest.raises(Exception) as e:
+        load_dataset(f"file:{name}?prompt=question&answer=solution&reward={reward}", data_dir=str(tmp_path))
+    assert type(e.value).__name__ == error and message in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="unknown option"):
+        load_dataset("file:x.jsonl?promt=question")

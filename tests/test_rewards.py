@@ -335,3 +335,135 @@ def test_unpicklable_meta_fails_the_caller_only(pool):
     with pytest.raises(Exception):
         pool.score("gym", ["<answer>1</answer>"], ["1"], [{"gym_entry": lambda: 0}])
     assert pool.score("math", [r"\boxed{1}"], ["1"]).tolist() == [1.0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 17 item 12: "The answer is X" counts only as a final statement (docs/rewards.md, rule 3)
+# ------------------------------------------------------------------------------------------------
+FINAL_STATEMENT = [  # (response, extracted answer or None): the table of docs/rewards.md
+    ("Check if the answer is indeed 10...", None),  # a check, not a statement
+    ("Let me verify whether the answer is 4.", None),
+    ("If the answer is 5, then y = 3.", None),  # a conditional
+    ("If x is 5, the answer is 10.", None),  # a conditional lead-in
+    ("So the answer is 10?", None),  # a question
+    ("Is the answer 10? Yes.", None),
+    ("The answer is not 10.", None),  # a negation
+    ("The answer is probably 10.", None),  # hedged
+    ("I think the answer is 10.", None),  # not the opening of a sentence
+    ("So the answer is 10.", "10"),
+    ("Therefore, the final answer is: 18 dollars.", "18"),
+    ("Adding up, the answer is 42.", "42"),
+    ("So, in total, the answer is 60.", "60"),
+    ("We find x. The answer is 12. Let me double-check: 3 * 4 = 12.", "12"),
+    ("First compute.\nThe answer is 7", "7"),
+    ("**The answer is 9**", "9"),
+    ("- The answer is 3.5.", "3.5"),
+]
+
+
+@pytest.mark.parametrize("response,expected", FINAL_STATEMENT)
+def test_answer_is_only_as_a_final_statement(response, expected):
+    assert extract_answer(response) == expected
+    gold = expected or "10"
+    assert check_text("gsm8k", response, gold).correct is (expected is not None)
+
+
+def test_rewards_doc_lists_the_final_statement_table():
+    """docs/rewards.md shows every case of the table above, with the same outcome."""
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "rewards.md").read_text()
+    for response, expected in FINAL_STATEMENT:
+        shown = response.replace("\n", "\\n")
+        row = next((line for line in doc.splitlines() if f"`{shown}`" in line), None)
+        assert row is not None, f"docs/rewards.md lacks the case {shown!r}"
+        assert (f"`{expected}`" in row) if expected else ("no answer" in row), row
+
+
+# ------------------------------------------------------------------------------------------------
+# The reverse of extraction: sft_target / answer_text, for every kind
+# ------------------------------------------------------------------------------------------------
+def test_sft_target_is_read_back_correct_by_every_kind():
+    import reasoning_gym
+
+    from ict_jax.data.example import Example
+    from ict_jax.rewards.checks import KINDS, answer_text, sft_target
+
+    entry = reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=3)[0]
+    cases = {  # kind -> (gold, meta)
+        "math": (r"\frac{3}{4}", {}), "gsm8k": ("1080", {}), "mc": ("C", {}), "exact": ("57+38", {}),
+        "sum": ("95", {}), "gym": (str(entry["answer"]), {"gym_entry": entry, "gym_dataset": "basic_arithmetic"}),
+    }
+    assert set(cases) == set(KINDS)
+    for kind, (gold, meta) in cases.items():
+        ex = Example("q", gold, {"source": "t", "index": 0, **meta})
+        target = sft_target(ex, kind)
+        check = check_text(kind, target, gold, meta)
+        assert check.correct and check.status == "ok", (kind, target, check)
+    assert check_text("mc", answer_text("mc", 2), 2).correct  # a 0-based index gold: the letter C
+    assert answer_text("mc", 2) == "The answer is (C)."
+    assert sft_target(Example("95=", "95", {"solution": "07+88"}), "sum") == "07+88"  # a solution wins
+    with pytest.raises(ValueError, match="unknown reward kind"):
+        answer_text("nope", "1")
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 17 item 19: a custom reward function, run in the killable workers with the same time limit
+# ------------------------------------------------------------------------------------------------
+CUSTOM_MODULE = '''
+import os, time
+def exact_or_half(response, gold, meta):
+    """1 for the gold, 0.5 when meta says partial credit applies, else 0; records its process id."""
+    open(os.path.join(meta["out"], f"pid_{os.getpid()}"), "w").close()
+    if response.strip() == str(gold):
+        return 1.0
+    return 0.5 if meta.get("partial") else 0.0
+def hangs(response, gold, meta):
+    while True:
+        time.sleep(1)
+def raises(response, gold, meta):
+    raise RuntimeError("a bug in the user's function")
+def not_a_number(response, gold, meta):
+    return "yes"
+'''
+
+
+def test_custom_reward_function_runs_in_the_workers_with_the_time_limit(tmp_path, monkeypatch):
+    import sys
+
+    from ict_jax.rewards.checks import CUSTOM_KIND
+
+    (tmp_path / "my_rewards_t17.py").write_text(CUSTOM_MODULE)
+    monkeypatch.chdir(tmp_path)  # the workers import from the caller's working directory
+    meta = {"out": str(tmp_path)}
+    with RewardPool(2, time_limit=1.0, checkers={CUSTOM_KIND: "my_rewards_t17:exact_or_half",
+                                                 "hang": "my_rewards_t17:hangs", "raise": "my_rewards_t17:raises",
+                                                 "nan": "my_rewards_t17:not_a_number"}) as p:
+        t0 = time.monotonic()
+        checks = p.check([CUSTOM_KIND, CUSTOM_KIND, CUSTOM_KIND, "hang", "raise", "nan"],
+                         ["42", "41", "41", "x", "x", "x"], ["42"] * 6,
+                         [meta, meta, {**meta, "partial": True}, meta, meta, meta])
+        elapsed = time.monotonic() - t0
+        workers = set(p.worker_pids())
+        assert p.restarts == 1  # the hanging check's worker was killed and replaced
+    assert [c.reward for c in checks] == [1.0, 0.0, 0.5, 0.0, 0.0, 0.0]
+    assert [c.correct for c in checks] == [True, False, False, False, False, False]
+    assert checks[3].status == "timeout" and elapsed < 1.0 + 2.0
+    assert checks[4].status == "error: RuntimeError"
+    assert checks[5].status.startswith("error: returned str")
+    ran_in = {int(f.name[4:]) for f in tmp_path.glob("pid_*")}
+    assert ran_in and os.getpid() not in ran_in  # never in this process
+    assert "my_rewards_t17" not in sys.modules
+    del workers
+
+
+def test_custom_reward_function_that_cannot_load_is_a_one_line_error(tmp_path, monkeypatch):
+    from ict_jax.rewards.pool import RewardFunctionError
+
+    (tmp_path / "my_rewards_t17b.py").write_text("def f(r, g, m):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    for spec, message in [("no_such_module_t17:f", "cannot import 'no_such_module_t17'"),
+                          ("my_rewards_t17b:missing", "has no function 'missing'")]:
+        with pytest.raises(RewardFunctionError, match=message) as e:
+            RewardPool(1, checkers={"custom": spec})
+        assert len(str(e.value).splitlines()) == 1

@@ -59,7 +59,7 @@ def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
     assert (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())
     assert (run / "sft_model" / "config.json").is_file()  # the warm start, the KL reference of a resume
     assert (run / "metrics.png").is_file() and (run / "summary.json").is_file()
-    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert list((run / "tb" / "rl").glob("events.out.tfevents.*")) and list((run / "tb" / "sft").glob("events.*"))
     assert summary["final"]["reward/mean"] == rows[-1]["reward/mean"]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 
 def _csv(kind: type):
@@ -37,7 +38,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     from ict_jax.data.templates import TEMPLATES
 
     p.add_argument("--model", required=True, metavar="PATH",
-                   help="Hugging Face checkpoint directory, .gguf file, or pkg:<package>/<file>")
+                   help="Hugging Face checkpoint directory, .gguf file, pkg:<package>/<file>, or a training run "
+                        "directory (its last checkpoint)")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH",
                    help="tokenizer instead of the model's own: 'char' (built-in CharTokenizer) or a path")
     p.add_argument("--benchmarks", type=_csv(str), default=list(PAPER_BENCHMARKS), metavar="A,B,...",
@@ -66,6 +68,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
                    help="device mesh (-1 = the rest of the devices); default: no mesh, one device")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="parameter dtype (default float32)")
+    p.add_argument("--reward-fn", default=None, metavar="PACKAGE.MODULE:FUNCTION",
+                   help="the function that scores benchmarks whose reward kind is 'custom' (file:...&reward=custom); "
+                        "run in the reward worker processes (docs/rewards.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -86,6 +91,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise UserError(f"--temperature must be > 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.reward_fn is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", args.reward_fn):
+        raise UserError(f"--reward-fn {args.reward_fn!r}: expected package.module:function")
     if len(set(args.benchmarks)) != len(args.benchmarks):
         raise UserError(f"--benchmarks lists a benchmark twice: {','.join(args.benchmarks)}")
 
@@ -112,17 +119,21 @@ def eval_main(args: argparse.Namespace) -> int:
     from ict_jax.sampling.evaluation import evaluate
     from ict_jax.sampling.text_generation import make_text_generator
     from ict_jax.data.templates import template_dataset
-    from ict_jax.model.loading import load_model_and_tokenizer, load_model_tokenizer
+    from ict_jax.rewards.checks import CUSTOM_KIND
     from ict_jax.rewards.pool import RewardPool
+    from ict_jax.train.checkpoints import load_run_model, run_model_tokenizer
 
     _validate(args)
     datasets = {name: load_dataset(name, data_dir=args.data_dir, limit=args.limit, seed=args.seed)
                 for name in args.benchmarks}
+    custom = [name for name, ds in datasets.items() if ds.scorer == CUSTOM_KIND]
+    if custom and not args.reward_fn:
+        raise UserError(f"benchmark {custom[0]!r} is scored by reward=custom: name the function with --reward-fn")
     empty = [name for name, ds in datasets.items() if len(ds) == 0]
     if empty:
         raise UserError(f"benchmark {empty[0]!r} has no problems")
     mesh = _mesh(args.mesh)
-    tok = load_model_tokenizer(args.model, args.tokenizer)  # cheap: template and length-check first
+    tok = run_model_tokenizer(args.model, args.tokenizer)  # cheap: template and length-check first
     templated = {name: template_dataset(ds, tok, args.template) for name, ds in datasets.items()}
     overlong = {name: sum(len(tok.encode(ex.prompt)) > args.max_prompt_len for ex in ds)
                 for name, ds in templated.items()}
@@ -130,19 +141,20 @@ def eval_main(args: argparse.Namespace) -> int:
         name = next(k for k, v in overlong.items() if v)
         raise UserError(f"{name}: {overlong[name]} prompt(s) longer than --max-prompt-len={args.max_prompt_len} "
                         "tokens after templating (never truncated): raise --max-prompt-len or pass --skip-overlong")
-    model, tok = load_model_and_tokenizer(args.model, mesh=mesh, dtype=args.dtype, tokenizer=args.tokenizer)
+    model, tok, where = load_run_model(args.model, mesh=mesh, dtype=args.dtype, tokenizer=args.tokenizer)
     gen = make_text_generator(model, tok, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, template="none",
                               max_prompt_len=args.max_prompt_len, batch_size=args.batch_size, seed=args.seed,
                               mesh=mesh, overlong="skip" if args.skip_overlong else "error")
-    settings = {"model": args.model, "tokenizer": args.tokenizer, "template": args.template,
+    settings = {"model": args.model, "loaded": where, "reward_fn": args.reward_fn, "tokenizer": args.tokenizer, "template": args.template,
                 "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "max_new_tokens": args.max_new_tokens, "max_prompt_len": args.max_prompt_len,
                 "batch_size": args.batch_size, "limit": args.limit, "seed": args.seed, "mesh": args.mesh,
                 "data_dir": args.data_dir}
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "eval.json")
-    with RewardPool(args.workers, time_limit=args.time_limit) as pool:
+    checkers = {CUSTOM_KIND: args.reward_fn} if args.reward_fn else None  # imported in the workers only
+    with RewardPool(args.workers, time_limit=args.time_limit, checkers=checkers) as pool:
         results = evaluate(gen, templated, pool, n=args.n, ks=args.k, batch_size=args.batch_size,
                            samples_path=os.path.join(args.out, "eval_samples.jsonl"), settings=settings,
                            progress=not args.no_progress, print_table=True)

@@ -21,7 +21,8 @@ def add_inspect_args(p: argparse.ArgumentParser) -> None:
                      help="a run directory, its checkpoints/ folder or one <step>/ directory (the tokenizer and "
                           "defaults come from the checkpoint's metadata)")
     src.add_argument("--model", metavar="PATH",
-                     help="instead of a checkpoint: a Hugging Face directory, a .gguf file or pkg:<package>/<file>")
+                     help="instead of a checkpoint: a Hugging Face directory, a .gguf file, pkg:<package>/<file> or "
+                          "a training run directory (its last checkpoint, else its sft_model)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest finished one)")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH",
                    help="tokenizer instead of the model's / checkpoint's own: 'char' or a tokenizer directory / .gguf")
@@ -62,10 +63,10 @@ def _cfg_get(cfg: Any, *keys: str) -> Any:
 
 
 def inspect_main(args: argparse.Namespace) -> int:
-    from ict_jax.model.loading import load_model_and_tokenizer, load_tokenizer_spec
+    from ict_jax.model.loading import load_tokenizer_spec
     from ict_jax.tools.inspector import checkpoint_selector, token_report
     from ict_jax.tools.inspector_page import render_html
-    from ict_jax.train.checkpoints import load_params_from_checkpoint
+    from ict_jax.train.checkpoints import load_params_from_checkpoint, load_run_model
 
     cfg: dict[str, Any] = {}
     meta: dict[str, Any] | None = None
@@ -80,8 +81,7 @@ def inspect_main(args: argparse.Namespace) -> int:
     else:
         if args.step is not None:
             raise ValueError("--step needs --checkpoint")
-        model, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
-        where = args.model
+        model, tok, where = load_run_model(args.model, tokenizer=args.tokenizer)
 
     def pick(value: Any, *keys: str, default: Any) -> Any:
         if value is not None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
+import re
 import sys
 from typing import Callable, Sequence
 
+from ict_jax import __version__
 from ict_jax.cli.errors import UserError
 from ict_jax.config import ConfigError
 
@@ -29,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ict-jax", description="RLVR on Qwen2.5 in JAX: ICT and its baselines (GRPO, 20-Entropy, STAPO, random).")
+    parser.add_argument("--version", action="version", version=f"ict-jax {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, add_fn, _main, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -48,8 +52,38 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+_NEGATIVE_VALUE = re.compile(r"-\d[\d.,:-]*")
+
+
+def join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--mesh -1,1,1`` -> ``--mesh=-1,1,1``: argparse reads a value that starts with '-' and is not
+    a plain negative number as an option; a long option followed by such a value gets it attached."""
+    out: list[str] = []
+    for tok in argv:
+        if (out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE_VALUE.fullmatch(tok)):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
+def quiet_library_logs() -> None:
+    """absl (orbax, JAX) and JAX's own INFO/WARNING lines are noise on a command line: errors only."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    for name in ("absl", "jax._src.xla_bridge", "orbax", "jax._src.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        # absl: present with orbax; its handler prints "WARNING:absl:..." lines otherwise
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    except ImportError:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = join_negative_values(sys.argv[1:] if argv is None else argv)
     # KEY=VALUE overrides may come anywhere, also after options (argparse alone stops at the first option)
     args, extra = parser.parse_known_args(argv)
     if extra:
@@ -60,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    if not os.environ.get("ICT_JAX_DEBUG"):
+        quiet_library_logs()
     module, _add, main_fn, _help = COMMANDS[args.command]
     fn: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), main_fn)
     if os.environ.get("ICT_JAX_DEBUG"):
@@ -70,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"ict-jax {args.command}: error: {msg}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"ict-jax {args.command}: interrupted", file=sys.stderr)
+    except BrokenPipeError:  # the output went to a pipe that closed (`| head`): not an error of ours
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt as e:
+        print(f"ict-jax {args.command}: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130

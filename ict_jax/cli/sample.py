@@ -10,13 +10,15 @@ prompt with :func:`ict_jax.generate`, print them decoded.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 
 def add_sample_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="PATH",
                    help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer files), a .gguf "
-                        "file, or pkg:<package>/<file> (a file inside an installed Python package)")
+                        "file, pkg:<package>/<file> (a file inside an installed Python package), or a training "
+                        "run directory (its last checkpoint)")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH",
                    help="tokenizer to use instead of the model's own: 'char' (the built-in CharTokenizer) or a "
                         "tokenizer directory / .gguf file")
@@ -55,10 +57,12 @@ def sample_main(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ict_jax.data.prompts import pad_left
-    from ict_jax.model.loading import load_model_and_tokenizer
     from ict_jax.sampling.sampler import generate
+    from ict_jax.train.checkpoints import load_run_model
 
-    model, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
+    model, tok, where = load_run_model(args.model, tokenizer=args.tokenizer)
+    if where != str(args.model):
+        print(f"model: {where}", file=sys.stderr)
     encoded = [tok.encode(_format(tok, text, args.chat)) for text in args.prompt]
     if any(len(e) == 0 for e in encoded):
         raise ValueError("a prompt encodes to zero tokens")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 
 from ict_jax.config import ConfigError, load_config
 
@@ -12,7 +12,12 @@ from ict_jax.config import ConfigError, load_config
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML config (see configs/ and docs/config.md)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in run_dir from its last checkpoint (SFT or RL); a finished run is left as it is")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (every key, defaults included) as YAML and exit")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (a compact line every logging.print_every steps instead)")
     p.add_argument("--coordinator", default=None, help="multi-host: coordinator address host:port")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
@@ -20,7 +25,6 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     _common(p)
-    p.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
     p.add_argument("--profile-steps", default=None, metavar="A:B",
                    help="write a jax.profiler trace of steps A..B-1 to <run_dir>/profile")
 
@@ -42,19 +46,35 @@ def _parse_profile(text: str | None) -> tuple[int, int] | None:
 
 
 def _setup(args: argparse.Namespace):
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        return cfg
     from ict_jax.train.run import maybe_initialize_distributed
 
-    cfg = load_config(args.config, args.overrides)
     maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     return cfg
 
 
+def print_config(cfg) -> None:
+    """The resolved config tree, every key with its value (defaults included), as YAML."""
+    import yaml  # only where text is written
+
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False), end="")
+
+
 def train_main(args: argparse.Namespace) -> int:
+    cfg = _setup(args)
+    if args.print_config:
+        print_config(cfg)
+        return 0
     from ict_jax.train.trainer import Trainer
 
-    cfg = _setup(args)
     profile = _parse_profile(args.profile_steps)
     with Trainer(cfg, resume=args.resume, progress=not args.no_progress, profile_steps=profile) as trainer:
+        if trainer.finished is not None:
+            _say(f"{cfg.run_dir}: finished at step {trainer.finished.get('steps', cfg.train.steps)}; nothing to do "
+                 "(raise train.steps to train it further)")
+            return 0
         summary = trainer.train()
     _print_summary(summary)
     return 0
@@ -62,25 +82,47 @@ def train_main(args: argparse.Namespace) -> int:
 
 def sft_main(args: argparse.Namespace) -> int:
     """Supervised warm start only: ``train.sft_steps`` updates, then the model is written as a Hugging
-    Face checkpoint to ``<run_dir>/sft_model`` (usable as ``model.path`` of a later run)."""
+    Face checkpoint to ``<run_dir>/sft_model`` (usable as ``model.path`` of a later run). ``--resume``
+    continues an interrupted warm start; ``ict-jax train --resume`` on the same run_dir goes on with RL."""
+    cfg = _setup(args)
+    if args.print_config:
+        print_config(cfg)
+        return 0
     from ict_jax.train.trainer import Trainer
 
-    cfg = _setup(args)
     if cfg.train.sft_steps <= 0:
         raise ConfigError("train.sft_steps: must be > 0 for `ict-jax sft`")
-    with Trainer(cfg, progress=not args.no_progress) as trainer:
-        metrics = trainer.sft()  # also writes <run_dir>/sft_model
-        out = trainer.run_dir / "sft_model"
-        summary = {"sft": metrics, "model": str(out)}
-        if cfg.data.eval:
-            summary["eval"] = trainer.evaluate(0)
+    out = Path(cfg.run_dir) / "sft_model"
+    if args.resume and out.is_dir():
+        _say(f"{cfg.run_dir}: the SFT warm start is finished ({out}); nothing to do "
+             "(`ict-jax train --resume` goes on with RL)")
+        return 0
+    with Trainer(cfg, resume=args.resume, progress=not args.no_progress) as trainer:
+        summary = trainer.warm_start()  # also writes <run_dir>/sft_model
     _print_summary(summary)
     return 0
 
 
+def _say(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
 def _print_summary(summary: dict) -> None:
+    """The before/after table (stdout) and where the full summary is; the JSON stays in summary.json."""
     import jax
+
+    from ict_jax.train.logs import BAR_KEYS, summary_table
 
     if jax.process_index() != 0:
         return
-    print(json.dumps(summary, indent=2, default=str), file=sys.stdout)
+    final = summary.get("final") or {}
+    if final:
+        print(f"after {summary.get('steps', '?')} RL steps: "
+              + "  ".join(f"{label} {final[k]:.3f}" for label, k in BAR_KEYS.items() if k in final))
+    table = summary_table(summary)
+    if table:
+        print(table)
+    run_dir = summary.get("run_dir")
+    if run_dir:
+        plot = f", {summary['plot']}" if summary.get("plot") else ""
+        print(f"wrote {run_dir}/summary.json, metrics.jsonl{plot}")

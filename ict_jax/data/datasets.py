@@ -14,6 +14,7 @@ Sources, file names and field mappings: docs/data.md.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from ict_jax.data.example import Example
-from ict_jax.data.sources import (examples_from_files, find_files, gym_examples, parse_aime, parse_gpqa, parse_gsm8k,
-                                  parse_math, parse_mmlu, tfds_examples)
+from ict_jax.data.sources import (examples_from_files, find_files, gym_examples, parse_aime, parse_generic,
+                                  parse_gpqa, parse_gsm8k, parse_math, parse_mmlu, tfds_examples)
 from ict_jax.data.tasks import arith_examples, split_examples
-from ict_jax.rewards.checks import KINDS
+from ict_jax.rewards.checks import CUSTOM_KIND, KINDS
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,8 @@ class Dataset(Sequence[Example]):
     """A named, scored list of Examples (``len``, indexing, iteration)."""
 
     def __init__(self, name: str, examples: Sequence[Example], scorer: str, split: str | None = None):
-        if scorer not in KINDS:
-            raise ValueError(f"scorer must be one of {KINDS}, got {scorer!r}")
+        if scorer not in KINDS + (CUSTOM_KIND,):
+            raise ValueError(f"scorer must be one of {KINDS + (CUSTOM_KIND,)}, got {scorer!r}")
         self.name, self.scorer, self.split = name, scorer, split
         self.examples = list(examples)
 
@@ -83,7 +84,36 @@ DATASETS: dict[str, _FileSource] = {
     **{f"aime{y}": _FileSource((f"aime{y}", "aime"), "test", parse_aime, "math", options=(("year", y),))
        for y in (2023, 2024, 2025)},
 }
-# Built-in and procedural names: "arith", "split", "gym:<reasoning-gym name>", "tfds:<builder name>".
+# Built-in and procedural names: "arith", "split", "gym:<reasoning-gym name>", "tfds:<builder name>";
+# a user's own file: "file:<path>?prompt=F&answer=F&reward=KIND" (load_file_task).
+FILE_EXTENSIONS = (".jsonl", ".parquet", ".csv")
+
+
+def load_file_task(path: str, *, data_dir: str | None, split: str | None, prompt: str = "prompt",
+                   answer: str = "answer", reward: str = "math", choices: str | None = None,
+                   **unknown: Any) -> Dataset:
+    """A generic task from one JSONL / Parquet / CSV file: ``prompt`` and ``answer`` name the fields,
+    ``reward`` the reward kind that checks a response (:data:`~ict_jax.rewards.checks.KINDS`, or
+    ``custom`` = the config's ``rl.reward.fn``), ``choices`` optionally a list-of-options field (``mc``).
+    ``path`` is absolute, or relative to ``data_dir`` (when the file is there), else to the working
+    directory. A malformed row is a DataError naming the file and line (docs/data.md)."""
+    if unknown:
+        raise ValueError(f"file:{path}: unknown option(s) {', '.join(sorted(unknown))}; allowed: prompt, "
+                         "answer, reward, choices")
+    if reward not in KINDS + (CUSTOM_KIND,):
+        raise ValueError(f"file:{path}: reward={reward!r} is not a reward kind; allowed: "
+                         f"{', '.join(KINDS + (CUSTOM_KIND,))}")
+    if not path.endswith(FILE_EXTENSIONS):
+        raise ValueError(f"file:{path}: expected a {', '.join(FILE_EXTENSIONS)} file")
+    found = path
+    if not os.path.isabs(path) and data_dir and os.path.isfile(os.path.join(data_dir, path)):
+        found = os.path.join(data_dir, path)
+    if not os.path.isfile(found):
+        where = f" (nor under data.data_dir {data_dir!r})" if data_dir and not os.path.isabs(path) else ""
+        raise FileNotFoundError(f"file:{path}: no such file{where}")
+    examples = examples_from_files([found], parse_generic, f"file:{path}", prompt=str(prompt), answer=str(answer),
+                                   choices=None if choices is None else str(choices))
+    return Dataset(f"file:{path}", examples, reward, split)
 
 
 def _parse_value(text: str) -> Any:
@@ -135,6 +165,8 @@ def load_dataset(name: str, *, data_dir: str | None = None, split: str | None = 
     elif base.startswith("tfds:"):
         split = split or "train"
         ds = Dataset(base, tfds_examples(base[5:], data_dir=data_dir, split=split, source=base), "gsm8k", split)
+    elif base.startswith("file:"):
+        ds = load_file_task(base[5:], data_dir=data_dir, split=split, **options)
     elif base in DATASETS:
         src = DATASETS[base]
         split = split or src.split
@@ -151,5 +183,5 @@ def load_dataset(name: str, *, data_dir: str | None = None, split: str | None = 
         ds = Dataset(base, examples_from_files(files, src.parser, base, **opts), src.scorer, split)
     else:
         raise ValueError(f"unknown dataset {base!r}: expected one of {sorted(DATASETS)}, 'arith', 'split', "
-                         "'gym:<reasoning-gym name>' or 'tfds:<builder>'")
+                         "'gym:<reasoning-gym name>', 'tfds:<builder>' or 'file:<path>'")
     return ds[:limit] if limit is not None else ds

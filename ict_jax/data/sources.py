@@ -212,6 +212,31 @@ def parse_aime(row: dict, loc: str, index: int, *, year: int | None = None, **_:
     return Example(problem, answer, meta)
 
 
+def parse_generic(row: dict, loc: str, index: int, *, prompt: str = "prompt", answer: str = "answer",
+                  choices: str | None = None, **_: Any) -> Example:
+    """A row of a user's own task file (``file:PATH?prompt=F&answer=F&reward=KIND``): the field named by
+    ``prompt`` -> prompt, by ``answer`` (a string or a number) -> the gold answer; with ``choices`` (the
+    name of a list-of-strings field) the prompt is lettered as for MMLU and a 0-based index or a letter
+    answer becomes the gold letter. Every other field goes to ``meta`` (a custom reward function
+    receives it)."""
+    text = get_field(row, loc, prompt)
+    gold = get_field(row, loc, answer, types=(str, int, float))
+    meta = {k: v for k, v in row.items() if k not in (prompt, answer)}
+    if choices is not None:
+        options = get_field(row, loc, choices, types=(list,))
+        if not 2 <= len(options) <= len(LETTERS) or not all(isinstance(c, str) for c in options):
+            raise DataError(f"{loc}: {choices!r} must be 2..{len(LETTERS)} strings")
+        idx = gold if isinstance(gold, int) else LETTERS.find(str(gold).strip().upper())
+        if isinstance(gold, float) or (isinstance(gold, str) and len(gold.strip()) != 1) or not 0 <= idx < len(options):
+            raise DataError(f"{loc}: {answer!r} {gold!r} is not a valid choice index or letter")
+        meta["choices"] = list(options)
+        return Example(mc_prompt(text, options), LETTERS[idx], meta)
+    gold = str(gold).strip()
+    if not text.strip() or not gold:
+        raise DataError(f"{loc}: empty {prompt if not text.strip() else answer!r} field")
+    return Example(text, gold, meta)
+
+
 def examples_from_files(files: list[str], parser: Callable[..., Example | None], source: str,
                         **options: Any) -> list[Example]:
     out, index = [], 0

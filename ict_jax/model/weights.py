@@ -101,7 +101,11 @@ class _Checkpoint:
             fp = path / f
             if not fp.is_file():
                 raise FileNotFoundError(f"{path}: shard {f!r} named in the index is missing")
-            self._handles[f] = safe_open(str(fp), framework="numpy")
+            try:
+                self._handles[f] = safe_open(str(fp), framework="numpy")
+            except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (a Rust error), OSError
+                raise WeightError(f"{fp}: not a readable safetensors file ({_first_line(e)}): truncated or "
+                                  "corrupted? Copy or export it again") from None
         if weight_map is None:
             weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
         self.weight_map = weight_map
@@ -112,7 +116,18 @@ class _Checkpoint:
     def get(self, name: str) -> np.ndarray:
         if name not in self.weight_map:
             raise WeightError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
-        return self._handles[self.weight_map[name]].get_tensor(name)
+        f = self.weight_map[name]
+        if f not in self._handles:
+            raise WeightError(f"{self.path}: tensor {name!r} is mapped to {f!r}, which the index does not list")
+        try:
+            return self._handles[f].get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (a Rust error), OSError
+            raise WeightError(f"{self.path / f}: cannot read tensor {name!r} ({_first_line(e)}): truncated or "
+                              "corrupted? Copy or export it again") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def _get_variable(model: Any, dotted: str) -> nnx.Variable:
@@ -220,6 +235,22 @@ def hf_state_dict(model: Qwen2, dtype: str | None = None) -> dict[str, np.ndarra
     return out
 
 
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(directory: str | os.PathLike) -> None:
+    """Give ``directory`` (and the files and folders directly in it) the modes a plain ``mkdir`` and
+    ``open(..., "w")`` would: 0777 / 0666 less the user's umask."""
+    mask = current_umask()
+    directory = Path(directory)
+    for p in [directory, *directory.iterdir()]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def save_hf(model: Qwen2, path: str | os.PathLike, *, dtype: str | None = None,
             max_shard_bytes: int = 4 * 1024**3) -> Path:
     """Write ``config.json`` + safetensors (index-sharded above ``max_shard_bytes``) that
@@ -259,6 +290,7 @@ def save_hf(model: Qwen2, path: str | os.PathLike, *, dtype: str | None = None,
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+        apply_umask(tmp)  # mkdtemp made it 0700 (and safetensors its files 0600): the user's umask instead
         if path.exists():
             path.rmdir()
         os.replace(tmp, path)

@@ -30,9 +30,12 @@ import numpy as np
 
 __all__ = ["KINDS", "MAX_ANSWER_CHARS", "MAX_RESPONSE_CHARS", "RewardSpec", "RewardCheck", "last_boxed",
            "extract_answer", "extract_choice", "math_equal", "choice_equal", "gym_answer_score",
-           "check_text", "score_text", "response_tail"]
+           "check_text", "score_text", "response_tail", "answer_text", "sft_target", "CUSTOM_KIND"]
 
 KINDS = ("math", "gsm8k", "mc", "gym", "exact", "sum")
+#: The reward kind scored by the user's function ``rl.reward.fn`` (run in the worker pool, never by
+#: :func:`check_text`): docs/rewards.md "Custom reward functions".
+CUSTOM_KIND = "custom"
 MAX_RESPONSE_CHARS = 16_384  # only the tail of a response is searched for its final answer
 MAX_ANSWER_CHARS = 1_000  # a longer "answer" is garbage: treated as no answer, never parsed
 
@@ -62,7 +65,18 @@ class RewardCheck:
 
 # ---- Extraction ----
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_ANSWER_IS_RE = re.compile(r"(?i:the\s+(?:final\s+)?answer\s+is)\s*:?\s*(.+)")
+# "The (final) answer is X" counts only as a final statement (docs/rewards.md, rule 3): it opens a sentence
+# (a line start, or after . ! ? : ;), optionally after one or two short lead-ins ending with a comma
+# ("Adding up, ") or a connective ("So", "Therefore,"), never after a conditional or a question
+# ("Check if the answer is ...", "If ..., the answer is ..."). X is the rest of that sentence.
+_LEAD_IN = r"(?!(?:if|when|whether|unless|assuming|suppose|check|verify)\b)[a-z]+(?:[ \t]+[a-z]+){0,3}[ \t]*,[ \t]*"
+_CONNECTIVE = r"(?:so|thus|therefore|hence|finally|overall|in[ \t]+(?:conclusion|summary|total))[ \t]*,?[ \t]+"
+_ANSWER_IS_RE = re.compile(
+    r"(?:^|(?<=[.!?:;])[ \t]+)[ \t>*_#-]*"
+    r"(?i:(?:" + _LEAD_IN + r"){0,2}(?:" + _CONNECTIVE + r")?the[ \t]+(?:final[ \t]+)?answer[ \t]+is)"
+    r"[ \t]*:?[ \t]*(.+)", re.M)
+_SENTENCE_END_RE = re.compile(r"(?<=[.!?])\s")
+_HEDGE_RE = re.compile(r"(?i:(?:not|probably|likely|maybe|perhaps|possibly|unclear|unknown|wrong|incorrect)\b)")
 _GSM_RE = re.compile(r"####\s*(.+)")
 
 
@@ -134,22 +148,40 @@ def response_tail(text: str, max_chars: int) -> str:
     return text[-max_chars:] if len(text) > max_chars else text
 
 
+def _final_statement(text: str) -> str | None:
+    """X of the last "The (final) answer is X" that is a final statement (see ``_ANSWER_IS_RE``): X runs
+    to the end of its sentence (a . ! ? followed by white space, or the end of the line); a sentence that
+    ends with "?" or an X that opens with a hedge or a negation ("not", "probably", ...) is no answer."""
+    ms = list(_ANSWER_IS_RE.finditer(text))
+    if not ms:
+        return None
+    rest = ms[-1].group(1).strip()
+    sentence = _SENTENCE_END_RE.split(rest, maxsplit=1)[0].strip()
+    if sentence.endswith("?") or _HEDGE_RE.match(sentence):
+        return None
+    if sentence.rstrip(".").endswith("**") and not sentence.startswith("**"):  # "**The answer is 9**"
+        sentence = sentence.rstrip(".").rstrip("*")
+    return _plain(sentence)
+
+
 def extract_answer(text: str, max_chars: int = MAX_RESPONSE_CHARS) -> str | None:
     """The final answer of a response, first rule that matches on its last ``max_chars`` characters:
     1. the last complete ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces);
     2. the last ``#### n`` (GSM8K), rest of that line;
-    3. the last "The (final) answer is ...", rest of that line.
+    3. the last "The (final) answer is X" that is a final statement: it opens a sentence (optionally
+       after a lead-in such as "So," or "Adding up,"; never after "if", "check", "whether" ...), X is
+       the rest of that sentence, not a question and not hedged ("not", "probably", ...).
     In 2 and 3, ``$...$``, bold, a final period, a leading currency sign and trailing unit words after a
     number are stripped ("The answer is $18 dollars." -> "18").
     None when nothing matches or the answer is empty or longer than ``MAX_ANSWER_CHARS``."""
     text = response_tail(text, max_chars)
     ans = last_boxed(text)
     if ans is None:
-        for pattern in (_GSM_RE, _ANSWER_IS_RE):
-            ms = list(pattern.finditer(text))
-            if ms:
-                ans = _plain(ms[-1].group(1))
-                break
+        ms = list(_GSM_RE.finditer(text))
+        if ms:
+            ans = _plain(ms[-1].group(1))
+        else:
+            ans = _final_statement(text)
     if ans is None or not ans.strip() or len(ans) > MAX_ANSWER_CHARS:
         return None
     return ans.strip()
@@ -309,3 +341,36 @@ def score_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | No
                spec: RewardSpec | None = None) -> float:
     """The reward of one response, in-process (tests, notebooks): ``check_text(...).reward``."""
     return check_text(kind, response, gold, meta, spec).reward
+
+
+# ---- The reverse of extraction: an answer written so that its kind's check reads it back ----
+def answer_text(kind: str, answer: Any) -> str:
+    """``answer`` written in the form the extraction of ``kind`` reads back, so that
+    ``check_text(kind, answer_text(kind, gold), gold)`` is correct (a test checks every kind):
+    ``math`` ``The answer is \\boxed{a}.``, ``gsm8k`` ``#### a``, ``mc`` ``The answer is (B).`` (the gold
+    letter, also for a 0-based index), ``gym`` ``<answer>a</answer>``, ``exact`` ``a``, ``sum`` ``1+(N-1)``
+    (one of the correct splits of N >= 2), ``custom`` ``a`` (the user's function decides)."""
+    a = str(answer)
+    if kind == "math":
+        return f"The answer is \\boxed{{{a}}}."
+    if kind == "gsm8k":
+        return f"#### {a}"
+    if kind == "mc":
+        return f"The answer is ({_gold_letter(answer)})."
+    if kind == "gym":
+        return f"<answer>{a}</answer>"
+    if kind == "sum":
+        target = a.strip()
+        return f"1+{int(target) - 1}" if _DIGITS_RE.fullmatch(target) and int(target) >= 2 else target
+    if kind in ("exact", CUSTOM_KIND):
+        return a
+    raise ValueError(f"unknown reward kind {kind!r}; expected one of {KINDS + (CUSTOM_KIND,)}")
+
+
+def sft_target(example: Any, kind: str) -> str:
+    """The SFT target text of an example (anything with ``.answer`` and a ``.meta`` dict): its worked
+    solution (``meta["solution"]``) if the dataset has one, else :func:`answer_text` of its gold answer."""
+    solution = example.meta.get("solution") if isinstance(example.meta, dict) else None
+    if solution:
+        return str(solution)
+    return answer_text(kind, example.answer)

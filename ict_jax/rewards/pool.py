@@ -13,8 +13,11 @@ Rules and limits: docs/rewards.md.
 from __future__ import annotations
 
 import collections
+import importlib
+import math
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,10 +30,34 @@ import numpy as np
 
 from ict_jax.rewards.checks import KINDS, RewardCheck, RewardSpec, check_text, math_equal, response_tail
 
-__all__ = ["RewardPool"]
+__all__ = ["RewardPool", "RewardFunctionError", "load_function"]
 
 
 # ---- Worker processes ----
+class RewardFunctionError(ValueError):
+    """A custom reward function (``"package.module:function"``) that cannot be loaded in a worker."""
+
+
+def load_function(spec: str, search_dir: str | None = None) -> Callable:
+    """The function named by ``"package.module:function"``, imported here (call it in a worker process,
+    never in the trainer). ``search_dir`` (the caller's working directory) is searched first, as
+    ``python -m`` does. Raises :class:`RewardFunctionError` naming the spec and what is wrong."""
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep or not module_name or not attr:
+        raise RewardFunctionError(f"reward function {spec!r}: expected package.module:function")
+    if search_dir and search_dir not in sys.path:
+        sys.path.insert(0, search_dir)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - ImportError, or whatever the module raises on import
+        raise RewardFunctionError(f"reward function {spec!r}: cannot import {module_name!r} "
+                                  f"({type(e).__name__}: {e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardFunctionError(f"reward function {spec!r}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
 def _run_check(kind, response, gold, meta, spec, checkers) -> RewardCheck:
     fn = checkers.get(kind)
     if fn is None:
@@ -38,10 +65,14 @@ def _run_check(kind, response, gold, meta, spec, checkers) -> RewardCheck:
     out = fn(response, gold, meta)
     if isinstance(out, RewardCheck):
         return out
-    return RewardCheck(float(out), float(out) >= spec.correct, None)
+    if isinstance(out, (int, float, np.integer, np.floating)) and math.isfinite(float(out)):
+        return RewardCheck(float(out), float(out) >= spec.correct, None)
+    # a non-number or a non-finite number: the check failed (scored `wrong`, status names the problem)
+    return RewardCheck(spec.wrong, False, None, f"error: returned {type(out).__name__} {out!r:.40}")
 
 
-def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | None) -> None:
+def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | None, search_dir: str | None = None
+                 ) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which closes the pool
@@ -55,6 +86,11 @@ def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | Non
         import reasoning_gym  # noqa: F401
     except ImportError:
         pass
+    try:  # custom reward functions named by "package.module:function" are imported here, in the worker
+        checkers = {k: load_function(v, search_dir) if isinstance(v, str) else v for k, v in checkers.items()}
+    except RewardFunctionError as e:
+        conn.send(("error", str(e)))
+        return
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -71,9 +107,9 @@ def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | Non
 
 
 class _Worker:
-    def __init__(self, ctx, spec, checkers, mem_limit_mb):
+    def __init__(self, ctx, spec, checkers, mem_limit_mb, search_dir=None):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec, checkers, mem_limit_mb),
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec, checkers, mem_limit_mb, search_dir),
                                 daemon=True, name="ict_jax-reward")
         self.proc.start()
         child.close()
@@ -107,7 +143,9 @@ class RewardPool:
     it; an overrunning worker is SIGKILLed, reaped and replaced, and the response scores
     ``spec.wrong`` with status "timeout". Workers run under an address-space limit of
     ``mem_limit_mb`` (None = none). ``checkers`` adds kinds: picklable top-level functions
-    ``fn(response, gold, meta) -> RewardCheck | float``. The constructor returns when every worker is warm.
+    ``fn(response, gold, meta) -> RewardCheck | float``, or ``"package.module:function"`` strings imported
+    in the workers only (a function that cannot be loaded: :class:`RewardFunctionError` from the
+    constructor). The constructor returns when every worker is warm.
     Thread-safe; use as a context manager or call :meth:`close`."""
 
     def __init__(self, num_workers: int = 2, *, time_limit: float = 3.0, spec: RewardSpec | None = None,
@@ -124,7 +162,9 @@ class RewardPool:
 
             mods = ["ict_jax.rewards.pool", "math_verify"] + (["reasoning_gym"] if importlib.util.find_spec("reasoning_gym") else [])
             self._ctx.set_forkserver_preload(mods)
-        self._args = (self.spec, dict(checkers or {}), mem_limit_mb)
+        # a checker is a picklable top-level function, or "package.module:function", imported in the
+        # workers only (from the caller's working directory first)
+        self._args = (self.spec, dict(checkers or {}), mem_limit_mb, os.getcwd())
         self.restarts = 0  # workers killed (timeout) or lost (crash) and replaced
         self._lock = threading.Lock()
         self._pending: collections.deque = collections.deque()
@@ -138,6 +178,8 @@ class RewardPool:
         self._thread.start()
         if not self._ready.wait(start_timeout + 5) or self._error is not None:
             self.close()
+            if isinstance(self._error, RewardFunctionError):  # the user's function: a one-line user error
+                raise RewardFunctionError(str(self._error))
             raise RuntimeError(f"RewardPool: workers failed to start: {self._error}")
         self.startup_seconds = time.monotonic() - t0
 
@@ -287,6 +329,8 @@ class RewardPool:
                     self._replace(w, RewardCheck(spec.wrong, False, None, "error: worker died"))
                     continue
                 if w.state == "starting":
+                    if msg[0] == "error":  # a custom reward function failed to load
+                        raise RewardFunctionError(msg[1])
                     w.state = "idle"
                 else:
                     self._finish(w, RewardCheck(*msg))

@@ -31,6 +31,7 @@ import jax
 from ict_jax.config import Config, ConfigError, Method, load_config
 from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, RunSpec, collect, format_markdown,
                                           has_checkpoint, is_finite, pass_at_k, plot_groups)
+from ict_jax.train.record import run_finished
 from ict_jax.train.trainer import Trainer, TrainingDiverged
 
 #: Methods accepted by ``--methods`` (``grpo`` = ``dense``).
@@ -190,7 +191,7 @@ def run_one(cfg: Config, spec: RunSpec, *, progress: bool = True, say: Callable[
     """Train one run unless it is finished; returns what was done: skipped / resumed / started / diverged."""
     d = spec.run_dir
     status_path = d / "compare_status.json"
-    if (d / "summary.json").is_file():
+    if run_finished(d):
         say(f"{spec.name}: skipped (finished: {d / 'summary.json'})")
         return "skipped"
     if status_path.is_file():

@@ -3,13 +3,13 @@ a run's metrics rows and summary, the Markdown table, and reading finished runs 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from ict_jax.train.logs import read_metrics
+from ict_jax.train.record import read_summary, run_finished
 
 
 @dataclass(frozen=True)
@@ -164,11 +164,10 @@ def has_checkpoint(run_dir: Path) -> bool:
 
 
 def read_run(run_dir: Path, target: float) -> dict[str, Any] | None:
-    """A finished run's numbers (None while it has no ``summary.json``)."""
-    summary_path = run_dir / "summary.json"
-    if not summary_path.is_file():
+    """A finished run's numbers (None until its ``summary.json`` says it finished)."""
+    if not run_finished(run_dir):
         return None
-    summary = json.loads(summary_path.read_text())
+    summary = read_summary(run_dir)
     metrics = run_dir / "metrics.jsonl"
     rl_rows = read_metrics(metrics, "rl") if metrics.is_file() else []
     evals = summary.get("eval_final")

@@ -17,6 +17,8 @@ The ``graphdef`` of a :class:`~ict_jax.TrainState` is not saved: it comes from t
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from ict_jax.model.config import ModelConfig
+from ict_jax.model.loading import load_model_and_tokenizer, load_model_tokenizer, load_tokenizer_spec
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.weights import save_hf
 from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings
@@ -147,12 +150,21 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         if read_only and not self.directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory {str(self.directory)!r} does not exist")
+        # read-only: the options orbax would otherwise "correct" with a WARNING line each
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=not read_only,
-            cleanup_tmp_directories=not read_only, read_only=read_only)
+            max_to_keep=None if read_only else keep, enable_async_checkpointing=async_save, create=not read_only,
+            cleanup_tmp_directories=not read_only, read_only=read_only,
+            **({"save_interval_steps": 0} if read_only else {}))
         handlers = {"params": ocp.StandardCheckpointHandler(), "opt": ocp.StandardCheckpointHandler(),
                     "meta": ocp.JsonCheckpointHandler()}
-        self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        absl_log = logging.getLogger("absl")  # "Given directory is read only": what read_only asks for
+        level = absl_log.level
+        if read_only:
+            absl_log.setLevel(logging.ERROR)
+        try:
+            self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        finally:
+            absl_log.setLevel(level)
 
     # -- queries (finished checkpoints only: read from disk) ----------------------------------------
     def all_steps(self) -> list[int]:
@@ -264,12 +276,14 @@ class Checkpointer:
 # Params only, and export
 # ------------------------------------------------------------------------------------------------
 def load_params_from_checkpoint(directory: str | Path, step: int | None = None, *,
-                                mesh: jax.sharding.Mesh | None = None) -> tuple[Any, dict[str, Any]]:
+                                mesh: jax.sharding.Mesh | None = None, dtype: str | None = None
+                                ) -> tuple[Any, dict[str, Any]]:
     """(the :class:`~ict_jax.Qwen2` of checkpoint ``step`` (default: the latest), its meta).
 
     ``directory``: a run dir, its ``checkpoints/`` folder or one ``<step>/`` directory. The model is
     rebuilt from ``meta["model_config"]``; only the ``params`` item is read (no optimizer state).
-    With ``mesh`` every parameter is placed in its rule-table sharding.
+    With ``mesh`` every parameter is placed in its rule-table sharding; ``dtype`` casts the parameters
+    (default: as trained).
     """
     directory, step = resolve_checkpoint_dir(directory, step)
     with Checkpointer(directory, read_only=True) as ckpt:
@@ -279,12 +293,102 @@ def load_params_from_checkpoint(directory: str | Path, step: int | None = None, 
             raise ValueError(f"checkpoint of step {step} in {directory} has no model_config in its metadata")
         try:
             model_config = ModelConfig(**meta["model_config"])
+            if dtype is not None:
+                model_config = model_config.replace(param_dtype=dtype)
         except TypeError as e:
             raise ValueError(f"checkpoint of step {step} in {directory}: bad model_config in its metadata "
                              f"({e})") from None
         graphdef, template = _abstract_params(model_config, mesh)
         params = ckpt.restore_params(template, step)
     return nnx.merge(graphdef, params), meta
+
+
+def run_tokenizer_spec(run_dir: str | Path) -> str | None:
+    """The tokenizer a training run used, from its ``config.json`` (``model.tokenizer``, else
+    ``model.path``, else the built-in ``char``); None when the run records no config."""
+    path = Path(run_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    if not isinstance(model, dict):
+        return None
+    return model.get("tokenizer") or model.get("path") or "char"
+
+
+def run_model_source(path: str | Path) -> tuple[str, Path] | None:
+    """What a training run directory offers as a model: ``("checkpoint", path)`` when ``path`` is a
+    run directory with a finished RL checkpoint (or its ``checkpoints/`` folder, or one ``<step>/``
+    directory), ``("sft_model", <run_dir>/sft_model)`` when it has only its finished SFT warm start;
+    None for anything else (a Hugging Face directory, a file). A run directory with neither is a
+    FileNotFoundError."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    if p.name.isdigit() and (p / "params").is_dir():
+        return "checkpoint", p
+    folder = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if any(c.name.isdigit() and (c / "params").is_dir() for c in folder.iterdir() if c.is_dir()):
+        with Checkpointer(folder, read_only=True) as ck:
+            if ck.latest_step() is not None:
+                return "checkpoint", p
+    if (p / "sft_model" / "config.json").is_file():
+        return "sft_model", p / "sft_model"
+    if (p / "checkpoints").is_dir() or (p / "checkpoints_sft").is_dir() or run_tokenizer_spec(p) is not None \
+            and (p / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{str(p)!r} is a training run directory without a finished checkpoint or "
+                                "sft_model yet: nothing to load")
+    return None
+
+
+def load_run_model(path: str | Path, *, step: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                   dtype: str | None = None, tokenizer: str | None = None) -> tuple[Any, Any, str]:
+    """(model, tokenizer, what was loaded) for any model path the commands take: a training run
+    directory (its latest finished checkpoint, or ``step``; else its ``sft_model``), a checkpoint
+    folder, or (delegated to :func:`~ict_jax.model.loading.load_model_and_tokenizer`) a Hugging Face
+    directory, a ``.gguf`` file or ``pkg:<package>/<file>``. ``tokenizer``: None = the one the run
+    used (its checkpoint metadata or config), else ``char`` or a path."""
+    source = run_model_source(path)
+    if source is None:
+        if step is not None:
+            raise ValueError(f"--step {step}: {str(path)!r} is not a training run or checkpoint directory")
+        model, tok = load_model_and_tokenizer(path, mesh=mesh, dtype=dtype, tokenizer=tokenizer)
+        return model, tok, str(path)
+    kind, where = source
+    if kind == "sft_model":
+        if step is not None:
+            raise ValueError(f"--step {step}: {str(path)!r} has no RL checkpoint, only its SFT warm start")
+        spec = tokenizer or run_tokenizer_spec(where.parent) or "char"
+        model, tok = load_model_and_tokenizer(where, mesh=mesh, dtype=dtype, tokenizer=spec)
+        return model, tok, f"{where} (the SFT warm start of the run)"
+    model, meta = load_params_from_checkpoint(where, step, mesh=mesh, dtype=dtype)
+    spec = tokenizer or meta.get("tokenizer")
+    if not spec:
+        raise ValueError(f"{str(path)!r}: the checkpoint names no tokenizer; pass --tokenizer char|PATH")
+    tok = load_tokenizer_spec(spec)
+    if tok.vocab_size > model.config.vocab_size:
+        raise ValueError(f"{str(path)!r}: the tokenizer has {tok.vocab_size} ids but the model's vocabulary only "
+                         f"{model.config.vocab_size}: wrong tokenizer for this model?")
+    return model, tok, f"{where} (checkpoint of step {meta.get('step')})"
+
+
+def run_model_tokenizer(path: str | Path, tokenizer: str | None = None) -> Any:
+    """The tokenizer :func:`load_run_model` would return, without loading the weights."""
+    source = run_model_source(path)
+    if source is None:
+        return load_model_tokenizer(path, tokenizer)
+    if tokenizer is not None:
+        return load_tokenizer_spec(tokenizer)
+    kind, where = source
+    if kind == "sft_model":
+        return load_tokenizer_spec(run_tokenizer_spec(where.parent) or "char")
+    directory, step = resolve_checkpoint_dir(where)
+    with Checkpointer(directory, read_only=True) as ckpt:
+        spec = ckpt.restore_meta(step).get("tokenizer")
+    if not spec:
+        raise ValueError(f"{str(path)!r}: the checkpoint names no tokenizer; pass --tokenizer char|PATH")
+    return load_tokenizer_spec(spec)
 
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None = None,

