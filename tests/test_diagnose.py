@@ -16,8 +16,8 @@ from ict_jax.cli.main import main
 from ict_jax.data.datasets import load_dataset
 from ict_jax.data.tokenizers import CharTokenizer
 from ict_jax.rl.token_stats import U_FORMS
-from ict_jax.tools.diagnose import (GRID, PAPER, Setting, diagnostics, fork_positions, run_diagnose, selector_specs,
-                                    sorted_u_curve)
+from ict_jax.tools.diagnose import (GRID, PAPER, Setting, diagnostics, fork_positions, reanalyse, run_diagnose,
+                                    selector_specs, sorted_u_curve)
 from ict_jax.tools.diagnose_report import format_markdown
 
 
@@ -127,6 +127,10 @@ def test_run_diagnose_tiny_end_to_end(tmp_path):
     md = (tmp_path / "diagnose.md").read_text()
     assert "paper (Qwen2.5, GSM8K / MATH)" in md and "## G2_T1" in md
     assert (tmp_path / "G2_T1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the report rebuilt from the saved arrays, without sampling, gives the same diagnostics
+    again = reanalyse(tmp_path, tok)["settings"]["G2_T1"]
+    for key in ("valid_tokens", "accuracy", "readings", "selectors"):
+        assert json.dumps(again[key], sort_keys=True) == json.dumps(d[key], sort_keys=True), key
 
 
 @pytest.mark.parametrize("args, msg", [

@@ -43,6 +43,9 @@ def add_diagnose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--title", default="", help="a title for the report")
     p.add_argument("--out", default="runs/diagnose", help="output folder (default runs/diagnose)")
     p.add_argument("--force", action="store_true", help="write over an existing report in --out")
+    p.add_argument("--reanalyse", action="store_true",
+                   help="no sampling: rebuild the report in --out from its saved per-token arrays with this code "
+                        "(--model gives the tokenizer; the sampling options are ignored)")
 
 
 def _parse_list(text: str, cast: type, flag: str) -> list:
@@ -75,6 +78,16 @@ def diagnose_main(args: argparse.Namespace) -> int:
     if not 0 < args.rho <= 1:
         raise UserError(f"--rho {args.rho}: allowed 0 < rho <= 1")
     out = Path(args.out)
+    if args.reanalyse:
+        if not (out / "diagnose.json").is_file():
+            raise UserError(f"--reanalyse: {str(out / 'diagnose.json')!r} does not exist")
+        from ict_jax.model.loading import load_model_and_tokenizer
+        from ict_jax.tools.diagnose import reanalyse
+
+        _, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
+        reanalyse(out, tok, say=lambda s: print(f"[diagnose] {s}", flush=True))
+        print(f"wrote {out / 'diagnose.md'}, {out / 'diagnose.json'}")
+        return 0
     if (out / "diagnose.json").exists() and not args.force:
         raise UserError(f"--out {str(out)!r} already holds a report (pass --force to write over it)")
 

@@ -49,8 +49,8 @@ from ict_jax.rl.token_stats import U_FORMS, TokenStats, stats_from_hidden
 from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.tools.diagnose_report import format_markdown, plot_setting
 
-__all__ = ["PAPER", "Setting", "collect", "diagnostics", "fork_positions", "run_diagnose", "selector_specs",
-           "sorted_u_curve"]
+__all__ = ["PAPER", "Setting", "collect", "diagnostics", "fork_positions", "outcome_advantages", "reanalyse",
+           "run_diagnose", "selector_specs", "sorted_u_curve"]
 
 #: The paper's token diagnostics of ICT's selected tokens (docs/method.md §5; Qwen2.5, GSM8K / MATH).
 PAPER = {
@@ -105,6 +105,15 @@ def selector_specs(u_forms: Sequence[str], rho: float = 0.1) -> dict[str, tuple[
 # ------------------------------------------------------------------------------------------------
 # Sampling, rewards, statistics and masks
 # ------------------------------------------------------------------------------------------------
+def outcome_advantages(correct: np.ndarray, G: int, row_valid: np.ndarray | None = None) -> np.ndarray:
+    """GRPO advantages (docs/method.md §3, scale ``group``) of the verifiable outcome R = 1 if correct else
+    0, the paper's reward. (The data set's own reward may differ: reasoning-gym scores a wrong but
+    extractable answer 0.01, which would make "gave an answer" look like a positive advantage.)"""
+    rv = None if row_valid is None else jnp.asarray(row_valid, jnp.float32)
+    return np.asarray(group_advantages(jnp.asarray(correct, jnp.float32), G, "group", 1e-6, rv))
+
+
+
 def _prompt_ids(dataset: Any, tokenizer: Any, template: str, vocab: int) -> list[np.ndarray]:
     instruction = MC_INSTRUCTION if getattr(dataset, "scorer", None) == "mc" else BOXED_INSTRUCTION
     out = []
@@ -145,7 +154,8 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     at least one, a program run: the mini-batch of the batch-scoped selectors), score them, and return the per-token
     arrays (NumPy, rows prompt-major): ``tokens``, ``valid`` ``[R, N]``; ``logp``, ``H1``, ``H2``,
     ``pmax``; ``js`` and ``pbar_tok`` dicts by reading; ``masks`` by selector name
-    (:func:`selector_specs`); per row ``reward``, ``correct``, ``advantage``, ``group``, ``truncated``;
+    (:func:`selector_specs`); per row ``reward`` (the data set's), ``correct``, ``advantage``
+    (:func:`outcome_advantages`), ``group``, ``truncated``;
     ``texts``; ``timing`` (sampling, statistics, scoring seconds)."""
     u_forms = tuple(u_forms)
     bad = [f for f in u_forms if f not in U_FORMS]
@@ -191,9 +201,11 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         timing["score_s"] += time.perf_counter() - t0
         rew = np.zeros(len(idx) * G, np.float32)
         rew[:rows] = [c.reward for c in checks]
+        ok = np.zeros(len(idx) * G, np.float32)
+        ok[:rows] = [float(c.correct) for c in checks]
         row_valid = np.zeros(len(idx) * G, np.float32)
         row_valid[:rows] = 1.0
-        adv = np.asarray(group_advantages(jnp.asarray(rew), G, "group", 1e-6, jnp.asarray(row_valid)))
+        adv = outcome_advantages(ok, G, row_valid)
         full = np.concatenate([np.repeat(ids, G, axis=0), tokens.astype(np.int32)], axis=1)
         full_mask = np.concatenate([np.repeat(mask, G, axis=0), valid.astype(np.int32)], axis=1)
         vmask = valid.copy()
@@ -214,7 +226,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
             per_form[form]["js"].append(np.asarray(per[form].js)[:rows])
             per_form[form]["pbar_tok"].append(np.asarray(per[form].pbar_tok)[:rows])
         rewards.append(rew[:rows])
-        correct.append(np.asarray([c.correct for c in checks], bool))
+        correct.append(ok[:rows] > 0)
         advantages.append(adv[:rows])
         groups.append(np.repeat(np.asarray(idx[:real]), G))
         texts += batch_texts
@@ -449,7 +461,8 @@ def _examples(data: Mapping[str, Any], tokenizer: Any, form: str, n: int = 2) ->
         for t in range(int(data["valid"][i].sum())):
             text = _token_text(tokenizer, data["tokens"][i, t])
             parts.append(f"[{text}]" if sel[i, t] else text)
-        out.append({"row": i, "reward": float(data["reward"][i]), "marked": "".join(parts)})
+        out.append({"row": i, "reward": float(data["reward"][i]), "correct": bool(data["correct"][i]),
+                    "marked": "".join(parts)})
     return out
 
 
@@ -460,6 +473,56 @@ def _save_arrays(data: Mapping[str, Any], path: Path) -> None:
     for key in ("js", "pbar_tok", "masks"):
         flat.update({f"{key}.{k}": np.asarray(v) for k, v in data[key].items()})
     np.savez_compressed(path, **flat)
+
+
+def _load_arrays(path: Path, meta: Mapping[str, Any], u_forms: Sequence[str]) -> dict[str, Any]:
+    """The :func:`collect` output of a setting from its ``.npz`` (:func:`_save_arrays`) and the settings
+    saved in ``diagnose.json``."""
+    z = np.load(path)
+    data: dict[str, Any] = {k: z[k] for k in z.files if "." not in k}
+    for key in ("js", "pbar_tok", "masks"):
+        data[key] = {k.split(".", 1)[1]: z[k] for k in z.files if k.startswith(key + ".")}
+    data.update(u_forms=tuple(u_forms), group_size=int(meta["setting"]["group_size"]), timing=meta["timing"],
+                texts=[""] * len(data["tokens"]))
+    data["selector_forms"] = {k: f for k, (_, f) in selector_specs(u_forms).items()}
+    return data
+
+
+def reanalyse(out: str | Path, tokenizer: Any, *, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Rebuild the diagnostics of a finished :func:`run_diagnose` in ``out`` from its saved per-token arrays
+    (no sampling): the advantages from correctness (:func:`outcome_advantages`), the STAPO masks from them
+    (the one selector that reads A), then :func:`diagnostics`; rewrites ``diagnose.json``,
+    ``diagnose.md`` and the plots. Wall and phase times are the original run's."""
+    out = Path(out)
+    results = json.loads((out / "diagnose.json").read_text())
+    forms = results["u_forms"]
+    specs = selector_specs(forms, results["rho"])
+    for name, old in results["settings"].items():
+        data = _load_arrays(out / f"{name}.npz", old, forms)
+        G = data["group_size"]
+        data["advantage"] = outcome_advantages(data["correct"], G)
+        st = TokenStats(jnp.asarray(data["logp"]), jnp.asarray(data["H1"]), None, None)
+        rows_per_batch = results.get("batch_rows", 64) // G * G or G
+        for sel_name, (cfg, _) in specs.items():
+            if cfg.canonical_method != "stapo":
+                continue
+            masks = []
+            for start in range(0, len(data["tokens"]), rows_per_batch):  # the original mini-batches
+                sl = slice(start, start + rows_per_batch)
+                sub = TokenStats(st.logp[sl], st.H1[sl], None, None)
+                masks.append(np.asarray(select("stapo", sub, jnp.asarray(data["advantage"][sl]),
+                                               jnp.asarray(data["valid"][sl]), key=jax.random.key(0), step=0,
+                                               config=cfg, group_size=G)) > 0)
+            data["masks"][sel_name] = np.concatenate(masks)
+        d = diagnostics(data, tokenizer)
+        d.update(wall_s=old.get("wall_s"), setting=old["setting"], examples=_examples(data, tokenizer, forms[0]))
+        results["settings"][name] = d
+        _save_arrays(data, out / f"{name}.npz")
+        plot_setting(d, out / f"{name}.png", title=f"{results.get('title', '')} {name}".strip())
+        say(f"{name}: reanalysed")
+    (out / "diagnose.json").write_text(json.dumps(results, indent=1))
+    (out / "diagnose.md").write_text(format_markdown(results))
+    return results
 
 
 def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence[Setting],

@@ -116,7 +116,8 @@ def format_markdown(results: Mapping[str, Any]) -> str:
         t = d["timing"]
         out += [f"## {name}", "",
                 f"{d['groups']} prompts x G = {d['setting']['group_size']} at T = {d['setting']['temperature']}: "
-                f"accuracy {d['accuracy']:.3f}, {d['groups_with_signal']} of {d['groups']} groups with A ≠ 0, mean "
+                f"accuracy {d['accuracy']:.3f}, {d['groups_with_signal']} of {d['groups']} groups with A ≠ 0 "
+                f"(A from correctness), mean "
                 f"length {d['length_mean']:.0f} tokens ({100 * d['truncated_frac']:.0f} % truncated), "
                 f"{d['valid_tokens']} tokens; p(o_t) of all tokens {_msd(d['p_all'])}; median H1 "
                 f"{d['H1_median']:.3f}. Wall {d.get('wall_s', 0):.0f} s (sampling {t['sample_s']:.0f} s, statistics "
@@ -127,7 +128,8 @@ def format_markdown(results: Mapping[str, Any]) -> str:
         out += _others_table(d, forms)
         out += ["", f"### Two responses, ICT's tokens (u {forms[0]}) in brackets", ""]
         for ex in d.get("examples", []):
-            out += ["```", f"reward {ex['reward']:g}: {ex['marked']}", "```"]
+            out += ["```", f"{'correct' if ex.get('correct') else 'wrong'} (reward {ex['reward']:g}): {ex['marked']}",
+                    "```"]
         out.append("")
     return "\n".join(out) + "\n"
 
