@@ -61,6 +61,10 @@ def _ict_table(d: Mapping[str, Any], paper: Mapping[str, Any], forms: list[str])
         + [f"{_num(rd[f]['u']['mean'])} · {_num(rd[f]['u']['p90'])} · {_num(rd[f]['u']['max'])} · "
            f"{_num(rd[f]['u']['zero_share'], '.2f')} · {_num(rd[f]['u'].get('ceiling_share'), '.2f')}" for f in forms]
         + ["", ""],
+        ["mean u by position (bins of 16 tokens, every other bin)", ""]
+        + [" ".join(_num(x, ".2f") for x in rd[f]["u_by_position"][::2]) for f in forms] + ["", ""],
+        ["selected share by position (same bins)", "n/a"]
+        + [" ".join(_num(x, ".2f") for x in sel[c]["selected_by_position"][::2]) for c in cols],
         ["corr(response mean u, A): Pearson / Spearman", paper["adv_corr"]]
         + [_corr(rd[f]["adv_corr"]) for f in forms] + ["", ""],
         ["mean u of A > 0 / A < 0 responses", ""]
