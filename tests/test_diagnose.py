@@ -45,7 +45,7 @@ def test_sorted_u_curve_elbow_measures():
     linear = np.linspace(1.0, 0.0, n)[None]  # u falls linearly with rank: no elbow
     s = sorted_u_curve(np.random.default_rng(0).permutation(linear[0])[None], np.ones((1, n), bool))
     np.testing.assert_allclose(s["curve"], 1.0 - GRID, atol=1e-12)
-    assert abs(s["E"] - 1.0) < 1e-9 and s["responses"] == 1
+    assert abs(s["E"] - 1.0) < 1e-9 and s["responses"] == 1 and s["knee"] is None  # the curve is its chord
     step = np.where(np.arange(n) < 10, 1.0, 0.05)[None]  # top 10 % high, the rest flat: a sharp elbow
     s = sorted_u_curve(step, np.ones((1, n), bool))
     # the slopes of the interpolated curve: a drop before rank 0.10, flat after it

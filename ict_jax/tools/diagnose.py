@@ -261,7 +261,8 @@ def sorted_u_curve(js: np.ndarray, valid: np.ndarray, min_tokens: int = MIN_TOKE
     - ``E`` = slope over ranks 2-10 % / slope over 10-30 % of the mean curve (1 = straight line; the
       larger, the sharper the drop inside the top 10 %); ``E_response_median``: the median of each
       response's own E;
-    - ``knee``: the rank fraction where the mean curve is farthest below its chord (Kneedle);
+    - ``knee``: the rank fraction where the mean curve is farthest below its chord (Kneedle; None when
+      the curve is nowhere below its chord);
     - ``flat_share``: the share of responses whose sorted u has no drop (max u = 0).
 
     Responses with fewer than ``min_tokens`` valid tokens are left out (``responses`` counts the rest)."""
@@ -298,9 +299,11 @@ def _elbow(c: np.ndarray) -> float:
     return top / mid if mid > 0 else (math.inf if top > 0 else 1.0)
 
 
-def _knee(c: np.ndarray) -> float:
-    chord = c[0] + (c[-1] - c[0]) * GRID
-    return float(GRID[int(np.argmax(chord - c))])
+def _knee(c: np.ndarray) -> float | None:
+    """The rank fraction where the curve lies farthest below its chord; None when it never does (a
+    concave curve: u stays high and falls at the end, no elbow)."""
+    gap = (c[0] + (c[-1] - c[0]) * GRID) - c
+    return float(GRID[int(np.argmax(gap))]) if gap.max() > 1e-9 else None
 
 
 def fork_positions(tokens: np.ndarray, valid: np.ndarray, group: np.ndarray) -> np.ndarray:

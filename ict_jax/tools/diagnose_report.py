@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["format_markdown", "plot_setting"]
+__all__ = ["format_markdown", "format_summary", "plot_setting"]
 
 
 def _num(x: Any, fmt: str = ".3f") -> str:
@@ -83,7 +83,7 @@ def _ict_table(d: Mapping[str, Any], paper: Mapping[str, Any], forms: list[str])
 def _elbow(s: Mapping[str, Any]) -> str:
     if s.get("E") is None:
         return f"n/a ({s.get('responses', 0)} responses of >= 20 tokens)"
-    return (f"E {s['E']:.2f} (per response med {_num(s['E_response_median'], '.2f')}) · knee {s['knee']:.2f} "
+    return (f"E {s['E']:.2f} (per response med {_num(s['E_response_median'], '.2f')}) · knee {_num(s['knee'], '.2f')} "
             f"({s['responses']} responses)")
 
 
@@ -106,6 +106,40 @@ def _others_table(d: Mapping[str, Any], forms: list[str]) -> list[str]:
     return _table(head, rows)
 
 
+def _ms(stat: Mapping[str, Any] | None) -> str:
+    if not stat or stat.get("mean") is None:
+        return "n/a"
+    return f"{stat['mean']:.2f} ± {stat['sd']:.2f}"
+
+
+def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
+    """One table over every setting: per reading, ICT's selected tokens against the paper's numbers
+    (mean ± sd over tokens), then the random 10 % and all tokens as references."""
+    forms = list(results["u_forms"])
+    paper = results["paper"]
+    head = ["setting", "selection", "p(o_t)", "β = Σ p²", "max p", "Q(o_t)", "H-ratio (median)", "top-20 % share",
+            "elbow E · knee", "forks selected", "corr(mean u, A)", "most frequent selected"]
+    rows = [[label or "paper", "ICT (Qwen2.5, GSM8K / MATH)", f"{paper['p_mean']} ± {paper['p_sd']}", "?", "?", "?",
+             " / ".join(map(str, paper["h_ratio_median"])), "", "sharp, near 10 %", "", "positive",
+             "content words"]]
+    for name, d in results["settings"].items():
+        sel, rd = d["selectors"], d["readings"]
+        for c in [f"ict[{f}]" for f in forms] + ["random", "all"]:
+            s = sel[c]
+            form = c[4:-1] if c.startswith("ict[") else None
+            el = rd[form]["sorted_u"] if form else None
+            corr = rd[form]["adv_corr"] if form else None
+            rows.append([
+                name, f"ICT, u {form}" if form else ("random 10 %" if c == "random" else "all tokens"),
+                _ms(s["p"]), _ms(s["beta"]), _ms(s["pmax"]), _ms(s["qtok"]),
+                _num(s["h_ratio_median"], ".2f"), f"{s['top20_share']:.2f}",
+                (f"{_num(el['E'], '.2f')} · {_num(el['knee'], '.2f')}" if el else ""),
+                f"{s['forks_selected']}/{s['forks']}",
+                ("n/a" if not corr or corr.get("pearson") is None else f"{corr['pearson']:+.2f}"),
+                _tokens(s["top_selected"], 5)])
+    return _table(head, rows)
+
+
 def format_markdown(results: Mapping[str, Any]) -> str:
     """The report: per setting, ICT's selected tokens under every reading beside the paper's numbers,
     then every other selector, then two responses with ICT's tokens in brackets."""
@@ -115,7 +149,9 @@ def format_markdown(results: Mapping[str, Any]) -> str:
            f"Data {results['dataset']}, {results['prompts']} prompts, up to {results['max_new_tokens']} new tokens, "
            f"rho {results['rho']}, template {results['template']}, seed {results['seed']}. Readings of u: "
            f"{', '.join(forms)} (docs/method.md §1). The paper's column: Qwen2.5 on GSM8K / MATH (docs/method.md §5).",
-           ""]
+           "", "## Summary (mean ± sd over the selected tokens)", ""]
+    out += format_summary(results)
+    out.append("")
     for name, d in results["settings"].items():
         t = d["timing"]
         out += [f"## {name}", "",
