@@ -50,7 +50,8 @@ def test_sorted_u_curve_elbow_measures():
     s = sorted_u_curve(step, np.ones((1, n), bool))
     # the slopes of the interpolated curve: a drop before rank 0.10, flat after it
     c = np.interp(GRID, np.linspace(0, 1, n), step[0])
-    top, mid = (np.interp(0.02, GRID, c) - np.interp(0.10, GRID, c)) / 0.08, (np.interp(0.10, GRID, c) - np.interp(0.30, GRID, c)) / 0.2
+    top = (np.interp(0.02, GRID, c) - np.interp(0.10, GRID, c)) / 0.08
+    mid = (np.interp(0.10, GRID, c) - np.interp(0.30, GRID, c)) / 0.2
     assert mid == 0.0 and math.isinf(s["E"])  # nothing falls after 10 %: infinitely sharp
     assert top > 0 and abs(s["knee"] - 0.1) <= 0.01
     # responses too short for a curve, and all-zero u, are counted apart
@@ -147,9 +148,10 @@ def test_cli_bad_input_is_one_line_exit_2(args, msg, capsys, tmp_path):
 
 
 def test_aligned_ceiling():
-    from ict_jax.tools.diagnose import aligned_ceiling
-    from ict_jax.rl.token_stats import stats_from_logits
     import jax.numpy as jnp
+
+    from ict_jax.rl.token_stats import stats_from_logits
+    from ict_jax.tools.diagnose import aligned_ceiling
 
     # disjoint one-hot rows: the aligned u reaches the ceiling
     for n in (2, 4, 8, 16):

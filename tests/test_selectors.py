@@ -261,8 +261,10 @@ def test_frequent_and_selectable_controls_hand_computed():
     key = jax.random.key(0)
     for method, want in (("frequent", f), ("selectable", sel)):
         cfg = SelectorSection(method=method, warmup_steps=2)
-        np.testing.assert_array_equal(np.asarray(select(method, stats, None, valid, key=key, step=2, config=cfg)), want)
-        np.testing.assert_array_equal(np.asarray(select(method, stats, None, valid, key=key, step=1, config=cfg)), valid)
+        after = select(method, stats, None, valid, key=key, step=2, config=cfg)
+        during = select(method, stats, None, valid, key=key, step=1, config=cfg)
+        np.testing.assert_array_equal(np.asarray(after), want)
+        np.testing.assert_array_equal(np.asarray(during), valid)
     with pytest.raises(ValueError, match="needs stats.js"):
         select("frequent", TokenStats(None, None, None, None), None, valid, key=key, step=5, config=cfg)
 

@@ -57,7 +57,8 @@ PAPER = {
     "p_mean": 0.18, "p_sd": 0.09,  # "mean probability of the selected tokens 0.18 +- 0.09" (A.3.3)
     "h_ratio_median": (1.03, 0.99),  # high/low-entropy ratio, GSM8K / MATH
     "elbow": "sharp elbow near the top 10 % (A.4.1)",
-    "tokens": "problem-specific content words (\"remainder\", \"duck\", \"seventh\"); \"####\", \"the\", \"is\" unselected",
+    "tokens": ("problem-specific content words (\"remainder\", \"duck\", \"seventh\"); \"####\", \"the\", \"is\" "
+               "unselected"),
     "adv_corr": "high u goes with positive-advantage responses (A.3.4)",
 }
 #: Rank fractions of the sorted-u curves.
@@ -399,6 +400,7 @@ def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
     for g in np.unique(groups):
         active[groups == g] = valid[groups == g].sum(0)
     ceilings = {"aligned": aligned_ceiling(active), "loo": np.where(active > 1, np.log(2.0), 0.0)}
+    shared = valid & (active > 1)  # positions where the ceiling is above 0
     readings = {}
     for form in data["u_forms"]:
         u = np.asarray(data["js"][form], np.float64)
@@ -410,9 +412,8 @@ def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
                                        "max": float(u[valid].max()) if valid.any() else None,
                                        "zero_share": float((u[valid] <= 0).mean()) if valid.any() else None,
                                        # share of tokens within 5 % of the reading's largest possible u
-                                       "ceiling_share": (float((u >= 0.95 * ceilings[form])[valid & (active > 1)].mean())
-                                                         if form in ceilings and (valid & (active > 1)).any()
-                                                         else None)},
+                                       "ceiling_share": (float((u >= 0.95 * ceilings[form])[shared].mean())
+                                                         if form in ceilings and shared.any() else None)},
             "sorted_u": sorted_u_curve(u, valid),
             "u_by_position": by_position(u, valid),
             "adv_corr": _corr(mean_u[informative], adv[informative])
@@ -534,10 +535,12 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
                  reward_workers: int = 1, out: str | Path | None = None, title: str = "",
                  say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Every setting: :func:`collect`, :func:`diagnostics`; with ``out`` write ``diagnose.json``,
-    ``diagnose.md``, ``<setting>.png`` and the per-token arrays ``<setting>.npz`` there. Returns ``{"settings": {name: diagnostics}, ...}``."""
+    ``diagnose.md``, ``<setting>.png`` and the per-token arrays ``<setting>.npz`` there. Returns
+    ``{"settings": {name: diagnostics}, ...}``."""
     results: dict[str, Any] = {"title": title, "dataset": getattr(dataset, "name", ""), "prompts": len(dataset),
-                               "max_new_tokens": int(max_new_tokens), "batch_rows": int(batch_rows), "u_forms": list(u_forms), "rho": rho,
-                               "seed": int(seed), "template": template, "paper": PAPER, "settings": {}}
+                               "max_new_tokens": int(max_new_tokens), "batch_rows": int(batch_rows),
+                               "u_forms": list(u_forms), "rho": rho, "seed": int(seed), "template": template,
+                               "paper": PAPER, "settings": {}}
     outdir = None if out is None else Path(out)
     if outdir is not None:
         outdir.mkdir(parents=True, exist_ok=True)

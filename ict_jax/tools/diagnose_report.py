@@ -97,7 +97,8 @@ def _others_table(d: Mapping[str, Any], forms: list[str]) -> list[str]:
     sel = d["selectors"]
     names = [n for n in sel if not n.startswith("ict[")]
     head = ["selector", "selected (% of valid)", "responses left with none", "p(o_t) mean ± sd (median)", "β mean",
-            "Q(o_t) mean", "H-ratio (median; high:low counts)", "top-20 % share", "forks selected", "most frequent selected"]
+            "Q(o_t) mean", "H-ratio (median; high:low counts)", "top-20 % share", "forks selected",
+            "most frequent selected"]
     rows = [[n, f"{s['selected']} ({100 * s['selected_frac']:.1f} %)", str(s["rows_without_selected"]), _msd(s["p"]),
              _num(s["beta"]["mean"]), _num(s["qtok"]["mean"]),
              f"{_num(s['h_ratio_median'], '.2f')} ({s['h_counts_median'][0]}:{s['h_counts_median'][1]})",
@@ -145,23 +146,23 @@ def format_markdown(results: Mapping[str, Any]) -> str:
     then every other selector, then two responses with ICT's tokens in brackets."""
     forms = list(results["u_forms"])
     paper = results["paper"]
-    out = [f"# Token diagnostics{': ' + results['title'] if results.get('title') else ''}", "",
-           f"Data {results['dataset']}, {results['prompts']} prompts, up to {results['max_new_tokens']} new tokens, "
-           f"rho {results['rho']}, template {results['template']}, seed {results['seed']}. Readings of u: "
-           f"{', '.join(forms)} (docs/method.md §1). The paper's column: Qwen2.5 on GSM8K / MATH (docs/method.md §5).",
-           "", "## Summary (mean ± sd over the selected tokens)", ""]
+    intro = (f"Data {results['dataset']}, {results['prompts']} prompts, up to {results['max_new_tokens']} new "
+             f"tokens, rho {results['rho']}, template {results['template']}, seed {results['seed']}. Readings of u: "
+             f"{', '.join(forms)} (docs/method.md §1). The paper's column: Qwen2.5 on GSM8K / MATH "
+             "(docs/method.md §5).")
+    out = [f"# Token diagnostics{': ' + results['title'] if results.get('title') else ''}", "", intro, "",
+           "## Summary (mean ± sd over the selected tokens)", ""]
     out += format_summary(results)
     out.append("")
     for name, d in results["settings"].items():
         t = d["timing"]
-        out += [f"## {name}", "",
-                f"{d['groups']} prompts x G = {d['setting']['group_size']} at T = {d['setting']['temperature']}: "
+        head = (f"{d['groups']} prompts x G = {d['setting']['group_size']} at T = {d['setting']['temperature']}: "
                 f"accuracy {d['accuracy']:.3f}, {d['groups_with_signal']} of {d['groups']} groups with A ≠ 0 "
-                f"(A from correctness), mean "
-                f"length {d['length_mean']:.0f} tokens ({100 * d['truncated_frac']:.0f} % truncated), "
-                f"{d['valid_tokens']} tokens; p(o_t) of all tokens {_msd(d['p_all'])}; median H1 "
-                f"{d['H1_median']:.3f}. Wall {d.get('wall_s', 0):.0f} s (sampling {t['sample_s']:.0f} s, statistics "
-                f"and masks {t['stats_s']:.0f} s, rewards {t['score_s']:.0f} s).", "",
+                f"(A from correctness), mean length {d['length_mean']:.0f} tokens ({100 * d['truncated_frac']:.0f} % "
+                f"truncated), {d['valid_tokens']} tokens; p(o_t) of all tokens {_msd(d['p_all'])}; median H1 "
+                f"{d['H1_median']:.3f}. Wall {d.get('wall_s') or 0:.0f} s (sampling {t['sample_s']:.0f} s, statistics "
+                f"and masks {t['stats_s']:.0f} s, rewards {t['score_s']:.0f} s).")
+        out += [f"## {name}", "", head, "",
                 "### ICT's selected tokens, by reading of u", ""]
         out += _ict_table(d, paper, forms)
         out += ["", "### Every selector", ""]
