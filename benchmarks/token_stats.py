@@ -8,6 +8,8 @@ in blocks of ``chunk`` positions. Reports XLA's ``compiled.memory_analysis()`` t
 
     python benchmarks/token_stats.py                      # full run, writes benchmarks/results/token_stats.json
     python benchmarks/token_stats.py --chunks 64 128 --reps 2
+    python benchmarks/token_stats.py --readings           # the cost of each reading of u (stats.u_form)
+                                                          # at chunk 64: benchmarks/results/token_stats_readings.json
 """
 
 from __future__ import annotations
@@ -24,18 +26,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from ict_jax.rl.selectors import ict_mask
-from ict_jax.rl.token_stats import stats_from_hidden, stats_from_logits
+from ict_jax.rl.token_stats import U_FORMS, stats_from_hidden, stats_from_logits
 
 D, V, G = 896, 151_936, 8  # Qwen2.5-0.5B head; G rollouts of one prompt
 
 
-def make_loss(path: str, chunk: int):
+def make_loss(path: str, chunk: int, u_form: str = "aligned"):
     def loss(hidden, unembed, tokens, valid, adv):
         if path == "dense":
             logits = jnp.einsum("btd,dv->btv", hidden, unembed, preferred_element_type=jnp.float32)
-            s = stats_from_logits(logits, tokens, valid, group_size=G, temperature=1.0)
+            s = stats_from_logits(logits, tokens, valid, group_size=G, temperature=1.0, u_form=u_form)
         else:
-            s = stats_from_hidden(hidden, unembed, tokens, valid, group_size=G, temperature=1.0, chunk=chunk)
+            s = stats_from_hidden(hidden, unembed, tokens, valid, group_size=G, temperature=1.0, chunk=chunk,
+                                  u_form=u_form)
         m = ict_mask(s.js, valid, group_size=G, rho=0.1, scope="sequence")
         x = jnp.where(m > 0, s.logp * adv[:, None], 0.0)
         return -jnp.sum(x) / jnp.maximum(jnp.sum(m), 1.0)
@@ -49,9 +52,9 @@ def shapes(T: int):
             jax.ShapeDtypeStruct((G,), jnp.float32))
 
 
-def temp_bytes(path: str, chunk: int, T: int) -> tuple[int, float]:
+def temp_bytes(path: str, chunk: int, T: int, u_form: str = "aligned") -> tuple[int, float]:
     t0 = time.perf_counter()
-    compiled = make_loss(path, chunk).lower(*shapes(T)).compile()
+    compiled = make_loss(path, chunk, u_form).lower(*shapes(T)).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes), time.perf_counter() - t0
 
 
@@ -83,6 +86,25 @@ def timings(variants: dict[str, object], T: int, reps: int):
     return {n: (min(wall[n]), float(np.median(wall[n])), min(cpu[n])) for n in variants}, outs
 
 
+def readings(a, res) -> None:
+    """value_and_grad of the masked loss at chunk 64 for every reading of u: temp memory at mem_T, time at
+    time_T (interleaved rounds). The reading only changes the JS part of the forward pass."""
+    print(f"# readings of u (stats.u_form), chunk 64: temp bytes at T={a.mem_T}, value_and_grad time at T={a.time_T}")
+    res["readings"] = {"memory": {}, "time": {}}
+    for form in U_FORMS:
+        m, ct = temp_bytes("chunked", 64, a.mem_T, form)
+        res["readings"]["memory"][form] = m
+        print(f"{form:8s} {m / 2**30:8.2f} GiB   (compile {ct:.1f} s)")
+    if a.skip_time:
+        return
+    t, outs = timings({form: make_loss("chunked", 64, form) for form in U_FORMS}, a.time_T, a.reps)
+    base = t["aligned"]
+    for form, (wmin, wmed, cmin) in t.items():
+        res["readings"]["time"][form] = {"wall_min_s": wmin, "wall_median_s": wmed, "cpu_min_s": cmin}
+        print(f"{form:8s} {wmin:8.3f} s {wmed:8.3f} s {cmin:8.3f} s   ratio wall {wmin / base[0]:4.2f} cpu "
+              f"{cmin / base[2]:4.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, nargs="+", default=[32, 64, 128, 256])
@@ -90,13 +112,24 @@ def main():
     ap.add_argument("--time-T", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-time", action="store_true")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "token_stats.json"))
+    ap.add_argument("--readings", action="store_true", help="the cost of each reading of u instead of the chunk sweep")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/token_stats[_readings].json")
     a = ap.parse_args()
+    results = Path(__file__).parent / "results"
+    a.out = a.out or str(results / ("token_stats_readings.json" if a.readings else "token_stats.json"))
 
     res = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": str(jax.devices()[0]),
                        "jax": jax.__version__},
            "shape": {"D": D, "V": V, "G": G, "dtype": "float32"}, "mem_T": a.mem_T, "time_T": a.time_T,
            "memory": {}, "time": {}}
+    if a.readings:
+        res["load_before"] = os.getloadavg()
+        readings(a, res)
+        res["load_after"] = os.getloadavg()
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {a.out}")
+        return
     print(f"# memory: value_and_grad temp bytes at T={a.mem_T} (compile only)")
     dense_mem, ct = temp_bytes("dense", 0, a.mem_T)
     res["memory"]["dense"] = dense_mem

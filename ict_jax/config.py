@@ -20,9 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-Method = Literal["dense", "grpo", "ict", "entropy", "stapo", "random"]
+Method = Literal["dense", "grpo", "ict", "entropy", "stapo", "random", "frequent", "selectable"]
 Scope = Literal["sequence", "group", "batch"]
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
+#: Readings of ICT's score u (docs/method.md §1, ``stats.u_form``): what p[i,t] is compared with.
+UForm = Literal["aligned", "loo", "literal", "pooled"]
+#: STAPO's two readings of its entropy quantile's candidate set (docs/method.md §2, ``stapo_quantile_over``).
+StapoQuantileOver = Literal["valid", "low_prob_positive"]
 
 _ICT_DEFAULTS = (0.10, "sequence")
 #: Default (rho, scope) per selector, docs/method.md §2's table: the one place these numbers are written
@@ -34,7 +38,12 @@ SELECTOR_DEFAULTS: dict[str, tuple[float | None, str | None]] = {
     "entropy": (0.20, "batch"),
     "stapo": (None, None),
     "random": _ICT_DEFAULTS,
+    "frequent": _ICT_DEFAULTS,  # the complement of ict's mask at ict's (rho, scope)
+    "selectable": (None, None),
 }
+#: STAPO's default entropy quantile tau_h per reading of its candidate set (docs/method.md §2): 0.75 over
+#: the low-probability tokens of correct responses (the v1 TeX source), 0.8 over all valid tokens (v2).
+STAPO_TAU_H: dict[str, float] = {"low_prob_positive": 0.75, "valid": 0.8}
 
 
 class ConfigError(ValueError):
@@ -82,7 +91,10 @@ class SelectorSection:
     scope: Scope | None = None  # None = the method's default (docs/method.md §2)
     warmup_steps: int = 20  # Theta (docs/method.md §2)
     tau_p: float = 0.002  # STAPO probability threshold (the one place the default is written)
-    tau_h: float = 0.8  # STAPO entropy quantile (the one place the default is written)
+    # STAPO entropy quantile; None = the reading's default, STAPO_TAU_H (docs/method.md §2)
+    tau_h: float | None = None
+    # which tokens STAPO's tau_h quantile of H1 is taken over (docs/method.md §2): the v1 reading
+    stapo_quantile_over: StapoQuantileOver = "low_prob_positive"
 
     @property
     def canonical_method(self) -> str:
@@ -96,6 +108,11 @@ class SelectorSection:
     @property
     def resolved_scope(self) -> str | None:
         return self.scope if self.scope is not None else SELECTOR_DEFAULTS.get(self.canonical_method, (None, None))[1]
+
+    @property
+    def resolved_tau_h(self) -> float:
+        """``tau_h``, or the default of the ``stapo_quantile_over`` reading (:data:`STAPO_TAU_H`)."""
+        return self.tau_h if self.tau_h is not None else STAPO_TAU_H[self.stapo_quantile_over]
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,10 @@ class RLSection:
 class StatsSection:
     temperature: float | None = None  # T_s; None = the rollout temperature (docs/method.md notation)
     chunk: int = 64  # largest block of positions in stats_from_hidden (docs/benchmarks.md, issue 3)
+    # the reading of ICT's score u (docs/method.md §1): aligned (Pbar over the rollouts active at t, itself
+    # included), loo (itself excluded), literal (sum over the active rollouts / G), pooled (the group's
+    # mean over all its valid positions); docs/results.md has the evidence for the default
+    u_form: UForm = "aligned"
     # the JS score for the stats/js_* metrics also when the selector does not use it (ict always
     # computes it): two more vocabulary-wide passes per step
     js_metrics: bool = True

@@ -23,7 +23,7 @@
 # * **ICT** keeps the top 10 % of each response's tokens by `u` (scope `sequence`);
 # * **20-Entropy** keeps the top 20 % of the group's tokens by `H1` (scope `batch`);
 # * **STAPO** keeps everything except "rare spurious" tokens of positive-advantage responses
-#   (p < `tau_p` and `H1` below the `tau_h` quantile).
+#   (p < `tau_p` and `H1` below the `tau_h` quantile of the low-probability tokens of correct responses).
 #
 # Runs as plain Python (`python notebooks/01_token_selection.py`) or as a notebook (jupytext percent
 # format). By default it uses a tiny *random* model, so the statistics are those of an untrained network
@@ -58,7 +58,7 @@ MAX_NEW_TOKENS = int(os.environ.get("ICT_NB_MAX_NEW_TOKENS", "24"))
 TEMPERATURE = 1.0
 SEED = 0
 (RHO_ICT, ICT_SCOPE), (RHO_ENTROPY, ENTROPY_SCOPE) = SELECTOR_DEFAULTS["ict"], SELECTOR_DEFAULTS["entropy"]
-TAU_P, TAU_H = SelectorSection().tau_p, SelectorSection().tau_h  # the config's defaults (docs/method.md §2)
+TAU_P, TAU_H = SelectorSection().tau_p, SelectorSection().resolved_tau_h  # the config's defaults (docs/method.md §2)
 OUT_DIR = os.environ.get("ICT_NB_OUT") or tempfile.mkdtemp(prefix="ict_nb01_")
 os.makedirs(OUT_DIR, exist_ok=True)
 print("figures ->", OUT_DIR)

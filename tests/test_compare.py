@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ict_jax.cli.main import main as cli_main
-from ict_jax.tools.compare import plan_runs
+from ict_jax.config import load_config
+from ict_jax.tools.compare import plan_runs, run_config
 from ict_jax.tools.compare_report import (aggregate_group, format_markdown, mean_sd, pass_at_k, run_result,
                                           steps_to_target, tail_mean)
 
@@ -107,6 +108,35 @@ def test_plan_runs_groups_and_directories(tmp_path):
                                        "ict_rho0.2_s0", "ict_rho0.2_s1"]
     assert specs[2].run_dir == tmp_path / "runs" / "ict_rho0.05_s0" and specs[2].rho == 0.05
     assert specs[0].rho is None and specs[0].method == "grpo"
+
+
+def test_variant_and_control_methods_plan_their_runs(tmp_path):
+    """The controls of docs/method.md §2 run as methods; ict_norm_valid is ict with GRPO's denominators."""
+    specs = plan_runs(["frequent", "selectable", "ict_norm_valid"], [0], tmp_path)
+    assert [s.name for s in specs] == ["frequent_s0", "selectable_s0", "ict_norm_valid_s0"]
+    assert [s.method for s in specs] == ["frequent", "selectable", "ict"]
+    cfg = load_config(DEMO)
+    runs = [run_config(cfg, s, "m", "char") for s in specs]
+    assert [r.rl.selector.method for r in runs] == ["frequent", "selectable", "ict"]
+    assert [r.rl.loss.normalize_over for r in runs] == ["selected", "selected", "valid"]
+    assert runs[2].run_dir == str(tmp_path / "runs" / "ict_norm_valid_s0")
+
+
+def test_markdown_has_a_column_per_eval_benchmark():
+    target = 0.5
+    runs = [run_result(_rows([0.1] * 3), {"eval/a/pass@1": p, "eval/b?force_x=true/pass@1": q}, target, 1.0)
+            for p, q in ((0.2, 0.6), (0.4, 0.8))]
+    g = aggregate_group(runs)
+    assert g["pass_by_bench"]["a"]["pass@1"]["mean"] == pytest.approx(0.3)
+    results = {"target_reward": target, "eval": ["a", "b?force_x=true"],
+               "warmstart": {"eval": {"eval/a/pass@1": 0.1, "eval/b?force_x=true/pass@1": 0.5}, "wall_s": 7},
+               "groups": [{"group": "ict", "rho": None, "seeds": [0, 1], **g}]}
+    md = format_markdown(results)
+    rows = _table_rows(md)
+    assert rows[0][:6] == ["method", "rho", "seeds", "P@1", "P@1 b1", "P@1 b2"]
+    assert rows[1][3:6] == ["0.300", "0.100", "0.500"]
+    assert rows[2][3:6] == ["0.500 ± 0.141", "0.300 ± 0.141", "0.700 ± 0.141"]
+    assert "b1 = a; b2 = b?force_x=true" in md
 
 
 @pytest.mark.parametrize("args,message", [

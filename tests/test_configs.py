@@ -28,7 +28,7 @@ SIZES = ("0p5b", "1p5b", "7b")
 METHODS = ("grpo", "ict", "entropy", "stapo", "random")
 EXPECTED = {f"qwen2p5_{s}_{m}.yaml" for s in SIZES for m in METHODS} | {"smollm2_135m_ict.yaml",
                                                                          "smollm2_135m_grpo.yaml"}
-OTHERS_ALLOWED = {"demo.yaml", "demo_arith.yaml", "demo_scratchpad.yaml"}  # the built-in demo task: loaded and traced here too
+OTHERS_ALLOWED = {"demo.yaml", "demo_arith.yaml", "demo_scratchpad.yaml", "demo_controls.yaml"}  # the built-in demo task: loaded and traced here too
 RECIPES = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 BASES = sorted(p.name for p in (CONFIGS / "base").glob("*.yaml"))
 
@@ -85,7 +85,7 @@ def test_paper_recipe_settings(size, method):
     expected_agg = "token-mean" if method in ("entropy", "stapo") else "seq-mean-token-mean"
     assert loss.loss_agg == expected_agg
     if method == "stapo":
-        assert (sel.tau_p, sel.tau_h) == (0.002, 0.8)
+        assert (sel.tau_p, sel.tau_h, sel.stapo_quantile_over) == (0.002, 0.75, "low_prob_positive")
 
 
 def _flat(d, prefix=""):

@@ -244,6 +244,22 @@ def test_split_is_seeded_and_its_solutions_score_one():
         load_dataset("split?digits=0&size=3")
 
 
+def test_split_force_x_teacher_forces_the_sft_x_and_scores_only_y():
+    """The x-forced evaluation: the same N and x as the plain set's SFT solutions, x in the prompt,
+    gold y = N - x, exact scorer (hand-checked: seed 12345, digits 2 starts with 63 = 09 + 54)."""
+    from ict_jax.rewards.checks import check_text
+
+    plain = load_dataset("split?digits=2&size=50&seed=12345")
+    forced = load_dataset("split?digits=2&size=50&seed=12345&force_x=true")
+    assert forced.scorer == "exact" and forced[0].prompt == "63=09+" and forced[0].answer == "54"
+    for a, b in zip(plain, forced):
+        x, y = a.meta["solution"].split("+")
+        assert b.prompt == f"{a.answer}={x}+" and b.answer == y
+        assert check_text("exact", y, b.answer).correct and not check_text("exact", f"{x}+{y}", b.answer).correct
+    with pytest.raises(ValueError, match="force_x"):
+        load_dataset("split?force_x=yes&size=3")
+
+
 @pytest.mark.parametrize("name", ["basic_arithmetic", "chain_sum", "gsm_symbolic"])
 def test_reasoning_gym_scores_its_own_gold(name):
     ds = load_dataset(f"gym:{name}", size=4, seed=7)

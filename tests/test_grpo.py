@@ -200,6 +200,34 @@ def test_all_equal_group_contributes_no_policy_gradient():
         assert np.all(g[4:8] == 0.0) and np.any(g[:4] != 0.0)
 
 
+def test_row_without_selected_token_does_not_dilute_seq_mean():
+    """docs/method.md §4, seq-mean-token-mean: a response with valid tokens but no selected one (group or
+    batch scopes, STAPO, frequent) leaves R under normalize_over 'selected'; under 'valid' (GRPO's
+    denominators) it stays. Hand-computed, r = 1 (logp = logp_old) so surr = A on selected tokens."""
+    valid = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], bool)
+    mask = jnp.asarray([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]], bool)  # row 1: valid, none selected
+    adv = jnp.asarray([1.0, 3.0, -2.0], jnp.float32)
+    lp = jnp.full((3, 4), -1.0, jnp.float32)
+    cfg = loss_config(kl_coef=0.0, loss_agg="seq-mean-token-mean")
+    loss, _ = policy_loss(lp, lp, None, adv, valid, mask, config=cfg)
+    # rows 0 and 2 only: -(mean_t of A over row 0's 2 selected + row 2's 1 selected) / 2
+    np.testing.assert_allclose(float(loss), -((2 * 1.0) / 2 + (-2.0) / 1) / 2, rtol=1e-6)  # 0.5, not 1/3
+    d = loss_denominators(valid, mask, cfg)
+    assert float(d.pg_rows) == 2.0 and float(d.num_responses) == 3.0
+    # normalize_over 'valid': GRPO's denominators, every row with a valid token counts
+    cfg_v = loss_config(kl_coef=0.0, loss_agg="seq-mean-token-mean", normalize_over="valid")
+    loss_v, _ = policy_loss(lp, lp, None, adv, valid, mask, config=cfg_v)
+    np.testing.assert_allclose(float(loss_v), -((2 * 1.0) / 3 + 0.0 + (-2.0) / 4) / 3, rtol=1e-6)
+    # the KL term: kl_masked rows with no selected token leave its R too; unmasked KL keeps them
+    ref = jnp.full((3, 4), -1.5, jnp.float32)
+    k3 = float(np.exp(-0.5) + 0.5 - 1.0)
+    _, m = policy_loss(lp, lp, ref, adv, valid, mask, config=loss_config(kl_coef=0.1))
+    np.testing.assert_allclose(float(m["loss/kl"]), k3, rtol=1e-5)  # mean over rows 0, 2 of k3
+    _, m = policy_loss(lp, lp, ref, adv, valid, mask, config=loss_config(kl_coef=0.1, kl_masked=False))
+    np.testing.assert_allclose(float(m["loss/kl"]), k3, rtol=1e-5)  # every row: per-row mean k3 = k3
+    assert float(loss_denominators(valid, mask, loss_config(kl_masked=False)).kl_rows) == 3.0
+
+
 @pytest.mark.parametrize("loss_agg", AGGS)
 def test_micro_batch_denominators_add_up(loss_agg):
     """Micro-batch losses / gradients / metrics with mini-batch denominators sum to the full batch."""

@@ -122,7 +122,8 @@ def test_masks_follow_method_section_2(report):
     np.testing.assert_array_equal(a["ict"], np.asarray(ict_jax.ict_mask(jnp.asarray(a["js"]), vj, rho=0.1)))
     np.testing.assert_array_equal(a["entropy"], np.asarray(ict_jax.entropy_mask(jnp.asarray(a["H1"]), vj, rho=0.2)))
     np.testing.assert_array_equal(a["stapo"], np.asarray(ict_jax.stapo_mask(
-        jnp.asarray(a["logp"]), jnp.asarray(a["H1"]), jnp.ones(G), vj, tau_p=0.002, tau_h=0.8)))
+        jnp.asarray(a["logp"]), jnp.asarray(a["H1"]), jnp.ones(G), vj, tau_p=0.002, tau_h=0.75,
+        quantile_over="low_prob_positive")))
     for i in range(G):  # ICT per response: k = max(1, ceil(0.1 n)), the highest JS
         n = int(valid[i].sum())
         assert a["ict"][i].sum() == max(1, math.ceil(0.1 * n))
@@ -150,7 +151,9 @@ def test_rewards_give_stapo_its_advantages(tiny):
     a = r["arrays"]
     np.testing.assert_allclose(a["advantages"], np.asarray(ict_jax.group_advantages(jnp.asarray(rewards), G)))
     assert [x["reward"] for x in r["responses"]] == rewards
-    q = a["H1"][a["valid"]].max()
+    # STAPO's default reading: the quantile over the low-probability tokens of positive-advantage responses
+    cand = a["valid"] & (a["advantages"] > 0)[:, None] & (np.exp(a["logp"]) < 0.999)
+    q = a["H1"][cand].max()
     for i in range(G):
         v = a["valid"][i]
         silenced = v & (a["stapo"][i] == 0)
@@ -171,7 +174,8 @@ def test_columns_take_the_runs_selector_settings():
     defaults = column_selectors()
     assert [(c.method, c.resolved_rho, c.resolved_scope) for c in defaults.values()] == [
         ("ict", 0.1, "sequence"), ("entropy", 0.2, "batch"), ("stapo", None, None)]
-    assert all(c.warmup_steps == 0 and (c.tau_p, c.tau_h) == (0.002, 0.8) for c in defaults.values())
+    assert all(c.warmup_steps == 0 and (c.tau_p, c.resolved_tau_h, c.stapo_quantile_over) == (0.002, 0.75, "low_prob_positive")
+               for c in defaults.values())
     # the run's own method takes its rho and scope; the others keep their defaults; tau from the run
     cols = column_selectors(SelectorSection(method="entropy", rho=0.3, scope="sequence", tau_p=0.01, tau_h=0.5))
     assert (cols["entropy"].resolved_rho, cols["entropy"].resolved_scope) == (0.3, "sequence")
@@ -198,7 +202,8 @@ def test_report_selects_with_the_runs_rho_and_scope(tiny):
     np.testing.assert_array_equal(a["entropy"], np.asarray(ict_jax.entropy_mask(jnp.asarray(a["H1"]), vj, rho=0.2)))
     s = r["settings"]
     assert (s["rho_ict"], s["ict_scope"], s["rho_entropy"], s["entropy_scope"]) == (0.25, "group", 0.2, "batch")
-    assert s["run_selector"] == {"method": "ict", "rho": 0.25, "scope": "group", "tau_p": 0.002, "tau_h": 0.8}
+    assert s["run_selector"] == {"method": "ict", "rho": 0.25, "scope": "group", "tau_p": 0.002, "tau_h": 0.75,
+                                 "stapo_quantile_over": "low_prob_positive"}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 import ict_jax
 from ict_jax.config import SelectorSection
-from ict_jax.rl.selectors import (RANDOM_MASK_STREAM, dense_mask, entropy_mask, ict_mask, random_mask, register_selector, select, stapo_mask, stapo_quantile)
+from ict_jax.rl.selectors import (RANDOM_MASK_STREAM, SELECTABLE_U_MIN, dense_mask, entropy_mask, frequent_mask,
+                                  ict_mask, random_key, random_mask, register_selector, select, selectable_mask,
+                                  stapo_mask, stapo_quantile)
 from ict_jax.rl.token_stats import TokenStats, stats_from_hidden
 
 
@@ -156,7 +158,7 @@ def test_stapo_conditions_one_at_a_time():
         H[0, 3] = h
         lp = np.zeros((1, 7), np.float32)
         lp[0, 3] = logp
-        return np.asarray(stapo_mask(lp, H, np.array([a], np.float32), valid))[0]
+        return np.asarray(stapo_mask(lp, H, np.array([a], np.float32), valid, quantile_over="valid", tau_h=0.8))[0]
 
     assert m(lo, 3.0, 1.0)[3] == 0.0  # all three hold: silenced
     assert m(lo, 3.0, 1.0).sum() == 5.0  # only that one
@@ -165,14 +167,47 @@ def test_stapo_conditions_one_at_a_time():
     assert m(hi, 3.0, 1.0)[3] == 1.0  # p >= tau_p
     assert m(lo, 4.0, 1.0)[3] == 1.0  # H1 = q: strict '<'
     # per-token advantages [B, T] work too, and invalid tokens stay 0
-    out = np.asarray(stapo_mask(np.full((1, 7), lo, np.float32), H1, np.ones((1, 7), np.float32), valid))
+    out = np.asarray(stapo_mask(np.full((1, 7), lo, np.float32), H1, np.ones((1, 7), np.float32), valid,
+                                quantile_over="valid", tau_h=0.8))
     np.testing.assert_array_equal(out, [[0, 0, 0, 0, 1, 1, 0]])
     # n = 0 silences nothing (and M <= valid)
     out = np.asarray(stapo_mask(np.full((1, 7), lo, np.float32), H1, adv, np.zeros_like(valid)))
     assert np.all(out == 0)
     # thresholds
-    out = np.asarray(stapo_mask(np.full((1, 7), hi, np.float32), H1, adv, valid, tau_p=0.005, tau_h=0.5))
+    out = np.asarray(stapo_mask(np.full((1, 7), hi, np.float32), H1, adv, valid, tau_p=0.005, tau_h=0.5,
+                                quantile_over="valid"))
     np.testing.assert_array_equal(out, [[0, 0, 0, 1, 1, 1, 0]])  # q = 2.5
+
+
+def test_stapo_low_prob_positive_reading_hand_computed():
+    """docs/method.md §2, STAPO v1 (the default): q is the 0.75 quantile of H1 over the tokens with A > 0
+    and p < tau_p only. Row 0 (A > 0) has low-probability tokens at t = 0..4 with H1 0, 1, 2, 3, 8:
+    q = position 4 * 0.75 = 3 -> 3.0, so t = 0, 1, 2 are silenced (H1 < 3); t = 3 (H1 = q) is not.
+    The `valid` reading (tau_h 0.8 over all 12 valid H1: position 8.8 of the sorted values, 11 + 0.8 *
+    (12 - 11) = 11.8) silences t = 4 too."""
+    H1 = np.array([[0, 1, 2, 3, 8, 0.5], [9, 10, 11, 12, 13, 14]], np.float32)
+    lo, hi = np.log(0.001), np.log(0.5)
+    logp = np.array([[lo, lo, lo, lo, lo, hi], [lo] * 6], np.float32)
+    adv = np.array([1.0, -1.0], np.float32)
+    valid = np.ones((2, 6), np.float32)
+    m = np.asarray(stapo_mask(logp, H1, adv, valid))  # the defaults: low_prob_positive, tau_h 0.75
+    np.testing.assert_array_equal(m, [[0, 0, 0, 1, 1, 1], [1] * 6])
+    assert SelectorSection().stapo_quantile_over == "low_prob_positive" and SelectorSection().resolved_tau_h == 0.75
+    assert SelectorSection(stapo_quantile_over="valid").resolved_tau_h == 0.8
+    assert abs(float(stapo_quantile(H1, valid, 0.8)) - 11.8) < 1e-6
+    m = np.asarray(stapo_mask(logp, H1, adv, valid, quantile_over="valid"))
+    np.testing.assert_array_equal(m, [[0, 0, 0, 0, 0, 1], [1] * 6])
+    # select reads the reading and tau_h from the config
+    stats = TokenStats(logp, H1, H1, None)
+    for over, want in (("low_prob_positive", [0, 0, 0, 1, 1, 1]), ("valid", [0, 0, 0, 0, 0, 1])):
+        cfg = SelectorSection(method="stapo", stapo_quantile_over=over)
+        got = np.asarray(select("stapo", stats, adv, valid, key=jax.random.key(0), step=0, config=cfg))
+        np.testing.assert_array_equal(got[0], want)
+    # no low-probability positive token: the candidate set is empty, nothing is silenced
+    m = np.asarray(stapo_mask(logp, H1, -adv * 0 - 1.0, valid))
+    assert np.all(m == 1.0)
+    with pytest.raises(ValueError, match="stapo_quantile_over"):
+        stapo_mask(logp, H1, adv, valid, quantile_over="all")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,10 +228,62 @@ def test_random_keeps_ict_counts_and_stream():
     cfg = SelectorSection(method="random", warmup_steps=0)
     stats = TokenStats(None, None, None, None)
     a = select("random", stats, None, valid, key=key, step=5, config=cfg)
-    derived = jax.random.fold_in(jax.random.fold_in(key, RANDOM_MASK_STREAM), 5)
+    derived = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, RANDOM_MASK_STREAM), 5), 0)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(random_mask(derived, valid, rho=0.1)))
     b = select("random", stats, None, valid, key=key, step=6, config=cfg)
     assert not np.array_equal(np.asarray(a), np.asarray(b))
+    # docs/method.md §2: every mini-batch of a rollout step draws afresh, with the same counts
+    c = select("random", stats, None, valid, key=key, step=5, config=cfg, minibatch=1)
+    assert not np.array_equal(np.asarray(a), np.asarray(c))
+    np.testing.assert_array_equal(np.asarray(a).sum(1), np.asarray(c).sum(1))
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(random_mask(random_key(key, 5, 1), valid, rho=0.1)))
+
+
+def test_frequent_and_selectable_controls_hand_computed():
+    """frequent = valid and not ICT's mask (the paper's bottom 90 %); selectable = valid and u > 0."""
+    js = np.array([[0.0, 0.3, 0.1, 0.5, 0.0, 0.2, 0.0, 0.4, 0.05, 0.25, 0.35, 9.0],
+                   [0.0, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
+    valid = np.ones((2, 12), np.float32)
+    valid[0, 11] = 0.0  # 11 valid: ICT keeps ceil(1.1) = 2 (0.5 at t=3 and 0.4 at t=7)
+    valid[1, 1:] = 0.0  # 1 valid token: ICT keeps it, the complement is empty
+    f = np.asarray(frequent_mask(js, valid))
+    want0 = np.ones(12)
+    want0[[3, 7, 11]] = 0
+    np.testing.assert_array_equal(f[0], want0)
+    np.testing.assert_array_equal(f[1], np.zeros(12))
+    np.testing.assert_array_equal(f + np.asarray(ict_mask(js, valid)), valid)  # a partition of valid
+    sel = np.asarray(selectable_mask(js, valid))
+    np.testing.assert_array_equal(sel[0], [0, 1, 1, 1, 0, 1, 0, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(sel[1], np.zeros(12))  # u = 0 at its one token
+    assert float(np.asarray(selectable_mask(np.full((1, 2), SELECTABLE_U_MIN, np.float32), np.ones((1, 2)))).sum()) == 0
+    # through select, with the warm-up rule and ICT's (rho, scope)
+    stats = TokenStats(None, None, None, js)
+    key = jax.random.key(0)
+    for method, want in (("frequent", f), ("selectable", sel)):
+        cfg = SelectorSection(method=method, warmup_steps=2)
+        after = select(method, stats, None, valid, key=key, step=2, config=cfg)
+        during = select(method, stats, None, valid, key=key, step=1, config=cfg)
+        np.testing.assert_array_equal(np.asarray(after), want)
+        np.testing.assert_array_equal(np.asarray(during), valid)
+    with pytest.raises(ValueError, match="needs stats.js"):
+        select("frequent", TokenStats(None, None, None, None), None, valid, key=key, step=5, config=cfg)
+
+
+def test_selectable_threshold_is_above_float32_noise_of_identical_groups():
+    """u of rollouts whose distributions are equal in exact arithmetic (a group before it diverges) stays
+    below SELECTABLE_U_MIN in float32, at SmolLM2's vocabulary size, G = 16, peaked and flat logits."""
+    from ict_jax.rl.token_stats import U_FORMS, stats_from_logits
+
+    rng = np.random.default_rng(9)
+    for scale in (1.0, 8.0, 30.0):
+        row = (rng.standard_normal((1, 3, 49_152)) * scale).astype(np.float32)
+        logits = np.repeat(row, 16, axis=0)
+        tokens = rng.integers(0, 49_152, (16, 3)).astype(np.int32)
+        for form in ("aligned", "loo"):
+            st = stats_from_logits(jnp.asarray(logits), tokens, np.ones((16, 3), np.float32), group_size=16,
+                                   u_form=form)
+            assert float(np.asarray(st.js).max()) < SELECTABLE_U_MIN / 10, (scale, form)
+    assert "aligned" in U_FORMS
 
 
 def test_warmup_is_traced_data():
@@ -320,6 +407,8 @@ def test_mesh_8_devices_equals_1_device(devices8):
     assert len(s8.js.sharding.device_set) == 8
     tol = 1e-5
     for a, b in zip(s1, s8):
+        if a is None:
+            continue
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=tol, rtol=0)
     js, H1 = np.asarray(s1.js), np.asarray(s1.H1)
     for (method, scope), a, b in zip(SCOPES_BY_METHOD, m1, m8):
@@ -376,10 +465,12 @@ def test_stapo_invariants(H, logp, adv, valid):
     lp = np.array(logp, np.float32).reshape(SHAPE)
     a = np.array(adv, np.float32)
     v = np.array(valid, np.float32).reshape(SHAPE)
-    m = np.asarray(stapo_mask(lp, H1, a, v))
-    if v.sum() == 0:
-        assert np.all(m == 0)
-        return
-    q = np.quantile(H1[v > 0].astype(np.float64), 0.8, method="linear")
-    silenced = (a[:, None] > 0) & (np.exp(lp.astype(np.float64)) < 0.002) & (H1 < q)
-    np.testing.assert_array_equal(m, ((v > 0) & ~silenced).astype(np.float32))
+    low = (v > 0) & (a[:, None] > 0) & (np.exp(lp.astype(np.float64)) < 0.002)
+    for over, tau_h, cand in (("valid", 0.8, v > 0), ("low_prob_positive", 0.75, low)):
+        m = np.asarray(stapo_mask(lp, H1, a, v, quantile_over=over))
+        if cand.sum() == 0:  # no candidate: nothing silenced
+            np.testing.assert_array_equal(m, (v > 0).astype(np.float32))
+            continue
+        q = np.quantile(H1[cand].astype(np.float64), tau_h, method="linear")
+        silenced = low & (H1 < q)
+        np.testing.assert_array_equal(m, ((v > 0) & ~silenced).astype(np.float32), err_msg=over)

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ict_jax.rl.token_stats import TokenStats, _js, stats_and_surrogate, stats_from_hidden, stats_from_logits
+from ict_jax.rl.token_stats import (ALL_STATS, U_FORMS, TokenStats, _js, stats_and_surrogate, stats_from_hidden,
+                                   stats_from_logits)
 
 ATOL, RTOL = 1e-5, 1e-6
 LN2 = np.log(2.0)
-jit_logits = jax.jit(stats_from_logits, static_argnames=("group_size", "temperature", "compute"))
+jit_logits = jax.jit(stats_from_logits, static_argnames=("group_size", "temperature", "compute", "u_form"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -54,6 +55,48 @@ def ref_stats(logits, tokens, valid, G, temp):
     js = np.clip(js.reshape(B, T), 0, LN2)
     out = dict(logp=logp, H1=H1, H2=H2, js=js)
     return {k: np.where(valid, v, 0.0) for k, v in out.items()}, p
+
+
+def ref_readings(logits, tokens, valid, G, temp, u_form):
+    """float64 u, Q(o_t) and max_v p of every reading of docs/method.md §1 (loops, written from the
+    definitions in token_stats' module docstring, independently of the JAX code)."""
+    z = logits.astype(np.float64) / temp
+    B, T, V = z.shape
+    valid = valid > 0
+    z = np.where(valid[..., None], z, 0.0)
+    zmax = z.max(-1, keepdims=True)
+    p = np.exp(z - zmax)
+    p /= p.sum(-1, keepdims=True)
+    P = B // G
+    w = valid.reshape(P, G, T).astype(np.float64)
+    pg = p.reshape(P, G, T, V)
+    u = np.zeros((P, G, T))
+    qtok = np.zeros((P, G, T))
+    for g in range(P):
+        pool = sum(w[g, j, t] * pg[g, j, t] for j in range(G) for t in range(T))
+        n_pool = w[g].sum()
+        for i in range(G):
+            for t in range(T):
+                if not w[g, i, t]:
+                    continue
+                n = w[g, :, t].sum()
+                if u_form == "aligned":
+                    q = sum(w[g, j, t] * pg[g, j, t] for j in range(G)) / n
+                elif u_form == "loo":
+                    if n - 1 == 0:
+                        continue  # no other rollout active: u = 0, Q = 0
+                    q = sum(w[g, j, t] * pg[g, j, t] for j in range(G) if j != i) / (n - 1)
+                elif u_form == "literal":
+                    q = sum(w[g, j, t] * pg[g, j, t] for j in range(G)) / G
+                else:  # pooled
+                    q = pool / n_pool
+                a = pg[g, i, t]
+                m = (a + q) / 2
+                u[g, i, t] = 0.5 * (_xlogy(a, a) - _xlogy(a, m)).sum() + 0.5 * (_xlogy(q, q) - _xlogy(q, m)).sum()
+                qtok[g, i, t] = q[tokens.reshape(P, G, T)[g, i, t]]
+    u = np.clip(u.reshape(B, T), 0, LN2)
+    pmax = np.where(valid, p.max(-1), 0.0)
+    return {"js": u, "pbar_tok": qtok.reshape(B, T), "pmax": pmax}
 
 
 def make_case(rng, P, G, T, V, kind, valid_kind="ragged"):
@@ -120,6 +163,60 @@ def test_logits_path_matches_float64(P, G, T, V, kind, temp):
         assert np.all(np.asarray(getattr(got, name))[valid == 0] == 0.0)
 
 
+READING_CASES = [(3, 4, 6, 7, "gaussian", 1.0), (3, 4, 6, 7, "peaked", 0.7), (3, 4, 6, 7, "neginf", 1.0),
+                 (2, 3, 5, 1000, "gaussian", 1.3), (2, 3, 5, 1000, "peaked", 1.0), (4, 1, 5, 64, "gaussian", 1.0)]
+
+
+@pytest.mark.parametrize("u_form", U_FORMS)
+@pytest.mark.parametrize("P,G,T,V,kind,temp", READING_CASES)
+def test_readings_of_u_match_float64(u_form, P, G, T, V, kind, temp):
+    """Every reading of u (docs/method.md §1, stats.u_form), Q(o_t) and max_v p against float64 loops."""
+    rng = np.random.default_rng(V + T + G + 7)
+    logits, tokens, valid = make_case(rng, P, G, T, V, kind)
+    want = ref_readings(logits, tokens, valid, G, temp, u_form)
+    got = jit_logits(jnp.asarray(logits), tokens, valid, group_size=G, temperature=temp, compute=ALL_STATS,
+                     u_form=u_form)
+    for name in ("js", "pbar_tok", "pmax"):
+        assert_close(f"{u_form}:{name}", getattr(got, name), want[name])
+        assert np.all(np.asarray(getattr(got, name))[valid == 0] == 0.0)
+    # logp, H1, H2 do not depend on the reading
+    base, _ = ref_stats(logits, tokens, valid, G, temp)
+    for name in ("logp", "H1", "H2"):
+        assert_close(name, getattr(got, name), base[name])
+    js = np.asarray(got.js)
+    assert js.min() >= 0.0 and js.max() <= np.float32(LN2)
+    if u_form in ("aligned", "loo") and G > 1:
+        assert np.all(js[:, :2] <= 1e-6)  # identical prefixes: u = 0 (literal and pooled need not be 0)
+    if G > 1 and u_form != "aligned":  # the readings differ from the default where rollouts diverge
+        aligned = ref_readings(logits, tokens, valid, G, temp, "aligned")["js"]
+        assert np.abs(want["js"] - aligned).max() > 1e-3
+
+
+def test_readings_hand_computed():
+    """A hand-worked group: V = 2, G = 3, one position; rollout 2 has ended (valid 0);
+    p0 = (1, 0), p1 = (0, 1), both sampled token 0."""
+    big = 60.0  # softmax([big, 0]) = (1, 0) to float32 rounding
+    logits = np.array([[[big, 0.0]], [[0.0, big]], [[0.0, big]]], np.float32)  # [3, 1, 2]
+    tokens = np.array([[0], [0], [1]], np.int32)
+    valid = np.array([[1.0], [1.0], [0.0]], np.float32)
+    # JS((1,0) || (1/2,1/2)): m = (3/4, 1/4); 1/2 ln(1/(3/4)) + 1/2 [1/2 ln(2/3) + 1/2 ln 2]
+    js_half = 0.5 * np.log(4 / 3) + 0.5 * (0.5 * np.log(2 / 3) + 0.5 * np.log(2.0))
+    want = {
+        "aligned": ([js_half, js_half], [0.5, 0.5]),  # Q = (1/2, 1/2); Q(o) = 1/2 for both tokens 0
+        "loo": ([np.log(2.0), np.log(2.0)], [0.0, 1.0]),  # Q_0 = p1 (disjoint: ln 2), Q_1 = p0
+        # literal: Q = (1/3, 1/3); m = (2/3, 1/6) for row 0: 1/2 ln(3/2) + 1/2 [1/3 ln(1/2) + 1/3 ln 2]
+        "literal": ([0.5 * np.log(1.5), 0.5 * np.log(1.5)], [1 / 3, 1 / 3]),
+        "pooled": ([js_half, js_half], [0.5, 0.5]),  # one position: the pool is the aligned mean
+    }
+    for form, (u, q) in want.items():
+        st = stats_from_logits(jnp.asarray(logits), tokens, valid, group_size=3, compute=ALL_STATS, u_form=form)
+        np.testing.assert_allclose(np.asarray(st.js)[:2, 0], u, atol=1e-6, err_msg=form)
+        np.testing.assert_allclose(np.asarray(st.pbar_tok)[:2, 0], q, atol=1e-6, err_msg=form)
+        assert np.asarray(st.js)[2, 0] == 0.0
+    with pytest.raises(ValueError, match="u_form"):
+        stats_from_logits(jnp.asarray(logits), tokens, valid, group_size=3, u_form="index")
+
+
 def test_js_symmetric_bounded_zero_on_equal():
     rng = np.random.default_rng(0)
     for V in (7, 300):
@@ -143,20 +240,25 @@ def test_no_nan_all_padding_all_neginf_rows():
     valid[G, :2] = 1
     tokens = np.zeros((P * G, T), np.int32)
     f = lambda lg: jnp.sum(stats_from_logits(lg, tokens, valid, group_size=G).logp)
-    got = stats_from_logits(jnp.asarray(logits), tokens, valid, group_size=G)
+    got = stats_from_logits(jnp.asarray(logits), tokens, valid, group_size=G, compute=ALL_STATS)
     for x in got:
         assert np.all(np.isfinite(np.asarray(x)))
     assert np.all(np.asarray(got.js) == 0.0)  # alone at t
+    for form in U_FORMS:  # every reading: finite and 0 at padding, also on all -inf padding rows
+        st = stats_from_logits(jnp.asarray(logits), tokens, valid, group_size=G, compute=ALL_STATS, u_form=form)
+        for x in st:
+            assert np.all(np.isfinite(np.asarray(x))) and np.all(np.asarray(x)[valid == 0] == 0.0)
     g = jax.jit(jax.grad(f))(jnp.asarray(logits))
     assert np.all(np.isfinite(np.asarray(g)))
     # chunked path: an all-padding group, and G = 1
     h = np.random.default_rng(0).standard_normal((P * G, T, 5)).astype(np.float32)
     W = np.random.default_rng(1).standard_normal((5, V)).astype(np.float32)
-    for gs in (G, 1):
-        st = stats_from_hidden(h, W, tokens, valid, group_size=gs, chunk=3)
+    for gs, form in ((G, "aligned"), (1, "aligned"), (G, "loo"), (G, "literal"), (G, "pooled")):
+        st = stats_from_hidden(h, W, tokens, valid, group_size=gs, chunk=3, compute=ALL_STATS, u_form=form)
         for x in st:
             assert np.all(np.isfinite(np.asarray(x))) and np.all(np.asarray(x)[valid == 0] == 0.0)
-        assert np.all(np.asarray(st.js) == 0.0)
+        if form in ("aligned", "loo"):  # alone at t: u = 0 (literal and pooled compare with other mass)
+            assert np.all(np.asarray(st.js) == 0.0)
         gh = jax.grad(lambda x: jnp.sum(stats_from_hidden(x, W, tokens, valid, group_size=gs, chunk=3).logp))(h)
         assert np.all(np.isfinite(np.asarray(gh))) and np.all(np.asarray(gh)[valid == 0] == 0.0)
 
@@ -249,6 +351,23 @@ def test_one_pass_surrogate_equals_dense_values_and_gradient(chunk, dense_case):
     assert np.all(np.asarray(gz) == 0.0)
     with pytest.raises(ValueError, match="g_logp"):
         stats_and_surrogate(hidden, W, tokens, valid, wts[:, :-1], group_size=G)
+
+
+@pytest.mark.parametrize("u_form", ["loo", "literal", "pooled"])
+def test_hidden_and_one_pass_readings_equal_logits(u_form, dense_case):
+    """The chunked path and the one-pass head give the logits path's value of every reading (blocks
+    of 3 positions: pooled's Q sums over blocks; loo and literal are per position)."""
+    (hidden, W, tokens, valid, G, temp, wts), _, _ = dense_case
+    lg = jnp.einsum("btd,dv->btv", hidden, W, precision="highest")
+    a = stats_from_logits(lg, tokens, valid, group_size=G, temperature=temp, compute=ALL_STATS, u_form=u_form)
+    b = stats_from_hidden(hidden, W, tokens, valid, group_size=G, temperature=temp, chunk=3, compute=ALL_STATS,
+                          u_form=u_form)
+    c, _ = stats_and_surrogate(hidden, W, tokens, valid, wts, group_size=G, temperature=temp, chunk=3,
+                               compute=ALL_STATS, u_form=u_form)
+    for name in ALL_STATS:
+        want = np.asarray(getattr(a, name), np.float64)
+        assert_close(f"hidden {name}", getattr(b, name), want)
+        assert_close(f"one-pass {name}", getattr(c, name), want)
 
 
 def test_block_size_evens_out_blocks():

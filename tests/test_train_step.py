@@ -282,3 +282,41 @@ def test_non_finite_loss_skips_the_update_and_is_counted():
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.tree.map(np.asarray, new.params))):
         np.testing.assert_array_equal(x, y)
     assert int(new.step) == 1  # the rollout batch is consumed; only the update is skipped
+
+
+def test_random_control_draws_afresh_in_every_mini_batch(monkeypatch):
+    """docs/method.md §2: the random control's key folds in the mini-batch index, so the two mini-batches of
+    one rollout step, given identical rollouts, draw different masks with the same per-response counts
+    (the old code reused one score matrix for every mini-batch of the step)."""
+    from ict_jax.rl import train_step as ts
+
+    def step_metrics_with_masks(batch, valid, mask, *args, **kwargs):  # the step's masks, as a "metric"
+        return {**real(batch, valid, mask, *args, **kwargs), "_mask": mask}
+
+    real = ts.step_metrics
+    monkeypatch.setattr(ts, "step_metrics", step_metrics_with_masks)
+    cfg = _config("random", "seq-mean-token-mean", 1, "train.mini_batches=2", "rl.loss.kl_coef=0")
+    b = _batch()
+    half = P * G // 2
+    twice = jax.tree.map(lambda a: jnp.concatenate([a[:half], a[:half]]), b)  # mini-batch 1 = mini-batch 0
+    model = ict_jax.init_model(MODEL, seed=1)
+    state = init_train_state(cfg, model)
+    _, metrics = make_train_step(cfg)(state, twice)
+    m = np.asarray(metrics["_mask"])
+    first, second = m[:half], m[half:]
+    np.testing.assert_array_equal(first.sum(1), second.sum(1))  # ict's counts in both
+    assert first.sum() > 0 and np.all(m <= np.asarray(twice.response_valid))
+    assert not np.array_equal(first, second)
+
+
+def test_u_form_reaches_the_step_and_micro_batching_keeps_it():
+    """stats.u_form is the reading of u that ICT's mask uses in the step (old-policy pass included):
+    `pooled` changes the mask and gradient, and 4 micro-batches give the gradient of one."""
+    agg = METHOD_AGG["ict"]
+    d_aligned, m_aligned = _cached_delta("ict", agg, 1)
+    d1, m1 = _cached_delta("ict", agg, 1, "stats.u_form=pooled")
+    d4, m4 = _cached_delta("ict", agg, 4, "stats.u_form=pooled")
+    assert m1["stats/js_mean"] != m_aligned["stats/js_mean"]
+    assert max(np.abs(x - y).max() for x, y in zip(jax.tree.leaves(d1), jax.tree.leaves(d_aligned))) > 1e-6
+    _assert_close_trees(d4, d1)
+    np.testing.assert_allclose(m4["stats/js_mean"], m1["stats/js_mean"], rtol=1e-5)

@@ -105,7 +105,8 @@ def inspect_main(args: argparse.Namespace) -> int:
         selector=checkpoint_selector(meta),  # the run's method, rho, scope, tau_p, tau_h (defaults: no checkpoint)
         rho_ict=args.rho_ict, rho_entropy=args.rho_entropy, ict_scope=args.ict_scope,
         entropy_scope=args.entropy_scope, tau_p=args.tau_p, tau_h=args.tau_h, rewards=rewards,
-        stats_temperature=_cfg_get(cfg, "stats", "temperature"))  # None: the sampling temperature
+        stats_temperature=_cfg_get(cfg, "stats", "temperature"),  # None: the sampling temperature
+        u_form=_cfg_get(cfg, "stats", "u_form"))  # the run's reading of u (None: the config default)
     page = render_html(report, title=f"ict_jax token inspector: {where}")
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

@@ -146,7 +146,8 @@ def load_dataset(name: str, *, data_dir: str | None = None, split: str | None = 
     options). ``seed`` drives procedural generation and GPQA's option order; ``limit`` keeps the first N.
 
     Options: ``arith``: size (1000), digits (3), ops ("+-"), allow_negative (False), scratchpad (False,
-    ``ops="+"`` only: the column-by-column working then the sum); ``split``: size (1000), digits (3);
+    ``ops="+"`` only: the column-by-column working then the sum); ``split``: size (1000), digits (3),
+    force_x (False; true: the x-forced evaluation, ``"95=07+"`` -> ``"88"``, scorer exact);
     ``gym:NAME``: size (1000), seed, and the generator's own config keys; ``mmlu_stem``: stem_only (True).
     """
     base, spec_options = parse_spec(name)
@@ -156,8 +157,9 @@ def load_dataset(name: str, *, data_dir: str | None = None, split: str | None = 
         ds = Dataset(base, arith_examples(seed=seed, source=base, size=int(options.pop("size", 1000)), **options),
                      "exact", split)
     elif base == "split":
+        forced = options.get("force_x", False) is True
         ds = Dataset(base, split_examples(seed=seed, source=base, size=int(options.pop("size", 1000)), **options),
-                     "sum", split)
+                     "exact" if forced else "sum", split)
     elif base.startswith("gym:"):
         gym_name = base[4:]
         size = int(options.pop("size", 1000))

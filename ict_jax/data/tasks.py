@@ -45,19 +45,30 @@ def arith_examples(*, size: int, seed: int, digits: int = 3, ops: str = "+-", al
     return out
 
 
-def split_examples(*, size: int, seed: int, digits: int = 3, source: str = "split") -> list[Example]:
+def split_examples(*, size: int, seed: int, digits: int = 3, force_x: bool = False,
+                   source: str = "split") -> list[Example]:
     """Seeded problems ``"N="``: write N (2 to ``10**digits - 1``) as a sum ``x+y`` of two positive integers;
     the gold is ``str(N)`` and every such pair is correct (scorer "sum"). The SFT target
     (``meta["solution"]``) draws x uniformly from 1..N-1, zero-padded to ``digits`` characters, and
     writes y = N - x plainly: ``"95="`` -> ``"007+88"``. x is a free choice that decides nothing; y is
-    the computation, and it depends on the x this rollout chose (docs/data.md)."""
+    the computation, and it depends on the x this rollout chose (docs/data.md).
+
+    ``force_x=True``, the x-forced evaluation: the same problems with that x teacher-forced into the
+    prompt, ``"95=07+"``, and only y scored (gold ``"88"``, scorer "exact"): the subtraction N - x for x
+    uniform in 1..N-1, apart from the choice of an easy decomposition."""
     if digits < 1:
         raise ValueError(f"split: digits >= 1 required, got digits={digits}")
+    if not isinstance(force_x, bool):
+        raise ValueError(f"split: force_x must be true or false, got {force_x!r}")
     rng = random.Random(f"split:{seed}:{digits}")
     out = []
     for i in range(size):
         n = rng.randint(2, 10 ** digits - 1)
         x = rng.randint(1, n - 1)
-        out.append(Example(f"{n}=", str(n), {"source": source, "index": i, "solution": f"{x:0{digits}d}+{n - x}"}))
+        meta = {"source": source, "index": i, "solution": f"{x:0{digits}d}+{n - x}"}
+        if force_x:
+            out.append(Example(f"{n}={x:0{digits}d}+", str(n - x), {**meta, "solution": str(n - x)}))
+        else:
+            out.append(Example(f"{n}=", str(n), meta))
     return out
 

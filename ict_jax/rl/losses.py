@@ -185,11 +185,13 @@ class LossDenominators(NamedTuple):
     partial sums over the micro-batches.
     """
 
-    num_responses: Float[Array, ""]  # R: rows with at least one valid token
+    num_responses: Float[Array, ""]  # rows with at least one valid token
     pg_tokens: Float[Array, ""]  # sum of d_pg (token-mean denominator of the policy term)
     kl_tokens: Float[Array, ""]  # sum of d_kl (token-mean denominator of the KL term)
     valid_tokens: Float[Array, ""]  # sum of valid
     selected_tokens: Float[Array, ""]  # sum of M (M <= valid)
+    pg_rows: Float[Array, ""]  # R of the policy term: rows with sum_t d_pg > 0
+    kl_rows: Float[Array, ""]  # R of the KL term: rows with sum_t d_kl > 0
 
 
 def _weights(valid: Mask, mask: Mask, config: LossSection) -> tuple[Array, Array, Array, Array, Array]:
@@ -206,9 +208,14 @@ def _weights(valid: Mask, mask: Mask, config: LossSection) -> tuple[Array, Array
 def loss_denominators(valid: Mask, mask: Mask, config: LossSection) -> LossDenominators:
     """The :class:`LossDenominators` of a (mini-)batch, docs/method.md §4::
 
-        R = #{i : sum_t valid[i,t] > 0},  pg_tokens = sum d_pg,  kl_tokens = sum d_kl
+        num_responses = #{i : sum_t valid[i,t] > 0},  pg_tokens = sum d_pg,  kl_tokens = sum d_kl
+        pg_rows = #{i : sum_t d_pg[i,t] > 0},  kl_rows = #{i : sum_t d_kl[i,t] > 0}
         d_pg = M if normalize_over == 'selected' else valid
         d_kl = w_kl if normalize_over == 'selected' else valid,   w_kl = M if kl_masked else valid
+
+    ``pg_rows`` / ``kl_rows`` are the R of ``seq-mean-token-mean``: a response with valid tokens but no
+    selected one (possible under the ``group`` and ``batch`` scopes, STAPO, ``frequent``) has no
+    per-response mean under ``normalize_over: selected`` and leaves R instead of diluting the others.
     """
     valid_b, sel_b, _, dpg_b, dkl_b = _weights(valid, mask, config)
     return LossDenominators(
@@ -217,20 +224,23 @@ def loss_denominators(valid: Mask, mask: Mask, config: LossSection) -> LossDenom
         kl_tokens=dkl_b.sum().astype(F32),
         valid_tokens=valid_b.sum().astype(F32),
         selected_tokens=sel_b.sum().astype(F32),
+        pg_rows=dpg_b.any(-1).sum().astype(F32),
+        kl_rows=dkl_b.any(-1).sum().astype(F32),
     )
 
 
-def _aggregate(x: Array, w_b: Array, d_b: Array, tokens: Array, num_responses: Array, loss_agg: str) -> Array:
-    """AGG(x, w, d) of docs/method.md §4 with mini-batch-wide ``tokens`` = sum d and ``num_responses`` = R."""
+def _aggregate(x: Array, w_b: Array, d_b: Array, tokens: Array, num_responses: Array, rows: Array,
+               loss_agg: str) -> Array:
+    """AGG(x, w, d) of docs/method.md §4 with mini-batch-wide ``tokens`` = sum d, ``rows`` = the rows
+    with sum_t d > 0 (R of seq-mean-token-mean) and ``num_responses`` (R of seq-mean-token-sum-norm)."""
     xw = jnp.where(w_b, x, 0.0)  # never w * x: an inf or NaN times 0 would poison the gradient
-    r = jnp.maximum(num_responses, 1.0)
     if loss_agg == "seq-mean-token-mean":
         per_row = xw.sum(-1) / jnp.maximum(d_b.sum(-1).astype(F32), 1.0)
-        return per_row.sum() / r
+        return per_row.sum() / jnp.maximum(rows, 1.0)
     if loss_agg == "token-mean":
         return xw.sum() / jnp.maximum(tokens, 1.0)
     if loss_agg == "seq-mean-token-sum-norm":
-        return xw.sum() / (r * x.shape[-1])
+        return xw.sum() / (jnp.maximum(num_responses, 1.0) * x.shape[-1])
     raise ValueError(f"loss_agg: {loss_agg!r} is not a known aggregation")
 
 
@@ -288,7 +298,7 @@ def policy_loss(
     # gradient is exactly 0 whatever logp holds there.
     surr, _ = clipped_surrogate(jnp.where(sel_b, logp, 0.0), jnp.where(sel_b, logp_old, 0.0),
                                 jnp.where(sel_b, adv_BT, 0.0), **clip_kw)
-    pg = -_aggregate(surr, sel_b, dpg_b, denoms.pg_tokens, denoms.num_responses, agg)
+    pg = -_aggregate(surr, sel_b, dpg_b, denoms.pg_tokens, denoms.num_responses, denoms.pg_rows, agg)
     loss = pg
 
     kl = jnp.zeros((), F32)
@@ -296,7 +306,7 @@ def policy_loss(
     if logp_ref is not None:
         logp_ref = logp_ref.astype(F32)
         k3 = k3_kl(jnp.where(wkl_b, logp, 0.0), jnp.where(wkl_b, logp_ref, 0.0))
-        kl = _aggregate(k3, wkl_b, dkl_b, denoms.kl_tokens, denoms.num_responses, agg)
+        kl = _aggregate(k3, wkl_b, dkl_b, denoms.kl_tokens, denoms.num_responses, denoms.kl_rows, agg)
         if config.kl_coef != 0:
             loss = loss + config.kl_coef * kl
         sg = jax.lax.stop_gradient

@@ -14,6 +14,7 @@ the collectives, so the mask is the one a single device computes.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol
 
 import jax
@@ -21,12 +22,16 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ict_jax.config import SELECTOR_DEFAULTS, SelectorSection, rho_fraction
+from ict_jax.config import SELECTOR_DEFAULTS, STAPO_TAU_H, SelectorSection, rho_fraction
 from ict_jax.rl.metrics import valid_quantile
 from ict_jax.rl.token_stats import TokenStats
 
-#: RNG stream of the random selector: scores from fold_in(fold_in(root, RANDOM_MASK_STREAM), step).
+#: RNG stream of the random selector: scores from
+#: fold_in(fold_in(fold_in(root, RANDOM_MASK_STREAM), step), minibatch) (docs/method.md §2).
 RANDOM_MASK_STREAM = 0x4D41534B  # "MASK"
+#: ``selectable``: u at or below this is "never selectable" (u = 0 in exact arithmetic: the group has not
+#: diverged at t, or the rollout is alone there; float32 rounding leaves such u below 1e-7, tested).
+SELECTABLE_U_MIN = 1e-6
 # the functions' defaults are config.py's (the one place they are written): docs/method.md §2's table
 _ICT_RHO, _ICT_SCOPE = SELECTOR_DEFAULTS["ict"]
 _ENTROPY_RHO, _ENTROPY_SCOPE = SELECTOR_DEFAULTS["entropy"]
@@ -112,38 +117,73 @@ def entropy_mask(
     return topk_mask(H1, valid, rho=rho, scope=scope, group_size=group_size)
 
 
+def frequent_mask(
+    js: Float[Array, "B T"], valid: Valid, *, group_size: int | None = None, rho: float = _ICT_RHO,
+    scope: str = _ICT_SCOPE,
+) -> Mask:
+    """Control, the paper's "90%-frequent" tokens: the complement of ICT's mask among the valid tokens,
+    M = valid and not ict_mask(js, rho, scope), i.e. the bottom 1 - rho by u (docs/method.md §2). A
+    response whose every valid token ICT selects (n = 1 under ``sequence``) has no selected token."""
+    ict = ict_mask(js, valid, group_size=group_size, rho=rho, scope=scope)
+    return (_as_bool(valid) & (ict <= 0)).astype(jnp.float32)
+
+
+def selectable_mask(js: Float[Array, "B T"], valid: Valid, *, u_min: float = SELECTABLE_U_MIN) -> Mask:
+    """Control, "dense minus the never-selectable tokens": M = valid and u > ``u_min`` (docs/method.md
+    §2). Tokens with u = 0 (before the group diverges, or a rollout alone at t) can never be in ICT's
+    mask while other tokens of the response have u > 0; this keeps everything else, with dense counts."""
+    return (_as_bool(valid) & (jnp.asarray(js, jnp.float32) > u_min)).astype(jnp.float32)
+
+
 def random_mask(
     key: Key[Array, ""] | jax.Array, valid: Valid, *, group_size: int | None = None, rho: float = _ICT_RHO,
     scope: str = _ICT_SCOPE,
 ) -> Mask:
     """Control: ict's counts with Uniform[0, 1) scores drawn from ``key`` (docs/method.md §2). :func:`select`
-    passes ``fold_in(fold_in(root_key, RANDOM_MASK_STREAM), step)``."""
+    passes ``fold_in(fold_in(fold_in(root_key, RANDOM_MASK_STREAM), step), minibatch)``."""
     valid = _as_bool(valid)
     u = jax.random.uniform(key, valid.shape, jnp.float32)
     return topk_mask(u, valid, rho=rho, scope=scope, group_size=group_size)
 
 
 def stapo_quantile(H1: Float[Array, "B T"], valid: Valid, tau_h: float) -> Float[Array, ""]:
-    """The ``tau_h`` quantile of H1 over the n valid tokens: sort them, linear interpolation at
-    position (n-1) tau_h (NumPy's 'linear' method); the position is split exactly in integers from
-    tau_h = a/b (:func:`ict_jax.rl.metrics.valid_quantile`). Returns +inf when n = 0 (nothing is
-    valid then, so nothing is silenced)."""
+    """The ``tau_h`` quantile of H1 over the n entries marked by ``valid`` (STAPO's candidate set): sort
+    them, linear interpolation at position (n-1) tau_h (NumPy's 'linear' method); the position is split
+    exactly in integers from tau_h = a/b (:func:`ict_jax.rl.metrics.valid_quantile`). Returns +inf when
+    n = 0 (nothing is then silenced)."""
     return valid_quantile(H1, valid, tau_h, empty=jnp.inf)
+
+
+def stapo_candidates(
+    logp: Float[Array, "B T"], adv: Float[Array, "B"] | Float[Array, "B T"], valid: Valid, *, tau_p: float,
+    quantile_over: str,
+) -> tuple[jax.Array, jax.Array]:
+    """``(low, over)``: the tokens with A > 0 and p(o_t) < tau_p (``low``), and the set STAPO's entropy
+    quantile is taken over (``over``): every valid token (``valid``) or ``low`` itself
+    (``low_prob_positive``), docs/method.md §2. Both bool ``[B, T]``."""
+    if quantile_over not in STAPO_TAU_H:
+        raise ValueError(f"stapo_quantile_over: {quantile_over!r}; allowed: {list(STAPO_TAU_H)}")
+    valid = _as_bool(valid)
+    adv = jnp.asarray(adv, jnp.float32)
+    adv = adv[:, None] if adv.ndim == 1 else adv
+    low = valid & (adv > 0) & (jnp.exp(jnp.asarray(logp, jnp.float32)) < tau_p)
+    return low, (valid if quantile_over == "valid" else low)
 
 
 def stapo_mask(
     logp: Float[Array, "B T"], H1: Float[Array, "B T"], adv: Float[Array, "B"] | Float[Array, "B T"],
-    valid: Valid, *, tau_p: float = _STAPO.tau_p, tau_h: float = _STAPO.tau_h,
+    valid: Valid, *, tau_p: float = _STAPO.tau_p, tau_h: float | None = None,
+    quantile_over: str = _STAPO.stapo_quantile_over,
 ) -> Mask:
     """STAPO: M = valid and not silenced; (i, t) is silenced when A_i > 0 and p(o_t) < tau_p and
-    H1 < q, q the tau_h quantile of H1 over the valid tokens of the mini-batch (strict '<');
-    n = 0 silences nothing (docs/method.md §2)."""
-    valid = _as_bool(valid)
-    adv = jnp.asarray(adv, jnp.float32)
-    adv = adv[:, None] if adv.ndim == 1 else adv
-    q = stapo_quantile(H1, valid, tau_h)
-    silenced = (adv > 0) & (jnp.exp(jnp.asarray(logp, jnp.float32)) < tau_p) & (H1 < q)
-    return (valid & ~silenced).astype(jnp.float32)
+    H1 < q (strict '<'), q the ``tau_h`` quantile of H1 over the mini-batch's candidate set
+    ``quantile_over`` (docs/method.md §2): ``low_prob_positive`` (default, STAPO v1: the tokens with
+    A > 0 and p < tau_p; tau_h 0.75) or ``valid`` (all valid tokens; tau_h 0.8). ``tau_h`` None = the
+    reading's default (``config.STAPO_TAU_H``). An empty candidate set silences nothing."""
+    low, over = stapo_candidates(logp, adv, valid, tau_p=tau_p, quantile_over=quantile_over)
+    q = stapo_quantile(H1, over, STAPO_TAU_H[quantile_over] if tau_h is None else tau_h)
+    silenced = low & (H1 < q)
+    return (_as_bool(valid) & ~silenced).astype(jnp.float32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,16 +194,27 @@ class SelectorFn(Protocol):
                  step: Any, config: SelectorSection, group_size: int | None) -> jax.Array: ...
 
 
-_REGISTRY: dict[str, tuple[SelectorFn, bool]] = {}
+#: name -> (fn, warmup, whether fn takes the ``minibatch`` keyword)
+_REGISTRY: dict[str, tuple[SelectorFn, bool, bool]] = {}
+
+
+def _takes_minibatch(fn: Any) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: call it without the keyword
+        return False
+    return any(p.name == "minibatch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def register_selector(name: str, fn: SelectorFn, *, warmup: bool = False, overwrite: bool = False) -> None:
     """Register ``fn(stats, adv, valid, *, key, step, config, group_size) -> mask [B, T]`` under
     ``name`` for :func:`select`. ``key`` is the root key (derive a stream with ``fold_in``); with
-    ``warmup=True``, :func:`select` returns M = valid while ``step < config.warmup_steps``."""
+    ``warmup=True``, :func:`select` returns M = valid while ``step < config.warmup_steps``. A ``fn``
+    that accepts a ``minibatch`` keyword (or ``**kwargs``) also gets the mini-batch index within the
+    rollout step (fold it into its key for a fresh draw per mini-batch, as ``random`` does)."""
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"selector {name!r} is already registered (pass overwrite=True to replace it)")
-    _REGISTRY[name] = (fn, warmup)
+    _REGISTRY[name] = (fn, warmup, _takes_minibatch(fn))
 
 
 def registered_selectors() -> tuple[str, ...]:
@@ -193,12 +244,27 @@ def _entropy(stats, adv, valid, *, key, step, config, group_size):
 
 def _stapo(stats, adv, valid, *, key, step, config, group_size):
     return stapo_mask(_need(stats, "logp", "stapo"), _need(stats, "H1", "stapo"), adv, valid,
-                      tau_p=config.tau_p, tau_h=config.tau_h)
+                      tau_p=config.tau_p, tau_h=config.resolved_tau_h, quantile_over=config.stapo_quantile_over)
 
 
-def _random(stats, adv, valid, *, key, step, config, group_size):
-    k = jax.random.fold_in(jax.random.fold_in(key, RANDOM_MASK_STREAM), step)
-    return random_mask(k, valid, group_size=group_size, rho=config.resolved_rho, scope=config.resolved_scope)
+def random_key(key: jax.Array, step: Any, minibatch: Any = 0) -> jax.Array:
+    """The random control's key for rollout step ``step`` and mini-batch ``minibatch`` of it:
+    fold_in(fold_in(fold_in(key, RANDOM_MASK_STREAM), step), minibatch) (docs/method.md §2)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, RANDOM_MASK_STREAM), step), minibatch)
+
+
+def _random(stats, adv, valid, *, key, step, config, group_size, minibatch=0):
+    return random_mask(random_key(key, step, minibatch), valid, group_size=group_size, rho=config.resolved_rho,
+                       scope=config.resolved_scope)
+
+
+def _frequent(stats, adv, valid, *, key, step, config, group_size):
+    return frequent_mask(_need(stats, "js", "frequent"), valid, group_size=group_size, rho=config.resolved_rho,
+                         scope=config.resolved_scope)
+
+
+def _selectable(stats, adv, valid, *, key, step, config, group_size):
+    return selectable_mask(_need(stats, "js", "selectable"), valid)
 
 
 register_selector("dense", _dense)
@@ -206,6 +272,8 @@ register_selector("ict", _ict, warmup=True)
 register_selector("entropy", _entropy)
 register_selector("stapo", _stapo)
 register_selector("random", _random, warmup=True)
+register_selector("frequent", _frequent, warmup=True)
+register_selector("selectable", _selectable, warmup=True)
 
 
 def select(
@@ -218,21 +286,25 @@ def select(
     step: Int[Array, ""] | int,
     config: SelectorSection,
     group_size: int | None = None,
+    minibatch: Int[Array, ""] | int = 0,
 ) -> Mask:
     """The train step's one entry point: the mask of ``method`` (``'grpo'`` = ``'dense'``) (docs/method.md §2).
 
-    ``key`` is the run's root key (``random`` derives fold_in(fold_in(key, RANDOM_MASK_STREAM),
-    step)); ``step`` is the 0-based rollout-batch count, a traced int is fine. For ``ict`` and
-    ``random`` (and selectors registered with ``warmup=True``), ``step < config.warmup_steps`` gives
-    M = valid, as traced data (no recompilation). ``group_size`` (G) is needed by the ``group`` scope
-    only. Returns float32 {0, 1} ``[B, T]`` with M <= valid.
+    ``key`` is the run's root key (``random`` derives :func:`random_key`: fold_in(fold_in(fold_in(key,
+    RANDOM_MASK_STREAM), step), minibatch)); ``step`` is the 0-based rollout-batch count and
+    ``minibatch`` the index of the mini-batch within the rollout step (traced ints are fine). For
+    ``ict``, ``random``, ``frequent`` and ``selectable`` (and selectors registered with
+    ``warmup=True``), ``step < config.warmup_steps`` gives M = valid, as traced data (no
+    recompilation). ``group_size`` (G) is needed by the ``group`` scope only. Returns float32 {0, 1}
+    ``[B, T]`` with M <= valid.
     """
     name = "dense" if method == "grpo" else method
     if name not in _REGISTRY:
         raise ValueError(f"selector {method!r} is not registered; known: {list(registered_selectors())}")
-    fn, warmup = _REGISTRY[name]
+    fn, warmup, takes_minibatch = _REGISTRY[name]
     dense = dense_mask(valid)
-    m = fn(stats, adv, valid, key=key, step=step, config=config, group_size=group_size)
+    extra = {"minibatch": minibatch} if takes_minibatch else {}
+    m = fn(stats, adv, valid, key=key, step=step, config=config, group_size=group_size, **extra)
     m = jnp.where(dense > 0, jnp.asarray(m, jnp.float32), 0.0)  # M <= valid, whatever fn returns
     if warmup:
         m = jnp.where(jnp.asarray(step) < config.warmup_steps, dense, m)

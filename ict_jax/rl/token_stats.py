@@ -12,6 +12,22 @@ Two paths that agree to float32 rounding:
 
 Rows are P prompts x G rollouts, prompt-major (row = p*G + j); ``group_size`` is G. Every statistic uses
 p = softmax(L / T_s) with T_s = ``temperature``; natural logarithms.
+
+``u_form`` picks the reading of u (docs/method.md §1, ``stats.u_form``), i.e. the distribution Q[i,t] that
+p[i,t] is compared with (w = valid, n[g,t] = sum_{j in g} w[j,t] the rollouts of group g active at t):
+
+* ``aligned`` (default): Q = Pbar[g,t] = sum_{j in g} w[j,t] p[j,t] / n[g,t], the rollout itself included;
+* ``loo``: the rollout itself excluded, Q = sum_{j != i} w[j,t] p[j,t] / (n[g,t] - 1); u = 0 when no
+  other rollout of the group is active at t;
+* ``literal``: the paper's (1/G) sum_j p[j,t] read literally over all G rows, a finished row contributing
+  no mass: Q = sum_{j in g} w[j,t] p[j,t] / G (a sub-probability where rows have ended; its KL-form JS
+  still lies in [0, ln 2]);
+* ``pooled``: a shared context instead of a shared index: Q = the group's pooled next-token
+  distribution, sum_{j in g, tau} w[j,tau] p[j,tau] / sum_{j,tau} w[j,tau], the same for every position
+  of the group (one more vocabulary pass over the group's positions first).
+
+``pbar_tok`` is Q's mass on the sampled token, Q[i,t](o_{i,t}) (docs/method.md §5 diagnostics), and
+``pmax`` = max_v p[i,t](v); both are optional statistics (not in the default ``compute``).
 """
 
 from __future__ import annotations
@@ -24,7 +40,14 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-_ALL = ("logp", "H1", "H2", "js")
+#: Every statistic the functions can compute (``compute``), in TokenStats field order.
+ALL_STATS = ("logp", "H1", "H2", "js", "pbar_tok", "pmax")
+_ALL = ALL_STATS
+#: What the statistics functions compute unless told otherwise (the train step's set).
+DEFAULT_COMPUTE = ("logp", "H1", "H2", "js")
+#: The readings of u (docs/method.md §1); ``config.UForm`` lists the same names.
+U_FORMS = ("aligned", "loo", "literal", "pooled")
+_GROUP_STATS = frozenset({"js", "pbar_tok"})  # statistics that need Q (the group's distributions)
 _LN2 = 0.6931471805599453
 
 
@@ -38,7 +61,9 @@ class TokenStats(NamedTuple):
     logp: Float[Array, "B T"] | None  # log p(o_t)
     H1: Float[Array, "B T"] | None  # -sum_v p log p
     H2: Float[Array, "B T"] | None  # -log sum_v p^2
-    js: Float[Array, "B T"] | None  # JS(p || Pbar), clipped to [0, ln 2]
+    js: Float[Array, "B T"] | None  # u = JS(p || Q), clipped to [0, ln 2]; Q by the reading u_form
+    pbar_tok: Float[Array, "B T"] | None = None  # Q(o_t): the compared distribution's mass on the token
+    pmax: Float[Array, "B T"] | None = None  # max_v p(v)
 
 
 def _check_compute(compute: Sequence[str]) -> tuple[str, ...]:
@@ -47,6 +72,12 @@ def _check_compute(compute: Sequence[str]) -> tuple[str, ...]:
     if bad:
         raise ValueError(f"compute: unknown statistics {bad}; allowed: {list(_ALL)}")
     return compute
+
+
+def _check_u_form(u_form: str) -> str:
+    if u_form not in U_FORMS:
+        raise ValueError(f"u_form: {u_form!r}; allowed: {list(U_FORMS)}")
+    return u_form
 
 
 def _check_group(B: int, group_size: int) -> int:
@@ -65,17 +96,46 @@ def _js(p, q):
     return _js_logs(p, _safe_log(p), q, _safe_log(q))
 
 
-def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: bool = False):
+def _group_q(pg, w, u_form: str):
+    """Q of docs/method.md §1's reading ``u_form`` (not ``pooled``) from the group's p ``[P, G, C, V]``
+    and weights ``w [P, G, C]``. Returns ``(Q, alone)``: Q ``[P, 1, C, V]`` shared by the group
+    (aligned, literal) or ``[P, G, C, V]`` per row (loo); ``alone [P, G, C]`` marks rows whose u is 0 by
+    definition (loo: no other rollout active), or None."""
+    group_size = pg.shape[1]
+    # G static slices added up: XLA CPU runs a middle-axis reduce ~5x slower than this loop fusion
+    terms = [w[:, j, :, None] * pg[:, j] for j in range(group_size)]
+    cnt = jnp.sum(w, axis=1)  # [P, C] active rollouts of the group at t
+    if u_form == "loo":
+        # sum over j != i from prefix and suffix sums (never total - own: no cancellation)
+        zero = jnp.zeros_like(terms[0])
+        pre, suf = [zero], [zero]
+        for j in range(group_size - 1):
+            pre.append(pre[-1] + terms[j])
+            suf.append(suf[-1] + terms[group_size - 1 - j])
+        others = jnp.stack([pre[i] + suf[group_size - 1 - i] for i in range(group_size)], axis=1)
+        n_others = cnt[:, None] - w  # [P, G, C]
+        return others / jnp.maximum(n_others, 1.0)[..., None], n_others <= 0
+    num = terms[0]
+    for t in terms[1:]:
+        num = num + t
+    denom = jnp.maximum(cnt, 1.0) if u_form == "aligned" else jnp.full_like(cnt, float(group_size))
+    return (num / denom[..., None])[:, None], None  # aligned: 0 where no rollout is active
+
+
+def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: bool = False,
+                 u_form: str = "aligned", qpool=None):
     """Statistics of one block from temperature-scaled float32 logits ``z [B, C, V]``.
 
-    Returns ``(logZ, logp, H1, H2, js)`` each ``[B, C]`` (``None`` when not wanted); ``logZ`` is
-    always returned (the custom VJP saves it). Not masked by ``valid`` here except inside Pbar.
-    ``with_p=True`` appends p ``[B, C, V]`` (the one-pass gradient reuses it).
+    Returns ``(logZ, logp, H1, H2, js, pbar_tok, pmax)`` each ``[B, C]`` (``None`` when not wanted);
+    ``logZ`` is always returned (the custom VJP saves it). Not masked by ``valid`` here except inside Q.
+    ``with_p=True`` appends p ``[B, C, V]`` (the one-pass gradient reuses it). ``qpool [P, V]`` is the
+    ``pooled`` reading's Q (:func:`_pooled_q`).
 
     Cost per vocabulary entry (this is the hot loop of every train step): one ``exp`` (p is the
     normalised exponential of the logsumexp pass, not a second ``exp``), and with ``js`` one ``log p``
-    shared by H1 and JS, one ``log m``, and ``log Pbar`` once per group (not once per rollout). The JS
-    stays in docs/method.md §1's KL form with ``log`` of both arguments, so p == Pbar gives exactly 0.
+    shared by H1 and JS, one ``log m``, and ``log Q`` once per group (not once per rollout; once per row
+    under ``loo``). The JS stays in docs/method.md §1's KL form with ``log`` of both arguments, so p == Q
+    gives exactly 0.
     """
     B, C, V = z.shape
     zmax = jnp.max(z, axis=-1, keepdims=True)
@@ -83,32 +143,56 @@ def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: 
     e = jnp.exp(z - zmax)
     S = jnp.sum(e, axis=-1)
     logZ = jnp.log(S) + zmax[..., 0]
-    logp = H1 = H2 = js = None
+    out = dict.fromkeys(_ALL)
     if "logp" in want:
         z_tok = jnp.take_along_axis(z, tokens[..., None], axis=-1)[..., 0]
-        logp = z_tok - logZ
+        out["logp"] = z_tok - logZ
+    if "pmax" in want:
+        out["pmax"] = 1.0 / S  # the largest e is exp(0) = 1
     p = None
-    if with_p or want & {"H1", "H2", "js"}:
+    if with_p or want & ({"H1", "H2"} | _GROUP_STATS):
         p = e * (1.0 / S)[..., None]
-        if want & {"H1", "js"}:
+        if want & ({"H1"} | _GROUP_STATS):
             logp_v = _safe_log(p)
         if "H1" in want:
-            H1 = -jnp.sum(p * logp_v, axis=-1)
+            out["H1"] = -jnp.sum(p * logp_v, axis=-1)
         if "H2" in want:
-            H2 = -jnp.log(jnp.sum(p * p, axis=-1))
-        if "js" in want:
+            out["H2"] = -jnp.log(jnp.sum(p * p, axis=-1))
+        if want & _GROUP_STATS:
             P = B // group_size
             w = valid.astype(jnp.float32).reshape(P, group_size, C)
             pg = p.reshape(P, group_size, C, V)
-            cnt = jnp.sum(w, axis=1)  # [P, C] active rollouts of the group at t
-            # G static slices added up: XLA CPU runs a middle-axis reduce ~5x slower than this loop fusion
-            num = w[:, 0, :, None] * pg[:, 0]
-            for j in range(1, group_size):
-                num = num + w[:, j, :, None] * pg[:, j]
-            pbar = num / jnp.maximum(cnt, 1.0)[..., None]  # 0 where no rollout is active
-            logpbar = _safe_log(pbar)  # [P, C, V]: once per group
-            js = _js_logs(pg, logp_v.reshape(pg.shape), pbar[:, None], logpbar[:, None]).reshape(B, C)
-    return (logZ, logp, H1, H2, js) + ((p,) if with_p else ())
+            if u_form == "pooled":
+                q, alone = qpool[:, None, None, :], None  # [P, 1, 1, V]
+            else:
+                q, alone = _group_q(pg, w, u_form)
+            if "js" in want:
+                logq = _safe_log(q)  # once per group (per row under loo)
+                js = _js_logs(pg, logp_v.reshape(pg.shape), q, logq)
+                out["js"] = (js if alone is None else jnp.where(alone, 0.0, js)).reshape(B, C)
+            if "pbar_tok" in want:
+                qb = jnp.broadcast_to(q, (P, group_size, C, V))
+                out["pbar_tok"] = jnp.take_along_axis(qb, tokens.reshape(P, group_size, C, 1), axis=-1).reshape(B, C)
+    return (logZ,) + tuple(out[k] for k in _ALL) + ((p,) if with_p else ())
+
+
+def _pooled_sum(z, valid, group_size: int):
+    """One block's share of the ``pooled`` reading's Q: ``(sum_{j in g, t} w p [P, V], sum w [P])`` from
+    temperature-scaled logits ``z [B, C, V]`` and ``valid [B, C]``."""
+    B, C, V = z.shape
+    zmax = jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(z - jnp.where(jnp.isfinite(zmax), zmax, 0.0))
+    w = valid.astype(jnp.float32)
+    # p = e / S, weighted by w, summed over the block's positions: one [B, C] x [B, C, V] contraction
+    wp = jnp.einsum("bc,bcv->bv", w / jnp.sum(e, axis=-1), e, preferred_element_type=jnp.float32)
+    P = B // group_size
+    return wp.reshape(P, group_size, V).sum(axis=1), w.reshape(P, group_size * C).sum(axis=1)
+
+
+def _pooled_q(num, cnt):
+    """Q of the ``pooled`` reading from the summed :func:`_pooled_sum` parts (0 for a group with no
+    valid position)."""
+    return num / jnp.maximum(cnt, 1.0)[:, None]
 
 
 def _js_logs(p, logp, q, logq):
@@ -123,7 +207,7 @@ def _js_logs(p, logp, q, logq):
 
 
 def _finish(stats, valid, compute) -> TokenStats:
-    """Zero invalid positions, stop gradients of H1/H2/js, drop what was not asked for."""
+    """Zero invalid positions, stop gradients of all but logp, drop what was not asked for."""
     out = {}
     for name, x in zip(_ALL, stats):
         if name not in compute or x is None:
@@ -141,19 +225,22 @@ def stats_from_logits(
     *,
     group_size: int,
     temperature: float = 1.0,
-    compute: Sequence[str] = _ALL,
+    compute: Sequence[str] = DEFAULT_COMPUTE,
+    u_form: str = "aligned",
 ) -> TokenStats:
     """docs/method.md §1 statistics from full logits (the reference path; holds ``[B, T, V]``).
 
     With z = logits / T_s, p = softmax(z):
       logp = z[o] - logsumexp(z);  H1 = -sum_v xlogy(p, p);  H2 = -log sum_v p^2;
-      Pbar[g,t] = sum_{j in g} valid[j,t] p[j,t] / sum_{j in g} valid[j,t]  (0 if no rollout active);
-      m = (p + Pbar)/2;  u = 1/2 sum_v [xlogy(p,p) - xlogy(p,m)] + 1/2 sum_v [xlogy(Pbar,Pbar) -
-      xlogy(Pbar,m)], clipped to [0, ln 2].
+      Q = the reading ``u_form`` (module docstring; ``aligned``: Pbar[g,t] = sum_{j in g} valid[j,t]
+      p[j,t] / sum_{j in g} valid[j,t], 0 if no rollout active);
+      m = (p + Q)/2;  u = 1/2 sum_v [xlogy(p,p) - xlogy(p,m)] + 1/2 sum_v [xlogy(Q,Q) - xlogy(Q,m)],
+      clipped to [0, ln 2];  pbar_tok = Q(o);  pmax = max_v p.
     All outputs are float32 ``[B, T]``, 0 where ``valid`` is 0; ``logp`` is differentiable with
     respect to ``logits``, the others are stop-gradient. ``-inf`` logits are allowed (p = 0 there).
     """
     compute = _check_compute(compute)
+    u_form = _check_u_form(u_form)
     B, T, V = logits.shape
     _check_group(B, group_size)
     valid = valid > 0
@@ -161,10 +248,12 @@ def stats_from_logits(
     z = logits.astype(jnp.float32) / temperature
     z = jnp.where(valid[..., None], z, 0.0)  # padding positions may hold anything, even all -inf
     want = frozenset(compute)
+    zs = lax.stop_gradient(z)
+    qpool = _pooled_q(*_pooled_sum(zs, valid, group_size)) if u_form == "pooled" and want & _GROUP_STATS else None
     # logp through autodiff; the rest from stop-gradient logits.
     logp = _block_stats(z, tokens, valid, group_size, want & {"logp"})[1]
-    _, _, H1, H2, js = _block_stats(lax.stop_gradient(z), tokens, valid, group_size, want - {"logp"})
-    return _finish((logp, H1, H2, js), valid, compute)
+    rest = _block_stats(zs, tokens, valid, group_size, want - {"logp"}, u_form=u_form, qpool=qpool)[2:]
+    return _finish((logp,) + rest, valid, compute)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,38 +299,59 @@ def _block_grad(h, tok, g, p, unembed_t, temperature: float):
     return dh, dW
 
 
-def _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want):
-    """Forward scan over blocks; inputs already padded to nb*chunk. Returns logZ, logp, H1, H2, js."""
+def _scan_pooled(hb, vb, unembed_t, group_size: int, temperature: float):
+    """The ``pooled`` reading's Q ``[P, V]`` from blocked hidden states ``hb [nb, B, C, D]`` and
+    ``vb [nb, B, C]``: one more walk over the blocks (a logits matmul and a softmax per position)."""
+    B, V = hb.shape[1], unembed_t.shape[0]
+    P = B // group_size
+
+    def body(acc, x):
+        h, val = x
+        num, cnt = _pooled_sum(_block_logits(h, unembed_t, temperature, transposed=True), val, group_size)
+        return (acc[0] + num, acc[1] + cnt), None
+
+    (num, cnt), _ = lax.scan(body, (jnp.zeros((P, V), jnp.float32), jnp.zeros((P,), jnp.float32)), (hb, vb))
+    return _pooled_q(num, cnt)
+
+
+def _needs_pool(want, u_form: str) -> bool:
+    return u_form == "pooled" and bool(want & _GROUP_STATS)
+
+
+def _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form="aligned"):
+    """Forward scan over blocks; inputs already padded to nb*chunk. Returns logZ then the _ALL stats."""
     B, Tp, _ = hidden.shape
     nb = Tp // chunk
     xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(valid, nb, chunk))
 
     unembed_t = jnp.transpose(unembed)  # free for a tied embedding; saves XLA CPU a [D, V] copy
+    qpool = (_scan_pooled(xs[0], xs[2], unembed_t, group_size, temperature)
+             if _needs_pool(want, u_form) else None)
 
     def body(_, x):
         h, tok, val = x
         z = _block_logits(h, unembed_t, temperature, transposed=True)
-        out = _block_stats(z, tok, val, group_size, want)
+        out = _block_stats(z, tok, val, group_size, want, u_form=u_form, qpool=qpool)
         return None, tuple(jnp.zeros((B, chunk), jnp.float32) if o is None else o for o in out)
 
     _, ys = lax.scan(body, None, xs)
     return tuple(_unblocks(y) for y in ys)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _chunked(hidden, unembed, tokens, valid, group_size, temperature, chunk, want):
-    return _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want)[1:]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _chunked(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form):
+    return _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form)[1:]
 
 
-def _chunked_fwd(hidden, unembed, tokens, valid, group_size, temperature, chunk, want):
-    logZ, *rest = _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want)
+def _chunked_fwd(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form):
+    logZ, *rest = _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form)
     return tuple(rest), (hidden, unembed, tokens, logZ)
 
 
-def _chunked_bwd(group_size, temperature, chunk, want, res, cts):
+def _chunked_bwd(group_size, temperature, chunk, want, u_form, res, cts):
     """d logp[b,c] / d z[b,c,v] = onehot(o)[v] - p[v]; dz -> dlogits = dz / T_s; one block at a time.
 
-    Only the ``logp`` cotangent is used (H1, H2, js are stop-gradient outside this function).
+    Only the ``logp`` cotangent is used (every other statistic is stop-gradient outside this function).
     """
     hidden, unembed, tokens, logZ = res
     g_logp = cts[0]
@@ -268,7 +378,7 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 # --------------------------------------------------------------------------------------------------
 # One-pass head: statistics and the gradient of a linear function of logp in the same block walk
 # --------------------------------------------------------------------------------------------------
-def _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want):
+def _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want, u_form):
     """Forward scan that also accumulates d(sum g*logp)/d(hidden, unembed) from each block's p."""
     B, Tp, D = hidden.shape
     nb = Tp // chunk
@@ -276,11 +386,14 @@ def _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature,
     unembed_t = jnp.transpose(unembed)  # see _block_grad
     xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(valid, nb, chunk),
           _blocks(g.astype(jnp.float32), nb, chunk))
+    qpool = (_scan_pooled(lax.stop_gradient(xs[0]), xs[2], lax.stop_gradient(unembed_t), group_size, temperature)
+             if _needs_pool(want, u_form) else None)
 
     def body(dW, x):
         h, tok, val, gb = x
         z = _block_logits(h, unembed_t, temperature, transposed=True)  # no [D, V] copy of a tied W
-        *out, p = _block_stats(z, tok, val, group_size, want | {"logp"}, with_p=True)
+        *out, p = _block_stats(z, tok, val, group_size, want | {"logp"}, with_p=True, u_form=u_form,
+                               qpool=qpool)
         dh, dW_blk = _block_grad(h, tok, gb, p, unembed_t, temperature)
         out = tuple(jnp.zeros((B, chunk), jnp.float32) if o is None else o for o in out[1:])
         return dW + dW_blk, out + (dh.astype(hidden.dtype),)
@@ -290,18 +403,19 @@ def _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature,
     return tuple(stats), dh, dW.astype(unembed.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _one_pass(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want):
-    stats, _, _ = _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _one_pass(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want, u_form):
+    stats, _, _ = _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want, u_form)
     return stats, jnp.sum(g * stats[0])
 
 
-def _one_pass_fwd(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want):
-    stats, dh, dW = _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want)
+def _one_pass_fwd(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want, u_form):
+    stats, dh, dW = _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want,
+                                     u_form)
     return (stats, jnp.sum(g * stats[0])), (dh, dW)
 
 
-def _one_pass_bwd(group_size, temperature, chunk, want, res, cts):
+def _one_pass_bwd(group_size, temperature, chunk, want, u_form, res, cts):
     """Only the surrogate's cotangent is used: the statistics are stop-gradient outside."""
     dh, dW = res
     c = cts[1]
@@ -341,7 +455,8 @@ def stats_and_surrogate(
     group_size: int,
     temperature: float = 1.0,
     chunk: int = 64,
-    compute: Sequence[str] = _ALL,
+    compute: Sequence[str] = DEFAULT_COMPUTE,
+    u_form: str = "aligned",
 ) -> tuple[TokenStats, Float[Array, ""]]:
     """:func:`stats_from_hidden` plus ``s = sum_t g_logp[t] * logp[t]`` whose gradient costs no second pass.
 
@@ -352,15 +467,17 @@ def stats_and_surrogate(
     neither recomputes the block logits nor their softmax: three vocabulary matmuls per token instead
     of four. ``dh`` ``[B, T, D]`` and ``dW`` ``[D, V]`` are kept from the forward pass for the backward.
     Every returned statistic is stop-gradient (differentiate ``s``); ``g_logp`` is treated as a
-    constant. Statistics equal :func:`stats_from_hidden`'s to float32 rounding.
+    constant. Statistics equal :func:`stats_from_hidden`'s to float32 rounding (``u_form: pooled`` walks
+    the blocks once more first, for its Q).
     """
     if g_logp.shape != tokens.shape:
         raise ValueError(f"g_logp has shape {g_logp.shape}; expected the tokens' {tokens.shape}")
+    u_form = _check_u_form(u_form)
     g_logp = jnp.where(valid > 0, lax.stop_gradient(g_logp).astype(jnp.float32), 0.0)
     compute, T, chunk, valid, hidden, tokens, valid_p, (g_logp,) = _prepare(
         hidden, unembed, tokens, valid, group_size, chunk, compute, (g_logp,))
     out, s = _one_pass(hidden, unembed, tokens, valid_p, g_logp, group_size, float(temperature), chunk,
-                       frozenset(compute))
+                       frozenset(compute), u_form)
     out = tuple(lax.stop_gradient(o[:, :T]) for o in out)
     return _finish(out, valid, compute), s
 
@@ -374,25 +491,28 @@ def stats_from_hidden(
     group_size: int,
     temperature: float = 1.0,
     chunk: int = 64,
-    compute: Sequence[str] = _ALL,
+    compute: Sequence[str] = DEFAULT_COMPUTE,
+    u_form: str = "aligned",
 ) -> TokenStats:
     """docs/method.md §1 statistics from hidden states, in blocks of ``chunk`` positions (the production path).
 
     ``hidden[:, t]`` is the post-final-norm state at the position that predicts ``tokens[:, t]`` (the
     caller shifts); ``unembed`` is ``Qwen2.unembedding()`` ``[D, V]``. Both may be bfloat16: block
     logits ``(hidden[:, blk] @ unembed) / T_s`` come from a matmul with float32 accumulation. The
-    formulas are those of :func:`stats_from_logits`. T need not divide by ``chunk`` (padded
-    internally). Peak extra memory is a few float32 ``[B, chunk, V]`` blocks in both the forward pass
-    and the backward pass of ``logp`` (custom VJP recomputing each block's logits). ``compute`` skips
-    statistics not asked for (``("logp",)`` needs only a logsumexp per position).
+    formulas are those of :func:`stats_from_logits`, ``u_form`` the reading of u (module docstring). T
+    need not divide by ``chunk`` (padded internally). Peak extra memory is a few float32
+    ``[B, chunk, V]`` blocks in both the forward pass and the backward pass of ``logp`` (custom VJP
+    recomputing each block's logits), plus ``[P, V]`` for ``pooled``. ``compute`` skips statistics not
+    asked for (``("logp",)`` needs only a logsumexp per position).
     """
+    u_form = _check_u_form(u_form)
     compute, T, chunk, valid, hidden, tokens, valid_p, _ = _prepare(
         hidden, unembed, tokens, valid, group_size, chunk, compute)
     want = frozenset(compute)
     if "logp" in want:
-        out = _chunked(hidden, unembed, tokens, valid_p, group_size, float(temperature), chunk, want)
+        out = _chunked(hidden, unembed, tokens, valid_p, group_size, float(temperature), chunk, want, u_form)
     else:
         out = _scan_stats(lax.stop_gradient(hidden), lax.stop_gradient(unembed), tokens, valid_p,
-                          group_size, float(temperature), chunk, want)[1:]
+                          group_size, float(temperature), chunk, want, u_form)[1:]
     out = tuple(o[:, :T] for o in out)
     return _finish(out, valid, compute)

@@ -54,6 +54,8 @@ from ict_jax.sharding import batch_sharding, check_prompts_divide, replicated
 F32 = jnp.float32
 #: Built-in selectors whose mask does not read the token statistics (the one-pass head applies).
 _STATS_FREE_SELECTORS = ("dense", "random")
+#: Built-in selectors whose mask reads ICT's u (of the old policy, docs/method.md §2).
+_U_SELECTORS = ("ict", "frequent", "selectable")
 #: What the no-grad statistics pass of schedule (c) computes for the mask (u comes from the old pass).
 _MINI_BATCH_COMPUTE = ("logp", "H1", "H2")
 
@@ -73,8 +75,9 @@ class StepPlan:
     micro_batches: int
     temperature: float  # of the statistics
     chunk: int  # positions per statistics block
-    need_js: bool  # u is needed: ict's mask, or the §5 js metrics
+    need_js: bool  # u is needed: a mask that reads u (ict, frequent, selectable), or the §5 js metrics
     tx: optax.GradientTransformation
+    u_form: str = "aligned"  # the reading of u (docs/method.md §1, stats.u_form)
 
     @classmethod
     def from_config(cls, config: Config, tx: optax.GradientTransformation) -> StepPlan:
@@ -82,7 +85,8 @@ class StepPlan:
         return cls(group_size=config.rollout.num_samples, method=method, selector=config.rl.selector,
                    loss=config.rl.loss, mini_batches=config.train.mini_batches,
                    micro_batches=config.train.micro_batches, temperature=config.stats_temperature,
-                   chunk=config.stats.chunk, need_js=method == "ict" or config.stats.js_metrics, tx=tx)
+                   chunk=config.stats.chunk, need_js=method in _U_SELECTORS or config.stats.js_metrics, tx=tx,
+                   u_form=config.stats.u_form)
 
     @property
     def fused(self) -> bool:
@@ -146,7 +150,7 @@ def batch_stats(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, va
                 compute: tuple[str, ...]) -> TokenStats:
     """The docs/method.md §1 statistics ``compute`` of ``mb`` under ``params`` (blocks of positions)."""
     return stats_from_hidden(*head_inputs(params, graphdef, mb), valid, group_size=plan.group_size,
-                             temperature=plan.temperature, chunk=plan.chunk, compute=compute)
+                             temperature=plan.temperature, chunk=plan.chunk, compute=compute, u_form=plan.u_form)
 
 
 def nograd_stats(plan: StepPlan, params: Any, graphdef: Any, batch: RolloutBatch, valid: jax.Array,
@@ -164,7 +168,8 @@ def nograd_stats(plan: StepPlan, params: Any, graphdef: Any, batch: RolloutBatch
 
 def loss_and_aux(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
                  logp_old: jax.Array | None, logp_ref: jax.Array | None, mask: jax.Array | None,
-                 denoms: LossDenominators | None, key: jax.Array, step: jax.Array) -> tuple[jax.Array, tuple]:
+                 denoms: LossDenominators | None, key: jax.Array, step: jax.Array,
+                 minibatch: jax.Array | int = 0) -> tuple[jax.Array, tuple]:
     """The loss of docs/method.md §4 on ``mb`` (differentiate w.r.t. ``params``), two-pass head.
 
     ``logp_old = None`` (fused): the old policy is this forward (stop-gradient); ``mask = None`` (fused):
@@ -175,7 +180,7 @@ def loss_and_aux(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, v
         logp_old = jax.lax.stop_gradient(stats.logp)
     if mask is None:  # fused: select from this forward's (stop-gradient) statistics
         mask = select(plan.method, _stop(stats), mb.advantages, valid, key=key, step=step,
-                      config=plan.selector, group_size=plan.group_size)
+                      config=plan.selector, group_size=plan.group_size, minibatch=minibatch)
         denoms = loss_denominators(valid, mask, plan.loss)
     loss, metrics = policy_loss(stats.logp, logp_old, logp_ref, mb.advantages, valid, mask,
                                 config=plan.loss, denoms=denoms)
@@ -183,14 +188,14 @@ def loss_and_aux(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, v
 
 
 def one_pass_surrogate(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
-                       key: jax.Array, step: jax.Array) -> tuple[jax.Array, tuple]:
+                       key: jax.Array, step: jax.Array, minibatch: jax.Array | int = 0) -> tuple[jax.Array, tuple]:
     """The one-pass form of :func:`loss_and_aux` (fused, r = 1, no KL, statistics-free mask): its value
     is sum g * logp, whose gradient is the loss's; the loss itself comes back in the aux, with (loss
     metrics, mask, statistics, logp_old)."""
     sg = jax.lax.stop_gradient
     no_stats = TokenStats(None, None, None, None)
     mask = select(plan.method, no_stats, mb.advantages, valid, key=key, step=step, config=plan.selector,
-                  group_size=plan.group_size)
+                  group_size=plan.group_size, minibatch=minibatch)
     denoms = loss_denominators(valid, mask, plan.loss)
 
     def loss_at(lp):  # r = exp(lp - sg(lp)) = 1 at any lp: the gradient does not depend on lp
@@ -199,7 +204,7 @@ def one_pass_surrogate(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBa
     g_logp = jax.grad(loss_at)(jnp.zeros(valid.shape, F32))
     stats, surrogate = stats_and_surrogate(*head_inputs(params, graphdef, mb), valid, g_logp,
                                            group_size=plan.group_size, temperature=plan.temperature,
-                                           chunk=plan.chunk, compute=plan.current_compute)
+                                           chunk=plan.chunk, compute=plan.current_compute, u_form=plan.u_form)
     logp_old = stats.logp  # already stop-gradient
     loss, metrics = policy_loss(stats.logp, logp_old, None, mb.advantages, valid, mask, config=plan.loss,
                                 denoms=denoms)
@@ -234,16 +239,16 @@ def old_policy_pass(plan: StepPlan, params: Any, ref_params: Any, graphdef: Any,
 
 def fused_grads(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
                 logp_old: jax.Array | None, logp_ref: jax.Array | None, key: jax.Array,
-                step: jax.Array) -> MiniBatchGrads:
+                step: jax.Array, minibatch: jax.Array | int = 0) -> MiniBatchGrads:
     """docs/method.md §4 (a), one mini-batch of one micro-batch: one gradient forward whose stop-gradient
     statistics give logp_old (r = 1, unless ``logp_old`` comes from the sampler), u and the mask. The
     one-pass head (:func:`one_pass_surrogate`) where the plan allows it, else :func:`loss_and_aux`."""
     if plan.one_pass:
         grads, (loss, lm, mask, stats, lp_old_used) = jax.grad(one_pass_surrogate, argnums=1, has_aux=True)(
-            plan, params, graphdef, mb, valid, key, step)
+            plan, params, graphdef, mb, valid, key, step, minibatch)
     else:
         (loss, (lm, mask, stats, lp_old_used)), grads = jax.value_and_grad(loss_and_aux, argnums=1, has_aux=True)(
-            plan, params, graphdef, mb, valid, logp_old, logp_ref, None, None, key, step)
+            plan, params, graphdef, mb, valid, logp_old, logp_ref, None, None, key, step, minibatch)
     return grads, loss, lm, mask, stats, lp_old_used
 
 
@@ -259,7 +264,7 @@ def _micro_batch_grads(plan: StepPlan, params: Any, graphdef: Any, denoms: LossD
 
 def micro_batched_grads(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
                         logp_old: jax.Array | None, logp_ref: jax.Array | None, js_old: jax.Array | None,
-                        key: jax.Array, step: jax.Array) -> MiniBatchGrads:
+                        key: jax.Array, step: jax.Array, minibatch: jax.Array | int = 0) -> MiniBatchGrads:
     """docs/method.md §4 (c), a mini-batch of ``micro_batches`` micro-batches: a no-grad statistics pass
     over the mini-batch gives H1, STAPO's quantile, the global top-k mask and every denominator (u is the
     old policy's ``js_old``, docs/method.md §2); then the micro-batch gradients, losses and metrics are
@@ -268,7 +273,7 @@ def micro_batched_grads(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutB
     cur = nograd_stats(plan, params, graphdef, mb, valid, _MINI_BATCH_COMPUTE, n)
     cur = cur._replace(js=js_old)  # ICT's u comes from the old policy (docs/method.md §2)
     mask = select(plan.method, cur, mb.advantages, valid, key=key, step=step, config=plan.selector,
-                  group_size=plan.group_size)
+                  group_size=plan.group_size, minibatch=minibatch)
     denoms = loss_denominators(valid, mask, plan.loss)
     micro = functools.partial(_micro_batch_grads, plan, params, graphdef, denoms, key, step)
     xs = tuple(_split_or_none(a, n) for a in (mb, valid, logp_old, logp_ref, mask))
@@ -293,13 +298,14 @@ def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, 
 def mini_batch_update(plan: StepPlan, graphdef: Any, key: jax.Array, step: jax.Array, carry: tuple,
                       xs: tuple) -> tuple[tuple, tuple]:
     """The body of the scan over mini-batches: the gradient by schedule (a) or (c), one optimizer
-    update. ``carry = (params, opt_state)``, ``xs = (mini-batch, valid, logp_old, logp_ref, u_old)``."""
+    update. ``carry = (params, opt_state)``, ``xs = (mini-batch, valid, logp_old, logp_ref, u_old,
+    mini-batch index)``; the index reaches the selector (the random control's key, docs/method.md §2)."""
     params, opt_state = carry
-    mb, valid, logp_old, logp_ref, js_old = xs
+    mb, valid, logp_old, logp_ref, js_old, index = xs
     if plan.fused:
-        out = fused_grads(plan, params, graphdef, mb, valid, logp_old, logp_ref, key, step)
+        out = fused_grads(plan, params, graphdef, mb, valid, logp_old, logp_ref, key, step, index)
     else:
-        out = micro_batched_grads(plan, params, graphdef, mb, valid, logp_old, logp_ref, js_old, key, step)
+        out = micro_batched_grads(plan, params, graphdef, mb, valid, logp_old, logp_ref, js_old, key, step, index)
     grads, loss, lm, mask, stats, lp_old_used = out
     params, opt_state, gnorm, skipped = apply_update(plan.tx, params, opt_state, grads, loss)
     lm = dict(lm, **{"grad/norm": gnorm, "train/skipped": skipped.astype(F32), "loss/total": loss})
@@ -314,6 +320,7 @@ def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: 
     logp_old, logp_ref, js_old = old_policy_pass(plan, state.params, ref_params, graphdef, batch, valid)
     body = functools.partial(mini_batch_update, plan, graphdef, state.rng, state.step)
     xs = tuple(_split_or_none(a, plan.mini_batches) for a in (batch, valid, logp_old, logp_ref, js_old))
+    xs += (jnp.arange(plan.mini_batches, dtype=jnp.int32),)  # the mini-batch index (docs/method.md §2)
     (params, opt_state), (lms, masks, stats, lp_old_used) = jax.lax.scan(
         body, (state.params, state.opt_state), xs)
     masks, stats, lp_old_used = _merge(masks), _merge(stats), _merge(lp_old_used)

@@ -34,8 +34,14 @@ from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, R
 from ict_jax.train.record import run_finished
 from ict_jax.train.trainer import Trainer, TrainingDiverged
 
-#: Methods accepted by ``--methods`` (``grpo`` = ``dense``).
-METHODS: tuple[str, ...] = typing.get_args(Method)
+#: Named variants accepted by ``--methods`` beside the selector methods: a method with config overrides.
+#: ``ict_norm_valid``: ICT's tokens with GRPO's denominators (``normalize_over: valid``), which separates
+#: the choice of tokens from the 1/rho up-weighting of ``normalize_over: selected`` (docs/method.md §4).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ict_norm_valid": ("ict", {"rl.loss.normalize_over": "valid"}),
+}
+#: Methods accepted by ``--methods`` (``grpo`` = ``dense``), then the variants.
+METHODS: tuple[str, ...] = typing.get_args(Method) + tuple(VARIANTS)
 #: The default ``--methods``: every method once (``grpo`` standing for ``dense``), ICT first.
 DEFAULT_METHODS = "ict,grpo,entropy,stapo,random"
 #: curve name -> (metrics key, png file)
@@ -102,9 +108,11 @@ def plan_runs(methods: Sequence[str], seeds: Sequence[int], out: Path,
         raise ConfigError("--rho: the sparsity ablation is for ICT only; add ict to --methods")
     specs = []
     for m in methods:
+        method, over = VARIANTS.get(m, (m, {}))
         for rho in (rhos if (rhos and m == "ict") else [None]):
             g = group_name(m, rho)
-            specs += [RunSpec(g, m, rho, s, out / "runs" / f"{g}_s{s}") for s in seeds]
+            specs += [RunSpec(g, method, rho, s, out / "runs" / f"{g}_s{s}", tuple(sorted(over.items())))
+                      for s in seeds]
     return specs
 
 
@@ -150,6 +158,7 @@ def run_config(cfg: Config, spec: RunSpec, model_path: str, tokenizer: str) -> C
                             "seed": spec.seed, "rl.selector.method": spec.method, "run_dir": str(spec.run_dir)}
     if spec.rho is not None:
         over["rl.selector.rho"] = spec.rho
+    over.update(dict(spec.overrides))
     return cfg.replace(**over)
 
 

@@ -14,11 +14,12 @@ from ict_jax.train.record import read_summary, run_finished
 
 @dataclass(frozen=True)
 class RunSpec:
-    group: str  # "ict", "grpo", ..., or "ict_rho0.05"
+    group: str  # "ict", "grpo", ..., "ict_rho0.05", or a variant's name ("ict_norm_valid")
     method: str
     rho: float | None  # None = the method's default (docs/method.md §2)
     seed: int
     run_dir: Path
+    overrides: tuple[tuple[str, Any], ...] = ()  # a variant's config overrides (dotted key, value)
 
     @property
     def name(self) -> str:
@@ -62,15 +63,24 @@ def tail_mean(rows: Sequence[Mapping[str, Any]], key: str, n: int = LAST_STEPS) 
     return sum(vals[-n:]) / len(vals[-n:]) if vals else None
 
 
-def pass_at_k(evals: Mapping[str, Any] | None) -> dict[int, float]:
-    """``{"eval/<bench>/pass@k": v}`` -> ``{k: mean of v over benchmarks}``."""
-    per_k: dict[int, list[float]] = {}
+def pass_by_benchmark(evals: Mapping[str, Any] | None) -> dict[str, dict[int, float]]:
+    """``{"eval/<bench>/pass@k": v}`` -> ``{bench: {k: v}}``."""
+    out: dict[str, dict[int, float]] = {}
     for key, v in (evals or {}).items():
         if not key.startswith("eval/") or not is_finite(v):
             continue
-        _bench, _, metric = key[len("eval/"):].rpartition("/")
+        bench, _, metric = key[len("eval/"):].rpartition("/")
         if metric.startswith("pass@") and metric[5:].isdigit():
-            per_k.setdefault(int(metric[5:]), []).append(float(v))
+            out.setdefault(bench, {})[int(metric[5:])] = float(v)
+    return out
+
+
+def pass_at_k(evals: Mapping[str, Any] | None) -> dict[int, float]:
+    """``{"eval/<bench>/pass@k": v}`` -> ``{k: mean of v over benchmarks}``."""
+    per_k: dict[int, list[float]] = {}
+    for vals in pass_by_benchmark(evals).values():
+        for k, v in vals.items():
+            per_k.setdefault(k, []).append(v)
     return {k: sum(v) / len(v) for k, v in sorted(per_k.items())}
 
 
@@ -87,8 +97,11 @@ def mean_sd(values: Iterable[float | None]) -> dict[str, Any]:
 
 def run_result(rl_rows: Sequence[Mapping[str, Any]], final_evals: Mapping[str, Any] | None,
                target: float, wall_s: float | None = None) -> dict[str, Any]:
-    """One run's numbers: final P@k (averaged over benchmarks), steps to target, final H1 / H2."""
+    """One run's numbers: final P@k (averaged over benchmarks, and per benchmark), steps to target, final
+    H1 / H2."""
     return {"pass": {f"pass@{k}": v for k, v in pass_at_k(final_evals).items()},
+            "pass_by_bench": {b: {f"pass@{k}": v for k, v in vals.items()}
+                              for b, vals in pass_by_benchmark(final_evals).items()},
             "steps_to_target": steps_to_target(rl_rows, target),
             "H1": tail_mean(rl_rows, "stats/H1_mean"), "H2": tail_mean(rl_rows, "stats/H2_mean"),
             "reward": tail_mean(rl_rows, "reward/mean"), "steps": len(rl_rows), "wall_s": wall_s}
@@ -98,7 +111,10 @@ def aggregate_group(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Mean +- sd over a group's seeds. ``steps_to_target`` averages the seeds that reached the target
     (``n`` of them out of ``n_runs``); its mean is None ("never") when none did."""
     names = sorted({k for r in runs for k in r["pass"]}, key=lambda k: int(k[5:]))
-    return {"pass": {k: mean_sd(r["pass"].get(k) for r in runs) for k in names},
+    benches = sorted({b for r in runs for b in r.get("pass_by_bench", {})})
+    by_bench = {b: {k: mean_sd(r.get("pass_by_bench", {}).get(b, {}).get(k) for r in runs) for k in names}
+                for b in benches}
+    return {"pass": {k: mean_sd(r["pass"].get(k) for r in runs) for k in names}, "pass_by_bench": by_bench,
             "steps_to_target": {**mean_sd(r["steps_to_target"] for r in runs), "n_runs": len(runs)},
             "H1": mean_sd(r["H1"] for r in runs), "H2": mean_sd(r["H2"] for r in runs),
             "reward": mean_sd(r["reward"] for r in runs), "wall_s": mean_sd(r["wall_s"] for r in runs)}
@@ -121,34 +137,43 @@ def _fmt_steps(stat: Mapping[str, Any]) -> str:
 
 
 def format_markdown(results: Mapping[str, Any]) -> str:
-    """The results table (one row per group, plus the warm start's P@k) and the caveat under it."""
+    """The results table (one row per group, plus the warm start's P@k) and the caveat under it. With
+    several eval benchmarks the table has a P@k column per benchmark (b1, b2, ... named under it) after
+    the average over benchmarks."""
     groups = results["groups"]
-    ks = sorted({int(k[5:]) for g in groups for k in g["pass"]}
-                | set(pass_at_k(results.get("warmstart", {}).get("eval"))))
+    ws = results.get("warmstart") or {}
+    ws_by_bench = pass_by_benchmark(ws.get("eval"))
+    ks = sorted({int(k[5:]) for g in groups for k in g["pass"]} | set(pass_at_k(ws.get("eval"))))
+    benches = list(results.get("eval", []))
+    if len(benches) < 2:
+        benches = []
     target = results["target_reward"]
     head = (["method", "rho", "seeds"] + [f"P@{k}" for k in ks]
+            + [f"P@{k} b{i + 1}" for i in range(len(benches)) for k in ks]
             + [f"steps to reward ≥ {target:g} (MA{results.get('window', MA_WINDOW)})",
                f"H1 (last {LAST_STEPS})", f"H2 (last {LAST_STEPS})", "wall s / run"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ws = results.get("warmstart") or {}
     if ws.get("eval"):
         p = pass_at_k(ws["eval"])
-        lines.append("| " + " | ".join(["warm start (SFT)", "", ""] + [f"{p[k]:.3f}" if k in p else "n/a" for k in ks]
-                                       + ["", "", "", f"{ws['wall_s']:.0f}" if ws.get("wall_s") else ""]) + " |")
+        cells = ["warm start (SFT)", "", ""] + [f"{p[k]:.3f}" if k in p else "n/a" for k in ks]
+        cells += [f"{ws_by_bench[b][k]:.3f}" if k in ws_by_bench.get(b, {}) else "n/a" for b in benches for k in ks]
+        lines.append("| " + " | ".join(cells + ["", "", "", f"{ws['wall_s']:.0f}" if ws.get("wall_s") else ""]) + " |")
     for g in groups:
         rho = "" if g["rho"] is None else f"{g['rho']:g}"
         cells = [g["group"], rho, str(len(g["seeds"]))]
         cells += [_fmt(g["pass"].get(f"pass@{k}", {})) for k in ks]
+        cells += [_fmt(g.get("pass_by_bench", {}).get(b, {}).get(f"pass@{k}", {})) for b in benches for k in ks]
         cells += [_fmt_steps(g["steps_to_target"]), _fmt(g["H1"]), _fmt(g["H2"]), _fmt(g["wall_s"], 0)]
         lines.append("| " + " | ".join(cells) + " |")
     n = max((len(g["seeds"]) for g in groups), default=0)
     notes = [
         "",
         f"Mean ± sample sd over {n} seed(s) (no sd with one seed). P@k: final evaluation on data.eval "
-        f"({', '.join(results.get('eval', [])) or 'none'}), averaged over benchmarks. Steps to target: the "
-        f"first RL step whose trailing {results.get('window', MA_WINDOW)}-step moving average of reward/mean "
-        f"reaches {target:g}, averaged over the seeds that reached it. H1 / H2: stats/H1_mean, stats/H2_mean "
-        f"averaged over the last {LAST_STEPS} RL steps.",
+        f"({', '.join(results.get('eval', [])) or 'none'}), averaged over benchmarks"
+        + ("; " + "; ".join(f"b{i + 1} = {b}" for i, b in enumerate(benches)) if benches else "") + ". Steps to "
+        f"target: the first RL step whose trailing {results.get('window', MA_WINDOW)}-step moving average of "
+        f"reward/mean reaches {target:g}, averaged over the seeds that reached it. H1 / H2: stats/H1_mean, "
+        f"stats/H2_mean averaged over the last {LAST_STEPS} RL steps.",
         "",
         f"**{INCONCLUSIVE}**",
     ]
@@ -183,7 +208,7 @@ def collect(specs: Sequence[RunSpec], target: float) -> tuple[list[dict[str, Any
     curves: dict[str, dict[int, list]] = {}
     for spec in specs:
         g = groups.setdefault(spec.group, {"group": spec.group, "method": spec.method, "rho": spec.rho,
-                                           "seeds": [], "runs": {}})
+                                           "overrides": dict(spec.overrides), "seeds": [], "runs": {}})
         res = read_run(spec.run_dir, target)
         if res is None:
             continue

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ict_jax.config import SelectorSection, from_dict
+from ict_jax.config import SelectorSection, StatsSection, from_dict
 from ict_jax.data.templates import format_prompt
 from ict_jax.rl.losses import group_advantages
-from ict_jax.rl.selectors import select, stapo_quantile
+from ict_jax.rl.selectors import select, stapo_candidates, stapo_quantile
 from ict_jax.rl.token_stats import TokenStats, stats_from_hidden
 from ict_jax.sampling.sampler import generate
 from ict_jax.tools.inspector_page import MASKS
@@ -109,7 +109,7 @@ def _encode_prompt(tokenizer: Any, prompt: str, template: str, vocab: int) -> tu
 
 
 def _group_stats(model: Any, ids: np.ndarray, tokens: np.ndarray, valid: np.ndarray, *, t_s: float,
-                 chunk: int) -> TokenStats:
+                 chunk: int, u_form: str = "aligned") -> TokenStats:
     """docs/method.md §1 statistics of the G responses ``tokens [G, N]`` to the one prompt ``ids [1, Lp]``:
     the hidden states of prompt + response that predict each response token, then
     :func:`stats_from_hidden` over the group (one jitted pass, cached per shape and setting)."""
@@ -117,7 +117,7 @@ def _group_stats(model: Any, ids: np.ndarray, tokens: np.ndarray, valid: np.ndar
     full = np.concatenate([np.repeat(ids, G, axis=0), tokens], axis=1)
     full_mask = np.concatenate([np.ones((G, ids.shape[1]), np.int32), valid.astype(np.int32)], axis=1)
     graphdef, state = nnx.split(model)
-    fn_key = (graphdef, G, N, t_s, int(chunk))
+    fn_key = (graphdef, G, N, t_s, int(chunk), u_form)
     stats_fn = _STATS_FNS.get(fn_key)
     if stats_fn is None:
         @jax.jit
@@ -125,7 +125,7 @@ def _group_stats(model: Any, ids: np.ndarray, tokens: np.ndarray, valid: np.ndar
             m = nnx.merge(graphdef, state)
             hidden, targets = m.predicting_states(full, full_mask, N)
             return stats_from_hidden(hidden, m.unembedding(), targets, valid, group_size=G, temperature=t_s,
-                                     chunk=chunk)
+                                     chunk=chunk, u_form=u_form)
 
         _STATS_FNS[fn_key] = stats_fn
     return stats_fn(state, jnp.asarray(full), jnp.asarray(full_mask), jnp.asarray(valid))
@@ -191,9 +191,10 @@ def _settings(run: SelectorSection, columns: Mapping[str, SelectorSection], **sa
     ict, ent, stapo = columns["ict"], columns["entropy"], columns["stapo"]
     return {**sampling, "rho_ict": float(ict.resolved_rho), "rho_entropy": float(ent.resolved_rho),
             "ict_scope": ict.resolved_scope, "entropy_scope": ent.resolved_scope, "tau_p": float(stapo.tau_p),
-            "tau_h": float(stapo.tau_h),
+            "tau_h": float(stapo.resolved_tau_h), "stapo_quantile_over": stapo.stapo_quantile_over,
             "run_selector": {"method": run.method, "rho": run.resolved_rho, "scope": run.resolved_scope,
-                             "tau_p": float(run.tau_p), "tau_h": float(run.tau_h)}}
+                             "tau_p": float(run.tau_p), "tau_h": float(run.resolved_tau_h),
+                             "stapo_quantile_over": run.stapo_quantile_over}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,6 +220,7 @@ def token_report(
     rewards: Sequence[float] | Callable[[str], float] | None = None,
     stats_temperature: float | None = None,
     chunk: int = 128,
+    u_form: str | None = None,
 ) -> dict[str, Any]:
     """Sample ``num_samples`` (G) responses to ``prompt`` and compute, for every response token, the
     docs/method.md §1 statistics and the ICT, 20-Entropy and STAPO masks (docs/method.md §2).
@@ -230,7 +232,7 @@ def token_report(
     - Statistics: :meth:`~ict_jax.model.qwen2.Qwen2.predicting_states` of prompt + response (``hidden[:, t]``
       predicts response token t), then :func:`~ict_jax.rl.token_stats.stats_from_hidden` with
       p = softmax(logits / T_s), T_s = ``stats_temperature`` (default: the sampling ``temperature``, as in
-      training).
+      training), and u in the reading ``u_form`` (docs/method.md §1; None = the ``stats.u_form`` default).
     - Masks: :func:`ict_jax.rl.selectors.select` with each column's section of :func:`column_selectors`
       (``selector`` = the inspected run's selector config, None = the ``ict_jax.config`` defaults;
       ``rho_ict``, ``rho_entropy``, ``ict_scope``, ``entropy_scope``, ``tau_p``, ``tau_h`` override it
@@ -262,7 +264,8 @@ def token_report(
     ro = generate(model, ids, np.ones_like(ids), jax.random.key(int(seed)), num_samples=G, max_new_tokens=N,
                   temperature=float(temperature), eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
     tokens, valid = np.asarray(ro.tokens, np.int32), np.asarray(ro.valid, bool)
-    st = _group_stats(model, ids, tokens, valid, t_s=t_s, chunk=chunk)
+    u_form = StatsSection().u_form if u_form is None else u_form
+    st = _group_stats(model, ids, tokens, valid, t_s=t_s, chunk=chunk, u_form=u_form)
 
     eos = {int(e) for e in tokenizer.eos_ids}
     texts = [tokenizer.decode([int(t) for t, v in zip(tokens[i], valid[i]) if v and int(t) not in eos])
@@ -273,9 +276,12 @@ def token_report(
                               **{k: np.asarray(getattr(st, k), np.float32) for k in _STATS},
                               **{k: np.asarray(m, np.float32) for k, m in masks.items()},
                               "advantages": np.asarray(adv, np.float32)}
-    q = float(stapo_quantile(st.H1, jnp.asarray(valid), columns["stapo"].tau_h))
+    stapo = columns["stapo"]
+    _, over = stapo_candidates(st.logp, adv, jnp.asarray(valid), tau_p=stapo.tau_p,
+                               quantile_over=stapo.stapo_quantile_over)
+    q = float(stapo_quantile(st.H1, over, stapo.resolved_tau_h))
     settings = _settings(run, columns, num_samples=G, max_new_tokens=N, temperature=float(temperature),
-                         stats_temperature=t_s, seed=int(seed), template=template)
+                         stats_temperature=t_s, seed=int(seed), template=template, u_form=u_form)
     return {"prompt": prompt, "prompt_text": text, "prompt_ids": prompt_ids, "settings": settings,
             "advantage_source": source,
             "responses": _responses(tokenizer, arrays, np.asarray(ro.truncated, bool), texts, reward_list),

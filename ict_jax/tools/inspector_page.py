@@ -134,7 +134,8 @@ def _prompt_box(report: dict[str, Any]) -> str:
         f"{s['temperature']} (statistics at T_s = {s['stats_temperature']}), seed {s['seed']}. " + run_text
         + f"ICT: top {_pct(s['rho_ict'])} (rho = {s['rho_ict']:g}) by JS per {s['ict_scope']}; 20-Entropy: top "
         f"{_pct(s['rho_entropy'])} (rho = {s['rho_entropy']:g}) by H1 per {s['entropy_scope']}; STAPO: tau_p = "
-        f"{s['tau_p']}, tau_h = {s['tau_h']}. Advantages: {report['advantage_source']}.") + "</p></div>")
+        f"{s['tau_p']}, tau_h = {s['tau_h']} over {s.get('stapo_quantile_over', 'valid')} tokens. Advantages: "
+        f"{report['advantage_source']}.") + "</p></div>")
     return "".join(out)
 
 

@@ -91,13 +91,18 @@ def k3(logp, logp_ref):
 
 
 def agg(x, w, d, mode, n_resp):
-    """w, d: bool [B, T]; x may hold garbage where w is False."""
+    """w, d: bool [B, T]; x may hold garbage where w is False. seq-mean-token-mean averages over the
+    rows that have a token in d (a row with no selected token under normalize_over=selected has no
+    per-row mean and is left out of R); seq-mean-token-sum-norm over the n_resp rows with a valid token."""
     x = torch.where(w, x, torch.zeros_like(x))
     if mode == "seq-mean-token-mean":
         total = torch.zeros(())
+        rows = 0
         for i in range(x.shape[0]):
-            total = total + x[i].sum() / max(1, int(d[i].sum()))
-        return total / max(1, n_resp)
+            if d[i].any():
+                total = total + x[i].sum() / int(d[i].sum())
+                rows += 1
+        return total / max(1, rows)
     if mode == "token-mean":
         return x.sum() / max(1, int(d.sum()))
     if mode == "seq-mean-token-sum-norm":

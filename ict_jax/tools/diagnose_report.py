@@ -1,0 +1,211 @@
+"""The report of ``ict-jax diagnose``: a Markdown table per setting with the paper's column beside every
+reading of u, and one figure per setting (sorted-u curves, u and selection against position).
+
+Reads the plain dict that :func:`ict_jax.tools.diagnose.run_diagnose` builds (also ``diagnose.json``), so
+a report can be rebuilt from the JSON alone: ``format_markdown(json.load(open("diagnose.json")))``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["format_markdown", "format_summary", "plot_setting"]
+
+
+def _num(x: Any, fmt: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _msd(s: Mapping[str, Any] | None) -> str:
+    """``mean ± sd (median m)``."""
+    if not s or s.get("mean") is None:
+        return "n/a"
+    return f"{s['mean']:.3f} ± {s['sd']:.3f} (med {s['median']:.3f})"
+
+
+def _tok(text: str) -> str:
+    """A token as a quoted, escaped string safe inside a Markdown table cell."""
+    return json.dumps(text, ensure_ascii=False).replace("|", "\\|")
+
+
+def _tokens(items: list, k: int = 8) -> str:
+    return " ".join(f"{_tok(t)}×{c}" for t, c, _ in items[:k]) or "none"
+
+
+def _corr(c: Mapping[str, Any]) -> str:
+    if c.get("pearson") is None:
+        return f"n/a ({c.get('n', 0)} responses with A ≠ 0)"
+    return f"{c['pearson']:+.2f} / {c['spearman']:+.2f} ({c['n']} responses)"
+
+
+def _ict_table(d: Mapping[str, Any], paper: Mapping[str, Any], forms: list[str]) -> list[str]:
+    sel, rd = d["selectors"], d["readings"]
+    cols = [f"ict[{f}]" for f in forms] + ["random", "all"]
+    head = ["diagnostic", "paper (Qwen2.5, GSM8K / MATH)"] + [
+        c.replace("ict[", "ICT, u ").replace("]", "") if c.startswith("ict[") else
+        ("random 10 %" if c == "random" else "all tokens") for c in cols]
+    rows = [
+        ["p(o_t) mean ± sd (median)", f"{paper['p_mean']} ± {paper['p_sd']}"] + [_msd(sel[c]["p"]) for c in cols],
+        ["purity β = Σ p² mean ± sd (median)", "(0.18 ± 0.09 may be this)"] + [_msd(sel[c]["beta"]) for c in cols],
+        ["max_v p mean ± sd (median)", "(or this)"] + [_msd(sel[c]["pmax"]) for c in cols],
+        ["Q(o_t): the compared distribution's mass on o_t", "(or this)"] + [_msd(sel[c]["qtok"]) for c in cols],
+        ["high/low-entropy ratio (median of H1)", " / ".join(map(str, paper["h_ratio_median"]))]
+        + [_num(sel[c]["h_ratio_median"], ".2f") for c in cols],
+        ["high/low-entropy ratio (top-20 % of H1); share in top 20 %", "n/a (0.25; 0.20 if entropy-blind)"]
+        + [f"{_num(sel[c]['h_ratio_top20'], '.2f')}; {sel[c]['top20_share']:.2f}" for c in cols],
+        ["sorted u: elbow E (slope 2-10 % / 10-30 %; 1 = straight) · knee", paper["elbow"]]
+        + [_elbow(rd[f]["sorted_u"]) for f in forms] + ["", ""],
+        ["u: mean · p90 · max · share u = 0 · share at its ceiling", ""]
+        + [f"{_num(rd[f]['u']['mean'])} · {_num(rd[f]['u']['p90'])} · {_num(rd[f]['u']['max'])} · "
+           f"{_num(rd[f]['u']['zero_share'], '.2f')} · {_num(rd[f]['u'].get('ceiling_share'), '.2f')}" for f in forms]
+        + ["", ""],
+        ["mean u by position (bins of 16 tokens, every other bin)", ""]
+        + [" ".join(_num(x, ".2f") for x in rd[f]["u_by_position"][::2]) for f in forms] + ["", ""],
+        ["selected share by position (same bins)", "n/a"]
+        + [" ".join(_num(x, ".2f") for x in sel[c]["selected_by_position"][::2]) for c in cols],
+        ["corr(response mean u, A): Pearson / Spearman", paper["adv_corr"]]
+        + [_corr(rd[f]["adv_corr"]) for f in forms] + ["", ""],
+        ["mean u of A > 0 / A < 0 responses", ""]
+        + [f"{_num(rd[f]['adv_corr']['mean_u_pos'])} / {_num(rd[f]['adv_corr']['mean_u_neg'])}" for f in forms]
+        + ["", ""],
+        ["forking tokens selected", "n/a"] + [f"{sel[c]['forks_selected']} of {sel[c]['forks']}" for c in cols],
+        ["selected tokens (% of valid)", "10 %"] + [f"{sel[c]['selected']} ({100 * sel[c]['selected_frac']:.1f} %)"
+                                                   for c in cols],
+        ["most frequent selected", "content words (\"remainder\", \"duck\", \"seventh\")"]
+        + [_tokens(sel[c]["top_selected"]) for c in cols],
+        ["most frequent unselected", "\"####\", \"the\", \"is\""] + [_tokens(sel[c]["top_unselected"]) for c in cols],
+    ]
+    return _table(head, rows)
+
+
+def _elbow(s: Mapping[str, Any]) -> str:
+    if s.get("E") is None:
+        return f"n/a ({s.get('responses', 0)} responses of >= 20 tokens)"
+    return (f"E {s['E']:.2f} (per response med {_num(s['E_response_median'], '.2f')}) · knee {_num(s['knee'], '.2f')} "
+            f"({s['responses']} responses)")
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _others_table(d: Mapping[str, Any], forms: list[str]) -> list[str]:
+    sel = d["selectors"]
+    names = [n for n in sel if not n.startswith("ict[")]
+    head = ["selector", "selected (% of valid)", "responses left with none", "p(o_t) mean ± sd (median)", "β mean",
+            "Q(o_t) mean", "H-ratio (median; high:low counts)", "top-20 % share", "forks selected",
+            "most frequent selected"]
+    rows = [[n, f"{s['selected']} ({100 * s['selected_frac']:.1f} %)", str(s["rows_without_selected"]), _msd(s["p"]),
+             _num(s["beta"]["mean"]), _num(s["qtok"]["mean"]),
+             f"{_num(s['h_ratio_median'], '.2f')} ({s['h_counts_median'][0]}:{s['h_counts_median'][1]})",
+             f"{s['top20_share']:.2f}", f"{s['forks_selected']} of {s['forks']}", _tokens(s["top_selected"], 6)]
+            for n, s in ((n, sel[n]) for n in names)]
+    return _table(head, rows)
+
+
+def _ms(stat: Mapping[str, Any] | None) -> str:
+    if not stat or stat.get("mean") is None:
+        return "n/a"
+    return f"{stat['mean']:.2f} ± {stat['sd']:.2f}"
+
+
+def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
+    """One table over every setting: per reading, ICT's selected tokens against the paper's numbers
+    (mean ± sd over tokens), then the random 10 % and all tokens as references."""
+    forms = list(results["u_forms"])
+    paper = results["paper"]
+    head = ["setting", "selection", "p(o_t)", "β = Σ p²", "max p", "Q(o_t)", "H-ratio (median)", "top-20 % share",
+            "elbow E · knee", "forks selected", "corr(mean u, A)", "most frequent selected"]
+    rows = [[label or "paper", "ICT (Qwen2.5, GSM8K / MATH)", f"{paper['p_mean']} ± {paper['p_sd']}", "?", "?", "?",
+             " / ".join(map(str, paper["h_ratio_median"])), "", "sharp, near 10 %", "", "positive",
+             "content words"]]
+    for name, d in results["settings"].items():
+        sel, rd = d["selectors"], d["readings"]
+        for c in [f"ict[{f}]" for f in forms] + ["random", "all"]:
+            s = sel[c]
+            form = c[4:-1] if c.startswith("ict[") else None
+            el = rd[form]["sorted_u"] if form else None
+            corr = rd[form]["adv_corr"] if form else None
+            rows.append([
+                name, f"ICT, u {form}" if form else ("random 10 %" if c == "random" else "all tokens"),
+                _ms(s["p"]), _ms(s["beta"]), _ms(s["pmax"]), _ms(s["qtok"]),
+                _num(s["h_ratio_median"], ".2f"), f"{s['top20_share']:.2f}",
+                (f"{_num(el['E'], '.2f')} · {_num(el['knee'], '.2f')}" if el else ""),
+                f"{s['forks_selected']}/{s['forks']}",
+                ("n/a" if not corr or corr.get("pearson") is None else f"{corr['pearson']:+.2f}"),
+                _tokens(s["top_selected"], 5)])
+    return _table(head, rows)
+
+
+def format_markdown(results: Mapping[str, Any]) -> str:
+    """The report: per setting, ICT's selected tokens under every reading beside the paper's numbers,
+    then every other selector, then two responses with ICT's tokens in brackets."""
+    forms = list(results["u_forms"])
+    paper = results["paper"]
+    intro = (f"Data {results['dataset']}, {results['prompts']} prompts, up to {results['max_new_tokens']} new "
+             f"tokens, rho {results['rho']}, template {results['template']}, seed {results['seed']}. Readings of u: "
+             f"{', '.join(forms)} (docs/method.md §1). The paper's column: Qwen2.5 on GSM8K / MATH "
+             "(docs/method.md §5).")
+    out = [f"# Token diagnostics{': ' + results['title'] if results.get('title') else ''}", "", intro, "",
+           "## Summary (mean ± sd over the selected tokens)", ""]
+    out += format_summary(results)
+    out.append("")
+    for name, d in results["settings"].items():
+        t = d["timing"]
+        head = (f"{d['groups']} prompts x G = {d['setting']['group_size']} at T = {d['setting']['temperature']}: "
+                f"accuracy {d['accuracy']:.3f}, {d['groups_with_signal']} of {d['groups']} groups with A ≠ 0 "
+                f"(A from correctness), mean length {d['length_mean']:.0f} tokens ({100 * d['truncated_frac']:.0f} % "
+                f"truncated), {d['valid_tokens']} tokens; p(o_t) of all tokens {_msd(d['p_all'])}; median H1 "
+                f"{d['H1_median']:.3f}. Wall {d.get('wall_s') or 0:.0f} s (sampling {t['sample_s']:.0f} s, statistics "
+                f"and masks {t['stats_s']:.0f} s, rewards {t['score_s']:.0f} s).")
+        out += [f"## {name}", "", head, "",
+                "### ICT's selected tokens, by reading of u", ""]
+        out += _ict_table(d, paper, forms)
+        out += ["", "### Every selector", ""]
+        out += _others_table(d, forms)
+        out += ["", f"### Two responses, ICT's tokens (u {forms[0]}) in brackets", ""]
+        for ex in d.get("examples", []):
+            out += ["```", f"{'correct' if ex.get('correct') else 'wrong'} (reward {ex['reward']:g}): {ex['marked']}",
+                    "```"]
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def plot_setting(d: Mapping[str, Any], path: str | Path, title: str = "") -> None:
+    """Three panels: the mean normalised sorted-u curve per reading; mean u against position per reading;
+    the selected share against position for ICT under each reading, 20-Entropy and random."""
+    import matplotlib  # plots only (matplotlib is heavy and optional on this path)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.4))
+    for form, r in d["readings"].items():
+        s = r["sorted_u"]
+        if s["curve"] is not None:
+            ax[0].plot(s["grid"], s["curve"], label=f"{form} (E {s['E']:.2f})")
+        bins = d["position_bins"]
+        ys = r["u_by_position"]
+        ax[1].plot([b for b, y in zip(bins, ys) if y is not None], [y for y in ys if y is not None], label=form)
+    ax[0].axvline(0.1, color="grey", linestyle=":", linewidth=1)
+    ax[0].set(title="sorted u / max u, mean over responses", xlabel="rank fraction", ylabel="u / max u")
+    ax[1].set(title="mean u against position", xlabel="response position", ylabel="u")
+    for name, s in d["selectors"].items():
+        if name.startswith("ict[") or name in ("entropy", "random"):
+            ys = s["selected_by_position"]
+            ax[2].plot([b for b, y in zip(d["position_bins"], ys) if y is not None], [y for y in ys if y is not None],
+                       label=name)
+    ax[2].set(title="selected share against position", xlabel="response position", ylabel="share selected")
+    for a in ax:
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=7)
+        a.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

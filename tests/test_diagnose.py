@@ -1,0 +1,162 @@
+"""ict-jax diagnose (ict_jax.tools.diagnose): forking tokens, the sorted-u elbow measures and the selected
+tokens' diagnostics against hand-computed values; one tiny end-to-end run (tiny random model, the char
+tokenizer, the built-in split task) that writes the JSON, the Markdown with the paper's column and the
+plots; and the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import ict_jax
+from ict_jax.cli.main import main
+from ict_jax.data.datasets import load_dataset
+from ict_jax.data.tokenizers import CharTokenizer
+from ict_jax.rl.token_stats import U_FORMS
+from ict_jax.tools.diagnose import (GRID, PAPER, Setting, diagnostics, fork_positions, reanalyse, run_diagnose,
+                                    selector_specs, sorted_u_curve)
+from ict_jax.tools.diagnose_report import format_markdown
+
+
+def test_fork_positions_hand_computed():
+    # one group of 4: r0 and r1 share "1 2", r2 and r3 share "6 2 3"
+    tokens = np.array([[1, 2, 3, 4], [1, 2, 5, 4], [6, 2, 3, 4], [6, 2, 3, 9], [1, 1, 1, 1], [1, 1, 1, 1]])
+    valid = np.ones(tokens.shape, bool)
+    valid[3, 3] = True
+    group = np.array([0, 0, 0, 0, 1, 1])  # group 1: two identical responses never fork
+    f = fork_positions(tokens, valid, group)
+    want = np.zeros(tokens.shape, bool)
+    want[0:4, 0] = True  # t = 0: {r0, r1} take 1, {r2, r3} take 6
+    want[0:2, 2] = True  # r0 and r1 part at t = 2
+    want[2:4, 3] = True  # r2 and r3 part at t = 3
+    np.testing.assert_array_equal(f, want)
+    # a sibling that has ended (valid 0) is no peer
+    valid2 = valid.copy()
+    valid2[1, 2:] = False
+    f2 = fork_positions(tokens, valid2, group)
+    assert not f2[0, 2] and not f2[1, 2]
+
+
+def test_sorted_u_curve_elbow_measures():
+    n = 101
+    linear = np.linspace(1.0, 0.0, n)[None]  # u falls linearly with rank: no elbow
+    s = sorted_u_curve(np.random.default_rng(0).permutation(linear[0])[None], np.ones((1, n), bool))
+    np.testing.assert_allclose(s["curve"], 1.0 - GRID, atol=1e-12)
+    assert abs(s["E"] - 1.0) < 1e-9 and s["responses"] == 1 and s["knee"] is None  # the curve is its chord
+    step = np.where(np.arange(n) < 10, 1.0, 0.05)[None]  # top 10 % high, the rest flat: a sharp elbow
+    s = sorted_u_curve(step, np.ones((1, n), bool))
+    # the slopes of the interpolated curve: a drop before rank 0.10, flat after it
+    c = np.interp(GRID, np.linspace(0, 1, n), step[0])
+    top = (np.interp(0.02, GRID, c) - np.interp(0.10, GRID, c)) / 0.08
+    mid = (np.interp(0.10, GRID, c) - np.interp(0.30, GRID, c)) / 0.2
+    assert mid == 0.0 and math.isinf(s["E"])  # nothing falls after 10 %: infinitely sharp
+    assert top > 0 and abs(s["knee"] - 0.1) <= 0.01
+    # responses too short for a curve, and all-zero u, are counted apart
+    s = sorted_u_curve(np.zeros((2, 30)), np.ones((2, 30), bool))
+    assert s["curve"] is None and s["flat_share"] == 1.0 and s["responses"] == 2
+    s = sorted_u_curve(step[:, :10], np.ones((1, 10), bool))
+    assert s["responses"] == 0
+
+
+def _synthetic(tok):
+    """One group of G = 2, N = 4, every token valid; hand-set p, H1, H2 and masks."""
+    tokens = np.array([[tok.encode("a")[0], tok.encode("b")[0], tok.encode("c")[0], tok.encode("a")[0]],
+                       [tok.encode("a")[0], tok.encode("d")[0], tok.encode("c")[0], tok.encode("c")[0]]])
+    p = np.array([[0.9, 0.2, 0.5, 0.1], [0.9, 0.4, 0.6, 0.3]])
+    H1 = np.array([[0.1, 2.0, 1.0, 3.0], [0.1, 1.5, 0.8, 2.5]])  # sorted: .1 .1 .8 1 1.5 2 2.5 3; lower median 1.0
+    H2 = -np.log(np.array([[0.8, 0.1, 0.3, 0.05], [0.8, 0.2, 0.4, 0.1]]))
+    u = np.array([[0.0, 0.3, 0.1, 0.2], [0.0, 0.4, 0.05, 0.25]])
+    sel = np.array([[0, 1, 0, 1], [0, 1, 0, 0]], bool)  # p 0.2, 0.1, 0.4; H1 2.0, 3.0, 1.5: all above the median
+    masks = {name: sel if name.startswith("ict[") else np.ones((2, 4), bool) for name in selector_specs(["aligned"])}
+    return {"tokens": tokens, "valid": np.ones((2, 4), bool), "logp": np.log(p), "H1": H1, "H2": H2,
+            "pmax": np.full((2, 4), 0.9), "truncated": np.zeros(2), "js": {"aligned": u},
+            "pbar_tok": {"aligned": np.full((2, 4), 0.25)}, "masks": masks, "reward": np.array([1.0, 0.0]),
+            "correct": np.array([True, False]), "advantage": np.array([0.7071, -0.7071]), "group": np.array([0, 0]),
+            "texts": ["abca", "adcc"], "timing": {"sample_s": 0.0, "stats_s": 0.0, "score_s": 0.0},
+            "u_forms": ("aligned",), "group_size": 2,
+            "selector_forms": {k: f for k, (_, f) in selector_specs(["aligned"]).items()}}
+
+
+def test_diagnostics_hand_computed():
+    tok = CharTokenizer()
+    d = diagnostics(_synthetic(tok), tok)
+    s = d["selectors"]["ict[aligned]"]
+    assert s["selected"] == 3 and abs(s["selected_frac"] - 3 / 8) < 1e-12
+    np.testing.assert_allclose([s["p"]["mean"], s["p"]["median"], s["p"]["sd"]],
+                               [0.7 / 3, 0.2, np.std([0.2, 0.1, 0.4], ddof=1)], rtol=1e-12)
+    np.testing.assert_allclose(s["beta"]["mean"], (0.1 + 0.05 + 0.2) / 3, rtol=1e-12)
+    np.testing.assert_allclose(s["qtok"]["mean"], 0.25)
+    assert d["H1_median"] == 1.0 and s["h_counts_median"] == [3, 0] and s["h_ratio_median"] is None
+    # top-20 % threshold: the 0.8 quantile of the 8 H1 values (linear) = 2.0 + 0.6 * (2.5 - 2.0) = 2.3
+    assert abs(d["H1_q80"] - 2.3) < 1e-12 and s["h_counts_top20"] == [1, 2]
+    # the forks: r0 and r1 share "a", part at t = 1 ("b" vs "d") and are alone after it
+    assert s["forks"] == 2 and s["forks_selected"] == 2
+    assert s["top_selected"][0][:2] in (["b", 1], ["d", 1], ["a", 1])
+    assert {t for t, _, _ in s["top_unselected"]} == {"a", "c"}
+    r = d["readings"]["aligned"]
+    # mean u per response: 0.6 / 4 and 0.7 / 4; two responses: a correlation needs 3
+    assert r["adv_corr"]["pearson"] is None and r["adv_corr"]["n"] == 2
+    np.testing.assert_allclose([r["adv_corr"]["mean_u_pos"], r["adv_corr"]["mean_u_neg"]], [0.15, 0.175])
+    assert r["u"]["zero_share"] == 0.25 and d["accuracy"] == 0.5 and d["groups_with_signal"] == 1
+    md = format_markdown({"title": "t", "dataset": "x", "prompts": 1, "max_new_tokens": 4, "u_forms": ["aligned"],
+                          "rho": 0.1, "seed": 0, "template": "none", "paper": PAPER,
+                          "settings": {"G2_T1": d | {"setting": {"group_size": 2, "temperature": 1.0}}}})
+    assert "0.18 ± 0.09" in md and "1.03 / 0.99" in md and "ICT, u aligned" in md
+
+
+def test_run_diagnose_tiny_end_to_end(tmp_path):
+    """A tiny random model on the split task: every reading and selector is reported, the counts follow
+    docs/method.md §2, and the JSON, Markdown and plot are written."""
+    tok = CharTokenizer()
+    model = ict_jax.init_model(ict_jax.ModelConfig.tiny(vocab_size=tok.vocab_size, num_layers=1), seed=0)
+    ds = load_dataset("split?digits=2&size=3&seed=3")
+    res = run_diagnose(model, tok, ds, settings=[Setting(2, 1.0)], max_new_tokens=12, batch_rows=4,
+                       template="none", out=tmp_path, title="tiny")
+    d = res["settings"]["G2_T1"]
+    assert set(d["readings"]) == set(U_FORMS)
+    assert set(d["selectors"]) == set(selector_specs(U_FORMS))
+    n_valid = d["valid_tokens"]
+    assert d["selectors"]["all"]["selected"] == n_valid
+    for form in U_FORMS:  # ICT and its complement partition the valid tokens
+        assert d["selectors"][f"ict[{form}]"]["selected"] + d["selectors"][f"frequent[{form}]"]["selected"] == n_valid
+    assert d["selectors"]["random"]["selected"] == d["selectors"]["ict[aligned]"]["selected"]
+    saved = json.loads((tmp_path / "diagnose.json").read_text())
+    assert saved["settings"]["G2_T1"]["valid_tokens"] == n_valid
+    md = (tmp_path / "diagnose.md").read_text()
+    assert "paper (Qwen2.5, GSM8K / MATH)" in md and "## G2_T1" in md
+    assert (tmp_path / "G2_T1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the report rebuilt from the saved arrays, without sampling, gives the same diagnostics
+    again = reanalyse(tmp_path, tok)["settings"]["G2_T1"]
+    for key in ("valid_tokens", "accuracy", "readings", "selectors"):
+        assert json.dumps(again[key], sort_keys=True) == json.dumps(d[key], sort_keys=True), key
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["-G", "1"], "group size"),
+    (["--u-form", "aligned,index"], "--u-form"),
+    (["--temperature", "0"], "--temperature"),
+    (["-G", "8,8"], "distinct"),
+    (["--rho", "2"], "--rho"),
+])
+def test_cli_bad_input_is_one_line_exit_2(args, msg, capsys, tmp_path):
+    rc = main(["diagnose", "--model", "none.gguf", "--prompts", "split", "--out", str(tmp_path), *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and msg in err, err
+
+
+def test_aligned_ceiling():
+    import jax.numpy as jnp
+
+    from ict_jax.rl.token_stats import stats_from_logits
+    from ict_jax.tools.diagnose import aligned_ceiling
+
+    # disjoint one-hot rows: the aligned u reaches the ceiling
+    for n in (2, 4, 8, 16):
+        logits = np.full((n, 1, n), -60.0, np.float32)
+        logits[np.arange(n), 0, np.arange(n)] = 60.0
+        st = stats_from_logits(jnp.asarray(logits), np.zeros((n, 1), np.int32), np.ones((n, 1)), group_size=n)
+        np.testing.assert_allclose(np.asarray(st.js)[:, 0], aligned_ceiling(np.array([n]))[0], rtol=1e-5)
+    np.testing.assert_allclose(aligned_ceiling(np.array([1, 8])), [0.0, 0.4970], atol=1e-4)
