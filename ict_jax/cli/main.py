@@ -4,7 +4,9 @@ library modules. User errors (bad config, missing files, bad shapes) print one l
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
+import importlib.util
 import os
 import sys
 from typing import Callable, Sequence
@@ -23,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "sft": ("ict_jax.cli.train", "add_sft_args", "sft_main", "supervised warm start only; writes <run_dir>/sft_model"),
     "compare": ("ict_jax.cli.compare", "add_compare_args", "compare_main", "every method x seed from one warm start: table + plots"),
     "inspect": ("ict_jax.cli.inspect", "add_inspect_args", "inspect_main", "HTML page of a group's tokens: JS/H1/H2, ICT/entropy/STAPO masks"),
+    "compile": ("ict_jax.cli.compile", "add_compile_args", "compile_main",
+                "compile a run's programs for a TPU slice (or the local devices) without running: memory, fit, collectives"),
 }
 
 
@@ -48,7 +52,32 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips on the PCI bus (what JAX's own TPU detection reads)
+
+
+def skip_absent_tpu() -> bool:
+    """With libtpu installed (the ``tpu`` extra, e.g. for ``ict-jax compile``) on a machine without TPU
+    chips or NVIDIA GPUs, JAX would still start the TPU runtime, which prints several lines of warnings
+    (TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES) on every command before falling back to the CPU. Then
+    (and only when ``JAX_PLATFORMS`` is unset) set ``JAX_PLATFORMS=cpu``: the same devices, no noise.
+    Compiling for a TPU topology works either way. Returns True when it set it (docs/tpu.md)."""
+    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+        return False
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                    return False
+        except OSError:
+            continue
+    if any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")):
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    skip_absent_tpu()
     parser = build_parser()
     # KEY=VALUE overrides may come anywhere, also after options (argparse alone stops at the first option)
     args, extra = parser.parse_known_args(argv)
