@@ -395,10 +395,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"train.mini_batches: {t.mini_batches} does not divide train.prompts_per_step={t.prompts_per_step} "
             "(groups never split across mini-batches)")
-    if (t.prompts_per_step // t.mini_batches) % t.micro_batches:
+    rows = t.prompts_per_step // t.mini_batches * cfg.rollout.num_samples
+    if rows % t.micro_batches:
         raise ConfigError(
-            f"train.micro_batches: {t.micro_batches} does not divide the {t.prompts_per_step // t.mini_batches} "
-            "prompts of a mini-batch (groups never split across micro-batches)")
+            f"train.micro_batches: {t.micro_batches} does not divide the {rows} rows "
+            f"({t.prompts_per_step // t.mini_batches} prompts x {cfg.rollout.num_samples} samples) of a mini-batch")
     positive("train.eval_every", t.eval_every, allow_zero=True)
     positive("train.save_every", t.save_every, allow_zero=True)
     positive("train.keep", t.keep)
