@@ -41,7 +41,8 @@ from ict_jax.data.prompts import make_buckets
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import resolve_path
 from ict_jax.rl.batch import RolloutBatch
-from ict_jax.rl.train_step import make_train_step
+from ict_jax.rl.state import make_optimizer
+from ict_jax.rl.train_step import StepPlan, make_train_step, old_pass_chunks
 from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.sharding import BATCH_AXES, batch_sharding, make_mesh, replicated
 from ict_jax.tools import hlo
@@ -253,8 +254,9 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
                    "ref": per_device_bytes(ref) if ref is not None else 0}
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     P, G, Lp, N = cfg.train.prompts_per_step, cfg.rollout.num_samples, prompt_len(cfg), cfg.rollout.max_new_tokens
-    t = cfg.train
-    micro_rows = P * G // (1 if t.mini_batches * t.micro_batches == 1 else t.mini_batches * t.micro_batches)
+    # rows a pass processes at once: a gradient micro-batch, or a chunk of the old-policy pass (whole groups)
+    plan = StepPlan.from_config(cfg, make_optimizer(cfg), batch_shards=batch_shards)
+    pass_rows = P * G // old_pass_chunks(plan, P)  # at least a micro-batch's rows
     # element counts of the stacked [layers, ...] weights, whole or with the tensor axis still split
     stacked = {n // d for n in _stacked_sizes(state.params, mc.num_layers, mc.hidden_size) for d in (1, mesh.shape["tensor"])}
     common = dict(num_layers=mc.num_layers, vocab=mc.vocab_size, stacked=stacked, state_bytes=state_bytes,
@@ -266,7 +268,7 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
             batch = abstract_batch(cfg, mesh)
             out.append(Program("step", lambda step=step, batch=batch: step.lower(state, batch, ref), resident=0,
                                expected_args=per_device_bytes((state, batch, ref)),
-                               info=dict(common, rows=micro_rows // batch_shards, positions=N, chunk=cfg.stats.chunk)))
+                               info=dict(common, rows=pass_rows // batch_shards, positions=N, chunk=cfg.stats.chunk)))
         elif name in ("generate", "eval"):
             ev = name == "eval"
             d, r = cfg.data, cfg.rollout
@@ -371,14 +373,18 @@ def discipline_checks(program: Program, module: hlo.HloModule, items: list[hlo.C
                     f"{fmt_bytes(taken)} of parameters a device ({fmt_bytes(arguments)} with layout padding) vs "
                     f"{fmt_bytes(program.expected_args)} from the shardings")]
     V = i["vocab"]
-    v_local = V // i["tensor"] if V % i["tensor"] == 0 else V
-    hits = hlo.arrays_with_dim(module, v_local) + (hlo.arrays_with_dim(module, V) if v_local != V else [])
-    biggest = max(hits, key=lambda h: h[0].elements // max(1, V if V in h[0].dims else v_local), default=None)
-    n = biggest[0].elements // (V if V in biggest[0].dims else v_local) if biggest else 0
+    widths = {V, V // i["tensor"] if V % i["tensor"] == 0 else V}  # whole, or split over the tensor axis
+
+    def vocab_rows(a: hlo.Array) -> int:  # the array as [vocabulary rows, V]
+        return a.elements // max(w for w in widths if w in a.dims)
+
+    hits = [a for w in widths for a, _, _ in hlo.arrays_with_dim(module, w)]
+    biggest = max(hits, key=vocab_rows, default=None)
+    n = vocab_rows(biggest) if biggest is not None else 0
     dense = i["rows"] * i["positions"]
     checks.append(Check("no [rows, T, V]", n < dense,
-                        f"largest vocabulary-wide array {biggest[0] if biggest else '-'}: {n:,} vocabulary rows vs "
-                        f"[{i['rows']} rows x {i['positions']} positions] = {dense:,} for dense logits"))
+                        f"largest vocabulary-wide array {biggest if biggest is not None else '-'}: {n:,} vocabulary "
+                        f"rows vs [{i['rows']} rows x {i['positions']} positions] = {dense:,} for dense logits"))
     if program.name == "step":
         L = i["num_layers"]
         stacked = [c for c in _gathers(items) if c.result.dims[:1] == (L,) and c.result.elements in i["stacked"]]

@@ -95,13 +95,18 @@ def estimate_memory(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> dict[st
     t = cfg.train
     P, G, Lp, N = t.prompts_per_step, cfg.rollout.num_samples, prompt_len(cfg), cfg.rollout.max_new_tokens
     T = Lp + N
-    chunks = t.mini_batches * ov["train.micro_batches"]
+    micro = ov["train.micro_batches"]
+    chunks = t.mini_batches * micro
     rows = P * G / chunks / shards  # rows a device per micro-batch
+    per_mini = P // t.mini_batches  # the old-policy pass: chunks of whole groups per shard
+    k = max((d for d in range(1, micro + 1) if per_mini % d == 0 and (per_mini // d) % shards == 0), default=1)
+    old_rows = P * G / (t.mini_batches * k) / shards
     heads, f_loc = H / tensor, F / tensor
     saved = {"none": T * (cb * (4 * D + 2 * KV * hd + 3 * f_loc) + heads * T * (4 + cb)),
              "block": T * cb * (3 * D + 2 * KV * hd + 2 * f_loc),
              "full": T * cb * D}[ov["model.remat"]]
-    layer_work = rows * (heads * T * T * (8 + cb) + T * f_loc * cb * 4 + T * D * 4 * 4)
+    layer_work = max(rows * (heads * T * T * (8 + cb) + T * f_loc * cb * 4 + T * D * 4 * 4),  # a backward
+                     old_rows * (heads * T * T * (4 + cb) + T * f_loc * cb * 3 + T * D * 4 * 3))  # a no-grad forward
     head = rows * ov["stats.chunk"] * V / tensor * 4 * 5 + V * D * cb / (tensor if tensor > 1 else 1)
     grads = weight_shard * 4 * 4  # accumulator, a micro-batch's gradient, the optimizer's update temporaries
     per_token = P * G / shards * N * 4 * 24  # logp_old/ref, u, masks, statistics of the whole rollout batch
@@ -167,10 +172,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_settings(cfg: Config, mc: ModelConfig, chips: int) -> list[dict[str, Any]]:
-    """Every (mesh, micro_batches, remat, chunk) the recipe's geometry allows on ``chips`` devices:
-    a micro-batch's prompts divide over data x fsdp (whole groups per shard), tensor divides the KV
-    heads, chunk at most the response length."""
-    t, N = cfg.train, cfg.rollout.max_new_tokens
+    """Every (mesh, micro_batches, remat, chunk) the recipe's geometry allows on ``chips`` devices
+    (``rl.train_step.check_batch_geometry``): a mini-batch holds whole groups per shard, a micro-batch
+    (possibly part of a group) as many rows on every shard; tensor divides the heads and KV heads;
+    chunk at most the response length."""
+    t, N, G = cfg.train, cfg.rollout.max_new_tokens, cfg.rollout.num_samples
     per_mini = t.prompts_per_step // t.mini_batches
     out = []
     tensors = [k for k in _divisors(chips) if mc.num_kv_heads % k == 0 and mc.num_heads % k == 0]
@@ -179,10 +185,9 @@ def candidate_settings(cfg: Config, mc: ModelConfig, chips: int) -> list[dict[st
         for fsdp in _divisors(chips // tensor):
             data = chips // tensor // fsdp
             shards = data * fsdp
-            for micro in _divisors(per_mini):
+            for micro in _divisors(per_mini * G):
                 fused = t.mini_batches * micro == 1
-                prompts = t.prompts_per_step if fused else per_mini // micro
-                if prompts % shards:
+                if (t.prompts_per_step if fused else per_mini) % shards or (per_mini * G // micro) % shards:
                     continue
                 for remat, chunk in itertools.product(REMATS, chunks):
                     out.append({"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
