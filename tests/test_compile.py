@@ -16,7 +16,7 @@ import pytest
 from ict_jax.config import ConfigError, load_config, parse_topology
 from ict_jax.model.config import ModelConfig
 from ict_jax.tools import hlo
-from ict_jax.tools.compile import PROGRAMS, Target, compile_run, get_target, per_device_bytes
+from ict_jax.tools.compile import PROGRAMS, compile_run, get_target, per_device_bytes
 from ict_jax.tools.fit import candidate_settings, estimate_memory, search
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -27,7 +27,8 @@ RECIPE = str(CONFIGS / "qwen2p5_0p5b_ict.yaml")
 TINY = ["model.preset=tiny", "train.prompts_per_step=16", "train.mini_batches=1", "train.micro_batches=2",
         "rollout.max_prompt_len=32", "rollout.max_new_tokens=40", "stats.chunk=16", "data.eval_n=4"]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="the tpu extra: pip install 'ict_jax[tpu]' (.ci/run installs it)")
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU,
+                                  reason="the tpu extra: pip install 'ict_jax[tpu]' (.ci/run installs it)")
 
 
 # ------------------------------------------------------------------------------------------------

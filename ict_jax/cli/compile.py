@@ -57,7 +57,6 @@ def compile_main(args: argparse.Namespace) -> int:
             _write_json(args.json, {"config": args.config, "target": target.name, "fit": fit})
             print(f"ict-jax compile: no setting tried fits {target.name}", file=sys.stderr)
             return EXIT_DOES_NOT_FIT
-        cfg = cfg.replace(**result.best.overrides)
         reports, mesh, source = result.reports, result.mesh, result.model_source
     else:
         reports, source = compile_run(cfg, target, programs, dump_dir=args.dump_hlo)

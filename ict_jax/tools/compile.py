@@ -258,7 +258,8 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
     plan = StepPlan.from_config(cfg, make_optimizer(cfg), batch_shards=batch_shards)
     pass_rows = P * G // old_pass_chunks(plan, P)  # at least a micro-batch's rows
     # element counts of the stacked [layers, ...] weights, whole or with the tensor axis still split
-    stacked = {n // d for n in _stacked_sizes(state.params, mc.num_layers, mc.hidden_size) for d in (1, mesh.shape["tensor"])}
+    stacked = {n // d for n in _stacked_sizes(state.params, mc.num_layers, mc.hidden_size)
+               for d in (1, mesh.shape["tensor"])}
     common = dict(num_layers=mc.num_layers, vocab=mc.vocab_size, stacked=stacked, state_bytes=state_bytes,
                   batch_shards=batch_shards, tensor=mesh.shape["tensor"], prompt_len=Lp, new_tokens=N)
     out = []
@@ -429,7 +430,7 @@ def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *
     t0 = time.perf_counter()
     try:
         compiled = lowered.compile()
-    except Exception as e:  # noqa: BLE001 - only an out-of-memory failure is a result; the rest re-raise
+    except Exception as e:  # only an out-of-memory failure is a result; anything else re-raises
         rep.compile_s = time.perf_counter() - t0
         text = str(e)
         if "RESOURCE_EXHAUSTED" not in text:

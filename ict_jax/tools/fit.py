@@ -24,8 +24,17 @@ from typing import Any, Callable, Sequence
 from ict_jax.config import Config
 from ict_jax.model.config import ModelConfig
 from ict_jax.sharding import make_mesh
-from ict_jax.tools.compile import (CHIP_SPECS, PROGRAMS, ProgramReport, Target, build_programs, compile_program,
-                                   fmt_bytes, prompt_len, target_model_config)
+from ict_jax.tools.compile import (
+    CHIP_SPECS,
+    PROGRAMS,
+    ProgramReport,
+    Target,
+    build_programs,
+    compile_program,
+    fmt_bytes,
+    prompt_len,
+    target_model_config,
+)
 
 REMATS = ("none", "block", "full")
 CHUNKS = (128, 64, 32)
@@ -107,7 +116,7 @@ def estimate_memory(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> dict[st
              "full": T * cb * D}[ov["model.remat"]]
     layer_work = max(rows * (heads * T * T * (8 + cb) + T * f_loc * cb * 4 + T * D * 4 * 4),  # a backward
                      old_rows * (heads * T * T * (4 + cb) + T * f_loc * cb * 3 + T * D * 4 * 3))  # a no-grad forward
-    head = rows * ov["stats.chunk"] * V / tensor * 4 * 5 + V * D * cb / (tensor if tensor > 1 else 1)
+    head = rows * ov["stats.chunk"] * V / tensor * 4 * 5 + V * D * cb / tensor
     grads = weight_shard * 4 * 4  # accumulator, a micro-batch's gradient, the optimizer's update temporaries
     per_token = P * G / shards * N * 4 * 24  # logp_old/ref, u, masks, statistics of the whole rollout batch
     gathered = 2 * _layer_params(mc) / tensor * cb
@@ -198,8 +207,9 @@ def candidate_settings(cfg: Config, mc: ModelConfig, chips: int) -> list[dict[st
 def search(cfg: Config, target: Target, *, programs: Sequence[str] = PROGRAMS, max_compiles: int = 4,
            headroom: float = 0.05, log: Callable[[str], None] | None = None) -> FitResult:
     """The cheapest candidate (estimated step time) whose programs all compile and leave ``headroom``
-    (a fraction of the HBM) free on ``target``. Candidates estimated more than 10% above that budget
-    are skipped without compiling."""
+    (a fraction of the HBM) free on ``target``. Until a compile has missed, candidates estimated up to
+    10% above that budget are compiled (the estimate errs both ways); after a miss, only those whose
+    estimate, scaled by the largest measured / estimated ratio so far, is within the budget."""
     log = log or (lambda line: None)
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom {headroom}: must be in [0, 1)")
@@ -214,11 +224,11 @@ def search(cfg: Config, target: Target, *, programs: Sequence[str] = PROGRAMS, m
     scored.sort(key=lambda c: (c.seconds, c.memory))
     log(f"--fit: {len(scored)} settings of (mesh, micro_batches, remat, stats.chunk) on {target.name}; "
         f"cheapest first, compiled to confirm (at most {max_compiles})")
-    scale, tried = 1.0, []
+    scale, slack, tried = 1.0, 1.1, []
     for cand in scored:
         if len(tried) >= max_compiles:
             break
-        if budget is not None and cand.memory * scale > 1.1 * budget:
+        if budget is not None and cand.memory * scale > slack * budget:
             continue
         trial = cfg.replace(**cand.overrides)
         mc = mc0.replace(remat=cand.overrides["model.remat"])
@@ -243,8 +253,8 @@ def search(cfg: Config, target: Target, *, programs: Sequence[str] = PROGRAMS, m
             f"({verdict}), {sum(r.compile_s for r in reports):.0f} s")
         if ok:
             return FitResult(target.name, cand, tried, reports, dict(mesh.shape), source, len(scored), headroom)
-        if measured and est:
-            scale = max(scale, measured / est)
+        if measured and est:  # the estimate was off: trust it less from here on
+            scale, slack = max(scale, measured / est), 1.0
     return FitResult(target.name, None, tried, [], {}, source, len(scored), headroom)
 
 

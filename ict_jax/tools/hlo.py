@@ -206,7 +206,7 @@ def collectives(module: HloModule, mult: dict[str, int] | None = None) -> list[C
     mult = mult if mult is not None else multiplicity(module)[0]
     out = []
     for comp, ins in module.instructions():
-        op = ins.opcode[:-len("-start")] if ins.opcode.endswith("-start") else ins.opcode
+        op = ins.opcode.removesuffix("-start")
         if op not in COLLECTIVES or not ins.arrays:
             continue
         arrays = ins.arrays
