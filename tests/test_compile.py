@@ -256,7 +256,7 @@ def _cli(argv, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--topology", "v9:2x2"], "'v9:2x2' is not a TPU topology name"),
-    (["mesh.fsdp=3"], "does not divide the 8 devices"),
+    (["mesh.data=-1", "mesh.fsdp=3"], "does not divide the 8 devices"),
     (["--program", "step", "train.micro_batches=3"], "train.micro_batches: 3 does not divide"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
