@@ -210,8 +210,10 @@ def collectives(module: HloModule, mult: dict[str, int] | None = None) -> list[C
         if op not in COLLECTIVES or not ins.arrays:
             continue
         arrays = ins.arrays
-        if ins.opcode.endswith("-start") and len(arrays) > 1:  # (operands..., results...): keep the results
+        if ins.opcode == "all-gather-start" and len(arrays) > 1:  # (operands..., results...)
             arrays = arrays[len(arrays) // 2:]
+        elif ins.opcode == "collective-permute-start" and len(arrays) > 1:  # (operand, result, context...)
+            arrays = arrays[1:2]
         out.append(Collective(op=op, result=max(arrays, key=lambda a: a.bytes), bytes=sum(a.bytes for a in arrays),
                               computation=comp, runs=mult.get(comp, 0)))
     return out
