@@ -91,7 +91,7 @@ ENTRY %main (x: f32[8,16], y: bf16[4,1000]) -> f32[8,16] {
   %rs = f32[2,16]{1,0} reduce-scatter(%x), channel_id=5, dimensions={0}, to_apply=%add
   %ars = (f32[8,16]{1,0}, bf16[4,1000]{1,0}) all-reduce-start(%x, %y), channel_id=6, to_apply=%add
   %ard = (f32[8,16]{1,0}, bf16[4,1000]{1,0}) all-reduce-done(%ars)
-  %cps = (f32[8,16]{1,0}, f32[8,16]{1,0}, u32[], u32[]) collective-permute-start(%x), channel_id=7, source_target_pairs={{0,1}}
+  %cps = (f32[8,16]{1,0}, f32[8,16]{1,0}, u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1}}
   %cpd = f32[8,16]{1,0} collective-permute-done(%cps)
   %z = s32[] constant(0)
   %t = (s32[], f32[8,16]{1,0}) tuple(%z, %x)
@@ -110,7 +110,7 @@ def test_hlo_reader_counts_loops_collectives_and_parameters():
     # outer loop 5 x inner loop 3; the decode loop's trip count is data-dependent: counted once
     assert (mult["outer_body"], mult["inner_body"], mult["inner_cond"], mult["decode_body"]) == (5, 15, 15, 1)
     assert unknown == 1
-    assert mult["add"] == 15 + 1 + 1  # to_apply of the inner all-reduce (15 runs), the reduce-scatter and the async all-reduce
+    assert mult["add"] == 15 + 1 + 1  # to_apply of the inner all-reduce (15 runs), reduce-scatter, async all-reduce
     s = hlo.summarize_collectives(hlo.collectives(m, mult))
     # all-gather: one in the inner body (15 runs of 32x16 f32 = 2 KiB) + the async start (its result only)
     assert s["all-gather"] == {"count": 2, "runs": 16, "bytes": 16 * 32 * 16 * 4, "largest": 32 * 16 * 4}
