@@ -227,6 +227,13 @@ def per_device_bytes(tree: Any) -> int:
     return total
 
 
+def stats_block(positions: int, chunk: int) -> int:
+    """Positions in one block of the vocabulary statistics (``rl.token_stats``: blocks of at most
+    ``chunk`` positions, evened out: 96 positions at chunk 64 run 2 blocks of 48)."""
+    n = -(-positions // chunk)
+    return -(-positions // n)
+
+
 def _stacked_sizes(params: Any, num_layers: int, hidden: int) -> set[int]:
     """Element counts of the weight matrices stacked on a leading ``layers`` axis (per layer more than
     ``hidden`` elements: norms and biases, a few KiB, are left out)."""
@@ -260,7 +267,8 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
     # element counts of the stacked [layers, ...] weights, whole or with the tensor axis still split
     stacked = {n // d for n in _stacked_sizes(state.params, mc.num_layers, mc.hidden_size)
                for d in (1, mesh.shape["tensor"])}
-    common = dict(num_layers=mc.num_layers, vocab=mc.vocab_size, stacked=stacked, state_bytes=state_bytes,
+    common = dict(num_layers=mc.num_layers, vocab=mc.vocab_size, hidden=mc.hidden_size, devices=mesh.size,
+                  stacked=stacked, state_bytes=state_bytes,
                   batch_shards=batch_shards, tensor=mesh.shape["tensor"], prompt_len=Lp, new_tokens=N)
     out = []
     for name in names:
@@ -269,7 +277,8 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
             batch = abstract_batch(cfg, mesh)
             out.append(Program("step", lambda step=step, batch=batch: step.lower(state, batch, ref), resident=0,
                                expected_args=per_device_bytes((state, batch, ref)),
-                               info=dict(common, rows=pass_rows // batch_shards, positions=N, chunk=cfg.stats.chunk)))
+                               info=dict(common, rows=pass_rows // batch_shards, positions=N,
+                                         block=stats_block(N, cfg.stats.chunk))))
         elif name in ("generate", "eval"):
             ev = name == "eval"
             d, r = cfg.data, cfg.rollout
@@ -291,7 +300,7 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
             kv_dtype = jnp.dtype(kv or mc.resolved_compute_dtype())
             out.append(Program(name, lower, resident=state_bytes["opt_state"] + state_bytes["ref"],
                                expected_args=per_device_bytes((state.params, ids, ids, key)),
-                               info=dict(common, rows=P * g // batch_shards, positions=N, cache_slots=Lp + N - 1,
+                               info=dict(common, rows=P * g // batch_shards, positions=N, block=1, cache_slots=Lp + N - 1,
                                          kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim,
                                          kv_bytes=kv_dtype.itemsize)))
         else:
@@ -359,9 +368,10 @@ def discipline_checks(program: Program, module: hlo.HloModule, items: list[hlo.C
 
     - ``arguments``: the program's per-device parameters hold exactly the bytes of the inputs' shards
       (so the parameters, the optimizer state and the reference are held 1/fsdp a device);
-    - ``no [rows, T, V]``: no array in the program with a vocabulary dimension holds as many vocabulary
-      rows as the dense logits of a micro-batch's response positions (step: the statistics work in
-      blocks of ``stats.chunk`` positions; generate: one decode step's ``[rows, V]``);
+    - ``no [rows, T, V]``: no array with a vocabulary dimension (the embedding, the unembedding and
+      their gradients aside) holds more vocabulary rows than one block of the statistics,
+      ``[rows, stats.chunk positions, V]`` (step), or one decode step's ``[rows, V]`` (samplers): the
+      dense logits of a batch's response positions never exist;
     - ``layer-wise gathers`` (step): no all-gather returns a stacked ``[layers, ...]`` weight: FSDP
       gathers one layer at a time inside the layer scan; the largest all-gather is at most the
       embedding or one layer's weights;
@@ -373,19 +383,26 @@ def discipline_checks(program: Program, module: hlo.HloModule, items: list[hlo.C
     checks = [Check("arguments", taken == program.expected_args,
                     f"{fmt_bytes(taken)} of parameters a device ({fmt_bytes(arguments)} with layout padding) vs "
                     f"{fmt_bytes(program.expected_args)} from the shardings")]
-    V = i["vocab"]
+    V, D = i["vocab"], i["hidden"]
     widths = {V, V // i["tensor"] if V % i["tensor"] == 0 else V}  # whole, or split over the tensor axis
+    shards = {D // k for k in range(1, i["devices"] + 1) if D % k == 0 and i["devices"] % k == 0}
 
     def vocab_rows(a: hlo.Array) -> int:  # the array as [vocabulary rows, V]
         return a.elements // max(w for w in widths if w in a.dims)
 
-    hits = [a for w in widths for a, _, _ in hlo.arrays_with_dim(module, w)]
+    def weight(a: hlo.Array) -> bool:  # the (un)embedding or its gradient: [V, D] or a shard, maybe reshaped
+        return vocab_rows(a) in shards
+
+    hits = [a for w in widths for a, _, _ in hlo.arrays_with_dim(module, w) if not weight(a)]
     biggest = max(hits, key=vocab_rows, default=None)
     n = vocab_rows(biggest) if biggest is not None else 0
-    dense = i["rows"] * i["positions"]
-    checks.append(Check("no [rows, T, V]", n < dense,
-                        f"largest vocabulary-wide array {biggest if biggest is not None else '-'}: {n:,} vocabulary "
-                        f"rows vs [{i['rows']} rows x {i['positions']} positions] = {dense:,} for dense logits"))
+    block = i["block"]  # positions a statistics block holds (1: a decode step)
+    what = (f"a statistics block [{i['rows']} rows x {block} positions]" if block > 1
+            else f"one decode step's [{i['rows']} rows]")
+    dense = f"; stats.chunk covers all {i['positions']} positions" if block >= i["positions"] else ""
+    checks.append(Check("no [rows, T, V]", n <= i["rows"] * block,
+                        f"largest vocabulary-wide array (weights aside) {biggest if biggest is not None else '-'}: "
+                        f"{n:,} vocabulary rows; at most {what} = {i['rows'] * block:,}{dense}"))
     if program.name == "step":
         L = i["num_layers"]
         stacked = [c for c in _gathers(items) if c.result.dims[:1] == (L,) and c.result.elements in i["stacked"]]
