@@ -2,7 +2,7 @@
 (libtpu, the ``tpu`` extra) on a CPU machine, nothing run (``ict-jax compile``).
 
     python benchmarks/tpu_compile.py run [NAME ...]   # compile the listed jobs (default: those not yet logged)
-    python benchmarks/tpu_compile.py tables           # docs/tpu.md's tables from the log
+    python benchmarks/tpu_compile.py tables           # every logged compile as one markdown table (per-chip GiB)
 
 Every compile appends one JSON line to benchmarks/results/tpu_compile.jsonl: the job, the command line
 that reproduces it, the date, the machine's load average before and after (compile times on a shared
@@ -106,23 +106,38 @@ def _g(n: int | None) -> str:
     return "-" if n is None else f"{n / GIB:.2f}"
 
 
+def _settings(command: str) -> str:
+    keys = ("mesh.data=", "mesh.fsdp=", "mesh.tensor=", "train.micro_batches=", "model.remat=", "stats.chunk=")
+    return ", ".join(o for o in command.split() if o.startswith(keys)) or "as shipped"
+
+
+def rows(rec: dict) -> list[dict]:
+    """One row per program of a logged compile: per-chip GiB (arguments from the shardings when the
+    compiler refused the program: it reports only its temporaries then)."""
+    rep = rec["report"] or {}
+    out = []
+    for p in rep.get("programs", []):
+        args = p["arguments"] if p["arguments"] is not None else p["expected_arguments"]
+        live = p["live"] if p["live"] is not None else (
+            None if p["temporaries"] is None else args + p["temporaries"] + p["resident"])
+        out.append({"job": rec["job"], "slice": rep["target"], "mesh": rep.get("mesh") or {}, "program": p["program"],
+                    "settings": _settings(rec["command"]), "arguments": _g(args), "temporaries": _g(p["temporaries"]),
+                    "live": ("" if p["compiled"] else ">= ") + _g(live), "hbm": _g(p["hbm"]),
+                    "fits": "yes" if p["fits"] else "NO", "compile_s": f"{p['compile_s']:.0f}",
+                    "load": rec["load_before"].split()[0]})
+    return out
+
+
 def tables() -> None:
-    recs = logged()
-    print("| job | slice | mesh (data x fsdp x tensor) | micro-batches, remat, chunk | program | arguments | "
-          "temporaries | live | HBM | fits | compile s | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, rec in recs.items():
-        rep = rec["report"]
-        if rep is None:
-            continue
-        settings = " ".join(o.split("=", 1)[1] for o in rec["command"].split() if o.startswith(
-            ("train.micro_batches=", "model.remat=", "stats.chunk="))) or "recipe"
-        mesh = rep.get("mesh") or {}
-        for p in rep.get("programs", []):
-            print(f"| {name} | {rep['target']} | {mesh.get('data', '?')} x {mesh.get('fsdp', '?')} x "
-                  f"{mesh.get('tensor', '?')} | {settings} | {p['program']} | {_g(p['arguments'])} | "
-                  f"{_g(p['temporaries'])} | {_g(p['live'])} | {_g(p['hbm'])} | {'yes' if p['fits'] else 'NO'} | "
-                  f"{p['compile_s']:.0f} | {rec['load_before']} |")
+    cols = ("job", "slice", "mesh", "settings", "program", "arguments", "temporaries", "live", "hbm", "fits",
+            "compile_s", "load")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for rec in logged().values():
+        for r in rows(rec):
+            m = r["mesh"]
+            r["mesh"] = f"{m.get('data', '?')} x {m.get('fsdp', '?')} x {m.get('tensor', '?')}"
+            print("| " + " | ".join(str(r[c]) for c in cols) + " |")
 
 
 def main_cli(argv: list[str] | None = None) -> int:
