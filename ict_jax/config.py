@@ -66,11 +66,32 @@ class ModelSection:
     tokenizer: str | None = None
 
 
+#: TPU generations whose topology names ``mesh.target`` accepts, with the number of dimensions of
+#: their names in libtpu's notation (``v5e:2x4``, ``v5p:2x2x1``; docs/tpu.md).
+TPU_GENERATIONS: dict[str, int] = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
+
+
+def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
+    """``"v5e:2x4"`` -> ``("v5e", (2, 4))``: a TPU slice named as libtpu names it (generation, then
+    the chip grid). Raises :class:`ConfigError` naming the generations and the form."""
+    gen, sep, dims = str(name).partition(":")
+    n = TPU_GENERATIONS.get(gen)
+    parts = dims.split("x") if sep else []
+    if n is None or len(parts) != n or not all(p.isdigit() and int(p) > 0 for p in parts):
+        forms = ", ".join(f"{g}:{'x'.join(['A'] * k)}" for g, k in TPU_GENERATIONS.items())
+        raise ConfigError(f"{name!r} is not a TPU topology name; expected one of the forms {forms} "
+                          "(e.g. v5e:2x4, v5p:2x2x1)")
+    return gen, tuple(int(p) for p in parts)
+
+
 @dataclass(frozen=True)
 class MeshSection:
     data: int = -1  # -1 = the rest of the devices
     fsdp: int = 1
     tensor: int = 1
+    # the TPU slice the recipe is sized for (a topology name, e.g. "v5e:2x4"); `ict-jax compile` checks
+    # it by default; None = no target (compile for the local devices)
+    target: str | None = None
 
 
 @dataclass(frozen=True)
@@ -459,6 +480,11 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"mesh.{name}: {v} is not allowed; use a positive size or -1 (the rest)")
     if sum(getattr(cfg.mesh, n) == -1 for n in ("data", "fsdp", "tensor")) > 1:
         raise ConfigError("mesh: at most one of data, fsdp, tensor may be -1")
+    if cfg.mesh.target is not None:
+        try:
+            parse_topology(cfg.mesh.target)
+        except ConfigError as e:
+            raise ConfigError(f"mesh.target: {e}") from None
     s = cfg.rl.selector
     if s.rho is not None:
         _check_fraction("rl.selector.rho", s.rho)
@@ -472,10 +498,11 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"train.mini_batches: {t.mini_batches} does not divide train.prompts_per_step={t.prompts_per_step} "
             "(groups never split across mini-batches)")
-    if (t.prompts_per_step // t.mini_batches) % t.micro_batches:
+    rows = t.prompts_per_step // t.mini_batches * cfg.rollout.num_samples
+    if rows % t.micro_batches:
         raise ConfigError(
-            f"train.micro_batches: {t.micro_batches} does not divide the {t.prompts_per_step // t.mini_batches} "
-            "prompts of a mini-batch (groups never split across micro-batches)")
+            f"train.micro_batches: {t.micro_batches} does not divide the {rows} rows "
+            f"({t.prompts_per_step // t.mini_batches} prompts x {cfg.rollout.num_samples} samples) of a mini-batch")
     for k in cfg.data.eval_k:
         if k < 1 or k > cfg.data.eval_n:
             raise ConfigError(f"data.eval_k: {k} must be between 1 and data.eval_n={cfg.data.eval_n}")

@@ -21,7 +21,7 @@ from ict_jax.model.qwen2 import Qwen2
 from ict_jax.sharding import check_prompts_divide, make_mesh
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import TrainState, make_optimizer
-from ict_jax.rl.train_step import make_train_step
+from ict_jax.rl.train_step import check_batch_geometry, make_train_step
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 SIZES = ("0p5b", "1p5b", "7b")
@@ -114,13 +114,14 @@ def test_recipes_of_one_model_differ_only_in_the_method(family):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_geometry_fits_eight_devices(name, devices8):
-    """The recipe's mesh builds on 8 devices and its micro-batches split into whole groups per shard,
-    as the train step checks before running (train_step.make_train_step)."""
+    """The recipe's mesh builds on 8 devices, its mini-batches hold whole groups per shard and its
+    micro-batches as many rows on every shard, as the train step checks before running
+    (rl.train_step.check_batch_geometry; on the recipe's own TPU slice: tests/test_compile.py)."""
     cfg = _load(name)
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices8)
-    t = cfg.train
-    fused = t.mini_batches == 1 and t.micro_batches == 1
-    check_prompts_divide(t.prompts_per_step // (1 if fused else t.mini_batches * t.micro_batches), mesh)
+    t, G = cfg.train, cfg.rollout.num_samples
+    check_prompts_divide(t.prompts_per_step, mesh)  # the sampler
+    check_batch_geometry(t.prompts_per_step * G, G, t.mini_batches, t.micro_batches, mesh)  # the train step
     # every rollout at full length fits the model's position budget the recipe implies
     assert cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens <= 32768
 

@@ -139,6 +139,66 @@ def test_eight_devices_full_matrix(method, agg, devices8):
     assert m8["mask/selected_frac"] == m1["mask/selected_frac"]
 
 
+# Micro-batches smaller than a group (issue 15): the no-grad statistics pass fixes the mask and every
+# denominator over the mini-batch first, so any split of its rows gives the mini-batch's gradient. The
+# old code refused these (whole groups per micro-batch and per shard).
+@pytest.mark.parametrize("method", ["ict"] + [pytest.param(m, marks=pytest.mark.slow) for m in ("entropy", "stapo", "dense")])
+def test_micro_batches_smaller_than_a_group_give_the_same_gradients(method):
+    agg = METHOD_AGG[method]
+    d1, m1 = _cached_delta(method, agg, 1)
+    for micro in (8, 16):  # 2 rows (half a group of G = 4), then 1 row per micro-batch
+        d, m = _cached_delta(method, agg, micro)
+        _assert_close_trees(d, d1)
+        np.testing.assert_allclose(m["loss/total"], m1["loss/total"], rtol=1e-5, atol=1e-7)
+        assert m["mask/selected_frac"] == m1["mask/selected_frac"]
+        for k in ("stats/js_mean", "stats/H1_mean"):  # u still compares each rollout with its whole group
+            np.testing.assert_allclose(m[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("method, micro", [("ict", 4), pytest.param("ict", 2, marks=pytest.mark.slow),
+                                           pytest.param("entropy", 4, marks=pytest.mark.slow)])
+def test_part_of_a_group_per_shard_on_eight_devices(method, micro, devices8):
+    """(data 2, fsdp 2, tensor 2): 4 batch shards; 4 micro-batches of 4 rows = one group of 4 spread
+    over the 4 shards (a quarter of a group a shard); 2 micro-batches = half a group a shard."""
+    agg = METHOD_AGG[method]
+    d1, m1 = _cached_delta(method, agg, 1)
+    d8, m8 = _param_delta(_config(method, agg, micro), ict_jax.make_mesh(data=2, fsdp=2, tensor=2))
+    _assert_close_trees(d8, d1)
+    np.testing.assert_allclose(m8["loss/total"], m1["loss/total"], rtol=1e-5, atol=1e-7)
+    assert m8["mask/selected_frac"] == m1["mask/selected_frac"]
+
+
+def test_old_pass_chunks_keep_whole_groups_per_shard():
+    from ict_jax.rl.train_step import StepPlan, old_pass_chunks
+
+    def plan(mini, micro, shards):
+        return StepPlan.from_config(_config("ict", "token-mean", micro, f"train.mini_batches={mini}",
+                                            f"train.prompts_per_step={4 * mini}"), optax.sgd(0.1), batch_shards=shards)
+
+    # (prompts, mini, micro, shards) -> chunks of the old-policy pass: mini x the largest k <= micro
+    # with whole groups per chunk and per shard
+    assert old_pass_chunks(plan(1, 4, 1), 4) == 4  # micro-batches of one group: as before
+    assert old_pass_chunks(plan(1, 16, 1), 4) == 4  # quarter groups: chunks of one group
+    assert old_pass_chunks(plan(1, 4, 4), 4) == 1  # a group over 4 shards: one chunk of 4 groups
+    assert old_pass_chunks(plan(2, 2, 2), 8) == 4  # 4 groups a mini-batch over 2 shards: 2 chunks each
+    assert old_pass_chunks(plan(4, 8, 8), 128) == 16  # 32 prompts a mini-batch on 8 shards: k = 4, not 8
+
+
+def test_batch_geometry_errors_name_the_setting(devices8):
+    from ict_jax.rl.train_step import check_batch_geometry
+
+    mesh = ict_jax.make_mesh(data=2, fsdp=2, tensor=2)  # 4 batch shards
+    check_batch_geometry(16, 4, 1, 4, mesh)  # 4 rows a micro-batch: one a shard
+    with pytest.raises(ValueError, match="train.micro_batches=3 equal micro-batches"):
+        check_batch_geometry(16, 4, 1, 3, None)
+    with pytest.raises(ValueError, match="a micro-batch of 2 rows cannot be split over .* 4 batch shards"):
+        check_batch_geometry(16, 4, 1, 8, mesh)
+    with pytest.raises(ValueError, match="groups never straddle a shard"):  # the old-policy pass needs whole groups
+        check_batch_geometry(24, 4, 1, 2, mesh)  # 6 prompts over 4 shards
+    with pytest.raises(ValueError, match="train.mini_batches=3 mini-batches of whole groups"):
+        check_batch_geometry(16, 4, 3, 1, None)
+
+
 @pytest.mark.parametrize("method", ["dense", pytest.param("random", marks=pytest.mark.slow)])
 def test_one_pass_head_gives_the_two_pass_gradients(method, monkeypatch):
     """kl_coef = 0, one micro-batch: d loss / d logp is known before the forward pass and the step

@@ -4,7 +4,9 @@ library modules. User errors (bad config, missing files, bad shapes) print one l
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
+import importlib.util
 import logging
 import os
 import re
@@ -28,6 +30,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "inspect": ("ict_jax.cli.inspect", "add_inspect_args", "inspect_main", "HTML page of a group's tokens: JS/H1/H2, ICT/entropy/STAPO masks"),
     "diagnose": ("ict_jax.cli.diagnose", "add_diagnose_args", "diagnose_main",
                  "the paper's token diagnostics of every reading of u and every selector on a real model"),
+    "compile": ("ict_jax.cli.compile", "add_compile_args", "compile_main",
+                "compile a run's programs for a TPU slice (or the local devices) without running: memory, fit, collectives"),
 }
 
 
@@ -81,9 +85,32 @@ def quiet_library_logs() -> None:
         absl_logging.set_verbosity(absl_logging.ERROR)
     except ImportError:
         pass
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips on the PCI bus (what JAX's own TPU detection reads)
+
+
+def skip_absent_tpu() -> bool:
+    """With libtpu installed (the ``tpu`` extra, e.g. for ``ict-jax compile``) on a machine without TPU
+    chips or NVIDIA GPUs, JAX would still start the TPU runtime, which prints several lines of warnings
+    (TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES) on every command before falling back to the CPU. Then
+    (and only when ``JAX_PLATFORMS`` is unset) set ``JAX_PLATFORMS=cpu``: the same devices, no noise.
+    Compiling for a TPU topology works either way. Returns True when it set it (docs/tpu.md)."""
+    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+        return False
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                    return False
+        except OSError:
+            continue
+    if any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")):
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    skip_absent_tpu()
     parser = build_parser()
     argv = join_negative_values(sys.argv[1:] if argv is None else argv)
     # KEY=VALUE overrides may come anywhere, also after options (argparse alone stops at the first option)

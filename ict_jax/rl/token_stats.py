@@ -47,7 +47,7 @@ _ALL = ALL_STATS
 DEFAULT_COMPUTE = ("logp", "H1", "H2", "js")
 #: The readings of u (docs/method.md §1); ``config.UForm`` lists the same names.
 U_FORMS = ("aligned", "loo", "literal", "pooled")
-_GROUP_STATS = frozenset({"js", "pbar_tok"})  # statistics that need Q (the group's distributions)
+GROUP_STATS = frozenset({"js", "pbar_tok"})  # statistics that need Q (the group's distributions)
 _LN2 = 0.6931471805599453
 
 
@@ -150,15 +150,15 @@ def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: 
     if "pmax" in want:
         out["pmax"] = 1.0 / S  # the largest e is exp(0) = 1
     p = None
-    if with_p or want & ({"H1", "H2"} | _GROUP_STATS):
+    if with_p or want & ({"H1", "H2"} | GROUP_STATS):
         p = e * (1.0 / S)[..., None]
-        if want & ({"H1"} | _GROUP_STATS):
+        if want & ({"H1"} | GROUP_STATS):
             logp_v = _safe_log(p)
         if "H1" in want:
             out["H1"] = -jnp.sum(p * logp_v, axis=-1)
         if "H2" in want:
             out["H2"] = -jnp.log(jnp.sum(p * p, axis=-1))
-        if want & _GROUP_STATS:
+        if want & GROUP_STATS:
             P = B // group_size
             w = valid.astype(jnp.float32).reshape(P, group_size, C)
             pg = p.reshape(P, group_size, C, V)
@@ -249,7 +249,7 @@ def stats_from_logits(
     z = jnp.where(valid[..., None], z, 0.0)  # padding positions may hold anything, even all -inf
     want = frozenset(compute)
     zs = lax.stop_gradient(z)
-    qpool = _pooled_q(*_pooled_sum(zs, valid, group_size)) if u_form == "pooled" and want & _GROUP_STATS else None
+    qpool = _pooled_q(*_pooled_sum(zs, valid, group_size)) if u_form == "pooled" and want & GROUP_STATS else None
     # logp through autodiff; the rest from stop-gradient logits.
     logp = _block_stats(z, tokens, valid, group_size, want & {"logp"})[1]
     rest = _block_stats(zs, tokens, valid, group_size, want - {"logp"}, u_form=u_form, qpool=qpool)[2:]
@@ -315,7 +315,7 @@ def _scan_pooled(hb, vb, unembed_t, group_size: int, temperature: float):
 
 
 def _needs_pool(want, u_form: str) -> bool:
-    return u_form == "pooled" and bool(want & _GROUP_STATS)
+    return u_form == "pooled" and bool(want & GROUP_STATS)
 
 
 def _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form="aligned"):

@@ -16,6 +16,13 @@
     accumulated. :func:`apply_update` applies one AdamW update (global-norm clipping first); a
     non-finite loss or gradient skips that update (``train/skipped``).
 
+Micro-batches may hold part of a group: once the statistics pass has fixed the mask and every
+denominator over the whole mini-batch, a micro-batch's loss is a partial sum over its rows, whatever
+rows they are. Only u (ICT's score, from the old-policy pass) compares a rollout with its group: that
+pass runs in chunks of whole groups, whole groups per shard (:func:`old_pass_chunks`). A micro-batch
+then needs only as many rows as the mesh has batch shards (:func:`check_step_inputs`), e.g. 4 rows of
+a group of 8 per chip (docs/tpu.md: the 7B recipe).
+
 Statistics never materialise float32 ``[B, T, V]`` logits: hidden states go to
 :func:`ict_jax.stats_from_hidden` (blocks of ``stats.chunk`` positions).
 
@@ -48,7 +55,12 @@ from ict_jax.rl.losses import LossDenominators, loss_denominators, policy_loss
 from ict_jax.rl.metrics import step_metrics
 from ict_jax.rl.selectors import select
 from ict_jax.rl.state import TrainState, make_optimizer
-from ict_jax.rl.token_stats import TokenStats, stats_and_surrogate, stats_from_hidden
+from ict_jax.rl.token_stats import (
+    GROUP_STATS,
+    TokenStats,
+    stats_and_surrogate,
+    stats_from_hidden,
+)
 from ict_jax.sharding import batch_sharding, check_prompts_divide, replicated
 
 F32 = jnp.float32
@@ -78,15 +90,16 @@ class StepPlan:
     need_js: bool  # u is needed: a mask that reads u (ict, frequent, selectable), or the §5 js metrics
     tx: optax.GradientTransformation
     u_form: str = "aligned"  # the reading of u (docs/method.md §1, stats.u_form)
+    batch_shards: int = 1  # data x fsdp of the mesh the step runs on
 
     @classmethod
-    def from_config(cls, config: Config, tx: optax.GradientTransformation) -> StepPlan:
+    def from_config(cls, config: Config, tx: optax.GradientTransformation, batch_shards: int = 1) -> StepPlan:
         method = config.rl.selector.canonical_method
         return cls(group_size=config.rollout.num_samples, method=method, selector=config.rl.selector,
                    loss=config.rl.loss, mini_batches=config.train.mini_batches,
                    micro_batches=config.train.micro_batches, temperature=config.stats_temperature,
                    chunk=config.stats.chunk, need_js=method in _U_SELECTORS or config.stats.js_metrics, tx=tx,
-                   u_form=config.stats.u_form)
+                   u_form=config.stats.u_form, batch_shards=batch_shards)
 
     @property
     def fused(self) -> bool:
@@ -116,7 +129,7 @@ class StepPlan:
 # Pieces
 # ------------------------------------------------------------------------------------------------
 def _split(x: Any, n: int) -> Any:
-    """[B, ...] -> [n, B/n, ...] for every leaf (contiguous: whole groups stay together)."""
+    """[B, ...] -> [n, B/n, ...] for every leaf (contiguous rows; whole groups when n divides the groups)."""
     return jax.tree.map(lambda a: a.reshape((n, a.shape[0] // n) + a.shape[1:]), x)
 
 
@@ -148,8 +161,11 @@ def head_inputs(params: Any, graphdef: Any, mb: RolloutBatch) -> tuple[jax.Array
 
 def batch_stats(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
                 compute: tuple[str, ...]) -> TokenStats:
-    """The docs/method.md §1 statistics ``compute`` of ``mb`` under ``params`` (blocks of positions)."""
-    return stats_from_hidden(*head_inputs(params, graphdef, mb), valid, group_size=plan.group_size,
+    """The docs/method.md §1 statistics ``compute`` of ``mb`` under ``params`` (blocks of positions).
+    Only the group statistics (u = ``js``, ``pbar_tok``) read the group; without them ``mb`` may hold
+    part of a group."""
+    group = plan.group_size if GROUP_STATS & set(compute) else 1
+    return stats_from_hidden(*head_inputs(params, graphdef, mb), valid, group_size=group,
                              temperature=plan.temperature, chunk=plan.chunk, compute=compute, u_form=plan.u_form)
 
 
@@ -214,6 +230,18 @@ def one_pass_surrogate(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBa
 # ------------------------------------------------------------------------------------------------
 # The schedules of docs/method.md §4
 # ------------------------------------------------------------------------------------------------
+def old_pass_chunks(plan: StepPlan, num_prompts: int) -> int:
+    """Chunks of the old-policy and reference passes over a rollout batch of ``num_prompts`` groups:
+    ``mini_batches x k``, k the largest count up to ``micro_batches`` that cuts a mini-batch into whole
+    groups, whole groups per batch shard (u compares a rollout with its group). k = ``micro_batches``
+    whenever the micro-batches hold whole groups per shard; fewer, larger chunks otherwise (no-grad
+    passes keep no activations for a backward pass)."""
+    per_mini = num_prompts // plan.mini_batches
+    k = max((d for d in range(1, plan.micro_batches + 1)
+             if per_mini % d == 0 and (per_mini // d) % plan.batch_shards == 0), default=1)
+    return plan.mini_batches * k
+
+
 def old_policy_pass(plan: StepPlan, params: Any, ref_params: Any, graphdef: Any, batch: RolloutBatch,
                     valid: jax.Array) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
     """docs/method.md §4 (a)-(b): ``(logp_old, logp_ref, u_old)`` over the whole rollout batch, each
@@ -222,7 +250,7 @@ def old_policy_pass(plan: StepPlan, params: Any, ref_params: Any, graphdef: Any,
     With kl_coef > 0 the reference pass gives logp_ref. Unless fused, the no-grad old-policy pass gives
     logp_old and u (u only where needed); ``old_logp: sampler`` takes logp_old from the sampler. Fused
     and not from the sampler, logp_old is None: the gradient forward gives it."""
-    n = plan.mini_batches * plan.micro_batches
+    n = old_pass_chunks(plan, batch.tokens.shape[0] // plan.group_size)
     logp_ref = None
     if plan.use_kl:
         logp_ref = nograd_stats(plan, ref_params, graphdef, batch, valid, ("logp",), n).logp
@@ -338,19 +366,38 @@ def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: 
 # ------------------------------------------------------------------------------------------------
 def check_step_inputs(plan: StepPlan, mesh: jax.sharding.Mesh | None, batch: RolloutBatch,
                       ref_params: Any) -> None:
-    """Clear errors for a batch the plan cannot split (whole groups per micro-batch and per shard)."""
+    """Clear errors for a batch the plan cannot split: whole groups per mini-batch and, on a mesh,
+    whole groups per shard in the old-policy pass (u compares a rollout with its group); micro-batches
+    of equal rows, as many rows per shard."""
     if plan.use_kl and ref_params is None:
         raise ValueError("rl.loss.kl_coef > 0 needs ref_params (see ict_jax.rl.state.reference_params)")
-    G, n = plan.group_size, plan.mini_batches * plan.micro_batches
-    B = batch.tokens.shape[0]
+    check_batch_geometry(batch.tokens.shape[0], plan.group_size, plan.mini_batches, plan.micro_batches, mesh)
+
+
+def check_batch_geometry(num_rows: int, group_size: int, mini_batches: int, micro_batches: int,
+                         mesh: jax.sharding.Mesh | None) -> None:
+    """ValueError (one line) unless ``num_rows`` rows of groups of ``group_size`` split into
+    ``mini_batches`` mini-batches of whole groups and each mini-batch into ``micro_batches`` equal
+    micro-batches; on ``mesh``, a mini-batch (the whole batch when fused) must hold whole groups per
+    batch shard and a micro-batch a whole number of rows per shard."""
+    B, G, mini, micro = num_rows, group_size, mini_batches, micro_batches
     if B % G:
         raise ValueError(f"batch of {B} rows is not a multiple of rollout.num_samples={G}")
     P = B // G
-    if P % n:
-        raise ValueError(f"{P} prompts cannot be split into train.mini_batches={plan.mini_batches} x "
-                         f"train.micro_batches={plan.micro_batches} whole groups")
-    if mesh is not None:
-        check_prompts_divide(P // n if not plan.fused else P, mesh)
+    if P % mini:
+        raise ValueError(f"{P} prompts cannot be split into train.mini_batches={mini} mini-batches of whole groups")
+    if (B // mini) % micro:
+        raise ValueError(f"the {B // mini} rows of a mini-batch cannot be split into train.micro_batches={micro} "
+                         "equal micro-batches")
+    if mesh is None:
+        return
+    fused = mini * micro == 1
+    check_prompts_divide(P if fused else P // mini, mesh)
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = B // (mini * micro)
+    if not fused and rows % shards:
+        raise ValueError(f"a micro-batch of {rows} rows cannot be split over the mesh's data x fsdp = {shards} batch "
+                         f"shards: use fewer train.micro_batches (each shard needs a whole number of rows)")
 
 
 def jit_step(plan: StepPlan, mesh: jax.sharding.Mesh | None, state: TrainState, batch: RolloutBatch,
@@ -381,7 +428,8 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
     may be abstract ``jax.ShapeDtypeStruct`` trees) for ``.compile().memory_analysis()`` and cost
     estimates without running it. ``step.jitted`` maps argument structures to their ``jax.jit``.
     """
-    plan = StepPlan.from_config(config, tx or make_optimizer(config))
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    plan = StepPlan.from_config(config, tx or make_optimizer(config), batch_shards=shards)
     compiled: dict[Any, Callable] = {}
 
     def jitted_for(state: TrainState, batch: RolloutBatch, ref_params: Any) -> Callable:

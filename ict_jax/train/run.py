@@ -25,7 +25,7 @@ from ict_jax.model.weights import load_hf
 from ict_jax.rewards.checks import CUSTOM_KIND, RewardSpec
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.state import init_train_state, reference_params
-from ict_jax.rl.train_step import make_train_step
+from ict_jax.rl.train_step import check_batch_geometry, make_train_step
 from ict_jax.sampling.evaluation import evaluate
 from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.sampling.text_generation import make_text_generator
@@ -198,10 +198,10 @@ def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer
     mesh = make_mesh(m.data, m.fsdp, m.tensor)
 
     t = cfg.train
-    try:  # the sampler splits P prompts, the step each micro-batch's prompts, over data x fsdp
+    try:  # the sampler splits P prompts over data x fsdp; the step its mini- and micro-batches
         check_prompts_divide(t.prompts_per_step, mesh)
-        if t.mini_batches * t.micro_batches > 1:
-            check_prompts_divide(t.prompts_per_step // (t.mini_batches * t.micro_batches), mesh)
+        check_batch_geometry(t.prompts_per_step * cfg.rollout.num_samples, cfg.rollout.num_samples, t.mini_batches,
+                             t.micro_batches, mesh)
     except ValueError as e:
         raise ConfigError(f"train.prompts_per_step: {e}") from None
     # everything that reads user input comes before anything is written

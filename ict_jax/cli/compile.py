@@ -1,0 +1,76 @@
+"""``ict-jax compile``: lower and compile, without running, the programs a run of a config uses, for a TPU
+slice or the local devices; per-device memory, fit, compile time, collectives (docs/tpu.md).
+
+Exit codes: 0 every program fits, 3 one does not (one line naming it and its bytes), 2 bad input
+(unknown topology, a mesh that does not divide it, a bad config, libtpu missing)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+#: Exit code when a program does not fit the target's memory.
+EXIT_DOES_NOT_FIT = 3
+
+
+def add_compile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML config (a recipe)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.micro_batches=8")
+    p.add_argument("--topology", default=None, metavar="NAME|local",
+                   help="a TPU topology as libtpu names it (v5e:2x4, v6e:2x4, v5p:2x2x1, ...; needs the tpu extra) "
+                        "or 'local' for this machine's devices; default: the config's mesh.target, else local")
+    p.add_argument("--program", default="all", choices=("step", "generate", "eval", "all"),
+                   help="which program to compile: the train step, the rollout sampler, the evaluation sampler, "
+                        "or all three (default)")
+    p.add_argument("--fit", action="store_true",
+                   help="search the cheapest settings that fit (mesh, micro_batches, remat, stats.chunk) and "
+                        "print them as KEY=VALUE overrides")
+    p.add_argument("--max-compiles", type=int, default=4,
+                   help="--fit: at most this many candidate settings are compiled to confirm (default 4)")
+    p.add_argument("--headroom", type=float, default=0.05,
+                   help="--fit: fraction of each chip's HBM to leave free (default 0.05)")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON to OUT")
+    p.add_argument("--dump-hlo", default=None, metavar="DIR", help="write each compiled program's HLO text to DIR")
+
+
+def compile_main(args: argparse.Namespace) -> int:
+    from ict_jax.cli.errors import UserError
+    from ict_jax.config import load_config
+    from ict_jax.tools.compile import PROGRAMS, compile_run, get_target
+    from ict_jax.tools.compile_report import not_fitting_line, render, to_json
+    from ict_jax.tools.fit import format_fit, search
+
+    if args.max_compiles < 1:
+        raise UserError(f"--max-compiles {args.max_compiles}: must be at least 1")
+    cfg = load_config(args.config, args.overrides)
+    target = get_target(args.topology if args.topology is not None else cfg.mesh.target)
+    programs = PROGRAMS if args.program == "all" else (args.program,)
+    fit = None
+    if args.fit:
+        result = search(cfg, target, programs=programs, max_compiles=args.max_compiles, headroom=args.headroom,
+                        log=lambda line: print(line, flush=True))
+        print(format_fit(result))
+        fit = result.to_dict()
+        if result.best is None:
+            _write_json(args.json, {"config": args.config, "target": target.name, "fit": fit})
+            print(f"ict-jax compile: no setting tried fits {target.name}", file=sys.stderr)
+            return EXIT_DOES_NOT_FIT
+        reports, mesh, source = result.reports, result.mesh, result.model_source
+    else:
+        reports, source = compile_run(cfg, target, programs, dump_dir=args.dump_hlo)
+        mesh = reports[0].mesh
+    print(render(args.config, target, mesh, source, reports))
+    _write_json(args.json, to_json(args.config, target, mesh, source, reports, fit))
+    bad = [r for r in reports if not r.fits]
+    if bad:
+        print(f"ict-jax compile: {not_fitting_line(bad[0])}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    return 0
+
+
+def _write_json(path: str | None, data: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2, default=str))

@@ -1,0 +1,491 @@
+"""Compile, without running, the programs a training run uses: for a TPU slice (through libtpu, on any
+machine) or for the local devices (docs/tpu.md).
+
+A run compiles three programs (``train.run.build_run``, ``train.run.run_eval``):
+
+- ``step``: :func:`ict_jax.rl.train_step.make_train_step` at the recipe's batch geometry
+  (P x G rows, the largest prompt bucket + ``max_new_tokens``), with the reference parameters when
+  ``kl_coef > 0``;
+- ``generate``: the rollout sampler (:func:`ict_jax.sampling.sampler.make_generate_fn`) at P prompts x
+  G samples with its KV cache;
+- ``eval``: the evaluation sampler (P prompts x ``data.eval_n`` samples, the evaluation temperature
+  and top-p).
+
+Every argument is an abstract ``jax.ShapeDtypeStruct`` carrying the sharding the run would give it
+(the rule table on the recipe's mesh): nothing is allocated. ``Compiled.memory_analysis()`` gives the
+per-chip bytes; the compiled HLO gives the collectives and the memory-discipline checks
+(:func:`discipline_checks`). A TPU program that does not fit fails to compile with
+``RESOURCE_EXHAUSTED``; the report keeps the compiler's numbers.
+
+``compute_dtype: auto`` resolves for the target (bfloat16 on TPU and GPU, float32 on CPU), not for the
+machine that compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ict_jax.config import Config, ConfigError, parse_topology
+from ict_jax.data.prompts import make_buckets
+from ict_jax.model.config import ModelConfig
+from ict_jax.model.loading import resolve_path
+from ict_jax.rl.batch import RolloutBatch
+from ict_jax.rl.state import make_optimizer
+from ict_jax.rl.train_step import StepPlan, make_train_step, old_pass_chunks
+from ict_jax.sampling.sampler import make_generate_fn
+from ict_jax.sharding import BATCH_AXES, batch_sharding, make_mesh, replicated
+from ict_jax.tools import hlo
+from ict_jax.train.checkpoints import abstract_train_state
+
+#: The programs of a run, in the order they are compiled.
+PROGRAMS = ("step", "generate", "eval")
+TPU_EXTRA = "pip install 'ict_jax[tpu]'"
+GIB = 1024 ** 3
+
+#: Public per-chip figures of the TPU generations (Cloud TPU system-architecture pages, docs/tpu.md):
+#: peak bf16 FLOP/s and bidirectional ICI bytes/s; they only rank settings (tools.fit), HBM comes from
+#: the compiler itself (:func:`hbm_bytes`).
+CHIP_SPECS: dict[str, dict[str, float]] = {
+    "v5e": {"peak_flops": 197e12, "ici_bytes": 400e9},
+    "v6e": {"peak_flops": 918e12, "ici_bytes": 800e9},
+    "v5p": {"peak_flops": 459e12, "ici_bytes": 1200e9},
+    "v4": {"peak_flops": 275e12, "ici_bytes": 300e9},
+}
+
+
+class TpuUnavailable(ValueError):
+    """Compiling for a TPU topology needs libtpu (the ``tpu`` extra)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Targets
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The devices a program is compiled for: a TPU topology (abstract devices) or the local ones."""
+
+    name: str  # "v5e:2x4", ... or "local"
+    platform: str  # "tpu", "cpu", "gpu"
+    devices: tuple[Any, ...]
+    device_kind: str
+    hbm_bytes: int | None  # per device; None = unknown (CPU)
+    generation: str | None = None  # "v5e", ... for TPU topologies
+
+    @property
+    def chips(self) -> int:
+        return len(self.devices)
+
+
+_HBM_CACHE: dict[str, int | None] = {}
+_AVAILABLE = re.compile(r"exceeds available HBM \(([\d.]+)([KMGT])\)")
+_TEMPS = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
+_UNIT = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
+
+
+def _size(m: re.Match | None) -> int | None:
+    return None if m is None else int(float(m.group(1)) * _UNIT[m.group(2)])
+
+
+def hbm_bytes(devices: Sequence[Any]) -> int | None:
+    """Per-device memory the compiler lets a program use. Local devices: ``memory_stats()``'s
+    ``bytes_limit`` (None on CPU). Abstract TPU devices have no memory stats: a tiny program that
+    asks for 1 TiB of temporaries is compiled, and the compiler's RESOURCE_EXHAUSTED message names
+    the available HBM (cached per device kind; well under a second)."""
+    dev = devices[0]
+    kind = f"{dev.platform}:{dev.device_kind}"
+    if kind in _HBM_CACHE:
+        return _HBM_CACHE[kind]
+    limit = None
+    try:
+        stats = dev.memory_stats()
+        limit = int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+    except Exception:  # noqa: BLE001 - compile-only devices raise; probe the compiler below
+        stats = None
+    if limit is None and dev.platform == "tpu":
+        mesh = jax.sharding.Mesh(np.asarray([dev]), ("x",))
+        x = jax.ShapeDtypeStruct((1 << 20,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+        probe = jax.jit(lambda a: jnp.sort(a[:, None] * jnp.arange(1 << 18, dtype=jnp.float32), axis=0),
+                        out_shardings=NamedSharding(mesh, PartitionSpec()))
+        try:
+            probe.lower(x).compile()
+        except Exception as e:  # noqa: BLE001 - the expected RESOURCE_EXHAUSTED carries the number
+            limit = _size(_AVAILABLE.search(str(e)))
+    _HBM_CACHE[kind] = limit
+    return limit
+
+
+def get_target(name: str | None) -> Target:
+    """``name``: a TPU topology (``v5e:2x4``, ``v5p:2x2x1``, ...; needs libtpu, see :data:`TPU_EXTRA`)
+    or ``None`` / ``"local"`` for this machine's devices. Raises ValueError (one line) for an unknown
+    topology and :class:`TpuUnavailable` without libtpu."""
+    if name in (None, "local"):
+        devs = tuple(jax.devices())
+        return Target("local", devs[0].platform, devs, devs[0].device_kind, hbm_bytes(devs))
+    try:
+        gen, _ = parse_topology(name)
+    except ConfigError as e:
+        raise ValueError(f"--topology: {e}") from None
+    if importlib.util.find_spec("libtpu") is None:
+        raise TpuUnavailable(f"compiling for the TPU topology {name!r} needs libtpu: {TPU_EXTRA}")
+    # libtpu takes a machine-wide lock file when it loads; compiling touches no chip, so several
+    # compiling processes (a test suite beside a --fit search) may share it
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies  # imported here: it loads the TPU compiler plugin
+
+    try:
+        devs = tuple(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as e:  # noqa: BLE001 - libtpu rejects the name: its message, one line
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"--topology {name!r}: libtpu does not accept it: {msg}") from None
+    return Target(name, "tpu", devs, devs[0].device_kind, hbm_bytes(devs), gen)
+
+
+# ------------------------------------------------------------------------------------------------
+# The run's shapes
+# ------------------------------------------------------------------------------------------------
+def target_model_config(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
+    """(the model's architecture for ``cfg`` compiled on ``platform``, where it came from).
+
+    ``model.path``, when it is a local Hugging Face directory or a ``.gguf`` file, gives the
+    architecture; otherwise ``model.preset`` does (the recipes name a placeholder path). ``auto``
+    compute dtype resolves for the target platform."""
+    m = cfg.model
+    compute = m.compute_dtype if m.compute_dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+    kw = dict(param_dtype=m.param_dtype, compute_dtype=compute, remat=m.remat, scan_layers=m.scan_layers)
+    if m.path:
+        try:
+            path = Path(resolve_path(m.path))
+        except (FileNotFoundError, ValueError):
+            path = Path(str(m.path))
+        if (path / "config.json").is_file():
+            return ModelConfig.from_hf(path, **kw), f"checkpoint {path}"
+        if path.is_file() and path.suffix == ".gguf":
+            import gguf  # optional heavy reader: only for .gguf paths
+
+            from ict_jax.model.gguf import config_from_gguf
+
+            return config_from_gguf(gguf.GGUFReader(str(path)), str(path), **kw), f"checkpoint {path}"
+        return ModelConfig.preset(m.preset, **kw), f"preset {m.preset} (model.path {m.path!r} is not here)"
+    return ModelConfig.preset(m.preset, **kw), f"preset {m.preset}"
+
+
+def run_mesh(cfg: Config, target: Target) -> jax.sharding.Mesh:
+    """The recipe's ``(data, fsdp, tensor)`` mesh over the target's devices (ValueError, one line, when
+    it does not divide them)."""
+    m = cfg.mesh
+    try:
+        return make_mesh(m.data, m.fsdp, m.tensor, devices=target.devices)
+    except ValueError as e:
+        raise ValueError(f"mesh data={m.data}, fsdp={m.fsdp}, tensor={m.tensor} on {target.name} "
+                         f"({target.chips} devices): {e}") from None
+
+
+def prompt_len(cfg: Config) -> int:
+    """The largest prompt bucket: prompts are left-padded to a bucket of ``max_prompt_len``."""
+    return max(make_buckets(cfg.rollout.max_prompt_len))
+
+
+def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh) -> RolloutBatch:
+    """The rollout batch of one step (P x G rows, rows over ('data', 'fsdp')), abstract."""
+    B = cfg.train.prompts_per_step * cfg.rollout.num_samples
+    L, Lr = prompt_len(cfg) + cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens
+
+    def s(shape: tuple[int, ...], dt: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, len(shape)))
+
+    i32, f32 = jnp.int32, jnp.float32
+    return RolloutBatch(tokens=s((B, L), i32), attention_mask=s((B, L), i32), response_valid=s((B, Lr), f32),
+                        rewards=s((B,), f32), advantages=s((B,), f32), sampler_logp=s((B, Lr), f32),
+                        truncated=s((B,), f32), row_valid=s((B,), f32), correct=s((B,), f32))
+
+
+def abstract_reference(params: Any, dtype: str) -> Any:
+    """The KL reference parameters (``rl.state.reference_params``: the policy's in the compute dtype,
+    the same shardings), abstract."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype), sharding=a.sharding), params)
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` s or arrays (its shard of each
+    leaf)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        sh = getattr(a, "sharding", None)
+        shape = sh.shard_shape(a.shape) if sh is not None else a.shape
+        total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(a.dtype).itemsize
+    return total
+
+
+def stats_block(positions: int, chunk: int) -> int:
+    """Positions in one block of the vocabulary statistics (``rl.token_stats``: blocks of at most
+    ``chunk`` positions, evened out: 96 positions at chunk 64 run 2 blocks of 48)."""
+    n = -(-positions // chunk)
+    return -(-positions // n)
+
+
+def _stacked_sizes(params: Any, num_layers: int, hidden: int) -> set[int]:
+    """Element counts of the weight matrices stacked on a leading ``layers`` axis (per layer more than
+    ``hidden`` elements: norms and biases, a few KiB, are left out)."""
+    return {int(np.prod(a.shape)) for a in jax.tree.leaves(params)
+            if a.ndim >= 3 and a.shape[0] == num_layers and np.prod(a.shape[1:]) > hidden}
+
+
+@dataclasses.dataclass
+class Program:
+    """One program of a run, ready to lower: ``lower()`` -> ``jax.stages.Lowered``."""
+
+    name: str
+    lower: Callable[[], Any]
+    resident: int  # per-device bytes of the run's arrays alive during it that are not its arguments
+    expected_args: int  # per-device bytes of its arguments, from their shardings
+    info: dict[str, Any]  # shapes the discipline checks need
+
+
+def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platform: str,
+                   names: Sequence[str] = PROGRAMS) -> list[Program]:
+    """The named programs of a run of ``cfg`` on ``mesh``, with abstract arguments."""
+    state = abstract_train_state(cfg, mc, mesh=mesh)
+    ref = abstract_reference(state.params, mc.resolved_compute_dtype()) if cfg.rl.loss.kl_coef > 0 else None
+    state_bytes = {"params": per_device_bytes(state.params), "opt_state": per_device_bytes(state.opt_state),
+                   "ref": per_device_bytes(ref) if ref is not None else 0}
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    P, G, Lp, N = cfg.train.prompts_per_step, cfg.rollout.num_samples, prompt_len(cfg), cfg.rollout.max_new_tokens
+    # rows a pass processes at once: a gradient micro-batch, or a chunk of the old-policy pass (whole groups)
+    plan = StepPlan.from_config(cfg, make_optimizer(cfg), batch_shards=batch_shards)
+    pass_rows = P * G // old_pass_chunks(plan, P)  # at least a micro-batch's rows
+    # element counts of the stacked [layers, ...] weights, whole or with the tensor axis still split
+    stacked = {n // d for n in _stacked_sizes(state.params, mc.num_layers, mc.hidden_size)
+               for d in (1, mesh.shape["tensor"])}
+    common = dict(num_layers=mc.num_layers, vocab=mc.vocab_size, hidden=mc.hidden_size, devices=mesh.size,
+                  stacked=stacked, state_bytes=state_bytes,
+                  batch_shards=batch_shards, tensor=mesh.shape["tensor"], prompt_len=Lp, new_tokens=N)
+    out = []
+    for name in names:
+        if name == "step":
+            step = make_train_step(cfg, mesh)
+            batch = abstract_batch(cfg, mesh)
+            out.append(Program("step", lambda step=step, batch=batch: step.lower(state, batch, ref), resident=0,
+                               expected_args=per_device_bytes((state, batch, ref)),
+                               info=dict(common, rows=pass_rows // batch_shards, positions=N,
+                                         block=stats_block(N, cfg.stats.chunk))))
+        elif name in ("generate", "eval"):
+            ev = name == "eval"
+            d, r = cfg.data, cfg.rollout
+            g = d.eval_n if ev else G
+            kv = None if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
+            fn = make_generate_fn(state.graphdef, num_samples=g, max_new_tokens=N,
+                                  temperature=d.eval_temperature if ev else r.temperature,
+                                  top_p=d.eval_top_p if ev else r.top_p, top_k=0 if ev else r.top_k, eos_ids=(1,),
+                                  kv_cache_dtype=kv, pad_id=0, unroll_layers=None if platform == "cpu" else False,
+                                  mesh=mesh)
+            rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
+            ids = jax.ShapeDtypeStruct((P, Lp), jnp.int32, sharding=rows)
+            key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(mesh))
+
+            def lower(fn=fn, ids=ids, key=key):
+                with jax.set_mesh(mesh):
+                    return fn.jitted.lower(state.params, ids, ids, key)
+
+            kv_dtype = jnp.dtype(kv or mc.resolved_compute_dtype())
+            out.append(Program(name, lower, resident=state_bytes["opt_state"] + state_bytes["ref"],
+                               expected_args=per_device_bytes((state.params, ids, ids, key)),
+                               info=dict(common, rows=P * g // batch_shards, positions=N, block=1, cache_slots=Lp + N - 1,
+                                         kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim,
+                                         kv_bytes=kv_dtype.itemsize)))
+        else:
+            raise ValueError(f"unknown program {name!r}; known: {', '.join(PROGRAMS)}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiling and reporting
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Check:
+    """One memory-discipline check of a compiled program (docs/tpu.md)."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclasses.dataclass
+class ProgramReport:
+    """Per-device memory (bytes), fit, compile time, collectives and checks of one compiled program."""
+
+    program: str
+    target: str
+    mesh: dict[str, int]
+    compiled: bool
+    fits: bool
+    hbm: int | None
+    arguments: int | None = None
+    temporaries: int | None = None
+    outputs: int | None = None
+    aliased: int | None = None
+    code: int | None = None
+    resident: int = 0
+    expected_arguments: int = 0
+    lower_s: float = 0.0
+    compile_s: float = 0.0
+    error: str | None = None
+    collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    unknown_loops: int = 0
+    checks: list[Check] = dataclasses.field(default_factory=list)
+
+    @property
+    def live(self) -> int | None:
+        """Peak per-device bytes: arguments + outputs - aliased + temporaries + code, plus the run's
+        other resident arrays (``resident``)."""
+        if not self.compiled:
+            return None
+        return (self.arguments + self.outputs - self.aliased + self.temporaries + self.code + self.resident)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["live"] = self.live
+        return d
+
+
+def _gathers(items: list[hlo.Collective], op: str = "all-gather") -> list[hlo.Collective]:
+    return [c for c in items if c.op == op]
+
+
+def discipline_checks(program: Program, module: hlo.HloModule, items: list[hlo.Collective],
+                      arguments: int) -> list[Check]:
+    """docs/tpu.md "Memory discipline" on one compiled program:
+
+    - ``arguments``: the program's per-device parameters hold exactly the bytes of the inputs' shards
+      (so the parameters, the optimizer state and the reference are held 1/fsdp a device);
+    - ``no [rows, T, V]``: no array with a vocabulary dimension (the embedding, the unembedding and
+      their gradients aside) holds more vocabulary rows than one block of the statistics,
+      ``[rows, stats.chunk positions, V]`` (step), or one decode step's ``[rows, V]`` (samplers): the
+      dense logits of a batch's response positions never exist;
+    - ``layer-wise gathers`` (step): no all-gather returns a stacked ``[layers, ...]`` weight: FSDP
+      gathers one layer at a time inside the layer scan; the largest all-gather is at most the
+      embedding or one layer's weights;
+    - ``kv cache`` (generate, eval): an array of the expected per-device cache shape
+      ``[layers, rows, kv_heads, slots, head_dim]`` is in the program.
+    """
+    i = program.info
+    taken = sum(a.bytes for a in hlo.entry_parameters(module))
+    checks = [Check("arguments", taken == program.expected_args,
+                    f"{fmt_bytes(taken)} of parameters a device ({fmt_bytes(arguments)} with layout padding) vs "
+                    f"{fmt_bytes(program.expected_args)} from the shardings")]
+    V, D = i["vocab"], i["hidden"]
+    widths = {V, V // i["tensor"] if V % i["tensor"] == 0 else V}  # whole, or split over the tensor axis
+    shards = {D // k for k in range(1, i["devices"] + 1) if D % k == 0 and i["devices"] % k == 0}
+
+    def vocab_rows(a: hlo.Array) -> int:  # the array as [vocabulary rows, V]
+        return a.elements // max(w for w in widths if w in a.dims)
+
+    def weight(a: hlo.Array) -> bool:  # the (un)embedding or its gradient: [V, D] or a shard, maybe reshaped
+        return vocab_rows(a) in shards
+
+    hits = [a for w in widths for a, _, _ in hlo.arrays_with_dim(module, w) if not weight(a)]
+    biggest = max(hits, key=vocab_rows, default=None)
+    n = vocab_rows(biggest) if biggest is not None else 0
+    block = i["block"]  # positions a statistics block holds (1: a decode step)
+    what = (f"a statistics block [{i['rows']} rows x {block} positions]" if block > 1
+            else f"one decode step's [{i['rows']} rows]")
+    dense = f"; stats.chunk covers all {i['positions']} positions" if block >= i["positions"] else ""
+    checks.append(Check("no [rows, T, V]", n <= i["rows"] * block,
+                        f"largest vocabulary-wide array (weights aside) {biggest if biggest is not None else '-'}: "
+                        f"{n:,} vocabulary rows; at most {what} = {i['rows'] * block:,}{dense}"))
+    if program.name == "step":
+        L = i["num_layers"]
+        stacked = [c for c in _gathers(items) if c.result.dims[:1] == (L,) and c.result.elements in i["stacked"]]
+        largest = max((c.bytes for c in _gathers(items)), default=0)
+        checks.append(Check("layer-wise gathers", not stacked,
+                            f"{len(stacked)} all-gathers of stacked [{L}, ...] weights"
+                            + (f" (e.g. {stacked[0].result})" if stacked else "")
+                            + f"; largest all-gather {fmt_bytes(largest)}"))
+    else:
+        rows, heads = i["rows"], i["kv_heads"]
+        kv_local = heads // i["tensor"] if heads % i["tensor"] == 0 else heads
+        want = (i["num_layers"], rows, kv_local, i["cache_slots"], i["head_dim"])
+        found = [a for _, ins in module.instructions() for a in ins.arrays if a.dims == want]
+        size = int(np.prod(want)) * i["kv_bytes"]
+        checks.append(Check("kv cache", bool(found),
+                            f"[{', '.join(map(str, want))}] x 2 (k, v) = {fmt_bytes(2 * size)} a device"
+                            + ("" if found else ": no array of that shape in the program")))
+    return checks
+
+
+def fmt_bytes(n: int | None) -> str:
+    """``13.17 GiB``, ``812.4 MiB``, ``96.0 KiB``; ``-`` for None."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *, analyse: bool = True,
+                    dump_dir: str | Path | None = None) -> ProgramReport:
+    """Lower and compile one program; a program that does not fit gives ``compiled=False`` with the
+    compiler's message and numbers (``temporaries`` from RESOURCE_EXHAUSTED when it names them).
+    ``dump_dir``: write the compiled HLO text to ``<dump_dir>/<program>.hlo.txt``."""
+    rep = ProgramReport(program=program.name, target=target.name, mesh=dict(mesh.shape), compiled=False,
+                        fits=False, hbm=target.hbm_bytes, resident=program.resident,
+                        expected_arguments=program.expected_args)
+    t0 = time.perf_counter()
+    lowered = program.lower()
+    rep.lower_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # only an out-of-memory failure is a result; anything else re-raises
+        rep.compile_s = time.perf_counter() - t0
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        rep.error = next((line for line in text.splitlines() if "RESOURCE_EXHAUSTED" in line), text.splitlines()[0])
+        rep.temporaries = _size(_TEMPS.search(text))
+        rep.hbm = _size(_AVAILABLE.search(text)) or rep.hbm
+        return rep
+    rep.compile_s = time.perf_counter() - t0
+    rep.compiled = True
+    ma = compiled.memory_analysis()
+    rep.arguments, rep.temporaries = int(ma.argument_size_in_bytes), int(ma.temp_size_in_bytes)
+    rep.outputs, rep.aliased = int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes)
+    rep.code = int(ma.generated_code_size_in_bytes)
+    rep.fits = rep.hbm is None or rep.live <= rep.hbm
+    text = compiled.as_text() if (analyse or dump_dir) else ""
+    if dump_dir is not None:
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        (Path(dump_dir) / f"{program.name}.hlo.txt").write_text(text)
+    if analyse:
+        module = hlo.parse_hlo(text)
+        mult, rep.unknown_loops = hlo.multiplicity(module)
+        items = hlo.collectives(module, mult)
+        rep.collectives = hlo.summarize_collectives(items)
+        rep.checks = discipline_checks(program, module, items, rep.arguments)
+    return rep
+
+
+def compile_run(cfg: Config, target: Target, programs: Sequence[str] = PROGRAMS, *,
+                on_report: Callable[[ProgramReport], None] | None = None, analyse: bool = True,
+                dump_dir: str | Path | None = None) -> tuple[list[ProgramReport], str]:
+    """Compile ``programs`` of a run of ``cfg`` for ``target`` -> (reports, the model's source)."""
+    mc, source = target_model_config(cfg, target.platform)
+    mesh = run_mesh(cfg, target)
+    reports = []
+    for program in build_programs(cfg, mc, mesh, target.platform, programs):
+        rep = compile_program(program, target, mesh, analyse=analyse, dump_dir=dump_dir)
+        reports.append(rep)
+        if on_report is not None:
+            on_report(rep)
+    return reports, source

@@ -1,0 +1,245 @@
+"""Reading a compiled program's HLO text: its computations, how often each runs, its collectives and
+its arrays (docs/tpu.md "Memory discipline").
+
+``compiled.as_text()`` of a ``jax.stages.Compiled`` is the optimised, partitioned (per-device) HLO
+module. :func:`parse_hlo` splits it into computations and instructions; :func:`multiplicity` follows
+the call graph from the entry computation and multiplies in the trip count of every ``while`` loop it
+can read (a loop whose condition compares its counter with a constant, as ``lax.scan`` compiles; a
+data-dependent loop, like the sampler's decode loop, counts once and is reported as unknown), which
+``compiled.cost_analysis()`` does not do (it counts a loop body once). :func:`collectives` lists the
+all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute instructions with their
+per-device result bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Iterable
+
+#: The collective operations reported, in this order.
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+#: Bytes per element of HLO primitive types (sub-byte types round up to one byte).
+DTYPE_BYTES = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1,
+    "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    """One array of an instruction's result: dtype, dimensions (per device), bytes."""
+
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * DTYPE_BYTES[self.dtype]
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    opcode: str
+    arrays: tuple[Array, ...]  # the result (one array, or the elements of a tuple result)
+    text: str  # the rest of the line after the result type (operands and attributes)
+    root: bool = False
+
+    @property
+    def bytes(self) -> int:
+        return sum(a.bytes for a in self.arrays)
+
+
+@dataclasses.dataclass
+class HloModule:
+    computations: dict[str, list[Instruction]]
+    entry: str
+
+    def instructions(self) -> Iterable[tuple[str, Instruction]]:
+        for comp, instrs in self.computations.items():
+            for ins in instrs:
+                yield comp, ins
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """``"(f32[2], s32[]) tuple(%a, %b), x=1"`` -> (type text, remainder starting at the opcode)."""
+    rest = rest.strip()
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:].strip()
+    head, _, tail = rest.partition(" ")
+    return head, tail.strip()
+
+
+def parse_arrays(type_text: str) -> tuple[Array, ...]:
+    """Every ``dtype[dims]`` in an HLO type (layouts and memory-space annotations ignored)."""
+    return tuple(Array(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(type_text))
+
+
+def parse_hlo(text: str) -> HloModule:
+    """Split HLO text into computations of :class:`Instruction`."""
+    comps: dict[str, list[Instruction]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m and not line.startswith(" "):
+                current = m.group(2)
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        type_text, rest = _split_type(m.group(3))
+        opcode = rest.split("(", 1)[0].strip()
+        comps[current].append(Instruction(name=m.group(2), opcode=opcode, arrays=parse_arrays(type_text),
+                                          text=rest, root=bool(m.group(1))))
+    if entry is None:
+        raise ValueError("HLO text has no ENTRY computation")
+    return HloModule(comps, entry)
+
+
+def trip_count(module: HloModule, ins: Instruction) -> int | None:
+    """The trip count of a ``while`` instruction: from its backend config, else from a condition of the
+    form ``counter < constant`` (how ``lax.scan`` and ``fori_loop`` compile); None when unknown."""
+    m = _TRIP.search(ins.text)
+    if m:
+        return int(m.group(1))
+    cond = dict(_CALLS.findall(ins.text)).get("condition")
+    body = module.computations.get(cond or "", [])
+    consts = {}
+    for c in body:
+        if c.opcode == "constant" and len(c.arrays) == 1 and c.arrays[0].dims == ():
+            v = re.match(r"constant\((-?\d+)\)", c.text)
+            if v:
+                consts[c.name] = int(v.group(1))
+    for c in body:
+        if c.root and c.opcode == "compare" and "direction=LT" in c.text:
+            operands = re.findall(r"%([\w.\-]+)", c.text.split(")", 1)[0])
+            if len(operands) == 2 and operands[1] in consts:
+                return max(consts[operands[1]], 0)
+    return None
+
+
+def multiplicity(module: HloModule) -> tuple[dict[str, int], int]:
+    """(executions of each computation per run of the entry computation, number of while loops whose
+    trip count is unknown: those count as one iteration)."""
+    edges: dict[str, list[tuple[str, int]]] = {c: [] for c in module.computations}
+    unknown = 0
+    for comp, ins in module.instructions():
+        calls = _CALLS.findall(ins.text)
+        n = 1
+        if ins.opcode == "while":
+            t = trip_count(module, ins)
+            if t is None:
+                unknown += 1
+            n = 1 if t is None else t
+        for kind, callee in calls:
+            if callee in module.computations:
+                edges[comp].append((callee, n if kind in ("body", "condition") else 1))
+        for group in _BRANCHES.findall(ins.text):
+            for callee in re.findall(r"%?([\w.\-]+)", group):
+                if callee in module.computations:
+                    edges[comp].append((callee, 1))
+    mult: dict[str, int] = {c: 0 for c in module.computations}
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(c: str) -> None:  # post-order over the call DAG
+        stack = [(c, iter(edges[c]))]
+        seen.add(c)
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                order.append(node)
+                stack.pop()
+            elif nxt[0] not in seen:
+                seen.add(nxt[0])
+                stack.append((nxt[0], iter(edges[nxt[0]])))
+
+    visit(module.entry)
+    mult[module.entry] = 1
+    for c in reversed(order):  # callers before callees
+        for callee, n in edges[c]:
+            mult[callee] += mult[c] * n
+    return mult, unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    op: str  # one of COLLECTIVES
+    result: Array  # the largest array of its result (per device)
+    bytes: int  # all arrays of its result, per device
+    computation: str
+    runs: int  # executions per program run (loop trip counts multiplied in)
+
+
+def collectives(module: HloModule, mult: dict[str, int] | None = None) -> list[Collective]:
+    """Every collective instruction (an async ``-start`` counts, its ``-done`` does not)."""
+    mult = mult if mult is not None else multiplicity(module)[0]
+    out = []
+    for comp, ins in module.instructions():
+        op = ins.opcode.removesuffix("-start")
+        if op not in COLLECTIVES or not ins.arrays:
+            continue
+        arrays = ins.arrays
+        if ins.opcode == "all-gather-start" and len(arrays) > 1:  # (operands..., results...)
+            arrays = arrays[len(arrays) // 2:]
+        elif ins.opcode == "collective-permute-start" and len(arrays) > 1:  # (operand, result, context...)
+            arrays = arrays[1:2]
+        out.append(Collective(op=op, result=max(arrays, key=lambda a: a.bytes), bytes=sum(a.bytes for a in arrays),
+                              computation=comp, runs=mult.get(comp, 0)))
+    return out
+
+
+def summarize_collectives(items: list[Collective]) -> dict[str, dict[str, int]]:
+    """Per op: ``count`` (instructions in the program), ``runs`` (executions per run), ``bytes`` (per
+    device, per run), ``largest`` (bytes of the largest single result)."""
+    out = {op: {"count": 0, "runs": 0, "bytes": 0, "largest": 0} for op in COLLECTIVES}
+    for c in items:
+        s = out[c.op]
+        s["count"] += 1
+        s["runs"] += c.runs
+        s["bytes"] += c.bytes * c.runs
+        s["largest"] = max(s["largest"], c.bytes)
+    return out
+
+
+def entry_parameters(module: HloModule) -> list[Array]:
+    """The per-device arrays the program takes (its entry computation's parameters)."""
+    return [a for ins in module.computations[module.entry] if ins.opcode == "parameter" for a in ins.arrays]
+
+
+def arrays_with_dim(module: HloModule, size: int) -> list[tuple[Array, str, str]]:
+    """(array, computation, instruction) for every array in the module with a dimension of ``size``,
+    largest first; fused computations included (an array that never exists outside a fusion is
+    listed too: a conservative view)."""
+    hits = [(a, comp, ins.name) for comp, ins in module.instructions() for a in ins.arrays if size in a.dims]
+    return sorted(hits, key=lambda h: -h[0].elements)

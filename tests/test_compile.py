@@ -1,0 +1,338 @@
+"""Issue 15: ``ict-jax compile``. The HLO reader against a hand-written module, topology names and
+``mesh.target``, the analytic estimates, compiling a run's programs for the local devices (8 CPU
+devices) and, with the tpu extra (libtpu), for a TPU v5e slice: memory, fit, collectives and the
+memory-discipline checks; exit codes 0 / 2 / 3 of the command."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from ict_jax.config import ConfigError, load_config, parse_topology
+from ict_jax.model.config import ModelConfig
+from ict_jax.tools import hlo
+from ict_jax.tools.compile import PROGRAMS, compile_run, get_target, per_device_bytes
+from ict_jax.tools.fit import candidate_settings, estimate_memory, search
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+RECIPE = str(CONFIGS / "qwen2p5_0p5b_ict.yaml")
+# The 0.5B recipe shrunk to the tiny preset: P = 16 prompts of G = 8, 32 + 40 tokens, 2 micro-batches
+# (the no-grad statistics pass and gradient accumulation), KL on (the reference parameters), FSDP.
+# 40 response positions and chunk 16 keep every dimension of the statistics distinct from the model's.
+TINY = ["model.preset=tiny", "train.prompts_per_step=16", "train.mini_batches=1", "train.micro_batches=2",
+        "rollout.max_prompt_len=32", "rollout.max_new_tokens=40", "stats.chunk=16", "data.eval_n=4"]
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU,
+                                  reason="the tpu extra: pip install 'ict_jax[tpu]' (.ci/run installs it)")
+
+
+# ------------------------------------------------------------------------------------------------
+# The HLO reader, on a hand-written module
+# ------------------------------------------------------------------------------------------------
+HLO = """HloModule jit_f, entry_computation_layout={(f32[8,16]{1,0})->f32[8,16]{1,0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%inner_cond (p: (s32[], f32[8,16])) -> pred[] {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %c3 = s32[] constant(3)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c3), direction=LT
+}
+
+%inner_body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %ag = f32[32,16]{1,0:T(8,128)} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %ar = f32[8,16]{1,0} all-reduce(%x), channel_id=2, replica_groups={{0,1,2,3}}, to_apply=%add
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8,16]{1,0}) tuple(%i, %ar)
+}
+
+%outer_cond (p: (s32[], f32[8,16])) -> pred[] {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %c5 = s32[] constant(5)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c5), direction=LT
+}
+
+%outer_body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  ROOT %w = (s32[], f32[8,16]{1,0}) while(%p), condition=%inner_cond, body=%inner_body
+}
+
+%decode_cond (p: (s32[], f32[8,16])) -> pred[] {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  ROOT %any = pred[] custom-call(%x), custom_call_target="data_dependent"
+}
+
+%decode_body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %cp = bf16[8,16]{1,0} collective-permute(%x), channel_id=3, source_target_pairs={{0,1},{1,0}}
+  ROOT %t2 = (s32[], f32[8,16]{1,0}) tuple(%x, %x)
+}
+
+ENTRY %main (x: f32[8,16], y: bf16[4,1000]) -> f32[8,16] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %y = bf16[4,1000]{1,0} parameter(1)
+  %ags = (f32[8,16]{1,0}, f32[32,16]{1,0}) all-gather-start(%x), channel_id=4, dimensions={0}
+  %agd = f32[32,16]{1,0} all-gather-done(%ags)
+  %rs = f32[2,16]{1,0} reduce-scatter(%x), channel_id=5, dimensions={0}, to_apply=%add
+  %ars = (f32[8,16]{1,0}, bf16[4,1000]{1,0}) all-reduce-start(%x, %y), channel_id=6, to_apply=%add
+  %ard = (f32[8,16]{1,0}, bf16[4,1000]{1,0}) all-reduce-done(%ars)
+  %cps = (f32[8,16]{1,0}, f32[8,16]{1,0}, u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1}}
+  %cpd = f32[8,16]{1,0} collective-permute-done(%cps)
+  %z = s32[] constant(0)
+  %t = (s32[], f32[8,16]{1,0}) tuple(%z, %x)
+  %w1 = (s32[], f32[8,16]{1,0}) while(%t), condition=%outer_cond, body=%outer_body
+  %w2 = (s32[], f32[8,16]{1,0}) while(%t), condition=%decode_cond, body=%decode_body
+  %big = f32[4,7,1000]{2,1,0} broadcast(%y), dimensions={0,2}
+  ROOT %r = f32[8,16]{1,0} get-tuple-element(%w1), index=1
+}
+"""
+
+
+def test_hlo_reader_counts_loops_collectives_and_parameters():
+    m = hlo.parse_hlo(HLO)
+    assert m.entry == "main" and len(m.computations) == 8
+    mult, unknown = hlo.multiplicity(m)
+    # outer loop 5 x inner loop 3; the decode loop's trip count is data-dependent: counted once
+    assert (mult["outer_body"], mult["inner_body"], mult["inner_cond"], mult["decode_body"]) == (5, 15, 15, 1)
+    assert unknown == 1
+    assert mult["add"] == 15 + 1 + 1  # to_apply of the inner all-reduce (15 runs), reduce-scatter, async all-reduce
+    s = hlo.summarize_collectives(hlo.collectives(m, mult))
+    # all-gather: one in the inner body (15 runs of 32x16 f32 = 2 KiB) + the async start (its result only)
+    assert s["all-gather"] == {"count": 2, "runs": 16, "bytes": 16 * 32 * 16 * 4, "largest": 32 * 16 * 4}
+    # async all-reduce: its result is the reduced operands (all of them); -done not counted
+    assert s["all-reduce"] == {"count": 2, "runs": 16, "bytes": 15 * 8 * 16 * 4 + (8 * 16 * 4 + 4 * 1000 * 2),
+                               "largest": 8 * 16 * 4 + 4 * 1000 * 2}
+    assert s["reduce-scatter"] == {"count": 1, "runs": 1, "bytes": 2 * 16 * 4, "largest": 2 * 16 * 4}
+    # the decode body's bf16 permute + the async one (its result, not its operand or context)
+    assert s["collective-permute"] == {"count": 2, "runs": 2, "bytes": 8 * 16 * 2 + 8 * 16 * 4, "largest": 8 * 16 * 4}
+    assert s["all-to-all"]["count"] == 0
+    assert [str(a) for a in hlo.entry_parameters(m)] == ["f32[8,16]", "bf16[4,1000]"]
+    assert sum(a.bytes for a in hlo.entry_parameters(m)) == 8 * 16 * 4 + 4 * 1000 * 2
+    hits = hlo.arrays_with_dim(m, 1000)
+    assert str(hits[0][0]) == "f32[4,7,1000]" and hits[0][2] == "big"
+
+
+def test_parse_arrays_reads_tuples_and_ignores_layouts():
+    arrays = hlo.parse_arrays("(f32[2,3]{1,0:T(8,128)S(1)}, bf16[]{:T(128)}, pred[7]{0})")
+    assert [(a.dtype, a.dims, a.bytes) for a in arrays] == [("f32", (2, 3), 24), ("bf16", (), 2), ("pred", (7,), 7)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Topology names and mesh.target
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, expected", [("v5e:2x4", ("v5e", (2, 4))), ("v5p:2x2x1", ("v5p", (2, 2, 1))),
+                                            ("v6e:4x8", ("v6e", (4, 8))), ("v4:2x2x2", ("v4", (2, 2, 2)))])
+def test_parse_topology(name, expected):
+    assert parse_topology(name) == expected
+
+
+@pytest.mark.parametrize("name", ["v5e:2x2x1", "v5p:2x2", "v9:2x2", "v5e-8", "v5e:0x4", "v5e:2xa", "local", ""])
+def test_bad_topology_names(name):
+    with pytest.raises(ConfigError, match="not a TPU topology name"):
+        parse_topology(name)
+
+
+def test_mesh_target_is_validated():
+    assert load_config(RECIPE).mesh.target == "v5e:2x4"
+    assert load_config(RECIPE, ["mesh.target=null"]).mesh.target is None
+    with pytest.raises(ConfigError, match=r"^mesh.target: 'v5e-8' is not a TPU topology name") as e:
+        load_config(RECIPE, ["mesh.target=v5e-8"])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("size", ["0p5b", "1p5b", "7b"])
+def test_every_qwen_recipe_names_its_slice(size):
+    for path in sorted(CONFIGS.glob(f"qwen2p5_{size}_*.yaml")):
+        gen, dims = parse_topology(load_config(path).mesh.target)
+        assert gen in ("v5e", "v5p", "v6e", "v4") and np.prod(dims) >= 4, path.name
+
+
+# ------------------------------------------------------------------------------------------------
+# Analytic estimates and candidate settings (no compilation)
+# ------------------------------------------------------------------------------------------------
+def _ov(data=1, fsdp=8, tensor=1, micro=4, remat="block", chunk=128):
+    return {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "train.micro_batches": micro,
+            "model.remat": remat, "stats.chunk": chunk}
+
+
+def test_memory_estimate_moves_the_right_way():
+    cfg = load_config(RECIPE)
+    mc = ModelConfig.qwen2p5_0p5b(compute_dtype="bfloat16")
+    step = lambda **kw: estimate_memory(cfg.replace(**{"stats.chunk": kw.get("chunk", 128)}), mc, _ov(**kw))["step"]  # noqa: E731
+    assert step(micro=8) < step(micro=4) < step(micro=2)
+    assert step(remat="full") < step(remat="block") < step(remat="none")
+    assert step(chunk=32) < step(chunk=64) < step(chunk=128)
+    assert step(data=1, fsdp=8) < step(data=8, fsdp=1)  # sharded state
+
+
+def test_candidate_settings_follow_the_train_steps_geometry(devices8):
+    """Every candidate passes the train step's own check (whole groups per shard in a mini-batch, as
+    many rows on every shard in a micro-batch), and micro-batches of part of a group are among them."""
+    from ict_jax.rl.train_step import check_batch_geometry
+    from ict_jax.sharding import make_mesh
+
+    cfg = load_config(RECIPE)
+    mc = ModelConfig.qwen2p5_0p5b()
+    settings = candidate_settings(cfg, mc, 8)
+    assert settings
+    t, G = cfg.train, cfg.rollout.num_samples
+    for s in settings:
+        assert s["mesh.data"] * s["mesh.fsdp"] * s["mesh.tensor"] == 8
+        assert mc.num_kv_heads % s["mesh.tensor"] == 0
+        mesh = make_mesh(s["mesh.data"], s["mesh.fsdp"], s["mesh.tensor"], devices=devices8)
+        check_batch_geometry(t.prompts_per_step * G, G, t.mini_batches, s["train.micro_batches"], mesh)
+    shards = {(s["mesh.data"] * s["mesh.fsdp"], s["train.micro_batches"]) for s in settings}
+    assert (8, 16) in shards  # 256 rows / 16 = 16 rows a micro-batch: 2 rows of a group of 8 a shard
+    assert {s["model.remat"] for s in settings} == {"none", "block", "full"}
+    assert {(s["mesh.data"], s["mesh.fsdp"]) for s in settings if s["mesh.tensor"] == 1} >= {(8, 1), (1, 8), (2, 4)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiling for the local devices (8 CPU devices): the machinery and the checks, in seconds
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def local_reports(devices8):
+    cfg = load_config(RECIPE, TINY + ["mesh.data=2", "mesh.fsdp=4"])
+    return compile_run(cfg, get_target("local"), PROGRAMS)
+
+
+def test_local_compile_reports_every_program(local_reports):
+    reports, source = local_reports
+    assert source.startswith("preset tiny")
+    assert [r.program for r in reports] == list(PROGRAMS)
+    for r in reports:
+        assert r.compiled and r.fits and r.hbm is None  # CPU: no memory limit to compare with
+        assert r.temporaries > 0 and r.arguments > 0 and r.compile_s > 0
+        assert r.live == r.arguments + r.outputs - r.aliased + r.temporaries + r.code + r.resident
+        assert r.mesh == {"data": 2, "fsdp": 4, "tensor": 1}
+        failed = [c for c in r.checks if not c.ok]
+        assert not failed, f"{r.program}: {failed}"
+    step, gen, ev = reports
+    assert step.aliased > 0  # the donated state
+    assert step.resident == 0 and gen.resident == ev.resident > 0  # optimizer state + reference stay on device
+    assert {c.name for c in step.checks} == {"arguments", "no [rows, T, V]", "layer-wise gathers"}
+    assert {c.name for c in gen.checks} == {"arguments", "no [rows, T, V]", "kv cache"}
+    assert step.collectives["all-gather"]["count"] > 0  # FSDP gathers the weights
+
+
+# ------------------------------------------------------------------------------------------------
+# --fit on the local devices with an artificial memory limit
+# ------------------------------------------------------------------------------------------------
+def test_fit_returns_the_cheapest_setting_that_fits(local_reports):
+    """Local CPU compiles are seconds: the limit is set between the memory of the cheapest candidate
+    and that of a frugal one, so the search must skip or reject the cheap ones and confirm a frugal
+    one by compiling."""
+    cfg = load_config(RECIPE, TINY)
+    local = get_target("local")
+    step = local_reports[0][0]
+    limit = int(step.live * 0.9)  # below the (data 2, fsdp 4, micro 2, block) setting compiled above
+    target = dataclasses.replace(local, hbm_bytes=limit)
+    result = search(cfg, target, programs=("step",), max_compiles=6)
+    assert result.best is not None, result.tried
+    assert result.reports[0].live <= limit
+    assert result.tried[-1]["fits"] and all(not t["fits"] for t in result.tried[:-1])
+    seconds = [t["estimated_seconds"] for t in result.tried]
+    assert seconds == sorted(seconds)  # tried cheapest first
+
+
+# ------------------------------------------------------------------------------------------------
+# The command line: exit codes and one-line errors
+# ------------------------------------------------------------------------------------------------
+def _cli(argv, capsys):
+    from ict_jax.cli.main import main
+
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--topology", "v9:2x2"], "'v9:2x2' is not a TPU topology name"),
+    (["mesh.data=-1", "mesh.fsdp=3"], "does not divide the 8 devices"),
+    (["--program", "step", "train.micro_batches=3"], "train.micro_batches: 3 does not divide"),
+])
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    rc, _, err = _cli(["compile", "--config", RECIPE, "--topology", "local"] + TINY + argv, capsys)
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("ict-jax compile: error:") and message in err
+
+
+def test_missing_libtpu_names_the_extra(monkeypatch, capsys):
+    import ict_jax.tools.compile as tc
+
+    monkeypatch.setattr(tc.importlib.util, "find_spec", lambda name: None)
+    rc, _, err = _cli(["compile", "--config", RECIPE, "--topology", "v5e:2x2"] + TINY, capsys)
+    assert rc == 2 and "pip install 'ict_jax[tpu]'" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The real TPU compiler (libtpu): the tiny preset on v5e:2x2, and a config made not to fit
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tpu_reports():
+    cfg = load_config(RECIPE, TINY + ["mesh.data=1", "mesh.fsdp=-1"])
+    target = get_target("v5e:2x2")
+    return cfg, target, compile_run(cfg, target, PROGRAMS)[0]
+
+
+@needs_libtpu
+def test_tiny_preset_compiles_for_v5e_and_keeps_memory_discipline(tpu_reports):
+    cfg, target, reports = tpu_reports
+    assert target.platform == "tpu" and target.chips == 4 and target.device_kind == "TPU v5 lite"
+    assert target.hbm_bytes == int(15.75 * 1024 ** 3)  # what the compiler reports for a v5e chip
+    for r in reports:
+        assert r.compiled and r.fits and r.live < target.hbm_bytes
+        failed = [c for c in r.checks if not c.ok]
+        assert not failed, f"{r.program}: {failed}"
+    step = reports[0]
+    # FSDP over 4 chips: the weights are gathered (in the layer scan) and the batch rows are split
+    assert step.collectives["all-gather"]["count"] > 0 and step.collectives["all-gather"]["runs"] > 0
+    # per-chip arguments scale as 1/fsdp: the compiled program takes exactly the state's shards
+    from ict_jax.tools.compile import abstract_batch, run_mesh
+    from ict_jax.train.checkpoints import abstract_train_state
+
+    mc = ModelConfig.tiny(compute_dtype="bfloat16")
+    sharded = abstract_train_state(cfg, mc, mesh=run_mesh(cfg, target))
+    whole = abstract_train_state(cfg, mc, mesh=run_mesh(cfg.replace(**{"mesh.data": 4, "mesh.fsdp": 1}), target))
+    ratio = per_device_bytes((sharded.params, sharded.opt_state)) / per_device_bytes((whole.params, whole.opt_state))
+    assert 0.25 <= ratio < 0.27  # 1/4, plus the replicated norms and biases
+    assert abstract_batch(cfg, run_mesh(cfg, target)).tokens.sharding.shard_shape((128, 72)) == (32, 72)
+
+
+@needs_libtpu
+def test_a_config_that_does_not_fit_exits_3_with_one_line(tmp_path, capsys):
+    """The real 0.5B model, data-parallel on 4 v5e chips, the paper's geometry in one micro-batch:
+    the compiler refuses the step (RESOURCE_EXHAUSTED) within seconds."""
+    out = tmp_path / "r.json"
+    rc, text, err = _cli(["compile", "--config", RECIPE, "--topology", "v5e:2x2", "--program", "step",
+                          "mesh.data=4", "mesh.fsdp=1", "train.micro_batches=1", "--json", str(out)], capsys)
+    assert rc == 3
+    assert err.count("\n") == 1 and err.startswith("ict-jax compile: step does not fit v5e:2x2:")
+    assert "GiB of temporaries > 15.75 GiB HBM" in err
+    data = json.loads(out.read_text())
+    assert data["programs"][0]["fits"] is False and data["programs"][0]["temporaries"] > 16 * 1024 ** 3
+    assert "NO" in text
+
+
+@needs_libtpu
+def test_hbm_of_each_generation_comes_from_the_compiler():
+    from ict_jax.tools.compile import hbm_bytes
+
+    gib = {name: hbm_bytes(get_target(name).devices) / 1024 ** 3 for name in ("v5e:2x2", "v6e:2x2", "v5p:2x2x1")}
+    assert gib == {"v5e:2x2": 15.75, "v6e:2x2": 31.25, "v5p:2x2x1": pytest.approx(95.74, abs=0.01)}
+
