@@ -142,9 +142,10 @@ def test_eight_devices_full_matrix(method, agg, devices8):
 # Micro-batches smaller than a group (issue 15): the no-grad statistics pass fixes the mask and every
 # denominator over the mini-batch first, so any split of its rows gives the mini-batch's gradient. The
 # old code refused these (whole groups per micro-batch and per shard).
-@pytest.mark.parametrize("method", ["ict"] + [pytest.param(m, marks=pytest.mark.slow) for m in ("entropy", "stapo", "dense")])
+@pytest.mark.parametrize("method", ["ict", "frequent"] + [pytest.param(m, marks=pytest.mark.slow)
+                                                          for m in ("entropy", "stapo", "dense", "selectable")])
 def test_micro_batches_smaller_than_a_group_give_the_same_gradients(method):
-    agg = METHOD_AGG[method]
+    agg = METHOD_AGG.get(method, "seq-mean-token-mean")  # the controls (issue 16) read u like ict
     d1, m1 = _cached_delta(method, agg, 1)
     for micro in (8, 16):  # 2 rows (half a group of G = 4), then 1 row per micro-batch
         d, m = _cached_delta(method, agg, micro)
@@ -371,7 +372,8 @@ def test_random_control_draws_afresh_in_every_mini_batch(monkeypatch):
 
 def test_u_form_reaches_the_step_and_micro_batching_keeps_it():
     """stats.u_form is the reading of u that ICT's mask uses in the step (old-policy pass included):
-    `pooled` changes the mask and gradient, and 4 micro-batches give the gradient of one."""
+    `pooled` changes the mask and gradient, and 4 micro-batches (whole groups) or 8 (half a group each,
+    issue 15) give the gradient of one."""
     agg = METHOD_AGG["ict"]
     d_aligned, m_aligned = _cached_delta("ict", agg, 1)
     d1, m1 = _cached_delta("ict", agg, 1, "stats.u_form=pooled")
@@ -380,3 +382,7 @@ def test_u_form_reaches_the_step_and_micro_batching_keeps_it():
     assert max(np.abs(x - y).max() for x, y in zip(jax.tree.leaves(d1), jax.tree.leaves(d_aligned))) > 1e-6
     _assert_close_trees(d4, d1)
     np.testing.assert_allclose(m4["stats/js_mean"], m1["stats/js_mean"], rtol=1e-5)
+    d8, m8 = _cached_delta("ict", agg, 8, "stats.u_form=pooled")
+    _assert_close_trees(d8, d1)
+    np.testing.assert_allclose(m8["stats/js_mean"], m1["stats/js_mean"], rtol=1e-5)
+    assert m8["mask/selected_frac"] == m1["mask/selected_frac"]
