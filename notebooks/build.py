@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated notebook name prefixes, e.g. 01")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a cell (and the demo training) may take")
     args = ap.parse_args(argv)
+    # with the `tpu` extra (libtpu) on a machine without a TPU, every kernel would print libtpu's warnings
+    # into the notebooks' outputs: JAX_PLATFORMS=cpu then, as the command line does (docs/tpu.md)
+    from ict_jax.cli.main import skip_absent_tpu
+
+    skip_absent_tpu()
     if args.fast and args.run_dir:
         ap.error("--fast and --run-dir exclude each other")
     out_dir, work = Path(args.out), Path(args.work)
