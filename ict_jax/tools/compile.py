@@ -23,6 +23,7 @@ machine that compiles.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -118,7 +119,8 @@ def hbm_bytes(devices: Sequence[Any]) -> int | None:
         probe = jax.jit(lambda a: jnp.sort(a[:, None] * jnp.arange(1 << 18, dtype=jnp.float32), axis=0),
                         out_shardings=NamedSharding(mesh, PartitionSpec()))
         try:
-            probe.lower(x).compile()
+            with _without_persistent_cache(True):
+                probe.lower(x).compile()
         except Exception as e:  # noqa: BLE001 - the expected RESOURCE_EXHAUSTED carries the number
             limit = _size(_AVAILABLE.search(str(e)))
     _HBM_CACHE[kind] = limit
@@ -433,6 +435,20 @@ def fmt_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
+@contextlib.contextmanager
+def _without_persistent_cache(off: bool):
+    """The persistent compilation cache cannot serve programs compiled for a topology's abstract devices
+    (reading an entry warns "PjRtCompiler must be constructed with a Client", docs/tpu.md): off for
+    those compiles, restored after."""
+    was = jax.config.jax_enable_compilation_cache
+    if off:
+        jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+
+
 def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *, analyse: bool = True,
                     dump_dir: str | Path | None = None) -> ProgramReport:
     """Lower and compile one program; a program that does not fit gives ``compiled=False`` with the
@@ -446,7 +462,8 @@ def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *
     rep.lower_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:
-        compiled = lowered.compile()
+        with _without_persistent_cache(target.generation is not None):
+            compiled = lowered.compile()
     except Exception as e:  # only an out-of-memory failure is a result; anything else re-raises
         rep.compile_s = time.perf_counter() - t0
         text = str(e)
