@@ -147,6 +147,23 @@ def _stats_fn(graphdef: Any, G: int, N: int, t_s: float, chunk: int, u_forms: tu
     return fn
 
 
+def _score(pool: Any, dataset: Any, tokenizer: Any, idx: list[int], real: int, G: int, tokens: np.ndarray,
+           valid: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """Decode and score the responses of the first ``real`` prompts of ``idx`` (G each; the rest are
+    filler rows): ``(texts, reward, correct, row_valid)``, the arrays over every row (filler rows 0)."""
+    rows = real * G
+    eos = {int(e) for e in tokenizer.eos_ids}
+    texts = [tokenizer.decode([int(t) for t, v in zip(tokens[r], valid[r]) if v and int(t) not in eos])
+             for r in range(rows)]
+    exs = [dataset[i] for i in idx[:real] for _ in range(G)]
+    checks = pool.check(dataset.scorer, texts, [ex.answer for ex in exs], [ex.meta for ex in exs])
+    reward, correct, row_valid = (np.zeros(len(idx) * G, np.float32) for _ in range(3))
+    reward[:rows] = [c.reward for c in checks]
+    correct[:rows] = [float(c.correct) for c in checks]
+    row_valid[:rows] = 1.0
+    return texts, reward, correct, row_valid
+
+
 def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_forms: Sequence[str] = U_FORMS,
             max_new_tokens: int = 256, batch_rows: int = 64, template: str = "qwen_chat", seed: int = 0,
             rho: float = 0.1, chunk: int = 64, pool: Any = None, stats_temperature: float | None = None,
@@ -193,19 +210,9 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         tokens, valid, trunc = (np.asarray(x) for x in jax.block_until_ready((ro.tokens, ro.valid, ro.truncated)))
         timing["sample_s"] += time.perf_counter() - t0
         rows = real * G
-        eos = {int(e) for e in tokenizer.eos_ids}
-        batch_texts = [tokenizer.decode([int(t) for t, v in zip(tokens[r], valid[r]) if v and int(t) not in eos])
-                       for r in range(rows)]
         t0 = time.perf_counter()
-        exs = [dataset[i] for i in idx[:real] for _ in range(G)]
-        checks = pool.check(dataset.scorer, batch_texts, [ex.answer for ex in exs], [ex.meta for ex in exs])
+        batch_texts, rew, ok, row_valid = _score(pool, dataset, tokenizer, idx, real, G, tokens, valid)
         timing["score_s"] += time.perf_counter() - t0
-        rew = np.zeros(len(idx) * G, np.float32)
-        rew[:rows] = [c.reward for c in checks]
-        ok = np.zeros(len(idx) * G, np.float32)
-        ok[:rows] = [float(c.correct) for c in checks]
-        row_valid = np.zeros(len(idx) * G, np.float32)
-        row_valid[:rows] = 1.0
         adv = outcome_advantages(ok, G, row_valid)
         full = np.concatenate([np.repeat(ids, G, axis=0), tokens.astype(np.int32)], axis=1)
         full_mask = np.concatenate([np.repeat(mask, G, axis=0), valid.astype(np.int32)], axis=1)
@@ -232,7 +239,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         groups.append(np.repeat(np.asarray(idx[:real]), G))
         texts += batch_texts
         say(f"{setting.name}: prompts {start + 1}-{start + real} of {n_prompts} sampled and scored "
-            f"({sum(c.correct for c in checks)}/{rows} correct)")
+            f"({int(ok[:rows].sum())}/{rows} correct)")
     cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
     out = {k: cat(v) for k, v in arrays.items()}
     out["valid"] = out["valid"].astype(bool)
