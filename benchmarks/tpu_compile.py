@@ -32,6 +32,7 @@ _0P5B, _1P5B, _7B = ("configs/qwen2p5_0p5b_ict.yaml", "configs/qwen2p5_1p5b_ict.
 JOBS: dict[str, list[str]] = {
     # every recipe as shipped on its mesh.target: all three programs
     "0p5b_shipped": ["--config", _0P5B],
+    "1p5b_shipped": ["--config", _1P5B],
     "1p5b_fit_v5e8": ["--config", _1P5B, "--topology", "v5e:2x4", "--fit", "--max-compiles", "3"],
     "7b_shipped": ["--config", _7B],
     # the recipes before issue 15
