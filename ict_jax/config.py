@@ -103,6 +103,9 @@ class RolloutSection:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # generate's row chunking: the step's P prompts are sampled in this many sequential calls of P/chunks
+    # prompts x G rows (a smaller KV cache and decode working set; docs/tpu.md); 1 = one call
+    chunks: int = 1
 
 
 @dataclass(frozen=True)
@@ -412,6 +415,7 @@ _BETA = Range(0, 1, hi_open=True)
 #: of the tree is listed). Every float must also be finite. ``None`` (where a field allows it) is not checked.
 RANGES: dict[str, Range] = {
     "mesh.data": Range(-1), "mesh.fsdp": Range(-1), "mesh.tensor": Range(-1),  # -1 = the rest; 0 below
+    "rollout.chunks": Range(1),
     "rollout.num_samples": Range(1), "rollout.max_prompt_len": Range(1), "rollout.max_new_tokens": Range(1),
     "rollout.temperature": _POS, "rollout.top_p": _UNIT_OPEN_CLOSED, "rollout.top_k": _NONNEG,
     "rl.selector.rho": _UNIT_OPEN_CLOSED, "rl.selector.warmup_steps": _NONNEG,
@@ -494,6 +498,9 @@ def validate(cfg: Config) -> Config:
     if rw.fn is not None and not _FN_RE.fullmatch(rw.fn):
         raise ConfigError(f"rl.reward.fn: {rw.fn!r} is not of the form package.module:function")
     t = cfg.train
+    if t.prompts_per_step % cfg.rollout.chunks:
+        raise ConfigError(f"rollout.chunks: {cfg.rollout.chunks} does not divide train.prompts_per_step="
+                          f"{t.prompts_per_step} (each generate call samples P / chunks whole prompts)")
     if t.prompts_per_step % t.mini_batches:
         raise ConfigError(
             f"train.mini_batches: {t.mini_batches} does not divide train.prompts_per_step={t.prompts_per_step} "

@@ -17,8 +17,8 @@ import pytest
 from ict_jax.config import ConfigError, load_config, parse_topology
 from ict_jax.model.config import ModelConfig
 from ict_jax.tools import hlo
-from ict_jax.tools.compile import PROGRAMS, compile_run, get_target, per_device_bytes
-from ict_jax.tools.fit import candidate_settings, estimate_memory, search
+from ict_jax.tools.compile import PROGRAMS, Target, compile_run, get_target, per_device_bytes
+from ict_jax.tools.fit import candidate_settings, estimate_memory, estimate_seconds, search
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 RECIPE = str(CONFIGS / "qwen2p5_0p5b_ict.yaml")
@@ -182,6 +182,19 @@ def test_memory_estimate_moves_the_right_way():
     assert step(data=1, fsdp=8) < step(data=8, fsdp=1)  # sharded state
 
 
+def test_rollout_chunks_trade_generate_memory_for_decode_time():
+    """generate's row chunking: the sampler's estimate falls with rollout.chunks, the step's does not
+    move, and the estimated time grows (more decode loops), so --fit takes it only when needed."""
+    cfg = load_config(RECIPE)
+    mc = ModelConfig.qwen2p5_0p5b(compute_dtype="bfloat16")
+    target = Target("v5e:2x4", "tpu", tuple(range(8)), "TPU v5 lite", 16 * 1024 ** 3, "v5e")
+    mem = {c: estimate_memory(cfg, mc, {**_ov(), "rollout.chunks": c}) for c in (1, 2, 4)}
+    assert mem[4]["generate"] < mem[2]["generate"] < mem[1]["generate"]
+    assert mem[1]["step"] == mem[4]["step"] and mem[1]["eval"] == mem[4]["eval"]
+    secs = [estimate_seconds(cfg, mc, {**_ov(), "rollout.chunks": c}, target) for c in (1, 2, 4)]
+    assert secs[0] < secs[1] < secs[2]
+
+
 def test_candidate_settings_follow_the_train_steps_geometry(devices8):
     """Every candidate passes the train step's own check (whole groups per shard in a mini-batch, as
     many rows on every shard in a micro-batch), and micro-batches of part of a group are among them."""
@@ -202,6 +215,9 @@ def test_candidate_settings_follow_the_train_steps_geometry(devices8):
     assert (8, 16) in shards  # 256 rows / 16 = 16 rows a micro-batch: 2 rows of a group of 8 a shard
     assert {s["model.remat"] for s in settings} == {"none", "block", "full"}
     assert {(s["mesh.data"], s["mesh.fsdp"]) for s in settings if s["mesh.tensor"] == 1} >= {(8, 1), (1, 8), (2, 4)}
+    for s in settings:  # every generate call of P / rollout.chunks prompts holds whole prompts on every shard
+        assert (t.prompts_per_step // s["rollout.chunks"]) % (s["mesh.data"] * s["mesh.fsdp"]) == 0
+    assert {s["rollout.chunks"] for s in settings} == {1, 2, 4, 8}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,6 +227,19 @@ def test_candidate_settings_follow_the_train_steps_geometry(devices8):
 def local_reports(devices8):
     cfg = load_config(RECIPE, TINY + ["mesh.data=2", "mesh.fsdp=4"])
     return compile_run(cfg, get_target("local"), PROGRAMS)
+
+
+def test_local_generate_with_rollout_chunks_holds_a_smaller_cache(local_reports, devices8):
+    """rollout.chunks = 2: the compiled sampler takes P / 2 prompts and its KV cache holds half the rows
+    (the kv cache check finds the smaller cache at its expected shape)."""
+    cfg = load_config(RECIPE, TINY + ["mesh.data=2", "mesh.fsdp=4", "rollout.chunks=2"])
+    (gen2,), _ = compile_run(cfg, get_target("local"), ("generate",))
+    gen1 = local_reports[0][1]
+    kv1, kv2 = (next(c for c in r.checks if c.name == "kv cache") for r in (gen1, gen2))
+    assert kv1.ok and kv2.ok
+    rows1, rows2 = (int(c.detail.split("[")[1].split(",")[1]) for c in (kv1, kv2))  # [layers, rows, ...]
+    assert rows1 == 2 * rows2 == 16 * 8 // 8  # P x G rows over 8 shards, then half of them
+    assert gen2.temporaries < gen1.temporaries
 
 
 def test_local_compile_reports_every_program(local_reports):

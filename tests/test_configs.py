@@ -249,6 +249,8 @@ def test_missing_base_and_invalid_yaml(tmp_path):
     ("rl.selector.scope=prompt", "rl.selector.scope"),
     ("optim.lr=fast", "optim.lr"),
     ("train.micro_batches=3", "train.micro_batches"),
+    ("rollout.chunks=3", "rollout.chunks: 3 does not divide train.prompts_per_step=128"),
+    ("rollout.chunks=0", "rollout.chunks"),
     ("rl.loss.kl_coeff=0", "rl.loss.kl_coeff"),
     ("model.path.sub=1", "model.path"),
 ])

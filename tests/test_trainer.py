@@ -254,3 +254,32 @@ def test_profile_steps_write_a_trace(tmp_path, capsys):
     assert list((run / "profile").rglob("*.xplane.pb")), "no jax.profiler trace written"
     rc, err = _cli(["train", "--config", str(DEMO), f"run_dir={tmp_path / 'r2'}", "--profile-steps", "3:1"], capsys)
     assert rc == 2 and "--profile-steps '3:1'" in err
+
+
+def test_rollout_chunks_sample_the_prompts_in_sequential_calls(tmp_path):
+    """rollout.chunks = 2 (generate's row chunking, docs/tpu.md): two generate calls of P / 2 prompts,
+    the second with its own key, concatenated prompt-major into the step's P x G rows."""
+    from ict_jax.train.trainer import Trainer
+
+    cfg = load_config(DEMO, TINY + ["train.steps=1", "train.sft_steps=0", f"run_dir={tmp_path / 'run'}",
+                                     "train.prompts_per_step=8", "rollout.chunks=2", "mesh.data=-1",
+                                     "mesh.tensor=2"])
+    G, P = cfg.rollout.num_samples, cfg.train.prompts_per_step
+    with Trainer(cfg, progress=False) as t:
+        calls, real = [], t.run.generate
+
+        def spy(params, ids, mask, key):
+            ro = real(params, ids, mask, key)
+            calls.append((np.asarray(ids), jax.random.key_data(key), jax.tree.map(np.asarray, ro)))
+            return ro
+
+        t.run.generate = spy
+        pb, ro, _ = t._generate_and_score(t.run.state, jax.random.key(7))
+        batch, _ = t._rollout_batch(0, t.run.state)
+    (ids0, key0, ro0), (ids1, key1, ro1) = calls[:2]
+    assert ids0.shape[0] == ids1.shape[0] == P // 2
+    np.testing.assert_array_equal(np.concatenate([ids0, ids1]), pb.ids)
+    assert not np.array_equal(key0, key1)  # each chunk samples with its own key
+    np.testing.assert_array_equal(ro.tokens, np.concatenate([ro0.tokens, ro1.tokens]))
+    np.testing.assert_array_equal(ro.logp, np.concatenate([ro0.logp, ro1.logp]))
+    assert ro.tokens.shape[0] == P * G and np.asarray(batch.tokens).shape[0] == P * G

@@ -25,8 +25,8 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="which program to compile: the train step, the rollout sampler, the evaluation sampler, "
                         "or all three (default)")
     p.add_argument("--fit", action="store_true",
-                   help="search the cheapest settings that fit (mesh, micro_batches, remat, stats.chunk) and "
-                        "print them as KEY=VALUE overrides")
+                   help="search the cheapest settings that fit (mesh, micro_batches, remat, stats.chunk, "
+                        "rollout.chunks) and print them as KEY=VALUE overrides")
     p.add_argument("--max-compiles", type=int, default=4,
                    help="--fit: at most this many candidate settings are compiled to confirm (default 4)")
     p.add_argument("--headroom", type=float, default=0.05,

@@ -38,6 +38,8 @@ from ict_jax.tools.compile import (
 
 REMATS = ("none", "block", "full")
 CHUNKS = (128, 64, 32)
+#: generate's row chunking (``rollout.chunks``): sequential sampler calls of P / chunks prompts
+ROLLOUT_CHUNKS = (1, 2, 4, 8)
 #: Fraction of peak FLOP/s the estimate assumes (ranks candidates; not a prediction of MFU).
 MFU = 0.4
 #: Extra forward passes of the gradient pass per remat mode (recomputation in the backward pass).
@@ -124,9 +126,10 @@ def estimate_memory(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> dict[st
             + P * G / shards * T * 4 * 3)
     out = {"step": int(step)}
     for name, g in (("generate", G), ("eval", cfg.data.eval_n)):
-        r = P * g / shards
+        prompts = P / ov.get("rollout.chunks", 1) if name == "generate" else P  # generate's row chunking
+        r = prompts * g / shards
         cache = 2 * L * r * KV / (tensor if KV % tensor == 0 else 1) * (Lp + N - 1) * hd * cb
-        prefill = P / shards * (heads * Lp * (Lp + N) * (4 + cb) + Lp * (f_loc * cb * 3 + D * 4 * 3))
+        prefill = prompts / shards * (heads * Lp * (Lp + N) * (4 + cb) + Lp * (f_loc * cb * 3 + D * 4 * 3))
         out[name] = int(params + opt + ref + cache + prefill + r * V * 4 * 4 + gathered + V * D * cb)
     return out
 
@@ -154,8 +157,10 @@ def estimate_seconds(cfg: Config, mc: ModelConfig, ov: dict[str, Any], target: T
     """Step time: FLOPs / (chips x peak x :data:`MFU`), plus the bytes a device moves over ICI / its ICI
     bandwidth (FSDP weight gathers per pass and micro-batch, the gradient reduce-scatter or
     all-reduce, tensor parallelism's two activation all-reduces a layer), plus :data:`LOOP_S` per
-    loop iteration. Passes are counted as in :func:`step_flops`, the backward pass as two."""
-    spec = CHIP_SPECS.get(target.generation or "", {"peak_flops": 100e12, "ici_bytes": 100e9})
+    loop iteration. Passes are counted as in :func:`step_flops`, the backward pass as two. Generate's
+    row chunking (``rollout.chunks`` = c) adds c - 1 decode loops: N steps, each reading a chip's share
+    of the weights gathered over fsdp (memory-bound) from HBM."""
+    spec = CHIP_SPECS.get(target.generation or "", {"peak_flops": 100e12, "ici_bytes": 100e9, "hbm_bw": 800e9})
     data, fsdp, tensor = _mesh_sizes(ov)
     compute = step_flops(cfg, mc, ov) / (target.chips * spec["peak_flops"] * MFU)
     n, t = mc.num_params(), cfg.train
@@ -170,7 +175,8 @@ def estimate_seconds(cfg: Config, mc: ModelConfig, ov: dict[str, Any], target: T
     activations = 0.0 if tensor == 1 else (passes + 1) * 2 * mc.num_layers * tokens * mc.hidden_size * cb * 2 * (
         tensor - 1) / tensor
     loops = (passes + 1) * chunks * (mc.num_layers + -(-N // ov["stats.chunk"]))
-    return compute + (gather + reduce + activations) / spec["ici_bytes"] + loops * LOOP_S
+    decode = (ov.get("rollout.chunks", 1) - 1) * N * (n / tensor * cb / spec["hbm_bw"] + mc.num_layers * LOOP_S)
+    return compute + (gather + reduce + activations) / spec["ici_bytes"] + loops * LOOP_S + decode
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,10 +187,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_settings(cfg: Config, mc: ModelConfig, chips: int) -> list[dict[str, Any]]:
-    """Every (mesh, micro_batches, remat, chunk) the recipe's geometry allows on ``chips`` devices
-    (``rl.train_step.check_batch_geometry``): a mini-batch holds whole groups per shard, a micro-batch
-    (possibly part of a group) as many rows on every shard; tensor divides the heads and KV heads;
-    chunk at most the response length."""
+    """Every (mesh, micro_batches, remat, chunk, rollout chunks) the recipe's geometry allows on ``chips``
+    devices (``rl.train_step.check_batch_geometry``): a mini-batch holds whole groups per shard, a
+    micro-batch (possibly part of a group) as many rows on every shard; tensor divides the heads and KV
+    heads; chunk at most the response length; a generate call of P / rollout chunks prompts whole
+    prompts on every shard."""
     t, N, G = cfg.train, cfg.rollout.max_new_tokens, cfg.rollout.num_samples
     per_mini = t.prompts_per_step // t.mini_batches
     out = []
@@ -198,9 +205,12 @@ def candidate_settings(cfg: Config, mc: ModelConfig, chips: int) -> list[dict[st
                 fused = t.mini_batches * micro == 1
                 if (t.prompts_per_step if fused else per_mini) % shards or (per_mini * G // micro) % shards:
                     continue
-                for remat, chunk in itertools.product(REMATS, chunks):
+                rollout_chunks = [c for c in ROLLOUT_CHUNKS if t.prompts_per_step % c == 0
+                                  and (t.prompts_per_step // c) % shards == 0]
+                for remat, chunk, rc in itertools.product(REMATS, chunks, rollout_chunks):
                     out.append({"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
-                                "train.micro_batches": micro, "model.remat": remat, "stats.chunk": chunk})
+                                "train.micro_batches": micro, "model.remat": remat, "stats.chunk": chunk,
+                                "rollout.chunks": rc})
     return out
 
 
@@ -222,8 +232,8 @@ def search(cfg: Config, target: Target, *, programs: Sequence[str] = PROGRAMS, m
         mem = estimate_memory(cfg.replace(**{"stats.chunk": ov["stats.chunk"]}), mc, ov)
         scored.append(Candidate(ov, max(mem[p] for p in programs), estimate_seconds(cfg, mc, ov, target)))
     scored.sort(key=lambda c: (c.seconds, c.memory))
-    log(f"--fit: {len(scored)} settings of (mesh, micro_batches, remat, stats.chunk) on {target.name}; "
-        f"cheapest first, compiled to confirm (at most {max_compiles})")
+    log(f"--fit: {len(scored)} settings of (mesh, micro_batches, remat, stats.chunk, rollout.chunks) on "
+        f"{target.name}; cheapest first, compiled to confirm (at most {max_compiles})")
     scale, slack, tried = 1.0, 1.1, []
     for cand in scored:
         if len(tried) >= max_compiles:

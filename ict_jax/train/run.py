@@ -204,6 +204,10 @@ def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer
                              t.micro_batches, mesh)
     except ValueError as e:
         raise ConfigError(f"train.prompts_per_step: {e}") from None
+    try:  # each of generate's rollout.chunks calls splits its P / chunks prompts over data x fsdp too
+        check_prompts_divide(t.prompts_per_step // cfg.rollout.chunks, mesh)
+    except ValueError as e:
+        raise ConfigError(f"rollout.chunks: {cfg.rollout.chunks} chunks of train.prompts_per_step: {e}") from None
     # everything that reads user input comes before anything is written
     datasets = [load_dataset(name, data_dir=cfg.data.data_dir, seed=cfg.seed) for name in cfg.data.train]
     custom = [ds.name for ds in datasets if ds.scorer == CUSTOM_KIND]

@@ -247,12 +247,19 @@ class Trainer:
             r.ref_params = reference_params(r.state, r.model.config.resolved_compute_dtype())
     # -- one RL step -----------------------------------------------------------------------------
     def _generate_and_score(self, state: Any, key: Any) -> tuple[Any, Any, np.ndarray]:
-        """The next P prompts, G responses each (host arrays) and their rewards."""
+        """The next P prompts, G responses each (host arrays) and their rewards. With
+        ``rollout.chunks`` > 1 the P prompts are sampled in that many sequential calls (chunk c with
+        ``fold_in(key, c)``) and the rows concatenated, prompt-major as from one call."""
         r = self.run
         pb = next(r.iterator)
-        ids, mask = (shard_batch((pb.ids, pb.mask), r.mesh) if r.mesh.size > 1
-                     else (jnp.asarray(pb.ids), jnp.asarray(pb.mask)))
-        ro = to_host(r.generate(state.params, ids, mask, key))
+        chunks = self.cfg.rollout.chunks
+        parts = []
+        for c, (ids, mask) in enumerate(zip(np.split(pb.ids, chunks), np.split(pb.mask, chunks))):
+            if r.mesh.size > 1:
+                ids, mask = shard_batch((ids, mask), r.mesh)
+            k = key if chunks == 1 else jax.random.fold_in(key, c)  # one call: the key of old
+            parts.append(to_host(r.generate(state.params, jnp.asarray(ids), jnp.asarray(mask), k)))
+        ro = parts[0] if chunks == 1 else jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *parts)
         return pb, ro, self._score(pb, ro.tokens, ro.valid)
 
     def _rollout_batch(self, step: int, state: Any) -> tuple[Any, dict[str, float]]:
