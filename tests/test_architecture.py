@@ -12,14 +12,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ict_jax"
 ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "sharding": set(),
+    "platform": set(),
     "rewards": set(),
     "data": {"rewards"},
     "model": {"config", "sharding", "data.tokenizers"},
     "rl": {"config", "sharding"},
     "sampling": {"config", "sharding", "model", "data", "rewards"},
     "train": {"config", "sharding", "model", "data", "rewards", "rl", "sampling"},
-    "tools": {"config", "sharding", "model", "data", "rewards", "rl", "sampling", "train"},
-    "cli": {"config", "sharding", "model", "data", "rewards", "rl", "sampling", "train", "tools", "cli", ""},
+    "tools": {"config", "sharding", "platform", "model", "data", "rewards", "rl", "sampling", "train"},
+    "cli": {"config", "sharding", "platform", "model", "data", "rewards", "rl", "sampling", "train", "tools", "cli",
+            ""},
 }
 
 

@@ -149,6 +149,14 @@ def test_bad_topology_names(name):
         parse_topology(name)
 
 
+@pytest.mark.parametrize("gen, chips, name", [("v5e", 8, "v5litepod-8"), ("v6e", 8, "v6e-8"), ("v5p", 4, "v5p-8"),
+                                              ("v4", 4, "v4-8")])
+def test_accelerator_type_names_the_slice_as_cloud_tpu_does(gen, chips, name):
+    from ict_jax.platform import accelerator_type
+
+    assert accelerator_type(gen, chips) == name
+
+
 def test_mesh_target_is_validated():
     assert load_config(RECIPE).mesh.target == "v5e:2x4"
     assert load_config(RECIPE, ["mesh.target=null"]).mesh.target is None

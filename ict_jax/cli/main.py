@@ -4,7 +4,6 @@ library modules. User errors (bad config, missing files, bad shapes) print one l
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib
 import importlib.util
 import logging
@@ -16,6 +15,7 @@ from typing import Callable, Sequence
 from ict_jax import __version__
 from ict_jax.cli.errors import UserError
 from ict_jax.config import ConfigError
+from ict_jax.platform import nvidia_gpu_present, tpu_chips_present
 
 # subcommand -> (module, add_args function, main function, one-line help). Modules import lazily so
 # `ict-jax info` does not pay for the trainer's imports.
@@ -85,9 +85,6 @@ def quiet_library_logs() -> None:
         absl_logging.set_verbosity(absl_logging.ERROR)
     except ImportError:
         pass
-_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips on the PCI bus (what JAX's own TPU detection reads)
-
-
 def skip_absent_tpu() -> bool:
     """With libtpu installed (the ``tpu`` extra, e.g. for ``ict-jax compile``) on a machine without TPU
     chips or NVIDIA GPUs, JAX would still start the TPU runtime, which prints several lines of warnings
@@ -96,14 +93,7 @@ def skip_absent_tpu() -> bool:
     Compiling for a TPU topology works either way. Returns True when it set it (docs/tpu.md)."""
     if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
         return False
-    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        try:
-            with open(vendor) as f:
-                if f.read().strip() == _GOOGLE_PCI_VENDOR:
-                    return False
-        except OSError:
-            continue
-    if any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")):
+    if tpu_chips_present() or nvidia_gpu_present():
         return False
     os.environ["JAX_PLATFORMS"] = "cpu"
     return True

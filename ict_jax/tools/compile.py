@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 import time
@@ -42,6 +43,7 @@ from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.data.prompts import make_buckets
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import resolve_path
+from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.train_step import StepPlan, make_train_step, old_pass_chunks
@@ -136,7 +138,7 @@ def get_target(name: str | None) -> Target:
         devs = tuple(jax.devices())
         return Target("local", devs[0].platform, devs, devs[0].device_kind, hbm_bytes(devs))
     try:
-        gen, _ = parse_topology(name)
+        gen, dims = parse_topology(name)
     except ConfigError as e:
         raise ValueError(f"--topology: {e}") from None
     if importlib.util.find_spec("libtpu") is None:
@@ -144,6 +146,11 @@ def get_target(name: str | None) -> Target:
     # libtpu takes a machine-wide lock file when it loads; compiling touches no chip, so several
     # compiling processes (a test suite beside a --fit search) may share it
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not tpu_chips_present() and not {"TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES"} & set(os.environ):
+        # off a TPU VM libtpu looks for its slice in these variables and prints five lines of warnings
+        # when they are unset; name the slice being compiled for and this host (compiling only)
+        os.environ["TPU_ACCELERATOR_TYPE"] = accelerator_type(gen, math.prod(dims))
+        os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
     from jax.experimental import topologies  # imported here: it loads the TPU compiler plugin
 
     try:
