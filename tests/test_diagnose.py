@@ -16,8 +16,8 @@ from ict_jax.cli.main import main
 from ict_jax.data.datasets import load_dataset
 from ict_jax.data.tokenizers import CharTokenizer
 from ict_jax.rl.token_stats import U_FORMS
-from ict_jax.tools.diagnose import (GRID, PAPER, Setting, diagnostics, fork_positions, reanalyse, run_diagnose,
-                                    selector_specs, sorted_u_curve)
+from ict_jax.tools.diagnose import PAPER, Setting, reanalyse, run_diagnose, selector_specs
+from ict_jax.tools.diagnose_measures import GRID, diagnostics, fork_positions, sorted_u_curve
 from ict_jax.tools.diagnose_report import format_markdown
 
 
@@ -151,7 +151,7 @@ def test_aligned_ceiling():
     import jax.numpy as jnp
 
     from ict_jax.rl.token_stats import stats_from_logits
-    from ict_jax.tools.diagnose import aligned_ceiling
+    from ict_jax.tools.diagnose_measures import aligned_ceiling
 
     # disjoint one-hot rows: the aligned u reaches the ceiling
     for n in (2, 4, 8, 16):

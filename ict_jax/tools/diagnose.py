@@ -4,21 +4,11 @@ For every setting (group size G x sampling temperature T) :func:`collect` sample
 a data set's prompts, scores them with the data set's verifiable reward, recomputes every response
 token's statistics (docs/method.md §1: logp, H1, H2, max_v p, and u with Q(o_t) under every reading of
 ``stats.u_form``) and selects tokens with every selector (docs/method.md §2) through the train step's
-entry point :func:`ict_jax.rl.selectors.select`, one sampling batch being the mini-batch. :func:`diagnostics`
-then computes, in float64 NumPy, the paper's diagnostics of the selected tokens (docs/method.md §5):
-
-- the sorted u of a response (a mean normalised curve per reading) and two elbow measures: the ratio E
-  of its slopes over the ranks 2-10 % and 10-30 % (1 = a straight line; large = a sharp drop inside the
-  top 10 %), and the knee (the rank fraction farthest from the curve's chord);
-- p(o_t), the purity beta = sum_v p^2 = exp(-H2) and max_v p of the selected tokens (mean, median, sd:
-  the paper's "0.18 +- 0.09" may be any of them), and Q(o_t), the compared distribution's mass on the
-  sampled token;
-- the high/low-entropy ratio, with the median of H1 over the setting's valid tokens (docs/method.md §5)
-  and with its top-20 % threshold (the share of selected tokens in the top 20 % is 0.2 for a selector
-  blind to entropy);
-- the most frequent selected and unselected tokens (decoded), and how many of the forking tokens (where
-  a response leaves a sibling that shared its whole prefix: :func:`fork_positions`) are selected;
-- u against position, and the correlation between a response's mean u and its advantage.
+entry point :func:`ict_jax.rl.selectors.select`, one sampling batch being the mini-batch.
+:func:`ict_jax.tools.diagnose_measures.diagnostics` then computes, in float64 NumPy, the paper's
+diagnostics of the selected tokens (docs/method.md §5): sorted-u curves and their elbow, p(o_t), its
+purity and max_v p, Q(o_t), the high/low-entropy ratio, the most frequent selected and unselected and
+the forking tokens, u against position, and corr(mean u, advantage).
 
 :func:`run_diagnose` does every setting and writes ``diagnose.json``, the Markdown report and the plots
 (:mod:`ict_jax.tools.diagnose_report`).
@@ -28,9 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -47,10 +35,10 @@ from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.selectors import select
 from ict_jax.rl.token_stats import U_FORMS, TokenStats, stats_from_hidden
 from ict_jax.sampling.sampler import make_generate_fn
+from ict_jax.tools.diagnose_measures import diagnostics, marked_examples
 from ict_jax.tools.diagnose_report import format_markdown, plot_setting
 
-__all__ = ["PAPER", "Setting", "collect", "diagnostics", "fork_positions", "outcome_advantages", "reanalyse",
-           "run_diagnose", "selector_specs", "sorted_u_curve"]
+__all__ = ["PAPER", "Setting", "collect", "outcome_advantages", "reanalyse", "run_diagnose", "selector_specs"]
 
 #: The paper's token diagnostics of ICT's selected tokens (docs/method.md §5; Qwen2.5, GSM8K / MATH).
 PAPER = {
@@ -61,14 +49,6 @@ PAPER = {
                "unselected"),
     "adv_corr": "high u goes with positive-advantage responses (A.3.4)",
 }
-#: Rank fractions of the sorted-u curves.
-GRID = np.linspace(0.0, 1.0, 101)
-#: Responses shorter than this are left out of the sorted-u curves (10 % of them is under one token).
-MIN_TOKENS_FOR_CURVE = 20
-#: Width of the position bins of "u against position".
-POSITION_BIN = 16
-#: How many of the most frequent selected / unselected tokens are listed.
-TOP_TOKENS = 15
 _RANDOM_KEY = 0x44494147  # "DIAG": the random selector's root key (folded with the batch index)
 
 
@@ -251,232 +231,6 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# The diagnostics (float64 NumPy)
-# ------------------------------------------------------------------------------------------------
-def _summary(x: np.ndarray) -> dict[str, float | None]:
-    x = np.asarray(x, np.float64)
-    if x.size == 0:
-        return {"mean": None, "median": None, "sd": None, "n": 0}
-    return {"mean": float(x.mean()), "median": float(np.median(x)), "sd": float(x.std(ddof=1)) if x.size > 1 else 0.0,
-            "n": int(x.size)}
-
-
-def sorted_u_curve(js: np.ndarray, valid: np.ndarray, min_tokens: int = MIN_TOKENS_FOR_CURVE) -> dict[str, Any]:
-    """The mean over responses of the normalised sorted u (u / max u, descending, against the rank
-    fraction r / (n - 1)) on :data:`GRID`, and its elbow measures:
-
-    - ``E`` = slope over ranks 2-10 % / slope over 10-30 % of the mean curve (1 = straight line; the
-      larger, the sharper the drop inside the top 10 %); ``E_response_median``: the median of each
-      response's own E;
-    - ``knee``: the rank fraction where the mean curve is farthest below its chord (Kneedle; None when
-      the curve is nowhere below its chord);
-    - ``flat_share``: the share of responses whose sorted u has no drop (max u = 0).
-
-    Responses with fewer than ``min_tokens`` valid tokens are left out (``responses`` counts the rest)."""
-    curves, es, flat = [], [], 0
-    for u, v in zip(js, valid):
-        x = np.sort(np.asarray(u, np.float64)[v])[::-1]
-        if x.size < min_tokens:
-            continue
-        if x[0] <= 0:
-            flat += 1
-            continue
-        c = np.interp(GRID, np.linspace(0.0, 1.0, x.size), x / x[0])
-        curves.append(c)
-        es.append(_elbow(c))
-    n = len(curves) + flat
-    if not curves:
-        return {"grid": GRID.tolist(), "curve": None, "E": None, "E_response_median": None, "knee": None,
-                "responses": n, "flat_share": (flat / n) if n else None}
-    mean = np.mean(curves, axis=0)
-    finite = [e for e in es if math.isfinite(e)]
-    return {"grid": GRID.tolist(), "curve": mean.tolist(), "E": _elbow(mean),
-            "E_response_median": float(np.median(finite)) if finite else None, "knee": _knee(mean),
-            "responses": n, "flat_share": flat / n}
-
-
-def _at(c: np.ndarray, r: float) -> float:
-    return float(np.interp(r, GRID, c))
-
-
-def _elbow(c: np.ndarray) -> float:
-    """slope(2 % -> 10 %) / slope(10 % -> 30 %) of a descending curve on :data:`GRID`."""
-    top = (_at(c, 0.02) - _at(c, 0.10)) / 0.08
-    mid = (_at(c, 0.10) - _at(c, 0.30)) / 0.20
-    return top / mid if mid > 0 else (math.inf if top > 0 else 1.0)
-
-
-def _knee(c: np.ndarray) -> float | None:
-    """The rank fraction where the curve lies farthest below its chord; None when it never does (a
-    concave curve: u stays high and falls at the end, no elbow)."""
-    gap = (c[0] + (c[-1] - c[0]) * GRID) - c
-    return float(GRID[int(np.argmax(gap))]) if gap.max() > 1e-9 else None
-
-
-def fork_positions(tokens: np.ndarray, valid: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """bool ``[R, N]``: the forking tokens, the positions t where a response leaves a sibling that shared
-    its whole prefix (every token before t; all of the group at t = 0), i.e. where at least one such
-    sibling samples another token. A response has no fork once no sibling shares its prefix.
-    ``group`` ``[R]`` names each row's prompt."""
-    R, N = tokens.shape
-    out = np.zeros((R, N), bool)
-    for g in np.unique(group):
-        rows = np.flatnonzero(group == g)
-        for k, i in enumerate(rows):
-            same = np.ones(len(rows), bool)  # siblings (and i itself) sharing i's prefix so far
-            for t in range(int(valid[i].sum())):
-                peers = same & valid[rows, t]
-                if peers.sum() > 1 and np.any(tokens[rows[peers], t] != tokens[i, t]):
-                    out[i, t] = True
-                same &= valid[rows, t] & (tokens[rows, t] == tokens[i, t])
-                if same.sum() <= 1:
-                    break  # alone from here on: no later fork
-    return out
-
-
-def aligned_ceiling(n: np.ndarray) -> np.ndarray:
-    """The largest u of the ``aligned`` reading with n rollouts active at t (itself included): p disjoint
-    from the n - 1 others, u = 1/2 [ln(2n/(n+1)) + (1/n) ln(2/(n+1)) + (1 - 1/n) ln 2]; 0 for n <= 1
-    (0.380 at n = 4, 0.497 at n = 8, 0.585 at n = 16)."""
-    n = np.asarray(n, np.float64)
-    safe = np.maximum(n, 1.0)
-    c = 0.5 * (np.log(2 * safe / (safe + 1)) + np.log(2 / (safe + 1)) / safe + (1 - 1 / safe) * np.log(2.0))
-    return np.where(n > 1, c, 0.0)
-
-
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    try:
-        return tokenizer.decode([int(token_id)], skip_special_tokens=False)
-    except TypeError:
-        return tokenizer.decode([int(token_id)])
-
-
-def _top_tokens(tokens: np.ndarray, sel: np.ndarray, valid: np.ndarray, tokenizer: Any, k: int = TOP_TOKENS
-                ) -> tuple[list, list]:
-    """(most frequent selected, most frequent unselected): ``[text, count, selection rate of the id]``."""
-    all_counts = Counter(tokens[valid].tolist())
-    s_counts = Counter(tokens[sel].tolist())
-    u_counts = Counter(tokens[valid & ~sel].tolist())
-    fmt = lambda counts: [[_token_text(tokenizer, t), c, s_counts.get(t, 0) / all_counts[t]]  # noqa: E731
-                          for t, c in counts.most_common(k)]
-    return fmt(s_counts), fmt(u_counts)
-
-
-def _ratio(hi: int, lo: int) -> float | None:
-    """hi / lo; None when lo = 0 (the counts are reported beside it)."""
-    return hi / lo if lo else None
-
-
-def _corr(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
-    """Pearson and Spearman correlation (None with fewer than 3 points or no variance)."""
-    n = len(x)
-    if n < 3 or np.std(x) == 0 or np.std(y) == 0:
-        return {"pearson": None, "spearman": None, "n": n}
-    rank = lambda a: np.argsort(np.argsort(a, kind="stable"), kind="stable").astype(np.float64)  # noqa: E731
-    return {"pearson": float(np.corrcoef(x, y)[0, 1]), "spearman": float(np.corrcoef(rank(x), rank(y))[0, 1]),
-            "n": n}
-
-
-def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
-    """The docs/method.md §5 diagnostics of one setting's :func:`collect` output (module docstring)."""
-    valid = np.asarray(data["valid"], bool)
-    tokens = np.asarray(data["tokens"])
-    H1 = np.asarray(data["H1"], np.float64)
-    p = np.exp(np.asarray(data["logp"], np.float64))
-    beta = np.exp(-np.asarray(data["H2"], np.float64))
-    pmax = np.asarray(data["pmax"], np.float64)
-    Hv = np.sort(H1[valid])
-    med = Hv[(Hv.size - 1) // 2] if Hv.size else math.inf  # the lower median (docs/method.md §5)
-    q80 = float(np.quantile(Hv, 0.8)) if Hv.size else math.inf
-    forks = fork_positions(tokens, valid, np.asarray(data["group"]))
-    adv = np.asarray(data["advantage"], np.float64)
-    N = tokens.shape[1]
-    bins = list(range(0, N, POSITION_BIN))
-    pos = np.broadcast_to(np.arange(N), tokens.shape)
-
-    def by_position(x: np.ndarray, w: np.ndarray) -> list[float | None]:
-        out = []
-        for b in bins:
-            m = w & (pos >= b) & (pos < b + POSITION_BIN)
-            out.append(float(x[m].mean()) if m.any() else None)
-        return out
-
-    groups = np.asarray(data["group"])
-    active = np.zeros(valid.shape)  # rollouts of the row's group active at t
-    for g in np.unique(groups):
-        active[groups == g] = valid[groups == g].sum(0)
-    ceilings = {"aligned": aligned_ceiling(active), "loo": np.where(active > 1, np.log(2.0), 0.0)}
-    shared = valid & (active > 1)  # positions where the ceiling is above 0
-    readings = {}
-    for form in data["u_forms"]:
-        u = np.asarray(data["js"][form], np.float64)
-        rows = valid.any(1)
-        mean_u = np.where(rows, (u * valid).sum(1) / np.maximum(valid.sum(1), 1), 0.0)
-        informative = rows & (adv != 0)  # groups whose rewards differ: A != 0
-        readings[form] = {
-            "u": _summary(u[valid]) | {"p90": float(np.quantile(u[valid], 0.9)) if valid.any() else None,
-                                       "max": float(u[valid].max()) if valid.any() else None,
-                                       "zero_share": float((u[valid] <= 0).mean()) if valid.any() else None,
-                                       # share of tokens within 5 % of the reading's largest possible u
-                                       "ceiling_share": (float((u >= 0.95 * ceilings[form])[shared].mean())
-                                                         if form in ceilings and shared.any() else None)},
-            "sorted_u": sorted_u_curve(u, valid),
-            "u_by_position": by_position(u, valid),
-            "adv_corr": _corr(mean_u[informative], adv[informative])
-            | {"mean_u_pos": float(mean_u[rows & (adv > 0)].mean()) if (rows & (adv > 0)).any() else None,
-               "mean_u_neg": float(mean_u[rows & (adv < 0)].mean()) if (rows & (adv < 0)).any() else None},
-        }
-    selectors = {}
-    for name, sel in data["masks"].items():
-        sel = np.asarray(sel, bool) & valid
-        form = data["selector_forms"][name]
-        q = np.asarray(data["pbar_tok"][form], np.float64)
-        hi, lo = int((sel & (H1 > med)).sum()), int((sel & (H1 <= med)).sum())
-        hi20, lo20 = int((sel & (H1 > q80)).sum()), int((sel & (H1 <= q80)).sum())
-        top_sel, top_unsel = _top_tokens(tokens, sel, valid, tokenizer)
-        rows_sel = sel.any(1)
-        selectors[name] = {
-            "reading": form, "selected": int(sel.sum()), "selected_frac": float(sel.sum() / max(valid.sum(), 1)),
-            "rows_without_selected": int((valid.any(1) & ~rows_sel).sum()),
-            "p": _summary(p[sel]), "beta": _summary(beta[sel]), "pmax": _summary(pmax[sel]), "qtok": _summary(q[sel]),
-            "H1": _summary(H1[sel]),
-            "h_ratio_median": _ratio(hi, lo), "h_ratio_top20": _ratio(hi20, lo20),
-            "h_counts_median": [hi, lo], "h_counts_top20": [hi20, lo20],
-            "top20_share": hi20 / max(hi20 + lo20, 1),
-            "forks": int(forks.sum()), "forks_selected": int((forks & sel).sum()),
-            "top_selected": top_sel, "top_unselected": top_unsel,
-            "selected_by_position": by_position(sel.astype(np.float64), valid),
-        }
-    n_resp = int(valid.any(1).sum())
-    return {
-        "responses": n_resp, "valid_tokens": int(valid.sum()), "length_mean": float(valid.sum(1).mean()),
-        "truncated_frac": float(np.asarray(data["truncated"]).mean()),
-        "accuracy": float(np.asarray(data["correct"]).mean()), "reward_mean": float(np.asarray(data["reward"]).mean()),
-        "groups_with_signal": int(sum(np.any(adv[groups == g] != 0) for g in np.unique(groups))),
-        "groups": int(len(np.unique(groups))),
-        "H1_median": float(med), "H1_q80": q80, "p_all": _summary(p[valid]),
-        "position_bins": bins, "readings": readings, "selectors": selectors, "timing": data["timing"],
-    }
-
-
-# ------------------------------------------------------------------------------------------------
-# The whole run
-# ------------------------------------------------------------------------------------------------
-def _examples(data: Mapping[str, Any], tokenizer: Any, form: str, n: int = 2) -> list[dict[str, Any]]:
-    """The first ``n`` responses with ICT's selected tokens in brackets (reading ``form``)."""
-    sel = data["masks"][f"ict[{form}]"]
-    out = []
-    for i in range(min(n, len(data["texts"]))):
-        parts = []
-        for t in range(int(data["valid"][i].sum())):
-            text = _token_text(tokenizer, data["tokens"][i, t])
-            parts.append(f"[{text}]" if sel[i, t] else text)
-        out.append({"row": i, "reward": float(data["reward"][i]), "correct": bool(data["correct"][i]),
-                    "marked": "".join(parts)})
-    return out
-
-
 def _save_arrays(data: Mapping[str, Any], path: Path) -> None:
     """The per-token arrays of a setting (to recompute the diagnostics without sampling again)."""
     flat = {k: np.asarray(v) for k, v in data.items()
@@ -526,7 +280,7 @@ def reanalyse(out: str | Path, tokenizer: Any, *, say: Callable[[str], None] = l
                                                config=cfg, group_size=G)) > 0)
             data["masks"][sel_name] = np.concatenate(masks)
         d = diagnostics(data, tokenizer)
-        d.update(wall_s=old.get("wall_s"), setting=old["setting"], examples=_examples(data, tokenizer, forms[0]))
+        d.update(wall_s=old.get("wall_s"), setting=old["setting"], examples=marked_examples(data, tokenizer, forms[0]))
         results["settings"][name] = d
         _save_arrays(data, out / f"{name}.npz")
         plot_setting(d, out / f"{name}.png", title=f"{results.get('title', '')} {name}".strip())
@@ -560,7 +314,7 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
             d = diagnostics(data, tokenizer)
             d["wall_s"] = time.perf_counter() - t0
             d["setting"] = {"group_size": setting.group_size, "temperature": setting.temperature}
-            d["examples"] = _examples(data, tokenizer, u_forms[0])
+            d["examples"] = marked_examples(data, tokenizer, u_forms[0])
             results["settings"][setting.name] = d
             say(f"{setting.name}: done in {d['wall_s']:.0f} s")
             if outdir is not None:
