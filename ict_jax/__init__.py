@@ -12,6 +12,9 @@ Names that were top-level before the package was split into subpackages still re
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 from typing import Any
 
@@ -66,8 +69,8 @@ _API: dict[str, str] = {
     "Example": "data.example",
     "Dataset": "data.datasets",
     "load_dataset": "data.datasets",
-    "load_tokenizer": "data.tokenizers",
-    "CharTokenizer": "data.tokenizers",
+    "load_tokenizer": "model.tokenizers",
+    "CharTokenizer": "model.tokenizers",
     # -- rewards (rewards/) --
     "RewardSpec": "rewards.checks",
     "check_text": "rewards.checks",
@@ -99,10 +102,10 @@ _MOVED: dict[str, str] = {
     "logical_to_spec": "sharding",
     "state_shardings": "sharding",
     "check_prompts_divide": "sharding",
-    "Tokenizer": "data.tokenizers",
-    "HFTokenizer": "data.tokenizers",
-    "QWEN2P5_CHAT_TEMPLATE": "data.tokenizers",
-    "render_chat_template": "data.tokenizers",
+    "Tokenizer": "model.tokenizers",
+    "HFTokenizer": "model.tokenizers",
+    "QWEN2P5_CHAT_TEMPLATE": "model.tokenizers",
+    "render_chat_template": "model.tokenizers",
     "zero_std_groups": "rl.losses",
     "loss_denominators": "rl.losses",
     "LossDenominators": "rl.losses",
@@ -137,7 +140,38 @@ _MOVED: dict[str, str] = {
 _RENAMED: dict[str, tuple[str, str]] = {"gym_score": ("rewards.checks", "gym_answer_score")}
 
 __all__ = sorted(_API) + ["__version__"]
-_SUBMODULES = ("config", "sharding", "model", "data", "rewards", "sampling", "rl", "train", "tools", "cli")
+_SUBMODULES = ("config", "sharding", "model", "data", "rewards", "sampling", "rl", "train", "tools", "aot", "cli")
+
+# Former module paths: ``import ict_jax.tools.compile`` still works (the module at its new home, with a
+# DeprecationWarning). The AOT kit moved out of tools/ into aot/; the tokenizers moved into model/.
+_MOVED_MODULES: dict[str, str] = {
+    "ict_jax.tools.compile": "ict_jax.aot.compile",
+    "ict_jax.tools.compile_report": "ict_jax.aot.report",
+    "ict_jax.tools.fit": "ict_jax.aot.fit",
+    "ict_jax.tools.hlo": "ict_jax.aot.hlo",
+    "ict_jax.data.tokenizers": "ict_jax.model.tokenizers",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves a former module path to the module at its new home (one object, not a copy)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        new = _MOVED_MODULES[spec.name]
+        warnings.warn(f"{spec.name} moved: use {new}", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module: Any) -> None:  # the new home's module is already executed
+        pass
+
+
+if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder())
 
 
 def _resolve(module: str, name: str) -> Any:

@@ -14,14 +14,15 @@ ALLOWED: dict[str, set[str]] = {
     "sharding": set(),
     "platform": set(),
     "rewards": set(),
-    "data": {"rewards"},
-    "model": {"config", "sharding", "data.tokenizers"},
+    "data": {"rewards", "model.tokenizers"},
+    "model": {"config", "sharding"},
     "rl": {"config", "sharding"},
     "sampling": {"config", "sharding", "model", "data", "rewards"},
     "train": {"config", "sharding", "model", "data", "rewards", "rl", "sampling"},
-    "tools": {"config", "sharding", "platform", "model", "data", "rewards", "rl", "sampling", "train"},
-    "cli": {"config", "sharding", "platform", "model", "data", "rewards", "rl", "sampling", "train", "tools", "cli",
-            ""},
+    "aot": {"config", "sharding", "platform", "model", "data", "rewards", "rl", "sampling", "train"},
+    "tools": {"config", "sharding", "platform", "model", "data", "rewards", "rl", "sampling", "train", "aot"},
+    "cli": {"config", "sharding", "platform", "model", "data", "rewards", "rl", "sampling", "train", "tools", "aot",
+            "cli", ""},
 }
 
 

@@ -16,9 +16,9 @@ import pytest
 
 from ict_jax.config import ConfigError, load_config, parse_topology
 from ict_jax.model.config import ModelConfig
-from ict_jax.tools import hlo
-from ict_jax.tools.compile import PROGRAMS, Target, compile_run, get_target, per_device_bytes
-from ict_jax.tools.fit import candidate_settings, estimate_memory, estimate_seconds, search
+from ict_jax.aot import hlo
+from ict_jax.aot.compile import PROGRAMS, Target, compile_run, get_target, per_device_bytes
+from ict_jax.aot.fit import candidate_settings, estimate_memory, estimate_seconds, search
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 RECIPE = str(CONFIGS / "qwen2p5_0p5b_ict.yaml")
@@ -312,7 +312,7 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
 
 
 def test_missing_libtpu_names_the_extra(monkeypatch, capsys):
-    import ict_jax.tools.compile as tc
+    import ict_jax.aot.compile as tc
 
     monkeypatch.setattr(tc.importlib.util, "find_spec", lambda name: None)
     rc, _, err = _cli(["compile", "--config", RECIPE, "--topology", "v5e:2x2"] + TINY, capsys)
@@ -342,7 +342,7 @@ def test_tiny_preset_compiles_for_v5e_and_keeps_memory_discipline(tpu_reports):
     # FSDP over 4 chips: the weights are gathered (in the layer scan) and the batch rows are split
     assert step.collectives["all-gather"]["count"] > 0 and step.collectives["all-gather"]["runs"] > 0
     # per-chip arguments scale as 1/fsdp: the compiled program takes exactly the state's shards
-    from ict_jax.tools.compile import abstract_batch, run_mesh
+    from ict_jax.aot.compile import abstract_batch, run_mesh
     from ict_jax.train.checkpoints import abstract_train_state
 
     mc = ModelConfig.tiny(compute_dtype="bfloat16")
@@ -370,7 +370,7 @@ def test_a_config_that_does_not_fit_exits_3_with_one_line(tmp_path, capsys):
 
 @needs_libtpu
 def test_hbm_of_each_generation_comes_from_the_compiler():
-    from ict_jax.tools.compile import hbm_bytes
+    from ict_jax.aot.compile import hbm_bytes
 
     gib = {name: hbm_bytes(get_target(name).devices) / 1024 ** 3 for name in ("v5e:2x2", "v6e:2x2", "v5p:2x2x1")}
     assert gib == {"v5e:2x2": 15.75, "v6e:2x2": 31.25, "v5p:2x2x1": pytest.approx(95.74, abs=0.01)}

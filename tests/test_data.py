@@ -417,7 +417,7 @@ def test_chat_template_falls_back_to_qwen2p5():
     from tokenizers import Tokenizer as Backend
     from tokenizers.models import WordLevel
 
-    from ict_jax.data.tokenizers import HFTokenizer
+    from ict_jax.model.tokenizers import HFTokenizer
 
     tok = HFTokenizer(Backend(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")), eos_ids=[0], pad_id=0)
     with pytest.raises(ValueError, match="no chat template"):

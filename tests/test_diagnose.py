@@ -14,7 +14,7 @@ import pytest
 import ict_jax
 from ict_jax.cli.main import main
 from ict_jax.data.datasets import load_dataset
-from ict_jax.data.tokenizers import CharTokenizer
+from ict_jax.model.tokenizers import CharTokenizer
 from ict_jax.rl.token_stats import U_FORMS
 from ict_jax.tools.diagnose import PAPER, Setting, reanalyse, run_diagnose, selector_specs
 from ict_jax.tools.diagnose_measures import GRID, diagnostics, fork_positions, sorted_u_curve

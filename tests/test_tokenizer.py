@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from ict_jax import CharTokenizer, load_tokenizer
-from ict_jax.data.tokenizers import QWEN2P5_CHAT_TEMPLATE, Tokenizer
+from ict_jax.model.tokenizers import QWEN2P5_CHAT_TEMPLATE, Tokenizer
 
 QWEN2P5_LAST_ID = 151664  # <|file_sep|>; the Qwen3 release adds ids above it
 

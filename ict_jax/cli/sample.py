@@ -39,7 +39,7 @@ def add_sample_args(p: argparse.ArgumentParser) -> None:
 
 
 def _format(tok, text: str, chat: bool | None) -> str:
-    from ict_jax.data.tokenizers import QWEN2P5_CHAT_TEMPLATE, render_chat_template
+    from ict_jax.model.tokenizers import QWEN2P5_CHAT_TEMPLATE, render_chat_template
 
     has_template = getattr(tok, "chat_template", None) is not None
     if chat is None:

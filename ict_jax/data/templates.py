@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from ict_jax.data.datasets import Dataset
-from ict_jax.data.tokenizers import QWEN2P5_CHAT_TEMPLATE, HFTokenizer, render_chat_template
+from ict_jax.model.tokenizers import QWEN2P5_CHAT_TEMPLATE, HFTokenizer, render_chat_template
 
 TEMPLATES = ("qwen_chat", "plain", "none")
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

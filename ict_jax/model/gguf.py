@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ict_jax.data.tokenizers import load_tokenizer
+from ict_jax.model.tokenizers import load_tokenizer
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.weights import WeightError, load_from_source

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ict_jax.data.tokenizers import CharTokenizer, load_tokenizer
+from ict_jax.model.tokenizers import CharTokenizer, load_tokenizer
 from ict_jax.model.gguf import load_gguf
 from ict_jax.model.weights import load_hf
 

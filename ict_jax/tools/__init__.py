@@ -1,2 +1,2 @@
-"""Analysis on top of models and runs: the token inspector, the method comparison, and compiling a run's
-programs for a TPU slice (``ict-jax compile``, docs/tpu.md)."""
+"""Analysis on top of models and runs: the token inspector, the method comparison and the paper's token
+diagnostics."""

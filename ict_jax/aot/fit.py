@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 from ict_jax.config import Config
 from ict_jax.model.config import ModelConfig
 from ict_jax.sharding import make_mesh
-from ict_jax.tools.compile import (
+from ict_jax.aot.compile import (
     CHIP_SPECS,
     PROGRAMS,
     ProgramReport,

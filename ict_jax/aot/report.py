@@ -1,11 +1,11 @@
-"""Text and JSON views of ``ict-jax compile`` results (:mod:`ict_jax.tools.compile`; docs/tpu.md)."""
+"""Text and JSON views of ``ict-jax compile`` results (:mod:`ict_jax.aot.compile`; docs/tpu.md)."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ict_jax.tools.compile import ProgramReport, Target, fmt_bytes
-from ict_jax.tools.hlo import COLLECTIVES
+from ict_jax.aot.compile import ProgramReport, Target, fmt_bytes
+from ict_jax.aot.hlo import COLLECTIVES
 
 
 def header(config_name: str, target: Target, mesh: dict[str, int], model_source: str) -> str:

@@ -49,7 +49,7 @@ from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.train_step import StepPlan, make_train_step, old_pass_chunks
 from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.sharding import BATCH_AXES, batch_sharding, make_mesh, replicated
-from ict_jax.tools import hlo
+from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state
 
 #: The programs of a run, in the order they are compiled.
@@ -59,7 +59,7 @@ GIB = 1024 ** 3
 
 #: Public per-chip figures of the TPU generations (Cloud TPU system-architecture pages, docs/tpu.md):
 #: peak bf16 FLOP/s, bidirectional ICI bytes/s and HBM bandwidth bytes/s; they only rank settings
-#: (tools.fit), the HBM's size comes from the compiler itself (:func:`hbm_bytes`).
+#: (aot.fit), the HBM's size comes from the compiler itself (:func:`hbm_bytes`).
 CHIP_SPECS: dict[str, dict[str, float]] = {
     "v5e": {"peak_flops": 197e12, "ici_bytes": 400e9, "hbm_bw": 819e9},
     "v6e": {"peak_flops": 918e12, "ici_bytes": 800e9, "hbm_bw": 1640e9},
