@@ -11,7 +11,6 @@ defaults where the paper is silent.
 from __future__ import annotations
 
 import dataclasses
-import fractions
 import math
 import re
 import types
@@ -516,11 +515,19 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def rho_fraction(rho: float) -> tuple[int, int]:
-    """rho (at most 4 decimals) as an exact integer fraction (a, b) (docs/method.md §2)."""
-    _check_fraction("rho", rho)
-    f = fractions.Fraction(round(rho * 10_000), 10_000)
-    return f.numerator, f.denominator
+# Names that moved out of this module: name -> module. They resolve with a DeprecationWarning (PEP 562),
+# by string only when asked for: config itself imports nothing of ict_jax (docs/architecture.md).
+_MOVED = {"rho_fraction": "ict_jax.rl.quantile"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        warnings.warn(f"ict_jax.config.{name} moved to {_MOVED[name]}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Every mask is float32 ``[B, T]`` with values in {0., 1.} and ``M <= valid`` (the
 ``jnp.where(M > 0, x, 0)``). Rows are P prompts x G rollouts, prompt-major (row = p*G + j).
 
 Counting (docs/method.md §2): a candidate set with n valid positions keeps k = 0 if n = 0, else
-k = max(1, ceil(rho n)), computed in integers from rho = a/b (``config.rho_fraction``). Candidates are
+k = max(1, ceil(rho n)), computed in integers from rho = a/b (:mod:`ict_jax.rl.quantile`). Candidates are
 ranked by a stable descending sort of the score with invalid positions last, ties to the lower flat
 index (row-major over the global [P*G, T] batch); positions of rank < k are kept. Candidate sets by
 scope: ``sequence`` = one response (row), ``group`` = the G responses of a prompt, ``batch`` = the
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ict_jax.config import SELECTOR_DEFAULTS, STAPO_TAU_H, SelectorSection, rho_fraction
-from ict_jax.rl.metrics import valid_quantile
+from ict_jax.config import SELECTOR_DEFAULTS, STAPO_TAU_H, SelectorSection
+from ict_jax.rl.quantile import keep_count, rho_fraction, valid_quantile
 from ict_jax.rl.token_stats import TokenStats
 
 #: RNG stream of the random selector: scores from
@@ -44,15 +44,6 @@ _SCOPES = ("sequence", "group", "batch")
 
 def _as_bool(valid) -> jax.Array:
     return jnp.asarray(valid) > 0
-
-
-def _count_k(n: jax.Array, a: int, b: int) -> jax.Array:
-    """k = 0 if n = 0 else max(1, ceil(a n / b)), exact in int32 (a n could overflow, so split
-    n = q b + r: ceil(a n / b) = a q + ceil(a r / b), with a r < b^2 <= 1e8)."""
-    n = n.astype(jnp.int32)
-    q, r = n // b, n % b
-    k = a * q + (a * r + b - 1) // b
-    return jnp.where(n > 0, jnp.minimum(jnp.maximum(k, 1), n), 0)
 
 
 def _sets(x: jax.Array, scope: str, group_size: int | None) -> jax.Array:
@@ -84,7 +75,7 @@ def topk_mask(
     s = _sets(jnp.asarray(score, jnp.float32), scope, group_size)
     v = _sets(valid, scope, group_size)
     S, L = s.shape
-    k = _count_k(jnp.sum(v, axis=1), a, b)  # [S]
+    k = keep_count(jnp.sum(v, axis=1), a, b)  # [S]
     idx = lax.broadcasted_iota(jnp.int32, (S, L), 1)
     # sorted position r holds flat index perm[r]; keep if r < k
     _, _, perm = lax.sort((jnp.where(v, 0, 1).astype(jnp.int32), -s, idx), dimension=1,
@@ -149,7 +140,7 @@ def random_mask(
 def stapo_quantile(H1: Float[Array, "B T"], valid: Valid, tau_h: float) -> Float[Array, ""]:
     """The ``tau_h`` quantile of H1 over the n entries marked by ``valid`` (STAPO's candidate set): sort
     them, linear interpolation at position (n-1) tau_h (NumPy's 'linear' method); the position is split
-    exactly in integers from tau_h = a/b (:func:`ict_jax.rl.metrics.valid_quantile`). Returns +inf when
+    exactly in integers from tau_h = a/b (:func:`ict_jax.rl.quantile.valid_quantile`). Returns +inf when
     n = 0 (nothing is then silenced)."""
     return valid_quantile(H1, valid, tau_h, empty=jnp.inf)
 
