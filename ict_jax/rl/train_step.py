@@ -24,7 +24,9 @@ then needs only as many rows as the mesh has batch shards (:func:`check_step_inp
 a group of 8 per chip (docs/tpu.md: the 7B recipe).
 
 Statistics never materialise float32 ``[B, T, V]`` logits: hidden states go to
-:func:`ict_jax.stats_from_hidden` (blocks of ``stats.chunk`` positions).
+:func:`ict_jax.stats_from_hidden` (blocks of ``stats.chunk`` positions) through
+:func:`ict_jax.rl.group_stats.group_stats`, the one statistics-of-a-group function (the token inspector
+and diagnose call it too).
 
 One-pass head: when d loss / d logp is known before the forward pass (fused schedule so r = 1,
 ``kl_coef = 0``, logp_old not from the sampler, and a selector registered as reading no statistics,
@@ -49,21 +51,15 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from ict_jax.config import Config, LossSection, SelectorSection
 from ict_jax.rl.batch import RolloutBatch
+from ict_jax.rl.group_stats import GroupStatsRequest, group_stats, head_inputs
 from ict_jax.rl.losses import LossDenominators, loss_denominators, policy_loss
 from ict_jax.rl.metrics import step_metrics
 from ict_jax.rl.selectors import select, selector_needs
 from ict_jax.rl.state import TrainState, make_optimizer
-from ict_jax.rl.token_stats import (
-    ALL_STATS,
-    GROUP_STATS,
-    TokenStats,
-    stats_and_surrogate,
-    stats_from_hidden,
-)
+from ict_jax.rl.token_stats import ALL_STATS, GROUP_STATS, TokenStats, stats_and_surrogate
 from ict_jax.sharding import batch_sharding, check_prompts_divide, replicated
 
 F32 = jnp.float32
@@ -161,21 +157,13 @@ def _valid(batch: RolloutBatch, mask_truncated: bool) -> jax.Array:
     return v.astype(F32)
 
 
-def head_inputs(params: Any, graphdef: Any, mb: RolloutBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(hidden states that predict the response tokens ``[B, Lr, D]``, unembedding, response tokens)."""
-    model = nnx.merge(graphdef, params)
-    hidden, targets = model.predicting_states(mb.tokens, mb.attention_mask, mb.response_len)
-    return hidden, model.unembedding(), targets
-
-
 def batch_stats(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
                 compute: tuple[str, ...]) -> TokenStats:
-    """The docs/method.md §1 statistics ``compute`` of ``mb`` under ``params`` (blocks of positions).
-    Only the group statistics (u = ``js``, ``pbar_tok``) read the group; without them ``mb`` may hold
-    part of a group."""
-    group = plan.group_size if GROUP_STATS & set(compute) else 1
-    return stats_from_hidden(*head_inputs(params, graphdef, mb), valid, group_size=group,
-                             temperature=plan.temperature, chunk=plan.chunk, compute=compute, u_form=plan.u_form)
+    """The docs/method.md §1 statistics ``compute`` of ``mb`` under ``params`` (blocks of positions):
+    :func:`ict_jax.rl.group_stats.group_stats` in the plan's reading of u. Only the group statistics
+    (u = ``js``, ``pbar_tok``) read the group; without them ``mb`` may hold part of a group."""
+    request = GroupStatsRequest(plan.group_size, plan.temperature, plan.chunk, tuple(compute), (plan.u_form,))
+    return group_stats(params, graphdef, mb.tokens, mb.attention_mask, valid, request)[plan.u_form]
 
 
 def nograd_stats(plan: StepPlan, params: Any, graphdef: Any, batch: RolloutBatch, valid: jax.Array,
@@ -227,7 +215,8 @@ def one_pass_surrogate(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBa
         return policy_loss(lp, sg(lp), None, mb.advantages, valid, mask, config=plan.loss, denoms=denoms)[0]
 
     g_logp = jax.grad(loss_at)(jnp.zeros(valid.shape, F32))
-    stats, surrogate = stats_and_surrogate(*head_inputs(params, graphdef, mb), valid, g_logp,
+    head = head_inputs(params, graphdef, mb.tokens, mb.attention_mask, mb.response_len)
+    stats, surrogate = stats_and_surrogate(*head, valid, g_logp,
                                            group_size=plan.group_size, temperature=plan.temperature,
                                            chunk=plan.chunk, compute=plan.current_compute, u_form=plan.u_form)
     logp_old = stats.logp  # already stop-gradient
