@@ -8,7 +8,8 @@ from pathlib import Path
 from ict_jax.cli.errors import UserError
 
 #: run_comparison's parameters -> the flags that set them (its errors name the parameter; these name the flag)
-_FLAGS = {"methods": "--methods", "seeds": "--seeds", "rhos": "--rho", "out": "--out", "target_reward": "--target-reward"}
+_FLAGS = {"methods": "--methods", "seeds": "--seeds", "rhos": "--rho", "out": "--out",
+          "target_reward": "--target-reward"}
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:

@@ -90,7 +90,8 @@ def encode_prompts(dataset: Dataset, tokenizer: Any, *, template: str = "qwen_ch
     examples, ids, texts, dropped = [], [], [], []
     for i, ex in enumerate(dataset):
         try:
-            one = encode_prompt(ex.prompt, tokenizer, template=template, instruction=instruction, max_len=max_prompt_len)
+            one = encode_prompt(ex.prompt, tokenizer, template=template, instruction=instruction,
+                                max_len=max_prompt_len)
         except PromptRefused:
             dropped.append(i)
             continue

@@ -56,7 +56,8 @@ class GroupStatsRequest:
 
     @classmethod
     def from_section(cls, section: StatsSection, *, group_size: int, temperature: float,
-                     compute: Sequence[str] = DEFAULT_COMPUTE, u_forms: Sequence[str] | None = None) -> GroupStatsRequest:
+                     compute: Sequence[str] = DEFAULT_COMPUTE,
+                     u_forms: Sequence[str] | None = None) -> GroupStatsRequest:
         """The request of a ``stats`` config section: its chunk, its T_s (``section.temperature``, None =
         ``temperature``, the sampling one) and its reading of u (``u_forms`` None = ``section.u_form``)."""
         t_s = temperature if section.temperature is None else section.temperature
@@ -74,7 +75,8 @@ def head_inputs(params: Any, graphdef: Any, tokens: Int[Array, "B L"], attention
 
 
 def stats_by_reading(hidden: Float[Array, "B N D"], unembed: Float[Array, "D V"], targets: Int[Array, "B N"],
-                     valid: Float[Array, "B N"] | Bool[Array, "B N"], request: GroupStatsRequest) -> dict[str, TokenStats]:
+                     valid: Float[Array, "B N"] | Bool[Array, "B N"],
+                     request: GroupStatsRequest) -> dict[str, TokenStats]:
     """``{u_form: TokenStats}`` of :func:`~ict_jax.rl.token_stats.stats_from_hidden` for every reading of
     ``request``: the statistics that do not compare a row with its group are computed once and shared,
     u and Q(o_t) once per reading (one pass in all when there is one reading)."""

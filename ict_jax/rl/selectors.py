@@ -243,7 +243,8 @@ def registered_selectors() -> tuple[str, ...]:
 def _entry(method: str) -> Registered:
     name = "dense" if method == "grpo" else method
     if name not in _REGISTRY:
-        raise ValueError(f"rl.selector.method: selector {method!r} is not registered; known: {list(registered_selectors())}")
+        raise ValueError(f"rl.selector.method: selector {method!r} is not registered; "
+                         f"known: {list(registered_selectors())}")
     return _REGISTRY[name]
 
 

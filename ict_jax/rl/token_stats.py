@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from typing import NamedTuple, Sequence
 
 import jax
@@ -41,14 +42,18 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
+from ict_jax.config import StatsSection, UForm
+
 #: Every statistic the functions can compute (``compute``), in TokenStats field order.
 ALL_STATS = ("logp", "H1", "H2", "js", "pbar_tok", "pmax")
 _ALL = ALL_STATS
 #: What the statistics functions compute unless told otherwise (the train step's set).
 DEFAULT_COMPUTE = ("logp", "H1", "H2", "js")
-#: The readings of u (docs/method.md §1); ``config.UForm`` lists the same names.
-U_FORMS = ("aligned", "loo", "literal", "pooled")
+#: The readings of u (docs/method.md §1): ``config.UForm``'s names.
+U_FORMS: tuple[str, ...] = typing.get_args(UForm)
 GROUP_STATS = frozenset({"js", "pbar_tok"})  # statistics that need Q (the group's distributions)
+#: The ``stats`` section's defaults (block size, reading of u): the functions' defaults are these.
+_SECTION = StatsSection()
 _LN2 = 0.6931471805599453
 
 
@@ -78,9 +83,9 @@ class StatsPlan:
 
     group_size: int
     temperature: float = 1.0
-    chunk: int = 64
+    chunk: int = _SECTION.chunk
     want: frozenset = frozenset(DEFAULT_COMPUTE)
-    u_form: str = "aligned"
+    u_form: str = _SECTION.u_form
 
     def wanting(self, want: frozenset) -> StatsPlan:
         """The same plan computing ``want`` instead."""
@@ -252,7 +257,7 @@ def stats_from_logits(
     group_size: int,
     temperature: float = 1.0,
     compute: Sequence[str] = DEFAULT_COMPUTE,
-    u_form: str = "aligned",
+    u_form: str = _SECTION.u_form,
 ) -> TokenStats:
     """docs/method.md §1 statistics from full logits (the reference path; holds ``[B, T, V]``).
 
@@ -477,9 +482,9 @@ def stats_and_surrogate(
     *,
     group_size: int,
     temperature: float = 1.0,
-    chunk: int = 64,
+    chunk: int = _SECTION.chunk,
     compute: Sequence[str] = DEFAULT_COMPUTE,
-    u_form: str = "aligned",
+    u_form: str = _SECTION.u_form,
 ) -> tuple[TokenStats, Float[Array, ""]]:
     """:func:`stats_from_hidden` plus ``s = sum_t g_logp[t] * logp[t]`` whose gradient costs no second pass.
 
@@ -513,9 +518,9 @@ def stats_from_hidden(
     *,
     group_size: int,
     temperature: float = 1.0,
-    chunk: int = 64,
+    chunk: int = _SECTION.chunk,
     compute: Sequence[str] = DEFAULT_COMPUTE,
-    u_form: str = "aligned",
+    u_form: str = _SECTION.u_form,
 ) -> TokenStats:
     """docs/method.md §1 statistics from hidden states, in blocks of ``chunk`` positions (the production path).
 

@@ -6,9 +6,10 @@ trainer's periodic evaluation (the ``generate_fn`` of :func:`ict_jax.evaluate_be
     gen.state = nnx.split(new_model)[1]                         # trainer: sample from the current weights
 
 Fixed shapes, few programs: each prompt is templated and tokenised (:func:`ict_jax.data.prompts.encode_prompt`,
-the one prompt front door) and left-padded to a length bucket (:func:`ict_jax.data.prompts.make_buckets` of ``max_prompt_len``), and every
-batch is filled to ``batch_size`` prompts with copies of its last prompt (their samples are discarded),
-so one program is compiled per (bucket, n) whatever the number of prompts in a call.
+the one prompt front door) and left-padded to a length bucket (:func:`ict_jax.data.prompts.make_buckets`
+of ``max_prompt_len``), and every batch is filled to ``batch_size`` prompts with copies of its last prompt
+(their samples are discarded), so one program is compiled per (bucket, n) whatever the number of prompts
+in a call.
 
 Over-long prompts are never truncated: a prompt of more than ``max_prompt_len`` tokens raises
 ``ValueError`` (``overlong="error"``, the default), or (``overlong="skip"``) gets n empty responses

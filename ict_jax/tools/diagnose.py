@@ -17,6 +17,7 @@ the forking tokens, u against position, and corr(mean u, advantage).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from pathlib import Path
@@ -129,6 +130,18 @@ def _score(pool: Any, dataset: Any, tokenizer: Any, idx: list[int], real: int, G
     return texts, reward, correct, row_valid
 
 
+def _select_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str, TokenStats], first: str,
+                adv: np.ndarray, valid: np.ndarray, step: int, G: int) -> dict[str, np.ndarray]:
+    """Every selector's mask (bool) of one sampling batch, its mini-batch, through the train step's
+    :func:`~ict_jax.rl.selectors.select`, each reading its own reading of u."""
+    base, out = per[first], {}
+    for name, (cfg, form) in specs.items():
+        st = TokenStats(base.logp, base.H1, base.H2, per[form].js)
+        out[name] = np.asarray(select(cfg.method, st, jnp.asarray(adv), jnp.asarray(valid), step=step, config=cfg,
+                                      key=jax.random.key(_RANDOM_KEY), group_size=G)) > 0
+    return out
+
+
 def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_forms: Sequence[str] = U_FORMS,
             max_new_tokens: int = 256, batch_rows: int = 64, template: str = "qwen_chat", seed: int = 0,
             rho: float | None = None, chunk: int | None = None, pool: Any = None,
@@ -138,27 +151,25 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     arrays (NumPy, rows prompt-major): ``tokens``, ``valid`` ``[R, N]``; ``logp``, ``H1``, ``H2``,
     ``pmax``; ``js`` and ``pbar_tok`` dicts by reading; ``masks`` by selector name
     (:func:`selector_specs`); per row ``reward`` (the data set's), ``correct``, ``advantage``
-    (:func:`outcome_advantages`), ``group``, ``truncated``;
-    ``texts``; ``timing`` (sampling, statistics, scoring seconds). ``rho`` None: ICT's default
+    (:func:`outcome_advantages`), ``group``, ``truncated``; ``texts``; ``timing`` (sampling, statistics,
+    scoring seconds). ``rho`` None: ICT's default
     (:func:`selector_specs`); ``chunk`` None: ``stats.chunk``'s default; the statistics go through
     :func:`ict_jax.rl.group_stats.group_stats`, the train step's statistics-of-a-group function."""
     u_forms = tuple(u_forms)
-    bad = [f for f in u_forms if f not in U_FORMS]
-    if bad or not u_forms:
-        raise ValueError(f"stats.u_form: {list(u_forms)}; name readings from {list(U_FORMS)}")
     G, T, N = int(setting.group_size), float(setting.temperature), int(max_new_tokens)
     if G < 2:
         raise ValueError(f"G = {G}: the diagnostics compare a response with its group; use G >= 2")
     if not T > 0:
         raise ValueError(f"temperature {T}: must be > 0")
     t_s = T if stats_temperature is None else float(stats_temperature)
+    # every statistic under every reading (checked: stats.u_form), blocks of stats.chunk
+    request = GroupStatsRequest(G, t_s, StatsSection().chunk if chunk is None else int(chunk), _COMPUTE, u_forms)
     batch_prompts = min(max(1, int(batch_rows) // G), len(dataset))
     prompts = _prompt_ids(dataset, tokenizer, template, model.config.vocab_size)
     Lp = max(len(p) for p in prompts)
     graphdef, state = nnx.split(model)
     gen = make_generate_fn(graphdef, num_samples=G, max_new_tokens=N, temperature=T,
                            eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
-    request = GroupStatsRequest(G, t_s, StatsSection().chunk if chunk is None else int(chunk), _COMPUTE, u_forms)
     stats_fn = compiled_group_stats(graphdef, request)
     specs = selector_specs(u_forms, rho)
     key = jax.random.key(int(seed))
@@ -182,25 +193,20 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         batch_texts, rew, ok, row_valid = _score(pool, dataset, tokenizer, idx, real, G, tokens, valid)
         timing["score_s"] += time.perf_counter() - t0
         adv = outcome_advantages(ok, G, row_valid)
-        full, full_mask = group_rows(ids, mask, tokens, valid, G)
         vmask = valid.copy()
         vmask[rows:] = False  # filler rows count nowhere
         t0 = time.perf_counter()
-        per = stats_fn(state, full, full_mask, jnp.asarray(vmask))
+        per = stats_fn(state, *group_rows(ids, mask, tokens, valid, G), jnp.asarray(vmask))
         base = per[u_forms[0]]  # logp, H1, H2, pmax: the same under every reading
-        for name, (cfg, form) in specs.items():
-            st = TokenStats(base.logp, base.H1, base.H2, per[form].js)
-            m = select(cfg.method, st, jnp.asarray(adv), jnp.asarray(vmask), key=jax.random.key(_RANDOM_KEY), step=b,
-                       config=cfg, group_size=G)
-            masks[name].append(np.asarray(m)[:rows] > 0)
+        for name, m in _select_all(specs, per, u_forms[0], adv, vmask, b, G).items():
+            masks[name].append(m[:rows])
         jax.block_until_ready(base.logp)
         timing["stats_s"] += time.perf_counter() - t0
         for k, x in (("tokens", tokens), ("valid", vmask), ("logp", base.logp), ("H1", base.H1), ("H2", base.H2),
                      ("pmax", base.pmax), ("truncated", trunc)):
             arrays[k].append(np.asarray(x)[:rows])
-        for form in u_forms:
-            per_form[form]["js"].append(np.asarray(per[form].js)[:rows])
-            per_form[form]["pbar_tok"].append(np.asarray(per[form].pbar_tok)[:rows])
+        for form, k in itertools.product(u_forms, ("js", "pbar_tok")):
+            per_form[form][k].append(np.asarray(getattr(per[form], k))[:rows])
         rewards.append(rew[:rows])
         correct.append(ok[:rows] > 0)
         advantages.append(adv[:rows])
@@ -211,8 +217,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
     out = {k: cat(v) for k, v in arrays.items()}
     out["valid"] = out["valid"].astype(bool)
-    out["js"] = {f: cat(v["js"]) for f, v in per_form.items()}
-    out["pbar_tok"] = {f: cat(v["pbar_tok"]) for f, v in per_form.items()}
+    out.update({k: {f: cat(v[k]) for f, v in per_form.items()} for k in ("js", "pbar_tok")})
     out["masks"] = {k: cat(v) for k, v in masks.items()}
     out.update(reward=cat(rewards), correct=cat(correct), advantage=cat(advantages), group=cat(groups), texts=texts,
                timing=timing, u_forms=u_forms, group_size=G, selector_forms={k: f for k, (_, f) in specs.items()})

@@ -4,8 +4,9 @@
 statistics (logp, H1, H2 and the JS score u against the group-mean distribution) with the train step's
 statistics-of-a-group function (:func:`ict_jax.rl.group_stats.group_stats`: the hidden states that
 predict them, then :func:`ict_jax.rl.token_stats.stats_from_hidden`), and selects the same tokens three
-times through the train step's entry point :func:`ict_jax.rl.selectors.select`: ICT, 20-Entropy and STAPO (docs/method.md §2),
-each with the selector settings of the run being inspected (:func:`column_selectors`).
+times through the train step's entry point :func:`ict_jax.rl.selectors.select`: ICT, 20-Entropy and
+STAPO (docs/method.md §2), each with the selector settings of the run being inspected
+(:func:`column_selectors`).
 :func:`~ict_jax.tools.inspector_page.render_html` turns the report into one self-contained HTML page
 (inline CSS and JS, no external resources): every token coloured by its JS score, outlined when
 selected, its statistics on hover, and the ICT / entropy / STAPO masks side by side. ``ict-jax inspect``
@@ -106,6 +107,22 @@ def _group_stats(model: Any, ids: np.ndarray, tokens: np.ndarray, valid: np.ndar
     return compiled_group_stats(graphdef, request)(state, full, full_mask, jnp.asarray(valid))[request.u_forms[0]]
 
 
+def _stats_request(stats: StatsSection | None, G: int, sampling_temperature: float,
+                   **override: Any) -> GroupStatsRequest:
+    """The statistics of a report: the ``stats`` section (None = the config defaults) with the fields given
+    in ``override`` (``temperature``, ``chunk``, ``u_form``; None = the section's), T_s None = the
+    sampling temperature."""
+    section = dataclasses.replace(stats or StatsSection(), **{k: v for k, v in override.items() if v is not None})
+    return GroupStatsRequest.from_section(section, group_size=G, temperature=sampling_temperature, compute=_STATS)
+
+
+def _stapo_threshold(st: TokenStats, adv: jax.Array, valid: np.ndarray, stapo: SelectorSection) -> float:
+    """STAPO's entropy quantile q over its candidate set in this group (+inf when the set is empty)."""
+    _, over = stapo_candidates(st.logp, adv, jnp.asarray(valid), tau_p=stapo.tau_p,
+                               quantile_over=stapo.stapo_quantile_over)
+    return float(stapo_quantile(st.H1, over, stapo.resolved_tau_h))
+
+
 def _advantages(rewards: Sequence[float] | Callable[[str], float] | None, texts: list[str],
                 G: int) -> tuple[list[float] | None, jax.Array, str]:
     """(rewards as floats or None, advantages [G], where they came from) for STAPO."""
@@ -203,8 +220,7 @@ def token_report(
 
     - ``template``: how the prompt is wrapped (:func:`ict_jax.data.prompts.encode_prompt`, the prompt front
       door: ``"none"`` = as is, ``"plain"``, ``"qwen_chat"``).
-    - Sampling: :func:`ict_jax.sampling.sampler.generate` with key ``jax.random.key(seed)``, the tokenizer's
-      EOS ids.
+    - Sampling: :func:`ict_jax.sampling.sampler.generate`, key ``jax.random.key(seed)``, the tokenizer's EOS ids.
     - Statistics: :func:`ict_jax.rl.group_stats.group_stats` (the train step's: the hidden states of
       prompt + response that predict each response token, then blocks of positions) under the ``stats``
       section of the inspected run (None = the ``ict_jax.config`` defaults): p = softmax(logits / T_s),
@@ -230,9 +246,7 @@ def token_report(
     G, N = int(num_samples), int(max_new_tokens)
     if G < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    over = {"temperature": stats_temperature, "chunk": chunk, "u_form": u_form}
-    section = dataclasses.replace(stats or StatsSection(), **{k: v for k, v in over.items() if v is not None})
-    request = GroupStatsRequest.from_section(section, group_size=G, temperature=float(temperature), compute=_STATS)
+    request = _stats_request(stats, G, float(temperature), temperature=stats_temperature, chunk=chunk, u_form=u_form)
     run = SelectorSection() if selector is None else selector
     columns = column_selectors(run, rho_ict=rho_ict, rho_entropy=rho_entropy, ict_scope=ict_scope,
                                entropy_scope=entropy_scope, tau_p=tau_p, tau_h=tau_h)
@@ -250,10 +264,7 @@ def token_report(
                               **{k: np.asarray(getattr(st, k), np.float32) for k in _STATS},
                               **{k: np.asarray(m, np.float32) for k, m in masks.items()},
                               "advantages": np.asarray(adv, np.float32)}
-    stapo = columns["stapo"]
-    _, over = stapo_candidates(st.logp, adv, jnp.asarray(valid), tau_p=stapo.tau_p,
-                               quantile_over=stapo.stapo_quantile_over)
-    q = float(stapo_quantile(st.H1, over, stapo.resolved_tau_h))
+    q = _stapo_threshold(st, adv, valid, columns["stapo"])
     settings = _settings(run, columns, num_samples=G, max_new_tokens=N, temperature=float(temperature),
                          stats_temperature=request.temperature, seed=int(seed), template=template,
                          u_form=request.u_forms[0], chunk=request.chunk)
