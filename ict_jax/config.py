@@ -11,7 +11,6 @@ defaults where the paper is silent.
 from __future__ import annotations
 
 import dataclasses
-import fractions
 import math
 import re
 import types
@@ -41,6 +40,17 @@ SELECTOR_DEFAULTS: dict[str, tuple[float | None, str | None]] = {
     "frequent": _ICT_DEFAULTS,  # the complement of ict's mask at ict's (rho, scope)
     "selectable": (None, None),
 }
+#: Selector names beyond :data:`Method` that ``rl.selector.method`` accepts: the selectors a program
+#: registered (:func:`ict_jax.rl.selectors.register_selector` adds them through :func:`allow_method`).
+EXTRA_METHODS: set[str] = set()
+
+
+def allow_method(name: str) -> None:
+    """Let ``rl.selector.method`` name ``name`` (a selector registered by the program, not one of :data:`Method`)."""
+    if name not in get_args(Method):
+        EXTRA_METHODS.add(name)
+
+
 #: STAPO's default entropy quantile tau_h per reading of its candidate set (docs/method.md §2): 0.75 over
 #: the low-probability tokens of correct responses (the v1 TeX source), 0.8 over all valid tokens (v2).
 STAPO_TAU_H: dict[str, float] = {"low_prob_positive": 0.75, "valid": 0.8}
@@ -299,7 +309,7 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = get_origin(tp)
     if origin is Literal:
-        if value in get_args(tp):
+        if value in get_args(tp) or (tp == Method and value in EXTRA_METHODS):
             return value
         raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, get_args(tp)))}")
     if origin in (typing.Union, types.UnionType):
@@ -516,11 +526,19 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def rho_fraction(rho: float) -> tuple[int, int]:
-    """rho (at most 4 decimals) as an exact integer fraction (a, b) (docs/method.md §2)."""
-    _check_fraction("rho", rho)
-    f = fractions.Fraction(round(rho * 10_000), 10_000)
-    return f.numerator, f.denominator
+# Names that moved out of this module: name -> module. They resolve with a DeprecationWarning (PEP 562),
+# by string only when asked for: config itself imports nothing of ict_jax (docs/architecture.md).
+_MOVED = {"rho_fraction": "ict_jax.rl.quantile"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        warnings.warn(f"ict_jax.config.{name} moved to {_MOVED[name]}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------------

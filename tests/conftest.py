@@ -16,6 +16,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _OPT
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Implicit rank promotion ([B, T] + [B] broadcasting on the trailing axis) is an error, here and in the
+# subprocess tests: the package broadcasts explicitly (adv[:, None]), so a silent shape bug cannot pass.
+os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -32,6 +35,7 @@ os.environ["ICT_JAX_TEST_CACHE"] = str(_CACHE)
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_enable_x64", False)
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 @pytest.fixture(scope="session")

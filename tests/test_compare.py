@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,33 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path
     assert rc == 2
     assert message in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"methods": ["ict", "ppo"]}, "methods: 'ppo' is not a selector method"),
+    ({"methods": []}, "methods: empty"),
+    ({"methods": ["grpo"], "rhos": [0.1]}, "rhos: the sparsity ablation is for ICT only"),
+    ({"seeds": [0, 0]}, "seeds: [0, 0]: expected distinct non-negative integers"),
+    ({"seeds": []}, "seeds: []"),
+    ({"target_reward": float("nan")}, "target_reward: nan"),
+])
+def test_run_comparison_takes_typed_values_and_names_its_parameters(kwargs, message, tmp_path):
+    """The library takes sequences and names its parameters (the CLI translates them into flags, above)."""
+    from ict_jax.config import ConfigError
+    from ict_jax.tools.compare import run_comparison
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        run_comparison(DEMO, out=tmp_path / "cmp", progress=False, **kwargs)
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_run_comparison_text_arguments_still_work_with_a_deprecation_warning(tmp_path):
+    from ict_jax.config import ConfigError
+    from ict_jax.tools.compare import run_comparison
+
+    with pytest.warns(DeprecationWarning, match="pass methods, seeds and rhos as sequences"):
+        with pytest.raises(ConfigError, match="methods: 'ppo'"):  # the text was split: 'ppo' is checked alone
+            run_comparison(DEMO, methods="ict,ppo", seeds=2, out=tmp_path / "cmp", progress=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,7 +368,7 @@ def test_rho_ablation_selects_fewer_tokens_at_smaller_rho(tmp_path):
     from ict_jax.train.logs import read_metrics
 
     out = tmp_path / "cmp"
-    res = run_comparison(DEMO, methods="ict", seeds=2, rhos="0.05,0.3", out=out, progress=False,
+    res = run_comparison(DEMO, methods=["ict"], seeds=[0, 1], rhos=[0.05, 0.3], out=out, progress=False,
                          overrides=TINY + ["train.steps=4", "train.save_every=2"])
     assert [g["group"] for g in res["groups"]] == ["ict_rho0.05", "ict_rho0.3"]
     assert all(g["seeds"] == [0, 1] and g["pass"]["pass@1"]["sd"] is not None for g in res["groups"])

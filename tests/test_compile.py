@@ -167,7 +167,9 @@ def test_mesh_target_is_validated():
 
 @pytest.mark.parametrize("size", ["0p5b", "1p5b", "7b"])
 def test_every_qwen_recipe_names_its_slice(size):
-    for path in sorted(CONFIGS.glob(f"qwen2p5_{size}_*.yaml")):
+    paths = sorted(CONFIGS.glob(f"qwen2p5_{size}_*.yaml"))
+    assert paths, f"no qwen2p5_{size}_*.yaml recipe in {CONFIGS}"  # an empty glob must not pass
+    for path in paths:
         gen, dims = parse_topology(load_config(path).mesh.target)
         assert gen in ("v5e", "v5p", "v6e", "v4") and np.prod(dims) >= 4, path.name
 

@@ -177,7 +177,7 @@ def test_malformed_parquet_and_csv_rows(tmp_path):
 def test_missing_files_and_names(tmp_path):
     with pytest.raises(FileNotFoundError, match="train.jsonl"):
         load_dataset("gsm8k", data_dir=str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="data-dir"):
+    with pytest.raises(FileNotFoundError, match="needs data.data_dir"):
         load_dataset("math")
     with pytest.raises(ValueError, match="unknown dataset"):
         load_dataset("nope", data_dir=str(tmp_path))

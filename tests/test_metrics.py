@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ict_jax.rl.batch import RolloutBatch
-from ict_jax.rl.metrics import quantile_fraction, step_metrics, valid_quantile
+from ict_jax.rl.metrics import step_metrics
+from ict_jax.rl.quantile import quantile_fraction, valid_quantile
 from ict_jax.rl.token_stats import TokenStats
 
 RTOL, ATOL = 1e-6, 1e-7

@@ -467,3 +467,13 @@ def test_custom_reward_function_that_cannot_load_is_a_one_line_error(tmp_path, m
         with pytest.raises(RewardFunctionError, match=message) as e:
             RewardPool(1, checkers={"custom": spec})
         assert len(str(e.value).splitlines()) == 1
+
+
+def test_reward_pool_time_limit_default_is_the_configs():
+    """One default: `RewardPool`'s time limit is `rl.reward.time_limit`'s (rewards imports nothing of
+    ict_jax, so the number is pinned here rather than imported)."""
+    import inspect
+
+    from ict_jax.config import RewardSection
+
+    assert inspect.signature(RewardPool).parameters["time_limit"].default == RewardSection().time_limit

@@ -357,6 +357,46 @@ def test_select_dense_grpo_stapo_and_registry():
         assert callable(getattr(ict_jax, name)) and name in dir(ict_jax)
 
 
+def test_registry_records_what_each_selector_reads():
+    """`needs`: the statistics a selector reads, declared at registration; the step computes them, and
+    select refuses statistics that lack one (docs/architecture.md, the selector registry)."""
+    from ict_jax.rl.selectors import selector_needs
+    from ict_jax.rl.token_stats import DEFAULT_COMPUTE
+
+    assert {m: selector_needs(m) for m in ("dense", "grpo", "random", "ict", "frequent", "selectable", "entropy",
+                                          "stapo")} == {
+        "dense": (), "grpo": (), "random": (), "ict": ("js",), "frequent": ("js",), "selectable": ("js",),
+        "entropy": ("H1",), "stapo": ("logp", "H1")}
+
+    def by_pmax(stats, adv, valid, *, key, step, config, group_size):
+        return ict_mask(stats.pmax, valid, rho=0.5)
+
+    register_selector("needs_test_pmax", by_pmax, needs=("pmax", "pmax"), overwrite=True)
+    register_selector("needs_test_undeclared", by_pmax, overwrite=True)
+    assert selector_needs("needs_test_pmax") == ("pmax",)
+    assert selector_needs("needs_test_undeclared") == DEFAULT_COMPUTE  # not declared: the step's default set
+    with pytest.raises(TypeError, match="a sequence of statistic names"):
+        register_selector("needs_test_bad", by_pmax, needs="js", overwrite=True)
+    with pytest.raises(ValueError, match=r"needs \['H3'\] are not statistics"):
+        register_selector("needs_test_bad", by_pmax, needs=("H3",), overwrite=True)
+    valid = np.ones((2, 4), np.float32)
+    x = jnp.asarray(np.arange(8, dtype=np.float32).reshape(2, 4))
+    cfg = SelectorSection(method="ict", warmup_steps=0)
+    with pytest.raises(ValueError, match="selector 'needs_test_pmax' needs stats.pmax"):
+        select("needs_test_pmax", TokenStats(x, x, x, x), None, valid, key=jax.random.key(0), step=0, config=cfg)
+    m = select("needs_test_pmax", TokenStats(None, None, None, None, pmax=x), None, valid, key=jax.random.key(0),
+               step=0, config=cfg)
+    np.testing.assert_array_equal(np.asarray(m), [[0, 0, 1, 1], [0, 0, 1, 1]])
+    with pytest.raises(ValueError, match="rl.selector.method: selector 'nope' is not registered"):
+        selector_needs("nope")
+    # the config accepts a registered name (and only those beside the built-in methods)
+    from ict_jax.config import ConfigError, load_config
+
+    assert load_config(None, ["rl.selector.method=needs_test_pmax"]).rl.selector.method == "needs_test_pmax"
+    with pytest.raises(ConfigError, match="rl.selector.method: 'needs_test_never' is not allowed"):
+        load_config(None, ["rl.selector.method=needs_test_never"])
+
+
 # ------------------------------------------------------------------------------------------------
 # 8 devices give the 1-device masks
 # ------------------------------------------------------------------------------------------------

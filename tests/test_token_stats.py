@@ -377,6 +377,27 @@ def test_block_size_evens_out_blocks():
     assert _block_size(100, 64) == 50 and _block_size(7, 3) == 3 and _block_size(1024, 64) == 64
 
 
+def test_statics_travel_as_one_hashable_plan(monkeypatch):
+    """The block functions and custom VJPs get their statics as ONE frozen StatsPlan: equal settings give
+    equal (hashable) plans, so a second call with the same settings reuses the traced functions."""
+    import dataclasses
+
+    from ict_jax.rl import token_stats as ts
+
+    a = ts.StatsPlan(4, 0.7, 16, frozenset({"logp", "js"}), "loo")
+    assert a == ts.StatsPlan(4, 0.7, 16, frozenset({"js", "logp"}), "loo") and hash(a) == hash(a.wanting({"logp", "js"}))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.chunk = 8  # noqa
+    seen = []
+    real = ts._scan_stats
+    monkeypatch.setattr(ts, "_scan_stats", lambda *args: seen.append(args[4:]) or real(*args))
+    rng = np.random.default_rng(0)
+    h, W = rng.normal(size=(4, 5, 3)).astype(np.float32), rng.normal(size=(3, 7)).astype(np.float32)
+    stats_from_hidden(h, W, rng.integers(0, 7, (4, 5)), np.ones((4, 5)), group_size=2, temperature=0.5, chunk=3,
+                      u_form="literal")
+    assert seen == [(ts.StatsPlan(2, 0.5, 3, frozenset(ts.DEFAULT_COMPUTE), "literal"),)]
+
+
 def test_hidden_compute_subset_and_stop_gradient():
     rng = np.random.default_rng(5)
     hidden, W, tokens, valid = _hidden_case(rng)

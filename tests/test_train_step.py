@@ -386,3 +386,68 @@ def test_u_form_reaches_the_step_and_micro_batching_keeps_it():
     _assert_close_trees(d8, d1)
     np.testing.assert_allclose(m8["stats/js_mean"], m1["stats/js_mean"], rtol=1e-5)
     assert m8["mask/selected_frac"] == m1["mask/selected_frac"]
+
+
+# ------------------------------------------------------------------------------------------------
+# A selector a user registers trains like the built-in it mirrors: the step reads its `needs`
+# ------------------------------------------------------------------------------------------------
+def _register_user_selectors():
+    from ict_jax.rl.selectors import dense_mask, ict_mask, register_selector, topk_mask
+
+    def my_ict(stats, adv, valid, *, key, step, config, group_size):  # reads u only; ICT's defaults are its own
+        return ict_mask(stats.js, valid, group_size=group_size, rho=config.rho or 0.1, scope=config.scope or "sequence")
+
+    def my_dense(stats, adv, valid, *, key, step, config, group_size):  # reads nothing
+        return dense_mask(valid)
+
+    def my_peaked(stats, adv, valid, *, key, step, config, group_size):  # reads max_v p, not computed by default
+        return topk_mask(stats.pmax, valid, rho=0.3, scope="batch")
+
+    register_selector("user_ict", my_ict, warmup=True, needs=("js",), overwrite=True)
+    register_selector("user_dense", my_dense, needs=(), overwrite=True)
+    register_selector("user_peaked", my_peaked, needs=("pmax",), overwrite=True)
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+def test_a_registered_selector_that_needs_u_trains_like_ict(micro):
+    """`rl.selector.method` names the user's selector; the step computes u for it (fused: the gradient
+    forward; 4 micro-batches: the old-policy pass) and the gradient is ict's, bit for bit."""
+    from ict_jax.rl.train_step import StepPlan
+
+    _register_user_selectors()
+    agg = METHOD_AGG["ict"]
+    plan = StepPlan.from_config(_config("user_ict", agg, micro), optax.sgd(0.1))
+    assert plan.needs == ("js",) and plan.need_js and not plan.one_pass
+    mine, m = _cached_delta("user_ict", agg, micro)
+    ict, m_ict = _cached_delta("ict", agg, micro)
+    assert 0 < m["mask/selected_frac"] < 1
+    _assert_close_trees(mine, ict, rtol=0, atol=0)
+    assert m == m_ict
+
+
+def test_a_registered_selector_that_needs_nothing_takes_the_one_pass_head(monkeypatch):
+    import ict_jax.rl.train_step as ts
+
+    _register_user_selectors()
+    calls = []
+    real = ts.stats_and_surrogate
+    monkeypatch.setattr(ts, "stats_and_surrogate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    agg = METHOD_AGG["dense"]
+    mine, m = _param_delta(_config("user_dense", agg, 1, "rl.loss.kl_coef=0"))
+    assert calls, "a selector that needs no statistics takes the one-pass head"
+    dense, m_dense = _param_delta(_config("dense", agg, 1, "rl.loss.kl_coef=0"))
+    _assert_close_trees(mine, dense, rtol=0, atol=0)
+    assert m == m_dense and m["mask/selected_frac"] == 1.0
+
+
+def test_a_registered_selector_gets_a_statistic_the_step_does_not_compute_by_default():
+    """`needs=("pmax",)`: max_v p reaches the mask in both schedules (the gradient forward when fused, the
+    no-grad statistics pass with micro-batches), and micro-batching keeps the gradient of one batch."""
+    _register_user_selectors()
+    agg = "token-mean"
+    d1, m1 = _cached_delta("user_peaked", agg, 1)
+    d4, m4 = _cached_delta("user_peaked", agg, 4)
+    assert 0 < m1["mask/selected_frac"] < 0.5
+    _assert_close_trees(d4, d1)
+    assert m4["mask/selected_frac"] == m1["mask/selected_frac"]
+

@@ -119,7 +119,7 @@ def hbm_bytes(devices: Sequence[Any]) -> int | None:
     if limit is None and dev.platform == "tpu":
         mesh = jax.sharding.Mesh(np.asarray([dev]), ("x",))
         x = jax.ShapeDtypeStruct((1 << 20,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-        probe = jax.jit(lambda a: jnp.sort(a[:, None] * jnp.arange(1 << 18, dtype=jnp.float32), axis=0),
+        probe = jax.jit(lambda a: jnp.sort(a[:, None] * jnp.arange(1 << 18, dtype=jnp.float32)[None, :], axis=0),
                         out_shardings=NamedSharding(mesh, PartitionSpec()))
         try:
             with _without_persistent_cache(True):

@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ict_jax.cli.errors import UserError
+
+#: run_comparison's parameters -> the flags that set them (its errors name the parameter; these name the flag)
+_FLAGS = {"methods": "--methods", "seeds": "--seeds", "rhos": "--rho", "out": "--out",
+          "target_reward": "--target-reward"}
+
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML config: the warm start and every run's settings")
@@ -22,14 +28,58 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _items(text: str) -> list[str]:
+    return [x.strip() for x in str(text).split(",") if x.strip()]
+
+
+def parse_methods(text: str | None) -> list[str] | None:
+    """``--methods ict,grpo`` -> ["ict", "grpo"] (None: the library's default)."""
+    if text is None:
+        return None
+    methods = _items(text)
+    if not methods:
+        raise UserError(f"--methods {text!r}: name at least one method")
+    return methods
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 3`` -> seeds 0, 1, 2; ``--seeds 0,5,7`` -> those seeds."""
+    s = str(text).strip()
+    try:
+        seeds = [int(x) for x in _items(s)] if "," in s else list(range(int(s)))
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise UserError(f"--seeds {text!r}: expected a count N >= 1 (seeds 0..N-1) or a list like 0,1,2")
+    return seeds
+
+
+def parse_rhos(text: str | None) -> list[float] | None:
+    """``--rho 0.05,0.1`` -> [0.05, 0.1] (None or blank: no ablation)."""
+    if text is None or not str(text).strip():
+        return None
+    try:
+        return [float(x) for x in _items(text)]
+    except ValueError:
+        raise UserError(f"--rho {text!r}: expected fractions like 0.05,0.1,0.2") from None
+
+
 def compare_main(args: argparse.Namespace) -> int:
     import jax
 
+    from ict_jax.config import ConfigError
     from ict_jax.tools.compare import PLOTS, run_comparison
 
-    results = run_comparison(args.config, methods=args.methods, seeds=args.seeds, rhos=args.rho, out=args.out,
-                             target_reward=args.target_reward, overrides=args.overrides,
-                             progress=not args.no_progress)
+    methods, seeds, rhos = parse_methods(args.methods), parse_seeds(args.seeds), parse_rhos(args.rho)
+    try:
+        results = run_comparison(args.config, methods=methods, seeds=seeds, rhos=rhos, out=args.out,
+                                 target_reward=args.target_reward, overrides=args.overrides,
+                                 progress=not args.no_progress)
+    except ConfigError as e:  # the library names its parameters; the command line names its flags
+        param, sep, rest = str(e).partition(":")
+        if sep and param in _FLAGS:
+            raise UserError(f"{_FLAGS[param]}:{rest}") from None
+        raise
     if jax.process_index() == 0:
         out = Path(results["out"])
         print((out / "results.md").read_text(), end="")

@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 
 from ict_jax.cli.errors import UserError
-from ict_jax.config import SELECTOR_DEFAULTS, UForm
+from ict_jax.config import SELECTOR_DEFAULTS, StatsSection, UForm
 
 
 def add_diagnose_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +39,8 @@ def add_diagnose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rho", type=float, default=SELECTOR_DEFAULTS["ict"][0],
                    help=f"ICT's fraction per response (default {SELECTOR_DEFAULTS['ict'][0]})")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--chunk", type=int, default=64, help="positions per statistics block (default 64)")
+    p.add_argument("--chunk", type=int, default=StatsSection().chunk,
+                   help=f"positions per statistics block (default stats.chunk's {StatsSection().chunk})")
     p.add_argument("--title", default="", help="a title for the report")
     p.add_argument("--out", default="runs/diagnose", help="output folder (default runs/diagnose)")
     p.add_argument("--force", action="store_true", help="write over an existing report in --out")

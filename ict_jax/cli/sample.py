@@ -38,34 +38,29 @@ def add_sample_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache dtype (default: the compute dtype)")
 
 
-def _format(tok, text: str, chat: bool | None) -> str:
-    from ict_jax.model.tokenizers import QWEN2P5_CHAT_TEMPLATE, render_chat_template
-
-    has_template = getattr(tok, "chat_template", None) is not None
+def _template(tok, chat: bool | None) -> str:
+    """``--chat`` -> the prompt template: the chat template when asked, or (no flag) when the tokenizer
+    has one; the prompt as typed otherwise. No instruction is added."""
     if chat is None:
-        chat = has_template
-    if not chat:
-        return text
-    messages = [{"role": "user", "content": text}]
-    if has_template:
-        return tok.apply_chat_template(messages, add_generation_prompt=True)
-    return render_chat_template(QWEN2P5_CHAT_TEMPLATE, messages, True)
+        chat = getattr(tok, "chat_template", None) is not None
+    return "qwen_chat" if chat else "none"
 
 
 def sample_main(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
-    from ict_jax.data.prompts import pad_left
+    from ict_jax.data.prompts import encode_prompt, pad_left
+    from ict_jax.model.tokenizers import decode_response
     from ict_jax.sampling.sampler import generate
     from ict_jax.train.checkpoints import load_run_model
 
     model, tok, where = load_run_model(args.model, tokenizer=args.tokenizer)
     if where != str(args.model):
         print(f"model: {where}", file=sys.stderr)
-    encoded = [tok.encode(_format(tok, text, args.chat)) for text in args.prompt]
-    if any(len(e) == 0 for e in encoded):
-        raise ValueError("a prompt encodes to zero tokens")
+    template = _template(tok, args.chat)
+    encoded = [encode_prompt(text, tok, template=template, instruction="", vocab_size=model.config.vocab_size).ids
+               for text in args.prompt]
     ids, mask = pad_left(encoded, max(len(e) for e in encoded), tok.pad_id)  # every prompt ends at the last column
     t0 = time.perf_counter()
     r = generate(model, ids, mask, jax.random.key(args.seed), num_samples=args.num_samples,
@@ -80,7 +75,7 @@ def sample_main(args: argparse.Namespace) -> int:
         if j == 0:
             print(f"=== prompt {p}: {args.prompt[p]!r}")
         n = int(r.lengths[row])
-        text = tok.decode(r.tokens[row, :n].tolist(), skip_special_tokens=True)
+        text = decode_response(tok, r.tokens[row], r.valid[row])
         end = "truncated" if r.truncated[row] else "eos"
         print(f"--- sample {j} ({n} tokens, {end}, logp {float(r.logp[row, :n].sum()):.2f})")
         print(text)

@@ -1,5 +1,7 @@
 """Tokenised prompts and fixed-shape prompt batches.
 
+    one = encode_prompt("What is 2+3?", tokenizer, template="qwen_chat", max_len=512)   # the front door
+    one.text, one.ids                                                                  # str, int32 ids
     enc = encode_prompts(ds, tokenizer, template="qwen_chat", max_prompt_len=512)
     it = PromptIterator(enc, batch_size=8, seed=0)                      # endless, reshuffled each epoch
     batch = next(it)          # PromptBatch: ids/mask [B, L] int32 left-padded, L a length bucket
@@ -17,9 +19,45 @@ import numpy as np
 
 from ict_jax.data.datasets import Dataset
 from ict_jax.data.example import Example
-from ict_jax.data.templates import BOXED_INSTRUCTION, MC_INSTRUCTION, format_prompt
+from ict_jax.data.templates import BOXED_INSTRUCTION, format_prompt, instruction_for
 
 log = logging.getLogger(__name__)
+
+
+class PromptRefused(ValueError):
+    """A prompt :func:`encode_prompt` refuses (one line): longer than the limit after templating (never
+    truncated), encoding to no token, or holding an id the model's vocabulary lacks."""
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """One prompt as the model sees it: the templated ``text`` and its token ``ids`` (int32)."""
+
+    text: str
+    ids: np.ndarray
+
+
+def encode_prompt(question: str, tokenizer: Any, *, template: str = "qwen_chat", instruction: str = BOXED_INSTRUCTION,
+                  max_len: int | None = None, vocab_size: int | None = None,
+                  limit_key: str = "rollout.max_prompt_len") -> EncodedPrompt:
+    """The one prompt front door (training data, evaluation, the inspector, diagnose, ``ict-jax sample``):
+    template (:func:`ict_jax.data.templates.format_prompt`: ``template``, ``instruction``; ``""`` = no
+    instruction), tokenise (``tokenizer.encode``), check.
+
+    Raises :class:`PromptRefused` (one line) when the prompt is longer than ``max_len`` tokens (None = no
+    limit; the message says by how much and names the limit's config key ``limit_key``), encodes to zero
+    tokens, or holds an id ``>= vocab_size`` (None = not checked)."""
+    text = format_prompt(question, template, tokenizer, instruction=instruction)
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
+    n = len(ids)
+    if n == 0:
+        raise PromptRefused(f"the prompt encodes to zero tokens (template {template!r})")
+    if max_len is not None and n > max_len:
+        raise PromptRefused(f"the prompt is {n} tokens after templating, {n - max_len} more than "
+                            f"{limit_key}={max_len} (prompts are never truncated)")
+    if vocab_size is not None and int(ids.max()) >= vocab_size:
+        raise PromptRefused(f"the prompt has token id {int(ids.max())} but the model's vocabulary has {vocab_size} ids")
+    return EncodedPrompt(text, ids)
 
 
 @dataclass
@@ -42,23 +80,24 @@ class EncodedPrompts:
 
 def encode_prompts(dataset: Dataset, tokenizer: Any, *, template: str = "qwen_chat", max_prompt_len: int = 512,
                    instruction: str | None = None) -> EncodedPrompts:
-    """Template and tokenise every example. Prompts longer than ``max_prompt_len`` tokens are dropped
-    (never truncated) and counted in ``dropped`` (and logged). ``instruction`` defaults to
-    ``MC_INSTRUCTION`` for multiple choice and ``BOXED_INSTRUCTION`` otherwise."""
+    """Template and tokenise every example (:func:`encode_prompt`). Prompts longer than ``max_prompt_len``
+    tokens (or of no token) are dropped (never truncated) and counted in ``dropped`` (and logged).
+    ``instruction`` defaults to the data set's (:func:`ict_jax.data.templates.instruction_for`)."""
     if max_prompt_len < 1:
-        raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
+        raise ValueError(f"rollout.max_prompt_len: {max_prompt_len} must be >= 1")
     if instruction is None:
-        instruction = MC_INSTRUCTION if dataset.scorer == "mc" else BOXED_INSTRUCTION
+        instruction = instruction_for(dataset.scorer)
     examples, ids, texts, dropped = [], [], [], []
     for i, ex in enumerate(dataset):
-        text = format_prompt(ex.prompt, template, tokenizer, instruction=instruction)
-        tok = np.asarray(tokenizer.encode(text), dtype=np.int32)
-        if len(tok) > max_prompt_len or len(tok) == 0:
+        try:
+            one = encode_prompt(ex.prompt, tokenizer, template=template, instruction=instruction,
+                                max_len=max_prompt_len)
+        except PromptRefused:
             dropped.append(i)
             continue
         examples.append(ex)
-        ids.append(tok)
-        texts.append(text)
+        ids.append(one.ids)
+        texts.append(one.text)
     if dropped:
         log.warning("%s: dropped %d of %d prompts longer than max_prompt_len=%d tokens", dataset.name,
                     len(dropped), len(dataset), max_prompt_len)

@@ -78,7 +78,7 @@ def find_files(data_dir: str | None, subdir: str, split: str, extra: tuple[str, 
     """``{data_dir}/{subdir}/{split}.{jsonl,parquet,csv}``, then Hugging Face shards
     ``{data_dir}/{subdir}/**/{split}-*.parquet``, then ``extra`` names under ``{data_dir}/{subdir}``."""
     if not data_dir:
-        raise FileNotFoundError(f"dataset {subdir!r} needs --data-dir (data.data_dir): see docs/data.md")
+        raise FileNotFoundError(f"dataset {subdir!r} needs data.data_dir, the folder of its files: see docs/data.md")
     root = os.path.join(data_dir, subdir)
     for ext in ("jsonl", "parquet", "csv"):
         p = os.path.join(root, f"{split}.{ext}")

@@ -21,18 +21,25 @@ def format_prompt(question: str, template: str = "qwen_chat", tokenizer: Any = N
     ``qwen_chat``: one user turn ``"{question}\\n{instruction}"`` through the tokenizer's chat template
     (Qwen2.5's ``QWEN2P5_CHAT_TEMPLATE`` when the tokenizer has none, or no tokenizer is given), with
     the generation prompt. ``plain`` (base models): ``"Question: {question}\\n{instruction}\\nAnswer:"``.
-    ``none``: the question as is.
+    ``none``: the question as is. An empty ``instruction`` adds none (the question alone, no blank line).
     """
     if template == "none":
         return question
+    asked = f"{question}\n{instruction}" if instruction else question
     if template == "plain":
-        return f"Question: {question}\n{instruction}\nAnswer:"
+        return f"Question: {asked}\nAnswer:"
     if template == "qwen_chat":
-        messages = [{"role": "user", "content": f"{question}\n{instruction}"}]
+        messages = [{"role": "user", "content": asked}]
         if tokenizer is None or isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template is None:
             return render_chat_template(QWEN2P5_CHAT_TEMPLATE, messages)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
+
+
+def instruction_for(scorer: str | None) -> str:
+    """The instruction a data set's prompts get: ``MC_INSTRUCTION`` for multiple choice (``scorer`` ``mc``),
+    else ``BOXED_INSTRUCTION``."""
+    return MC_INSTRUCTION if scorer == "mc" else BOXED_INSTRUCTION
 
 
 def template_dataset(dataset: Any, tokenizer: Any, template: str = "qwen_chat") -> Any:
@@ -40,7 +47,7 @@ def template_dataset(dataset: Any, tokenizer: Any, template: str = "qwen_chat") 
     with the instruction that fits its scorer (``MC_INSTRUCTION`` for multiple choice, else
     ``BOXED_INSTRUCTION``, as :func:`ict_jax.data.prompts.encode_prompts` does). Use with a generator built with
     ``template="none"`` when benchmarks of several kinds share one generator (``ict-jax eval``)."""
-    instruction = MC_INSTRUCTION if dataset.scorer == "mc" else BOXED_INSTRUCTION
+    instruction = instruction_for(dataset.scorer)
     examples = [dataclasses.replace(ex, prompt=format_prompt(ex.prompt, template, tokenizer, instruction=instruction))
                 for ex in dataset]
     return Dataset(dataset.name, examples, dataset.scorer, dataset.split)

@@ -88,13 +88,19 @@ class DecoderStack(nnx.Module):
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, out_dtype: Any) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(out_dtype)
+    return (y * _lead(weight.astype(jnp.float32), y.ndim)).astype(out_dtype)
+
+
+def _lead(w: jax.Array, ndim: int) -> jax.Array:
+    """``w`` with leading axes of size 1 up to ``ndim``: broadcasting against activations is explicit
+    (the package runs under ``jax_numpy_rank_promotion='raise'`` in the tests)."""
+    return w.reshape((1,) * (ndim - w.ndim) + w.shape)
 
 
 def rope_tables(pos: Int[Array, "B T"], head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos/sin ``[B, T, hd]`` in float32 (HF's non-interleaved ``rotate_half`` convention)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    ang = pos.astype(jnp.float32)[..., None] * inv_freq
+    ang = pos.astype(jnp.float32)[..., None] * inv_freq.reshape((1,) * pos.ndim + (-1,))
     ang = jnp.concatenate([ang, ang], axis=-1)
     return jnp.cos(ang), jnp.sin(ang)
 
@@ -138,9 +144,9 @@ def attention_qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: ja
     k = _mm(h, p["wk"], dtype)
     v = _mm(h, p["wv"], dtype)
     if "bq" in p:
-        q = q + p["bq"].astype(dtype)
-        k = k + p["bk"].astype(dtype)
-        v = v + p["bv"].astype(dtype)
+        q = q + _lead(p["bq"].astype(dtype), q.ndim)
+        k = k + _lead(p["bk"].astype(dtype), k.ndim)
+        v = v + _lead(p["bv"].astype(dtype), v.ndim)
     q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "q_heads", "head_dim"))
     k = apply_rope(k, cos, sin)
     return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # k, v: [B, KV, T, hd]

@@ -6,6 +6,7 @@
 * ``CharTokenizer``: a fixed character vocabulary (< 128 ids) for tests and the arithmetic demo.
 * ``QWEN2P5_CHAT_TEMPLATE``: the Qwen2.5 ChatML template, ``<|im_start|>role\\ncontent<|im_end|>\\n``,
   with Qwen's default system prompt when the conversation has none.
+* ``decode_response``: the one response decoder (valid tokens, EOS dropped, special tokens skipped).
 
 Chat templates are Jinja, rendered in jinja2's immutable sandbox (the same mechanism Hugging Face uses):
 template text from a model file is never handed to eval/exec.
@@ -263,6 +264,23 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
     if os.path.isdir(path):
         return _load_hf_dir(path)
     raise FileNotFoundError(f"no tokenizer at {path!r}: expected a Hugging Face tokenizer directory or a .gguf file")
+
+
+# --------------------------------------------------------------------------------------------------
+# The one response decoder
+# --------------------------------------------------------------------------------------------------
+def decode_response(tokenizer: Any, tokens: Sequence[int], valid: Sequence[Any] | None = None) -> str:
+    """The text of one sampled response: its tokens where ``valid`` is true (padding dropped; None = all),
+    without the tokenizer's EOS ids (``tokenizer.eos_ids``), decoded with special tokens skipped. Used by
+    training (rewards), evaluation, the inspector, diagnose and ``ict-jax sample``."""
+    eos = {int(e) for e in tokenizer.eos_ids}
+    keep = [True] * len(tokens) if valid is None else valid
+    return tokenizer.decode([int(t) for t, v in zip(tokens, keep) if v and int(t) not in eos])
+
+
+def decode_responses(tokenizer: Any, tokens: Sequence[Sequence[int]], valid: Sequence[Sequence[Any]]) -> list[str]:
+    """:func:`decode_response` of every row of ``tokens`` / ``valid`` ``[B, N]``."""
+    return [decode_response(tokenizer, row, v) for row, v in zip(tokens, valid)]
 
 
 # --------------------------------------------------------------------------------------------------

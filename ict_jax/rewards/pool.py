@@ -148,7 +148,9 @@ class RewardPool:
     constructor). The constructor returns when every worker is warm.
     Thread-safe; use as a context manager or call :meth:`close`."""
 
-    def __init__(self, num_workers: int = 2, *, time_limit: float = 3.0, spec: RewardSpec | None = None,
+    # time_limit's default is rl.reward.time_limit's (config.RewardSection): rewards imports nothing of
+    # ict_jax (the workers import it alone), so the number is pinned by a test, not imported
+    def __init__(self, num_workers: int = 2, *, time_limit: float = 5.0, spec: RewardSpec | None = None,
                  context: str = "forkserver", mem_limit_mb: int | None = 2048,
                  checkers: Mapping[str, Callable] | None = None, start_timeout: float = 120.0):
         if context not in ("forkserver", "spawn"):

@@ -244,6 +244,30 @@ def _aggregate(x: Array, w_b: Array, d_b: Array, tokens: Array, num_responses: A
     raise ValueError(f"loss_agg: {loss_agg!r} is not a known aggregation")
 
 
+def _kl_term(logp: Array, logp_ref: Array | None, valid_b: Array, wkl_b: Array, dkl_b: Array,
+             denoms: LossDenominators, agg: str) -> tuple[Array, Array]:
+    """``(AGG(k3, w_kl, d_kl), sum of k3 over valid tokens)``, both 0 without ``logp_ref``. The k3 inputs
+    of tokens outside ``w_kl`` are zeroed first (their gradient is exactly 0); the valid-token sum is
+    stop-gradient in ``logp`` (a diagnostic)."""
+    if logp_ref is None:
+        return jnp.zeros((), F32), jnp.zeros((), F32)
+    logp_ref = logp_ref.astype(F32)
+    k3 = k3_kl(jnp.where(wkl_b, logp, 0.0), jnp.where(wkl_b, logp_ref, 0.0))
+    kl = _aggregate(k3, wkl_b, dkl_b, denoms.kl_tokens, denoms.num_responses, denoms.kl_rows, agg)
+    k3_valid = k3_kl(jnp.where(valid_b, jax.lax.stop_gradient(logp), 0.0), jnp.where(valid_b, logp_ref, 0.0))
+    return kl, jnp.where(valid_b, k3_valid, 0.0).sum()
+
+
+def _clipped(logp: Array, logp_old: Array, adv_BT: Array, valid_b: Array, config: LossSection) -> Array:
+    """The valid tokens whose ratio is clipped (stop-gradient): (A > 0 and r > 1 + eps_high) or (A < 0 and
+    r < 1 - eps_low)."""
+    lp_v = jax.lax.stop_gradient(jnp.where(valid_b, logp, 0.0))
+    _, ratio = clipped_surrogate(lp_v, jnp.where(valid_b, logp_old, 0.0), adv_BT, eps_low=config.eps_low,
+                                 eps_high=config.eps_high, dual_clip_c=config.dual_clip_c)
+    return valid_b & (((adv_BT > 0) & (ratio > 1.0 + config.eps_high))
+                      | ((adv_BT < 0) & (ratio < 1.0 - config.eps_low)))
+
+
 def policy_loss(
     logp: Float[Array, "B T"],
     logp_old: Float[Array, "B T"],
@@ -301,23 +325,12 @@ def policy_loss(
     pg = -_aggregate(surr, sel_b, dpg_b, denoms.pg_tokens, denoms.num_responses, denoms.pg_rows, agg)
     loss = pg
 
-    kl = jnp.zeros((), F32)
-    kl_valid_sum = jnp.zeros((), F32)
-    if logp_ref is not None:
-        logp_ref = logp_ref.astype(F32)
-        k3 = k3_kl(jnp.where(wkl_b, logp, 0.0), jnp.where(wkl_b, logp_ref, 0.0))
-        kl = _aggregate(k3, wkl_b, dkl_b, denoms.kl_tokens, denoms.num_responses, denoms.kl_rows, agg)
-        if config.kl_coef != 0:
-            loss = loss + config.kl_coef * kl
-        sg = jax.lax.stop_gradient
-        k3_valid = k3_kl(jnp.where(valid_b, sg(logp), 0.0), jnp.where(valid_b, logp_ref, 0.0))
-        kl_valid_sum = jnp.where(valid_b, k3_valid, 0.0).sum()
+    kl, kl_valid_sum = _kl_term(logp, logp_ref, valid_b, wkl_b, dkl_b, denoms, agg)
+    if logp_ref is not None and config.kl_coef != 0:
+        loss = loss + config.kl_coef * kl
 
     # Diagnostics over every valid token (stop-gradient).
-    lp_v = jax.lax.stop_gradient(jnp.where(valid_b, logp, 0.0))
-    _, ratio = clipped_surrogate(lp_v, jnp.where(valid_b, logp_old, 0.0), adv_BT, **clip_kw)
-    clipped = valid_b & (((adv_BT > 0) & (ratio > 1.0 + config.eps_high))
-                         | ((adv_BT < 0) & (ratio < 1.0 - config.eps_low)))
+    clipped = _clipped(logp, logp_old, adv_BT, valid_b, config)
     unselected = denoms.valid_tokens - denoms.selected_tokens
 
     def frac(num: Array, den: Array) -> Array:

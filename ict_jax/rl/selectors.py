@@ -4,7 +4,7 @@ Every mask is float32 ``[B, T]`` with values in {0., 1.} and ``M <= valid`` (the
 ``jnp.where(M > 0, x, 0)``). Rows are P prompts x G rollouts, prompt-major (row = p*G + j).
 
 Counting (docs/method.md §2): a candidate set with n valid positions keeps k = 0 if n = 0, else
-k = max(1, ceil(rho n)), computed in integers from rho = a/b (``config.rho_fraction``). Candidates are
+k = max(1, ceil(rho n)), computed in integers from rho = a/b (:mod:`ict_jax.rl.quantile`). Candidates are
 ranked by a stable descending sort of the score with invalid positions last, ties to the lower flat
 index (row-major over the global [P*G, T] batch); positions of rank < k are kept. Candidate sets by
 scope: ``sequence`` = one response (row), ``group`` = the G responses of a prompt, ``batch`` = the
@@ -15,16 +15,16 @@ the collectives, so the mask is the one a single device computes.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ict_jax.config import SELECTOR_DEFAULTS, STAPO_TAU_H, SelectorSection, rho_fraction
-from ict_jax.rl.metrics import valid_quantile
-from ict_jax.rl.token_stats import TokenStats
+from ict_jax.config import SELECTOR_DEFAULTS, STAPO_TAU_H, SelectorSection, allow_method
+from ict_jax.rl.quantile import keep_count, rho_fraction, valid_quantile
+from ict_jax.rl.token_stats import ALL_STATS, DEFAULT_COMPUTE, TokenStats
 
 #: RNG stream of the random selector: scores from
 #: fold_in(fold_in(fold_in(root, RANDOM_MASK_STREAM), step), minibatch) (docs/method.md §2).
@@ -44,15 +44,6 @@ _SCOPES = ("sequence", "group", "batch")
 
 def _as_bool(valid) -> jax.Array:
     return jnp.asarray(valid) > 0
-
-
-def _count_k(n: jax.Array, a: int, b: int) -> jax.Array:
-    """k = 0 if n = 0 else max(1, ceil(a n / b)), exact in int32 (a n could overflow, so split
-    n = q b + r: ceil(a n / b) = a q + ceil(a r / b), with a r < b^2 <= 1e8)."""
-    n = n.astype(jnp.int32)
-    q, r = n // b, n % b
-    k = a * q + (a * r + b - 1) // b
-    return jnp.where(n > 0, jnp.minimum(jnp.maximum(k, 1), n), 0)
 
 
 def _sets(x: jax.Array, scope: str, group_size: int | None) -> jax.Array:
@@ -84,7 +75,7 @@ def topk_mask(
     s = _sets(jnp.asarray(score, jnp.float32), scope, group_size)
     v = _sets(valid, scope, group_size)
     S, L = s.shape
-    k = _count_k(jnp.sum(v, axis=1), a, b)  # [S]
+    k = keep_count(jnp.sum(v, axis=1), a, b)  # [S]
     idx = lax.broadcasted_iota(jnp.int32, (S, L), 1)
     # sorted position r holds flat index perm[r]; keep if r < k
     _, _, perm = lax.sort((jnp.where(v, 0, 1).astype(jnp.int32), -s, idx), dimension=1,
@@ -149,7 +140,7 @@ def random_mask(
 def stapo_quantile(H1: Float[Array, "B T"], valid: Valid, tau_h: float) -> Float[Array, ""]:
     """The ``tau_h`` quantile of H1 over the n entries marked by ``valid`` (STAPO's candidate set): sort
     them, linear interpolation at position (n-1) tau_h (NumPy's 'linear' method); the position is split
-    exactly in integers from tau_h = a/b (:func:`ict_jax.rl.metrics.valid_quantile`). Returns +inf when
+    exactly in integers from tau_h = a/b (:func:`ict_jax.rl.quantile.valid_quantile`). Returns +inf when
     n = 0 (nothing is then silenced)."""
     return valid_quantile(H1, valid, tau_h, empty=jnp.inf)
 
@@ -194,8 +185,17 @@ class SelectorFn(Protocol):
                  step: Any, config: SelectorSection, group_size: int | None) -> jax.Array: ...
 
 
-#: name -> (fn, warmup, whether fn takes the ``minibatch`` keyword)
-_REGISTRY: dict[str, tuple[SelectorFn, bool, bool]] = {}
+class Registered(NamedTuple):
+    """A registered selector: its function, whether the warm-up applies, whether ``fn`` takes the
+    ``minibatch`` keyword, and the statistics it reads (``needs``; None = not declared)."""
+
+    fn: SelectorFn
+    warmup: bool
+    takes_minibatch: bool
+    needs: tuple[str, ...] | None
+
+
+_REGISTRY: dict[str, Registered] = {}
 
 
 def _takes_minibatch(fn: Any) -> bool:
@@ -206,26 +206,53 @@ def _takes_minibatch(fn: Any) -> bool:
     return any(p.name == "minibatch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def register_selector(name: str, fn: SelectorFn, *, warmup: bool = False, overwrite: bool = False) -> None:
+def register_selector(name: str, fn: SelectorFn, *, warmup: bool = False, needs: Sequence[str] | None = None,
+                      overwrite: bool = False) -> None:
     """Register ``fn(stats, adv, valid, *, key, step, config, group_size) -> mask [B, T]`` under
-    ``name`` for :func:`select`. ``key`` is the root key (derive a stream with ``fold_in``); with
-    ``warmup=True``, :func:`select` returns M = valid while ``step < config.warmup_steps``. A ``fn``
-    that accepts a ``minibatch`` keyword (or ``**kwargs``) also gets the mini-batch index within the
-    rollout step (fold it into its key for a fresh draw per mini-batch, as ``random`` does)."""
+    ``name`` for :func:`select` and the train step (``rl.selector.method: <name>``).
+
+    ``needs`` names the :class:`~ict_jax.rl.token_stats.TokenStats` fields ``fn`` reads (of
+    :data:`~ict_jax.rl.token_stats.ALL_STATS`): ``("js",)`` for a mask of u, ``("H1",)``, ``("logp",
+    "H1")``, ``()`` for one that reads none (``dense``, ``random``). The train step computes what a
+    selector needs (u and Q(o_t) of the old policy, docs/method.md §2; the rest of the current one), and
+    takes its one-pass head when it needs nothing; :func:`select` refuses statistics that lack a field
+    the selector needs. ``None`` (not declared) reads as "everything the step computes by default"
+    (:data:`~ict_jax.rl.token_stats.DEFAULT_COMPUTE`) and is not checked.
+
+    ``key`` is the root key (derive a stream with ``fold_in``); with ``warmup=True``, :func:`select`
+    returns M = valid while ``step < config.warmup_steps``. A ``fn`` that accepts a ``minibatch`` keyword
+    (or ``**kwargs``) also gets the mini-batch index within the rollout step (fold it into its key for a
+    fresh draw per mini-batch, as ``random`` does)."""
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"selector {name!r} is already registered (pass overwrite=True to replace it)")
-    _REGISTRY[name] = (fn, warmup, _takes_minibatch(fn))
+    if needs is not None:
+        if isinstance(needs, str):
+            raise TypeError(f"needs: a sequence of statistic names, e.g. ({needs!r},); got the string {needs!r}")
+        needs = tuple(dict.fromkeys(needs))
+        bad = [n for n in needs if n not in ALL_STATS]
+        if bad:
+            raise ValueError(f"selector {name!r}: needs {bad} are not statistics; allowed: {list(ALL_STATS)}")
+    _REGISTRY[name] = Registered(fn, bool(warmup), _takes_minibatch(fn), needs)
+    allow_method(name)  # rl.selector.method may name it
 
 
 def registered_selectors() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def _need(stats: TokenStats, field: str, method: str) -> jax.Array:
-    x = getattr(stats, field)
-    if x is None:
-        raise ValueError(f"selector {method!r} needs stats.{field}; compute it in the statistics pass")
-    return x
+def _entry(method: str) -> Registered:
+    name = "dense" if method == "grpo" else method
+    if name not in _REGISTRY:
+        raise ValueError(f"rl.selector.method: selector {method!r} is not registered; "
+                         f"known: {list(registered_selectors())}")
+    return _REGISTRY[name]
+
+
+def selector_needs(method: str) -> tuple[str, ...]:
+    """The statistics the selector ``method`` reads (``grpo`` = ``dense``): its registered ``needs``, or
+    :data:`~ict_jax.rl.token_stats.DEFAULT_COMPUTE` when it declared none."""
+    needs = _entry(method).needs
+    return DEFAULT_COMPUTE if needs is None else needs
 
 
 def _dense(stats, adv, valid, *, key, step, config, group_size):
@@ -233,17 +260,17 @@ def _dense(stats, adv, valid, *, key, step, config, group_size):
 
 
 def _ict(stats, adv, valid, *, key, step, config, group_size):
-    return ict_mask(_need(stats, "js", "ict"), valid, group_size=group_size, rho=config.resolved_rho,
+    return ict_mask(stats.js, valid, group_size=group_size, rho=config.resolved_rho,
                     scope=config.resolved_scope)
 
 
 def _entropy(stats, adv, valid, *, key, step, config, group_size):
-    return entropy_mask(_need(stats, "H1", "entropy"), valid, group_size=group_size,
+    return entropy_mask(stats.H1, valid, group_size=group_size,
                         rho=config.resolved_rho, scope=config.resolved_scope)
 
 
 def _stapo(stats, adv, valid, *, key, step, config, group_size):
-    return stapo_mask(_need(stats, "logp", "stapo"), _need(stats, "H1", "stapo"), adv, valid,
+    return stapo_mask(stats.logp, stats.H1, adv, valid,
                       tau_p=config.tau_p, tau_h=config.resolved_tau_h, quantile_over=config.stapo_quantile_over)
 
 
@@ -259,21 +286,21 @@ def _random(stats, adv, valid, *, key, step, config, group_size, minibatch=0):
 
 
 def _frequent(stats, adv, valid, *, key, step, config, group_size):
-    return frequent_mask(_need(stats, "js", "frequent"), valid, group_size=group_size, rho=config.resolved_rho,
+    return frequent_mask(stats.js, valid, group_size=group_size, rho=config.resolved_rho,
                          scope=config.resolved_scope)
 
 
 def _selectable(stats, adv, valid, *, key, step, config, group_size):
-    return selectable_mask(_need(stats, "js", "selectable"), valid)
+    return selectable_mask(stats.js, valid)
 
 
-register_selector("dense", _dense)
-register_selector("ict", _ict, warmup=True)
-register_selector("entropy", _entropy)
-register_selector("stapo", _stapo)
-register_selector("random", _random, warmup=True)
-register_selector("frequent", _frequent, warmup=True)
-register_selector("selectable", _selectable, warmup=True)
+register_selector("dense", _dense, needs=())
+register_selector("ict", _ict, warmup=True, needs=("js",))
+register_selector("entropy", _entropy, needs=("H1",))
+register_selector("stapo", _stapo, needs=("logp", "H1"))
+register_selector("random", _random, warmup=True, needs=())
+register_selector("frequent", _frequent, warmup=True, needs=("js",))
+register_selector("selectable", _selectable, warmup=True, needs=("js",))
 
 
 def select(
@@ -295,13 +322,14 @@ def select(
     ``minibatch`` the index of the mini-batch within the rollout step (traced ints are fine). For
     ``ict``, ``random``, ``frequent`` and ``selectable`` (and selectors registered with
     ``warmup=True``), ``step < config.warmup_steps`` gives M = valid, as traced data (no
-    recompilation). ``group_size`` (G) is needed by the ``group`` scope only. Returns float32 {0, 1}
-    ``[B, T]`` with M <= valid.
+    recompilation). ``group_size`` (G) is needed by the ``group`` scope only. ``stats`` must hold every
+    statistic the selector was registered as reading (:func:`selector_needs`; a ValueError names the
+    first one missing). Returns float32 {0, 1} ``[B, T]`` with M <= valid.
     """
-    name = "dense" if method == "grpo" else method
-    if name not in _REGISTRY:
-        raise ValueError(f"selector {method!r} is not registered; known: {list(registered_selectors())}")
-    fn, warmup, takes_minibatch = _REGISTRY[name]
+    fn, warmup, takes_minibatch, needs = _entry(method)
+    missing = [n for n in needs or () if getattr(stats, n) is None]
+    if missing:
+        raise ValueError(f"selector {method!r} needs stats.{missing[0]}; compute it in the statistics pass")
     dense = dense_mask(valid)
     extra = {"minibatch": minibatch} if takes_minibatch else {}
     m = fn(stats, adv, valid, key=key, step=step, config=config, group_size=group_size, **extra)

@@ -15,16 +15,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ict_jax.config import Config
+from ict_jax.config import Config, StatsSection
 from ict_jax.sharding import batch_sharding
 from ict_jax.rl.token_stats import stats_from_hidden
 from ict_jax.rl.state import TrainState, make_optimizer
 
 F32 = jnp.float32
+_CHUNK = StatsSection().chunk  # stats.chunk's default: the largest block of positions of the log-probs
 
 
 def sft_loss(params: Any, graphdef: Any, tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *,
-             chunk: int = 128) -> tuple[jax.Array, dict[str, jax.Array]]:
+             chunk: int = _CHUNK) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean negative log-likelihood of the tokens where ``loss_mask`` is 1.
 
     ``tokens [B, L]`` hold prompt (left-padded) then target (right-padded); ``loss_mask [B, L]`` marks
@@ -42,7 +43,7 @@ def sft_loss(params: Any, graphdef: Any, tokens: jax.Array, attention_mask: jax.
 
 
 def sft_step(state: TrainState, tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *,
-             tx: Any, chunk: int = 128) -> tuple[TrainState, dict[str, jax.Array]]:
+             tx: Any, chunk: int = _CHUNK) -> tuple[TrainState, dict[str, jax.Array]]:
     """One SFT update (pure; jit it or use :func:`make_sft_step`): cross-entropy, then ``tx``."""
     (loss, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
         state.params, state.graphdef, tokens, attention_mask, loss_mask, chunk=chunk)

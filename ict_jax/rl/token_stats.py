@@ -32,7 +32,9 @@ p[i,t] is compared with (w = valid, n[g,t] = sum_{j in g} w[j,t] the rollouts of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import typing
 from typing import NamedTuple, Sequence
 
 import jax
@@ -40,14 +42,18 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
+from ict_jax.config import StatsSection, UForm
+
 #: Every statistic the functions can compute (``compute``), in TokenStats field order.
 ALL_STATS = ("logp", "H1", "H2", "js", "pbar_tok", "pmax")
 _ALL = ALL_STATS
 #: What the statistics functions compute unless told otherwise (the train step's set).
 DEFAULT_COMPUTE = ("logp", "H1", "H2", "js")
-#: The readings of u (docs/method.md §1); ``config.UForm`` lists the same names.
-U_FORMS = ("aligned", "loo", "literal", "pooled")
+#: The readings of u (docs/method.md §1): ``config.UForm``'s names.
+U_FORMS: tuple[str, ...] = typing.get_args(UForm)
 GROUP_STATS = frozenset({"js", "pbar_tok"})  # statistics that need Q (the group's distributions)
+#: The ``stats`` section's defaults (block size, reading of u): the functions' defaults are these.
+_SECTION = StatsSection()
 _LN2 = 0.6931471805599453
 
 
@@ -64,6 +70,31 @@ class TokenStats(NamedTuple):
     js: Float[Array, "B T"] | None  # u = JS(p || Q), clipped to [0, ln 2]; Q by the reading u_form
     pbar_tok: Float[Array, "B T"] | None = None  # Q(o_t): the compared distribution's mass on the token
     pmax: Float[Array, "B T"] | None = None  # max_v p(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsPlan:
+    """The static settings of one statistics pass, one hashable value: the private block functions, the
+    custom VJPs and ``jax.jit`` take it as ONE static argument.
+
+    ``group_size`` G (rows ``p*G + j``); ``temperature`` T_s; ``chunk`` the positions of one block (already
+    evened out, :func:`_block_size`); ``want`` the statistics computed (names of :data:`ALL_STATS`);
+    ``u_form`` the reading of u (module docstring)."""
+
+    group_size: int
+    temperature: float = 1.0
+    chunk: int = _SECTION.chunk
+    want: frozenset = frozenset(DEFAULT_COMPUTE)
+    u_form: str = _SECTION.u_form
+
+    def wanting(self, want: frozenset) -> StatsPlan:
+        """The same plan computing ``want`` instead."""
+        return dataclasses.replace(self, want=frozenset(want))
+
+    @property
+    def needs_pool(self) -> bool:
+        """The ``pooled`` reading's Q needs one more walk over the blocks first (for u or Q(o_t) only)."""
+        return self.u_form == "pooled" and bool(self.want & GROUP_STATS)
 
 
 def _check_compute(compute: Sequence[str]) -> tuple[str, ...]:
@@ -122,9 +153,8 @@ def _group_q(pg, w, u_form: str):
     return (num / denom[..., None])[:, None], None  # aligned: 0 where no rollout is active
 
 
-def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: bool = False,
-                 u_form: str = "aligned", qpool=None):
-    """Statistics of one block from temperature-scaled float32 logits ``z [B, C, V]``.
+def _block_stats(z, tokens, valid, plan: StatsPlan, *, with_p: bool = False, qpool=None):
+    """Statistics ``plan.want`` of one block from temperature-scaled float32 logits ``z [B, C, V]``.
 
     Returns ``(logZ, logp, H1, H2, js, pbar_tok, pmax)`` each ``[B, C]`` (``None`` when not wanted);
     ``logZ`` is always returned (the custom VJP saves it). Not masked by ``valid`` here except inside Q.
@@ -138,6 +168,7 @@ def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: 
     gives exactly 0.
     """
     B, C, V = z.shape
+    want, group_size = plan.want, plan.group_size
     zmax = jnp.max(z, axis=-1, keepdims=True)
     zmax = jnp.where(jnp.isfinite(zmax), zmax, 0.0)  # an all -inf row gives no NaN
     e = jnp.exp(z - zmax)
@@ -162,10 +193,10 @@ def _block_stats(z, tokens, valid, group_size: int, want: frozenset, *, with_p: 
             P = B // group_size
             w = valid.astype(jnp.float32).reshape(P, group_size, C)
             pg = p.reshape(P, group_size, C, V)
-            if u_form == "pooled":
+            if plan.u_form == "pooled":
                 q, alone = qpool[:, None, None, :], None  # [P, 1, 1, V]
             else:
-                q, alone = _group_q(pg, w, u_form)
+                q, alone = _group_q(pg, w, plan.u_form)
             if "js" in want:
                 logq = _safe_log(q)  # once per group (per row under loo)
                 js = _js_logs(pg, logp_v.reshape(pg.shape), q, logq)
@@ -226,7 +257,7 @@ def stats_from_logits(
     group_size: int,
     temperature: float = 1.0,
     compute: Sequence[str] = DEFAULT_COMPUTE,
-    u_form: str = "aligned",
+    u_form: str = _SECTION.u_form,
 ) -> TokenStats:
     """docs/method.md §1 statistics from full logits (the reference path; holds ``[B, T, V]``).
 
@@ -247,12 +278,12 @@ def stats_from_logits(
     tokens = tokens.astype(jnp.int32)
     z = logits.astype(jnp.float32) / temperature
     z = jnp.where(valid[..., None], z, 0.0)  # padding positions may hold anything, even all -inf
-    want = frozenset(compute)
+    plan = StatsPlan(group_size, float(temperature), T, frozenset(compute), u_form)
     zs = lax.stop_gradient(z)
-    qpool = _pooled_q(*_pooled_sum(zs, valid, group_size)) if u_form == "pooled" and want & GROUP_STATS else None
+    qpool = _pooled_q(*_pooled_sum(zs, valid, group_size)) if plan.needs_pool else None
     # logp through autodiff; the rest from stop-gradient logits.
-    logp = _block_stats(z, tokens, valid, group_size, want & {"logp"})[1]
-    rest = _block_stats(zs, tokens, valid, group_size, want - {"logp"}, u_form=u_form, qpool=qpool)[2:]
+    logp = _block_stats(z, tokens, valid, plan.wanting(plan.want & {"logp"}))[1]
+    rest = _block_stats(zs, tokens, valid, plan.wanting(plan.want - {"logp"}), qpool=qpool)[2:]
     return _finish((logp,) + rest, valid, compute)
 
 
@@ -299,56 +330,52 @@ def _block_grad(h, tok, g, p, unembed_t, temperature: float):
     return dh, dW
 
 
-def _scan_pooled(hb, vb, unembed_t, group_size: int, temperature: float):
+def _scan_pooled(hb, vb, unembed_t, plan: StatsPlan):
     """The ``pooled`` reading's Q ``[P, V]`` from blocked hidden states ``hb [nb, B, C, D]`` and
     ``vb [nb, B, C]``: one more walk over the blocks (a logits matmul and a softmax per position)."""
     B, V = hb.shape[1], unembed_t.shape[0]
-    P = B // group_size
+    P = B // plan.group_size
 
     def body(acc, x):
         h, val = x
-        num, cnt = _pooled_sum(_block_logits(h, unembed_t, temperature, transposed=True), val, group_size)
+        num, cnt = _pooled_sum(_block_logits(h, unembed_t, plan.temperature, transposed=True), val, plan.group_size)
         return (acc[0] + num, acc[1] + cnt), None
 
     (num, cnt), _ = lax.scan(body, (jnp.zeros((P, V), jnp.float32), jnp.zeros((P,), jnp.float32)), (hb, vb))
     return _pooled_q(num, cnt)
 
 
-def _needs_pool(want, u_form: str) -> bool:
-    return u_form == "pooled" and bool(want & GROUP_STATS)
-
-
-def _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form="aligned"):
+def _scan_stats(hidden, unembed, tokens, valid, plan: StatsPlan):
     """Forward scan over blocks; inputs already padded to nb*chunk. Returns logZ then the _ALL stats."""
     B, Tp, _ = hidden.shape
+    chunk = plan.chunk
     nb = Tp // chunk
     xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(valid, nb, chunk))
 
     unembed_t = jnp.transpose(unembed)  # free for a tied embedding; saves XLA CPU a [D, V] copy
-    qpool = (_scan_pooled(xs[0], xs[2], unembed_t, group_size, temperature)
-             if _needs_pool(want, u_form) else None)
+    qpool = _scan_pooled(xs[0], xs[2], unembed_t, plan) if plan.needs_pool else None
 
     def body(_, x):
         h, tok, val = x
-        z = _block_logits(h, unembed_t, temperature, transposed=True)
-        out = _block_stats(z, tok, val, group_size, want, u_form=u_form, qpool=qpool)
+        z = _block_logits(h, unembed_t, plan.temperature, transposed=True)
+        out = _block_stats(z, tok, val, plan, qpool=qpool)
         return None, tuple(jnp.zeros((B, chunk), jnp.float32) if o is None else o for o in out)
 
     _, ys = lax.scan(body, None, xs)
     return tuple(_unblocks(y) for y in ys)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _chunked(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form):
-    return _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form)[1:]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked(hidden, unembed, tokens, valid, plan: StatsPlan):
+    return _scan_stats(hidden, unembed, tokens, valid, plan)[1:]
 
 
-def _chunked_fwd(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form):
-    logZ, *rest = _scan_stats(hidden, unembed, tokens, valid, group_size, temperature, chunk, want, u_form)
+def _chunked_fwd(hidden, unembed, tokens, valid, plan: StatsPlan):
+    logZ, *rest = _scan_stats(hidden, unembed, tokens, valid, plan)
     return tuple(rest), (hidden, unembed, tokens, logZ)
 
 
-def _chunked_bwd(group_size, temperature, chunk, want, u_form, res, cts):
+def _chunked_bwd(plan: StatsPlan, res, cts):
     """d logp[b,c] / d z[b,c,v] = onehot(o)[v] - p[v]; dz -> dlogits = dz / T_s; one block at a time.
 
     Only the ``logp`` cotangent is used (every other statistic is stop-gradient outside this function).
@@ -356,6 +383,7 @@ def _chunked_bwd(group_size, temperature, chunk, want, u_form, res, cts):
     hidden, unembed, tokens, logZ = res
     g_logp = cts[0]
     B, Tp, D = hidden.shape
+    chunk, temperature = plan.chunk, plan.temperature
     nb = Tp // chunk
     V = unembed.shape[1]
     unembed_t = jnp.transpose(unembed)  # one transpose per step; free when W is a tied embedding's
@@ -378,22 +406,23 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 # --------------------------------------------------------------------------------------------------
 # One-pass head: statistics and the gradient of a linear function of logp in the same block walk
 # --------------------------------------------------------------------------------------------------
-def _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want, u_form):
+def _scan_stats_grad(hidden, unembed, tokens, valid, g, plan: StatsPlan):
     """Forward scan that also accumulates d(sum g*logp)/d(hidden, unembed) from each block's p."""
     B, Tp, D = hidden.shape
+    chunk, temperature = plan.chunk, plan.temperature
     nb = Tp // chunk
     V = unembed.shape[1]
     unembed_t = jnp.transpose(unembed)  # see _block_grad
     xs = (_blocks(hidden, nb, chunk), _blocks(tokens, nb, chunk), _blocks(valid, nb, chunk),
           _blocks(g.astype(jnp.float32), nb, chunk))
-    qpool = (_scan_pooled(lax.stop_gradient(xs[0]), xs[2], lax.stop_gradient(unembed_t), group_size, temperature)
-             if _needs_pool(want, u_form) else None)
+    qpool = (_scan_pooled(lax.stop_gradient(xs[0]), xs[2], lax.stop_gradient(unembed_t), plan)
+             if plan.needs_pool else None)
+    with_logp = plan.wanting(plan.want | {"logp"})
 
     def body(dW, x):
         h, tok, val, gb = x
         z = _block_logits(h, unembed_t, temperature, transposed=True)  # no [D, V] copy of a tied W
-        *out, p = _block_stats(z, tok, val, group_size, want | {"logp"}, with_p=True, u_form=u_form,
-                               qpool=qpool)
+        *out, p = _block_stats(z, tok, val, with_logp, with_p=True, qpool=qpool)
         dh, dW_blk = _block_grad(h, tok, gb, p, unembed_t, temperature)
         out = tuple(jnp.zeros((B, chunk), jnp.float32) if o is None else o for o in out[1:])
         return dW + dW_blk, out + (dh.astype(hidden.dtype),)
@@ -403,19 +432,18 @@ def _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature,
     return tuple(stats), dh, dW.astype(unembed.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _one_pass(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want, u_form):
-    stats, _, _ = _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want, u_form)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _one_pass(hidden, unembed, tokens, valid, g, plan: StatsPlan):
+    stats, _, _ = _scan_stats_grad(hidden, unembed, tokens, valid, g, plan)
     return stats, jnp.sum(g * stats[0])
 
 
-def _one_pass_fwd(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want, u_form):
-    stats, dh, dW = _scan_stats_grad(hidden, unembed, tokens, valid, g, group_size, temperature, chunk, want,
-                                     u_form)
+def _one_pass_fwd(hidden, unembed, tokens, valid, g, plan: StatsPlan):
+    stats, dh, dW = _scan_stats_grad(hidden, unembed, tokens, valid, g, plan)
     return (stats, jnp.sum(g * stats[0])), (dh, dW)
 
 
-def _one_pass_bwd(group_size, temperature, chunk, want, u_form, res, cts):
+def _one_pass_bwd(plan: StatsPlan, res, cts):
     """Only the surrogate's cotangent is used: the statistics are stop-gradient outside."""
     dh, dW = res
     c = cts[1]
@@ -454,9 +482,9 @@ def stats_and_surrogate(
     *,
     group_size: int,
     temperature: float = 1.0,
-    chunk: int = 64,
+    chunk: int = _SECTION.chunk,
     compute: Sequence[str] = DEFAULT_COMPUTE,
-    u_form: str = "aligned",
+    u_form: str = _SECTION.u_form,
 ) -> tuple[TokenStats, Float[Array, ""]]:
     """:func:`stats_from_hidden` plus ``s = sum_t g_logp[t] * logp[t]`` whose gradient costs no second pass.
 
@@ -476,8 +504,8 @@ def stats_and_surrogate(
     g_logp = jnp.where(valid > 0, lax.stop_gradient(g_logp).astype(jnp.float32), 0.0)
     compute, T, chunk, valid, hidden, tokens, valid_p, (g_logp,) = _prepare(
         hidden, unembed, tokens, valid, group_size, chunk, compute, (g_logp,))
-    out, s = _one_pass(hidden, unembed, tokens, valid_p, g_logp, group_size, float(temperature), chunk,
-                       frozenset(compute), u_form)
+    plan = StatsPlan(group_size, float(temperature), chunk, frozenset(compute), u_form)
+    out, s = _one_pass(hidden, unembed, tokens, valid_p, g_logp, plan)
     out = tuple(lax.stop_gradient(o[:, :T]) for o in out)
     return _finish(out, valid, compute), s
 
@@ -490,9 +518,9 @@ def stats_from_hidden(
     *,
     group_size: int,
     temperature: float = 1.0,
-    chunk: int = 64,
+    chunk: int = _SECTION.chunk,
     compute: Sequence[str] = DEFAULT_COMPUTE,
-    u_form: str = "aligned",
+    u_form: str = _SECTION.u_form,
 ) -> TokenStats:
     """docs/method.md §1 statistics from hidden states, in blocks of ``chunk`` positions (the production path).
 
@@ -508,11 +536,10 @@ def stats_from_hidden(
     u_form = _check_u_form(u_form)
     compute, T, chunk, valid, hidden, tokens, valid_p, _ = _prepare(
         hidden, unembed, tokens, valid, group_size, chunk, compute)
-    want = frozenset(compute)
-    if "logp" in want:
-        out = _chunked(hidden, unembed, tokens, valid_p, group_size, float(temperature), chunk, want, u_form)
+    plan = StatsPlan(group_size, float(temperature), chunk, frozenset(compute), u_form)
+    if "logp" in plan.want:
+        out = _chunked(hidden, unembed, tokens, valid_p, plan)
     else:
-        out = _scan_stats(lax.stop_gradient(hidden), lax.stop_gradient(unembed), tokens, valid_p,
-                          group_size, float(temperature), chunk, want, u_form)[1:]
+        out = _scan_stats(lax.stop_gradient(hidden), lax.stop_gradient(unembed), tokens, valid_p, plan)[1:]
     out = tuple(o[:, :T] for o in out)
     return _finish(out, valid, compute)

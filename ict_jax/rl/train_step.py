@@ -24,17 +24,21 @@ then needs only as many rows as the mesh has batch shards (:func:`check_step_inp
 a group of 8 per chip (docs/tpu.md: the 7B recipe).
 
 Statistics never materialise float32 ``[B, T, V]`` logits: hidden states go to
-:func:`ict_jax.stats_from_hidden` (blocks of ``stats.chunk`` positions).
+:func:`ict_jax.stats_from_hidden` (blocks of ``stats.chunk`` positions) through
+:func:`ict_jax.rl.group_stats.group_stats`, the one statistics-of-a-group function (the token inspector
+and diagnose call it too).
 
 One-pass head: when d loss / d logp is known before the forward pass (fused schedule so r = 1,
-``kl_coef = 0``, logp_old not from the sampler, and a mask that ignores the statistics: ``dense`` and
-``random``), the gradient is taken through :func:`ict_jax.rl.token_stats.stats_and_surrogate`
-(:func:`one_pass_surrogate`), which applies it to each block's softmax while the block is in memory
-(three vocabulary matmuls per token instead of four). Same gradient to float32 rounding; the other
+``kl_coef = 0``, logp_old not from the sampler, and a selector registered as reading no statistics,
+``needs=()``: ``dense`` and ``random``), the gradient is taken through
+:func:`ict_jax.rl.token_stats.stats_and_surrogate` (:func:`one_pass_surrogate`), which applies it to
+each block's softmax while the block is in memory (three vocabulary matmuls per token instead of four). Same gradient to float32 rounding; the other
 methods keep the two-pass form (:func:`loss_and_aux`).
 
 The static choices (method, schedule, which statistics each pass computes) are read from the config
-once into a :class:`StepPlan`; :func:`jit_step` builds the ``jax.jit`` (shardings, donation).
+once into a :class:`StepPlan`; what the mask reads comes from the selector registry
+(:func:`ict_jax.rl.selectors.selector_needs`), so a selector a user registers trains like a built-in one.
+:func:`jit_step` builds the ``jax.jit`` (shardings, donation).
 """
 
 from __future__ import annotations
@@ -47,29 +51,21 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from ict_jax.config import Config, LossSection, SelectorSection
 from ict_jax.rl.batch import RolloutBatch
+from ict_jax.rl.group_stats import GroupStatsRequest, group_stats, head_inputs
 from ict_jax.rl.losses import LossDenominators, loss_denominators, policy_loss
 from ict_jax.rl.metrics import step_metrics
-from ict_jax.rl.selectors import select
+from ict_jax.rl.selectors import select, selector_needs
 from ict_jax.rl.state import TrainState, make_optimizer
-from ict_jax.rl.token_stats import (
-    GROUP_STATS,
-    TokenStats,
-    stats_and_surrogate,
-    stats_from_hidden,
-)
+from ict_jax.rl.token_stats import ALL_STATS, GROUP_STATS, TokenStats, stats_and_surrogate
 from ict_jax.sharding import batch_sharding, check_prompts_divide, replicated
 
 F32 = jnp.float32
-#: Built-in selectors whose mask does not read the token statistics (the one-pass head applies).
-_STATS_FREE_SELECTORS = ("dense", "random")
-#: Built-in selectors whose mask reads ICT's u (of the old policy, docs/method.md §2).
-_U_SELECTORS = ("ict", "frequent", "selectable")
-#: What the no-grad statistics pass of schedule (c) computes for the mask (u comes from the old pass).
-_MINI_BATCH_COMPUTE = ("logp", "H1", "H2")
+#: What every gradient forward and the no-grad statistics pass of schedule (c) compute (the §5 metrics);
+#: the group statistics (u, Q(o_t)) come from the old policy (docs/method.md §2).
+_CURRENT_COMPUTE = ("logp", "H1", "H2")
 
 #: (grads, loss, loss metrics, mask, statistics, logp_old used) of one mini-batch.
 MiniBatchGrads = tuple[Any, jax.Array, dict[str, jax.Array], jax.Array, TokenStats, jax.Array]
@@ -91,15 +87,17 @@ class StepPlan:
     tx: optax.GradientTransformation
     u_form: str = "aligned"  # the reading of u (docs/method.md §1, stats.u_form)
     batch_shards: int = 1  # data x fsdp of the mesh the step runs on
+    needs: tuple[str, ...] = ("js",)  # what the mask reads (the selector registry's ``needs``)
 
     @classmethod
     def from_config(cls, config: Config, tx: optax.GradientTransformation, batch_shards: int = 1) -> StepPlan:
         method = config.rl.selector.canonical_method
+        needs = selector_needs(method)
         return cls(group_size=config.rollout.num_samples, method=method, selector=config.rl.selector,
                    loss=config.rl.loss, mini_batches=config.train.mini_batches,
                    micro_batches=config.train.micro_batches, temperature=config.stats_temperature,
-                   chunk=config.stats.chunk, need_js=method in _U_SELECTORS or config.stats.js_metrics, tx=tx,
-                   u_form=config.stats.u_form, batch_shards=batch_shards)
+                   chunk=config.stats.chunk, need_js="js" in needs or config.stats.js_metrics, tx=tx,
+                   u_form=config.stats.u_form, batch_shards=batch_shards, needs=needs)
 
     @property
     def fused(self) -> bool:
@@ -111,18 +109,25 @@ class StepPlan:
         return self.loss.kl_coef > 0
 
     @property
+    def old_group_compute(self) -> tuple[str, ...]:
+        """The group statistics (u, Q(o_t)) the mask or the §5 metrics read: the old policy's
+        (docs/method.md §2), from the gradient forward when fused, else from the old-policy pass."""
+        return tuple(s for s in ALL_STATS if s in GROUP_STATS and (s in self.needs or (s == "js" and self.need_js)))
+
+    @property
     def current_compute(self) -> tuple[str, ...]:
-        """Statistics of the gradient forward: everything for the §5 metrics (js costs two more
-        vocabulary passes, so only where this forward is the old policy)."""
-        return ("logp", "H1", "H2") + (("js",) if self.fused and self.need_js else ())
+        """Statistics of the gradient forward (and of schedule (c)'s no-grad pass): everything for the §5
+        metrics and what the mask reads; u and Q(o_t) (two more vocabulary passes) only where this forward
+        is the old policy."""
+        extra = tuple(s for s in self.needs if s not in _CURRENT_COMPUTE and s not in GROUP_STATS)
+        return _CURRENT_COMPUTE + extra + (self.old_group_compute if self.fused else ())
 
     @property
     def one_pass(self) -> bool:
         """docs/method.md §4 with r = 1 (fused, logp_old = this forward's logp) and no KL: d loss / d logp
         depends on the mask and denominators only, so for masks that ignore the statistics it is known
         before the forward pass."""
-        return (self.fused and not self.use_kl and self.loss.old_logp != "sampler"
-                and self.method in _STATS_FREE_SELECTORS)
+        return self.fused and not self.use_kl and self.loss.old_logp != "sampler" and not self.needs
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,21 +157,13 @@ def _valid(batch: RolloutBatch, mask_truncated: bool) -> jax.Array:
     return v.astype(F32)
 
 
-def head_inputs(params: Any, graphdef: Any, mb: RolloutBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(hidden states that predict the response tokens ``[B, Lr, D]``, unembedding, response tokens)."""
-    model = nnx.merge(graphdef, params)
-    hidden, targets = model.predicting_states(mb.tokens, mb.attention_mask, mb.response_len)
-    return hidden, model.unembedding(), targets
-
-
 def batch_stats(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
                 compute: tuple[str, ...]) -> TokenStats:
-    """The docs/method.md §1 statistics ``compute`` of ``mb`` under ``params`` (blocks of positions).
-    Only the group statistics (u = ``js``, ``pbar_tok``) read the group; without them ``mb`` may hold
-    part of a group."""
-    group = plan.group_size if GROUP_STATS & set(compute) else 1
-    return stats_from_hidden(*head_inputs(params, graphdef, mb), valid, group_size=group,
-                             temperature=plan.temperature, chunk=plan.chunk, compute=compute, u_form=plan.u_form)
+    """The docs/method.md §1 statistics ``compute`` of ``mb`` under ``params`` (blocks of positions):
+    :func:`ict_jax.rl.group_stats.group_stats` in the plan's reading of u. Only the group statistics
+    (u = ``js``, ``pbar_tok``) read the group; without them ``mb`` may hold part of a group."""
+    request = GroupStatsRequest(plan.group_size, plan.temperature, plan.chunk, tuple(compute), (plan.u_form,))
+    return group_stats(params, graphdef, mb.tokens, mb.attention_mask, valid, request)[plan.u_form]
 
 
 def nograd_stats(plan: StepPlan, params: Any, graphdef: Any, batch: RolloutBatch, valid: jax.Array,
@@ -218,7 +215,8 @@ def one_pass_surrogate(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBa
         return policy_loss(lp, sg(lp), None, mb.advantages, valid, mask, config=plan.loss, denoms=denoms)[0]
 
     g_logp = jax.grad(loss_at)(jnp.zeros(valid.shape, F32))
-    stats, surrogate = stats_and_surrogate(*head_inputs(params, graphdef, mb), valid, g_logp,
+    head = head_inputs(params, graphdef, mb.tokens, mb.attention_mask, mb.response_len)
+    stats, surrogate = stats_and_surrogate(*head, valid, g_logp,
                                            group_size=plan.group_size, temperature=plan.temperature,
                                            chunk=plan.chunk, compute=plan.current_compute, u_form=plan.u_form)
     logp_old = stats.logp  # already stop-gradient
@@ -243,26 +241,27 @@ def old_pass_chunks(plan: StepPlan, num_prompts: int) -> int:
 
 
 def old_policy_pass(plan: StepPlan, params: Any, ref_params: Any, graphdef: Any, batch: RolloutBatch,
-                    valid: jax.Array) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
-    """docs/method.md §4 (a)-(b): ``(logp_old, logp_ref, u_old)`` over the whole rollout batch, each
-    ``[B, Lr]`` or None.
+                    valid: jax.Array) -> tuple[jax.Array | None, jax.Array | None, dict[str, jax.Array]]:
+    """docs/method.md §4 (a)-(b): ``(logp_old, logp_ref, group_old)`` over the whole rollout batch:
+    ``[B, Lr]`` or None, and the old policy's group statistics by name (``js`` = u, ``pbar_tok``).
 
     With kl_coef > 0 the reference pass gives logp_ref. Unless fused, the no-grad old-policy pass gives
-    logp_old and u (u only where needed); ``old_logp: sampler`` takes logp_old from the sampler. Fused
-    and not from the sampler, logp_old is None: the gradient forward gives it."""
+    logp_old and the group statistics the mask or the metrics read (:attr:`StepPlan.old_group_compute`);
+    ``old_logp: sampler`` takes logp_old from the sampler. Fused and not from the sampler, logp_old is
+    None and ``group_old`` empty: the gradient forward gives them."""
     n = old_pass_chunks(plan, batch.tokens.shape[0] // plan.group_size)
     logp_ref = None
     if plan.use_kl:
         logp_ref = nograd_stats(plan, ref_params, graphdef, batch, valid, ("logp",), n).logp
     old = None
     if not plan.fused:  # (a): old-policy pass over the whole rollout batch
-        old = nograd_stats(plan, params, graphdef, batch, valid, ("logp", "js") if plan.need_js else ("logp",), n)
+        old = nograd_stats(plan, params, graphdef, batch, valid, ("logp",) + plan.old_group_compute, n)
     logp_old = None
     if plan.loss.old_logp == "sampler":
         logp_old = jnp.where(valid > 0, batch.sampler_logp, 0.0)
     elif old is not None:
         logp_old = old.logp
-    return logp_old, logp_ref, None if old is None else old.js
+    return logp_old, logp_ref, {} if old is None else {k: getattr(old, k) for k in plan.old_group_compute}
 
 
 def fused_grads(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
@@ -291,15 +290,15 @@ def _micro_batch_grads(plan: StepPlan, params: Any, graphdef: Any, denoms: LossD
 
 
 def micro_batched_grads(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
-                        logp_old: jax.Array | None, logp_ref: jax.Array | None, js_old: jax.Array | None,
+                        logp_old: jax.Array | None, logp_ref: jax.Array | None, group_old: dict[str, jax.Array],
                         key: jax.Array, step: jax.Array, minibatch: jax.Array | int = 0) -> MiniBatchGrads:
     """docs/method.md §4 (c), a mini-batch of ``micro_batches`` micro-batches: a no-grad statistics pass
     over the mini-batch gives H1, STAPO's quantile, the global top-k mask and every denominator (u is the
-    old policy's ``js_old``, docs/method.md §2); then the micro-batch gradients, losses and metrics are
+    old policy's, ``group_old``, docs/method.md §2); then the micro-batch gradients, losses and metrics are
     summed (the denominators are the mini-batch's, so the sums are the mini-batch's values)."""
     n = plan.micro_batches
-    cur = nograd_stats(plan, params, graphdef, mb, valid, _MINI_BATCH_COMPUTE, n)
-    cur = cur._replace(js=js_old)  # ICT's u comes from the old policy (docs/method.md §2)
+    cur = nograd_stats(plan, params, graphdef, mb, valid, plan.current_compute, n)
+    cur = cur._replace(**group_old)  # ICT's u comes from the old policy (docs/method.md §2)
     mask = select(plan.method, cur, mb.advantages, valid, key=key, step=step, config=plan.selector,
                   group_size=plan.group_size, minibatch=minibatch)
     denoms = loss_denominators(valid, mask, plan.loss)
@@ -326,14 +325,15 @@ def apply_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, 
 def mini_batch_update(plan: StepPlan, graphdef: Any, key: jax.Array, step: jax.Array, carry: tuple,
                       xs: tuple) -> tuple[tuple, tuple]:
     """The body of the scan over mini-batches: the gradient by schedule (a) or (c), one optimizer
-    update. ``carry = (params, opt_state)``, ``xs = (mini-batch, valid, logp_old, logp_ref, u_old,
+    update. ``carry = (params, opt_state)``, ``xs = (mini-batch, valid, logp_old, logp_ref, group_old,
     mini-batch index)``; the index reaches the selector (the random control's key, docs/method.md §2)."""
     params, opt_state = carry
-    mb, valid, logp_old, logp_ref, js_old, index = xs
+    mb, valid, logp_old, logp_ref, group_old, index = xs
     if plan.fused:
         out = fused_grads(plan, params, graphdef, mb, valid, logp_old, logp_ref, key, step, index)
     else:
-        out = micro_batched_grads(plan, params, graphdef, mb, valid, logp_old, logp_ref, js_old, key, step, index)
+        out = micro_batched_grads(plan, params, graphdef, mb, valid, logp_old, logp_ref, group_old, key, step,
+                                  index)
     grads, loss, lm, mask, stats, lp_old_used = out
     params, opt_state, gnorm, skipped = apply_update(plan.tx, params, opt_state, grads, loss)
     lm = dict(lm, **{"grad/norm": gnorm, "train/skipped": skipped.astype(F32), "loss/total": loss})
@@ -345,15 +345,15 @@ def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: 
     the §5 metrics (loss metrics averaged over mini-batches, ``train/skipped`` counted)."""
     graphdef = state.graphdef
     valid = _valid(batch, plan.loss.mask_truncated)
-    logp_old, logp_ref, js_old = old_policy_pass(plan, state.params, ref_params, graphdef, batch, valid)
+    logp_old, logp_ref, group_old = old_policy_pass(plan, state.params, ref_params, graphdef, batch, valid)
     body = functools.partial(mini_batch_update, plan, graphdef, state.rng, state.step)
-    xs = tuple(_split_or_none(a, plan.mini_batches) for a in (batch, valid, logp_old, logp_ref, js_old))
+    xs = tuple(_split_or_none(a, plan.mini_batches) for a in (batch, valid, logp_old, logp_ref, group_old))
     xs += (jnp.arange(plan.mini_batches, dtype=jnp.int32),)  # the mini-batch index (docs/method.md §2)
     (params, opt_state), (lms, masks, stats, lp_old_used) = jax.lax.scan(
         body, (state.params, state.opt_state), xs)
     masks, stats, lp_old_used = _merge(masks), _merge(stats), _merge(lp_old_used)
     if not plan.fused:
-        stats = stats._replace(js=js_old)
+        stats = stats._replace(**group_old)
     metrics = {k: v.mean() for k, v in lms.items()}
     metrics["train/skipped"] = lms["train/skipped"].sum()
     metrics.update(step_metrics(batch, valid, masks, stats, lp_old_used, plan.group_size))

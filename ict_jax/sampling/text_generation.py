@@ -5,10 +5,11 @@ trainer's periodic evaluation (the ``generate_fn`` of :func:`ict_jax.evaluate_be
     responses = gen(["What is 2+3?", "Solve x + 1 = 3."], n=4)   # 2 lists of 4 strings
     gen.state = nnx.split(new_model)[1]                         # trainer: sample from the current weights
 
-Fixed shapes, few programs: each prompt is templated (:func:`ict_jax.data.templates.format_prompt`), tokenised and
-left-padded to a length bucket (:func:`ict_jax.data.prompts.make_buckets` of ``max_prompt_len``), and every
-batch is filled to ``batch_size`` prompts with copies of its last prompt (their samples are discarded),
-so one program is compiled per (bucket, n) whatever the number of prompts in a call.
+Fixed shapes, few programs: each prompt is templated and tokenised (:func:`ict_jax.data.prompts.encode_prompt`,
+the one prompt front door) and left-padded to a length bucket (:func:`ict_jax.data.prompts.make_buckets`
+of ``max_prompt_len``), and every batch is filled to ``batch_size`` prompts with copies of its last prompt
+(their samples are discarded), so one program is compiled per (bucket, n) whatever the number of prompts
+in a call.
 
 Over-long prompts are never truncated: a prompt of more than ``max_prompt_len`` tokens raises
 ``ValueError`` (``overlong="error"``, the default), or (``overlong="skip"``) gets n empty responses
@@ -24,8 +25,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ict_jax.data.prompts import bucket_for, make_buckets, pad_left
-from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES, format_prompt
+from ict_jax.data.prompts import PromptRefused, bucket_for, encode_prompt, make_buckets, pad_left
+from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES
+from ict_jax.model.tokenizers import decode_response
 from ict_jax.sampling.sampler import SampleSettings, make_generate_fn, state_mesh
 from ict_jax.sharding import check_prompts_divide, to_host
 
@@ -74,9 +76,24 @@ class TextGenerator:
         return self.fns[n]
 
     def encode(self, prompt: str) -> np.ndarray:
-        """The templated prompt's token ids (int32), untruncated."""
-        text = format_prompt(prompt, self.template, self.tokenizer, instruction=self.instruction)
-        return np.asarray(self.tokenizer.encode(text), np.int32)
+        """The templated prompt's token ids (int32), untruncated (:func:`ict_jax.data.prompts.encode_prompt`)."""
+        return encode_prompt(prompt, self.tokenizer, template=self.template, instruction=self.instruction).ids
+
+    def _encode_all(self, prompts: Sequence[str]) -> tuple[list[np.ndarray | None], list[int]]:
+        """(the ids of every prompt, None where refused; the indices kept). An over-long or empty prompt is
+        refused (:class:`~ict_jax.data.prompts.PromptRefused`, one line) or, with ``overlong="skip"``,
+        counted in ``skipped``."""
+        encoded: list[np.ndarray | None] = []
+        for i, p in enumerate(prompts):
+            try:
+                encoded.append(encode_prompt(p, self.tokenizer, template=self.template, instruction=self.instruction,
+                                             max_len=self.max_prompt_len, limit_key="max_prompt_len").ids)
+            except PromptRefused as e:
+                if self.overlong != "skip":
+                    raise PromptRefused(f"prompt {i}: {e}") from None
+                self.skipped += 1
+                encoded.append(None)
+        return encoded, [i for i, ids in enumerate(encoded) if ids is not None]
 
     def __call__(self, prompts: Sequence[str], n: int) -> list[list[str]]:
         if isinstance(prompts, str):
@@ -84,18 +101,8 @@ class TextGenerator:
         n = int(n)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        encoded = [self.encode(p) for p in prompts]
+        encoded, keep = self._encode_all(prompts)
         out: list[list[str]] = [[""] * n for _ in prompts]
-        keep = []
-        for i, ids in enumerate(encoded):
-            if 0 < len(ids) <= self.max_prompt_len:
-                keep.append(i)
-            elif self.overlong == "skip":
-                self.skipped += 1
-            else:
-                raise ValueError(f"prompt {i} is {len(ids)} tokens after templating, more than max_prompt_len="
-                                 f"{self.max_prompt_len} (prompts are never truncated: raise max_prompt_len or "
-                                 "skip over-long prompts)")
         fn, bs, tok = self._fn(n), self.batch_size, self.tokenizer
         for start in range(0, len(keep), bs):
             rows = keep[start:start + bs]
@@ -108,7 +115,7 @@ class TextGenerator:
             for p, i in enumerate(rows):
                 for j in range(n):
                     row = p * n + j
-                    out[i][j] = tok.decode(tokens[row][valid[row]].tolist(), skip_special_tokens=True)
+                    out[i][j] = decode_response(tok, tokens[row], valid[row])
         return out
 
     def compiled_programs(self) -> int:
@@ -131,7 +138,8 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int, temp
       0.6 / 0.95; max_new_tokens = the training maximum); stops at ``tokenizer.eos_ids``;
     - shapes: up to ``batch_size`` prompts per program run (a multiple of data * fsdp under ``mesh``),
       left-padded to a bucket of :func:`ict_jax.data.prompts.make_buckets(max_prompt_len)`;
-    - responses: the valid tokens (through the ending EOS), decoded with special tokens skipped;
+    - responses: :func:`ict_jax.model.tokenizers.decode_response` of the valid tokens (EOS dropped,
+      special tokens skipped);
     - ``overlong``: ``"error"`` (ValueError) or ``"skip"`` (n empty responses, counted in ``.skipped``);
     - ``seed``: the same seed and the same sequence of calls give the same responses.
     ``mesh`` defaults to the mesh the model's parameters are sharded on (None: no mesh).

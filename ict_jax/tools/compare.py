@@ -1,6 +1,6 @@
 """The method comparison (``ict-jax compare``): every selector method x seed from one shared warm start, then a table and plots.
 
-Layout under ``--out``::
+Layout under ``out`` (``--out``)::
 
     compare_config.json   the config of the comparison: a later invocation must use the same one
     warmstart/            the SFT warm start (``train.sft_steps`` of the config), run once and reused
@@ -23,27 +23,30 @@ import json
 import sys
 import time
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from ict_jax.config import Config, ConfigError, Method, load_config
+from ict_jax.config import EXTRA_METHODS, Config, ConfigError, Method, load_config
 from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, RunSpec, collect, format_markdown,
                                           has_checkpoint, is_finite, pass_at_k, plot_groups)
 from ict_jax.train.record import run_finished
 from ict_jax.train.trainer import Trainer, TrainingDiverged
 
-#: Named variants accepted by ``--methods`` beside the selector methods: a method with config overrides.
+#: Named variants accepted in ``methods`` beside the selector methods: a method with config overrides.
 #: ``ict_norm_valid``: ICT's tokens with GRPO's denominators (``normalize_over: valid``), which separates
 #: the choice of tokens from the 1/rho up-weighting of ``normalize_over: selected`` (docs/method.md §4).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ict_norm_valid": ("ict", {"rl.loss.normalize_over": "valid"}),
 }
-#: Methods accepted by ``--methods`` (``grpo`` = ``dense``), then the variants.
+#: Methods accepted in ``methods`` (``grpo`` = ``dense``), then the variants.
 METHODS: tuple[str, ...] = typing.get_args(Method) + tuple(VARIANTS)
-#: The default ``--methods``: every method once (``grpo`` standing for ``dense``), ICT first.
-DEFAULT_METHODS = "ict,grpo,entropy,stapo,random"
+#: The default methods: every method once (``grpo`` standing for ``dense``), ICT first.
+DEFAULT_METHODS: tuple[str, ...] = ("ict", "grpo", "entropy", "stapo", "random")
+#: The default seeds: 0, 1, 2.
+DEFAULT_SEEDS: tuple[int, ...] = (0, 1, 2)
 #: curve name -> (metrics key, png file)
 PLOTS = {"reward": ("reward/mean", "reward.png"), "H1": ("stats/H1_mean", "H1.png"),
          "H2": ("stats/H2_mean", "H2.png")}
@@ -58,46 +61,57 @@ def group_name(method: str, rho: float | None) -> str:
     return method if rho is None else f"{method}_rho{rho:g}"
 
 
-def parse_methods(text: str) -> list[str]:
-    methods = [m.strip() for m in text.split(",") if m.strip()]
+def check_methods(methods: Sequence[str]) -> list[str]:
+    """The methods as a list: each a selector method of :data:`METHODS` (or a registered selector), each once."""
+    methods = list(methods)
     if not methods:
-        raise ConfigError("--methods: empty; name at least one of " + ", ".join(METHODS))
+        raise ConfigError("methods: empty; name at least one of " + ", ".join(METHODS))
     for m in methods:
-        if m not in METHODS:
-            raise ConfigError(f"--methods: {m!r} is not a selector method; allowed: {', '.join(METHODS)}")
+        if m not in METHODS and m not in EXTRA_METHODS:
+            raise ConfigError(f"methods: {m!r} is not a selector method; allowed: {', '.join(METHODS)}")
     if len(set(methods)) != len(methods):
-        raise ConfigError(f"--methods: {text!r} names a method twice")
+        raise ConfigError(f"methods: {methods} names a method twice")
     return methods
 
 
-def parse_seeds(text: str | int) -> list[int]:
-    """``3`` -> seeds 0, 1, 2; ``0,5,7`` -> those seeds."""
-    s = str(text).strip()
-    try:
-        if "," in s:
-            seeds = [int(x) for x in s.split(",") if x.strip()]
-        else:
-            n = int(s)
-            if n < 1:
-                raise ValueError
-            seeds = list(range(n))
-    except ValueError:
-        raise ConfigError(f"--seeds {text!r}: expected a count N >= 1 (seeds 0..N-1) or a list like 0,1,2") from None
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-        raise ConfigError(f"--seeds {text!r}: expected distinct non-negative seeds")
+def check_seeds(seeds: Sequence[int]) -> list[int]:
+    """The seeds as a list of distinct non-negative integers (at least one)."""
+    seeds = list(seeds)
+    if not seeds or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in seeds) \
+            or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seeds: {seeds}: expected distinct non-negative integers, at least one")
     return seeds
 
 
-def parse_rhos(text: str | None) -> list[float] | None:
-    if text is None or not str(text).strip():
+def check_rhos(rhos: Sequence[float] | None) -> list[float] | None:
+    """The sparsity ablation's fractions as a list of distinct floats, or None (no ablation). Their range
+    is checked as ``rl.selector.rho`` when each run's config is built."""
+    if rhos is None:
         return None
-    try:
-        rhos = [float(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--rho {text!r}: expected fractions like 0.05,0.1,0.2") from None
+    rhos = [float(r) for r in rhos]
     if not rhos or len(set(rhos)) != len(rhos):
-        raise ConfigError(f"--rho {text!r}: expected distinct fractions like 0.05,0.1,0.2")
+        raise ConfigError(f"rhos: {rhos}: expected distinct fractions like [0.05, 0.1, 0.2]")
     return rhos
+
+
+def _from_text(methods: Any, seeds: Any, rhos: Any) -> tuple[Any, Any, Any]:
+    """The comma-separated text forms ``run_comparison`` accepted before it took typed values
+    (``methods="ict,grpo"``, ``seeds=3`` or ``"0,1"``, ``rhos="0.05,0.1"``), with a DeprecationWarning."""
+    old = isinstance(methods, str), isinstance(seeds, (str, int)), isinstance(rhos, str)
+    if not any(old):
+        return methods, seeds, rhos
+    warnings.warn("run_comparison: pass methods, seeds and rhos as sequences (['ict', 'grpo'], [0, 1, 2], "
+                  "[0.05, 0.1]); comma-separated text and a seed count are deprecated", DeprecationWarning,
+                  stacklevel=3)
+    split = lambda text: [x.strip() for x in str(text).split(",") if x.strip()]  # noqa: E731
+    try:
+        if old[1]:
+            seeds = [int(x) for x in split(seeds)] if "," in str(seeds) else list(range(int(seeds)))
+        if old[2]:
+            rhos = [float(x) for x in split(rhos)] or None
+    except ValueError:
+        raise ConfigError(f"seeds / rhos: {seeds!r} / {rhos!r} are not numbers") from None
+    return (split(methods) if old[0] else methods), seeds, rhos
 
 
 def plan_runs(methods: Sequence[str], seeds: Sequence[int], out: Path,
@@ -105,7 +119,7 @@ def plan_runs(methods: Sequence[str], seeds: Sequence[int], out: Path,
     """Run groups in the order of ``methods``; with ``rhos`` the ``ict`` group becomes one group per rho
     (the paper's sparsity ablation: ICT only). Seeds vary fastest within a group."""
     if rhos and "ict" not in methods:
-        raise ConfigError("--rho: the sparsity ablation is for ICT only; add ict to --methods")
+        raise ConfigError("rhos: the sparsity ablation is for ICT only (ict is not among the methods)")
     specs = []
     for m in methods:
         method, over = VARIANTS.get(m, (m, {}))
@@ -149,8 +163,8 @@ def check_same_config(cfg: Config, out: Path) -> None:
     new = _flatten(json.loads(json.dumps(cfg.to_dict())))
     diff = sorted(k for k in set(old) | set(new) if k != "run_dir" and old.get(k) != new.get(k))
     if diff:
-        raise ConfigError(f"--out {str(out)!r} holds a comparison made with another config (differs in "
-                          f"{', '.join(diff[:6])}{', ...' if len(diff) > 6 else ''}): use another --out")
+        raise ConfigError(f"out: {str(out)!r} holds a comparison made with another config (differs in "
+                          f"{', '.join(diff[:6])}{', ...' if len(diff) > 6 else ''}): use another folder")
 
 
 def run_config(cfg: Config, spec: RunSpec, model_path: str, tokenizer: str) -> Config:
@@ -231,20 +245,21 @@ def run_one(cfg: Config, spec: RunSpec, *, progress: bool = True, say: Callable[
     return what
 
 
-def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | str | None = None,
-                   seeds: Sequence[int] | int | str = 3, rhos: Sequence[float] | str | None = None,
+def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | None = None,
+                   seeds: Sequence[int] = DEFAULT_SEEDS, rhos: Sequence[float] | None = None,
                    out: str | Path | None = None, target_reward: float = 0.5, overrides: Sequence[str] = (),
                    progress: bool = True, say: Callable[[str], None] = _say) -> dict[str, Any]:
     """Run (or resume) the comparison and write ``results.json``, ``results.md`` and the plots to
     ``out``; returns the results. ``config``: a YAML path (with ``overrides``) or a :class:`Config`;
-    ``methods`` None: :data:`DEFAULT_METHODS`."""
+    ``methods``: selector methods or :data:`VARIANTS` (None: :data:`DEFAULT_METHODS`); ``seeds``: one run
+    per method and seed; ``rhos``: ICT's sparsity ablation, one ICT group per rho (None: none).
+    Bad values raise :class:`~ict_jax.config.ConfigError` naming the parameter or the config key."""
+    methods, seeds, rhos = _from_text(methods, seeds, rhos)
     cfg = config if isinstance(config, Config) else load_config(config, overrides)
-    methods = DEFAULT_METHODS if methods is None else methods
-    methods = parse_methods(methods) if isinstance(methods, str) else parse_methods(",".join(methods))
-    seeds = parse_seeds(seeds) if isinstance(seeds, (str, int)) else parse_seeds(",".join(map(str, seeds)))
-    rhos = parse_rhos(rhos) if (rhos is None or isinstance(rhos, str)) else parse_rhos(",".join(map(str, rhos)))
+    methods = check_methods(DEFAULT_METHODS if methods is None else methods)
+    seeds, rhos = check_seeds(seeds), check_rhos(rhos)
     if not is_finite(target_reward):
-        raise ConfigError(f"--target-reward {target_reward!r}: expected a number")
+        raise ConfigError(f"target_reward: {target_reward!r}: expected a number")
     if out is None:
         out = "runs/compare_" + ("config" if isinstance(config, Config) else Path(config).stem)
     out = Path(out)

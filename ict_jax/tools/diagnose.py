@@ -17,6 +17,7 @@ the forking tokens, u against position, and corr(mean u, advantage).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from pathlib import Path
@@ -27,13 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ict_jax.config import SelectorSection
-from ict_jax.data.prompts import pad_left
-from ict_jax.data.templates import BOXED_INSTRUCTION, MC_INSTRUCTION, format_prompt
+from ict_jax.config import RewardSection, SelectorSection, StatsSection
+from ict_jax.data.prompts import PromptRefused, encode_prompt, pad_left
+from ict_jax.data.templates import instruction_for
+from ict_jax.model.tokenizers import decode_responses
 from ict_jax.rewards.pool import RewardPool
+from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.selectors import select
-from ict_jax.rl.token_stats import U_FORMS, TokenStats, stats_from_hidden
+from ict_jax.rl.token_stats import ALL_STATS, U_FORMS, TokenStats
 from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.tools.diagnose_measures import diagnostics, marked_examples
 from ict_jax.tools.diagnose_report import format_markdown, plot_setting
@@ -50,6 +53,8 @@ PAPER = {
     "adv_corr": "high u goes with positive-advantage responses (A.3.4)",
 }
 _RANDOM_KEY = 0x44494147  # "DIAG": the random selector's root key (folded with the batch index)
+#: Every statistic, under every reading (logp, H1, H2, pmax once; js and pbar_tok per reading).
+_COMPUTE = ALL_STATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +69,12 @@ class Setting:
         return f"G{self.group_size}_T{self.temperature:g}"
 
 
-def selector_specs(u_forms: Sequence[str], rho: float = 0.1) -> dict[str, tuple[SelectorSection, str]]:
+def selector_specs(u_forms: Sequence[str], rho: float | None = None) -> dict[str, tuple[SelectorSection, str]]:
     """name -> (selector section with no warm-up, the reading of u it reads) for every selector the
     diagnostics compare: per reading ``ict[r]``, ``frequent[r]`` (the paper's complement) and
     ``selectable[r]`` (valid and u > 0); then ``entropy``, ``stapo[low_prob_positive]``, ``stapo[valid]``,
-    ``random`` (ICT's counts) and ``all`` (every valid token: the reference row)."""
+    ``random`` (ICT's counts) and ``all`` (every valid token: the reference row). ``rho`` is ICT's (and
+    its complement's and random's) fraction, None = ``rl.selector.rho``'s default for ICT."""
     specs: dict[str, tuple[SelectorSection, str]] = {}
     for form in u_forms:
         for method in ("ict", "frequent", "selectable"):
@@ -96,35 +102,17 @@ def outcome_advantages(correct: np.ndarray, G: int, row_valid: np.ndarray | None
 
 
 def _prompt_ids(dataset: Any, tokenizer: Any, template: str, vocab: int) -> list[np.ndarray]:
-    instruction = MC_INSTRUCTION if getattr(dataset, "scorer", None) == "mc" else BOXED_INSTRUCTION
+    """Every prompt through the prompt front door (:func:`ict_jax.data.prompts.encode_prompt`) with the
+    data set's instruction; a prompt it refuses is an error naming the prompt."""
+    instruction = instruction_for(getattr(dataset, "scorer", None))
     out = []
     for i, ex in enumerate(dataset):
-        ids = np.asarray(tokenizer.encode(format_prompt(ex.prompt, template, tokenizer, instruction=instruction)),
-                         np.int32)
-        if ids.size == 0:
-            raise ValueError(f"prompt {i} encodes to zero tokens")
-        if ids.max() >= vocab:
-            raise ValueError(f"prompt {i} has token id {int(ids.max())}; the model's vocabulary has {vocab} ids")
-        out.append(ids)
+        try:
+            out.append(encode_prompt(ex.prompt, tokenizer, template=template, instruction=instruction,
+                                     vocab_size=vocab).ids)
+        except PromptRefused as e:
+            raise PromptRefused(f"prompt {i}: {e}") from None
     return out
-
-
-def _stats_fn(graphdef: Any, G: int, N: int, t_s: float, chunk: int, u_forms: tuple[str, ...]) -> Callable:
-    """One jitted pass: hidden states of prompt + response, then every statistic under every reading
-    (logp, H1, H2, pmax once; js and pbar_tok per reading)."""
-
-    @jax.jit
-    def fn(state, full, full_mask, valid):
-        m = nnx.merge(graphdef, state)
-        hidden, targets = m.predicting_states(full, full_mask, N)
-        w = m.unembedding()
-        base = stats_from_hidden(hidden, w, targets, valid, group_size=G, temperature=t_s, chunk=chunk,
-                                 compute=("logp", "H1", "H2", "pmax"))
-        per = {form: stats_from_hidden(hidden, w, targets, valid, group_size=G, temperature=t_s, chunk=chunk,
-                                       compute=("js", "pbar_tok"), u_form=form) for form in u_forms}
-        return base, per
-
-    return fn
 
 
 def _score(pool: Any, dataset: Any, tokenizer: Any, idx: list[int], real: int, G: int, tokens: np.ndarray,
@@ -132,9 +120,7 @@ def _score(pool: Any, dataset: Any, tokenizer: Any, idx: list[int], real: int, G
     """Decode and score the responses of the first ``real`` prompts of ``idx`` (G each; the rest are
     filler rows): ``(texts, reward, correct, row_valid)``, the arrays over every row (filler rows 0)."""
     rows = real * G
-    eos = {int(e) for e in tokenizer.eos_ids}
-    texts = [tokenizer.decode([int(t) for t, v in zip(tokens[r], valid[r]) if v and int(t) not in eos])
-             for r in range(rows)]
+    texts = decode_responses(tokenizer, tokens[:rows], valid[:rows])
     exs = [dataset[i] for i in idx[:real] for _ in range(G)]
     checks = pool.check(dataset.scorer, texts, [ex.answer for ex in exs], [ex.meta for ex in exs])
     reward, correct, row_valid = (np.zeros(len(idx) * G, np.float32) for _ in range(3))
@@ -144,34 +130,47 @@ def _score(pool: Any, dataset: Any, tokenizer: Any, idx: list[int], real: int, G
     return texts, reward, correct, row_valid
 
 
+def _select_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str, TokenStats], first: str,
+                adv: np.ndarray, valid: np.ndarray, step: int, G: int) -> dict[str, np.ndarray]:
+    """Every selector's mask (bool) of one sampling batch, its mini-batch, through the train step's
+    :func:`~ict_jax.rl.selectors.select`, each reading its own reading of u."""
+    base, out = per[first], {}
+    for name, (cfg, form) in specs.items():
+        st = TokenStats(base.logp, base.H1, base.H2, per[form].js)
+        out[name] = np.asarray(select(cfg.method, st, jnp.asarray(adv), jnp.asarray(valid), step=step, config=cfg,
+                                      key=jax.random.key(_RANDOM_KEY), group_size=G)) > 0
+    return out
+
+
 def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_forms: Sequence[str] = U_FORMS,
             max_new_tokens: int = 256, batch_rows: int = 64, template: str = "qwen_chat", seed: int = 0,
-            rho: float = 0.1, chunk: int = 64, pool: Any = None, stats_temperature: float | None = None,
-            say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+            rho: float | None = None, chunk: int | None = None, pool: Any = None,
+            stats_temperature: float | None = None, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Sample ``setting.group_size`` responses to every prompt of ``dataset`` (``batch_rows // G`` prompts,
     at least one, a program run: the mini-batch of the batch-scoped selectors), score them, and return the per-token
     arrays (NumPy, rows prompt-major): ``tokens``, ``valid`` ``[R, N]``; ``logp``, ``H1``, ``H2``,
     ``pmax``; ``js`` and ``pbar_tok`` dicts by reading; ``masks`` by selector name
     (:func:`selector_specs`); per row ``reward`` (the data set's), ``correct``, ``advantage``
-    (:func:`outcome_advantages`), ``group``, ``truncated``;
-    ``texts``; ``timing`` (sampling, statistics, scoring seconds)."""
+    (:func:`outcome_advantages`), ``group``, ``truncated``; ``texts``; ``timing`` (sampling, statistics,
+    scoring seconds). ``rho`` None: ICT's default
+    (:func:`selector_specs`); ``chunk`` None: ``stats.chunk``'s default; the statistics go through
+    :func:`ict_jax.rl.group_stats.group_stats`, the train step's statistics-of-a-group function."""
     u_forms = tuple(u_forms)
-    bad = [f for f in u_forms if f not in U_FORMS]
-    if bad or not u_forms:
-        raise ValueError(f"--u-form {list(u_forms)}: name readings from {list(U_FORMS)}")
     G, T, N = int(setting.group_size), float(setting.temperature), int(max_new_tokens)
     if G < 2:
         raise ValueError(f"G = {G}: the diagnostics compare a response with its group; use G >= 2")
     if not T > 0:
         raise ValueError(f"temperature {T}: must be > 0")
     t_s = T if stats_temperature is None else float(stats_temperature)
+    # every statistic under every reading (checked: stats.u_form), blocks of stats.chunk
+    request = GroupStatsRequest(G, t_s, StatsSection().chunk if chunk is None else int(chunk), _COMPUTE, u_forms)
     batch_prompts = min(max(1, int(batch_rows) // G), len(dataset))
     prompts = _prompt_ids(dataset, tokenizer, template, model.config.vocab_size)
     Lp = max(len(p) for p in prompts)
     graphdef, state = nnx.split(model)
     gen = make_generate_fn(graphdef, num_samples=G, max_new_tokens=N, temperature=T,
                            eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
-    stats_fn = _stats_fn(graphdef, G, N, t_s, int(chunk), u_forms)
+    stats_fn = compiled_group_stats(graphdef, request)
     specs = selector_specs(u_forms, rho)
     key = jax.random.key(int(seed))
     arrays: dict[str, list] = {k: [] for k in ("tokens", "valid", "logp", "H1", "H2", "pmax", "truncated")}
@@ -194,25 +193,20 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         batch_texts, rew, ok, row_valid = _score(pool, dataset, tokenizer, idx, real, G, tokens, valid)
         timing["score_s"] += time.perf_counter() - t0
         adv = outcome_advantages(ok, G, row_valid)
-        full = np.concatenate([np.repeat(ids, G, axis=0), tokens.astype(np.int32)], axis=1)
-        full_mask = np.concatenate([np.repeat(mask, G, axis=0), valid.astype(np.int32)], axis=1)
         vmask = valid.copy()
         vmask[rows:] = False  # filler rows count nowhere
         t0 = time.perf_counter()
-        base, per = stats_fn(state, jnp.asarray(full), jnp.asarray(full_mask), jnp.asarray(vmask))
-        for name, (cfg, form) in specs.items():
-            st = TokenStats(base.logp, base.H1, base.H2, per[form].js)
-            m = select(cfg.method, st, jnp.asarray(adv), jnp.asarray(vmask), key=jax.random.key(_RANDOM_KEY), step=b,
-                       config=cfg, group_size=G)
-            masks[name].append(np.asarray(m)[:rows] > 0)
+        per = stats_fn(state, *group_rows(ids, mask, tokens, valid, G), jnp.asarray(vmask))
+        base = per[u_forms[0]]  # logp, H1, H2, pmax: the same under every reading
+        for name, m in _select_all(specs, per, u_forms[0], adv, vmask, b, G).items():
+            masks[name].append(m[:rows])
         jax.block_until_ready(base.logp)
         timing["stats_s"] += time.perf_counter() - t0
         for k, x in (("tokens", tokens), ("valid", vmask), ("logp", base.logp), ("H1", base.H1), ("H2", base.H2),
                      ("pmax", base.pmax), ("truncated", trunc)):
             arrays[k].append(np.asarray(x)[:rows])
-        for form in u_forms:
-            per_form[form]["js"].append(np.asarray(per[form].js)[:rows])
-            per_form[form]["pbar_tok"].append(np.asarray(per[form].pbar_tok)[:rows])
+        for form, k in itertools.product(u_forms, ("js", "pbar_tok")):
+            per_form[form][k].append(np.asarray(getattr(per[form], k))[:rows])
         rewards.append(rew[:rows])
         correct.append(ok[:rows] > 0)
         advantages.append(adv[:rows])
@@ -223,8 +217,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
     out = {k: cat(v) for k, v in arrays.items()}
     out["valid"] = out["valid"].astype(bool)
-    out["js"] = {f: cat(v["js"]) for f, v in per_form.items()}
-    out["pbar_tok"] = {f: cat(v["pbar_tok"]) for f, v in per_form.items()}
+    out.update({k: {f: cat(v[k]) for f, v in per_form.items()} for k in ("js", "pbar_tok")})
     out["masks"] = {k: cat(v) for k, v in masks.items()}
     out.update(reward=cat(rewards), correct=cat(correct), advantage=cat(advantages), group=cat(groups), texts=texts,
                timing=timing, u_forms=u_forms, group_size=G, selector_forms={k: f for k, (_, f) in specs.items()})
@@ -292,12 +285,14 @@ def reanalyse(out: str | Path, tokenizer: Any, *, say: Callable[[str], None] = l
 
 def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence[Setting],
                  u_forms: Sequence[str] = U_FORMS, max_new_tokens: int = 256, batch_rows: int = 64,
-                 template: str = "qwen_chat", seed: int = 0, rho: float = 0.1, chunk: int = 64,
+                 template: str = "qwen_chat", seed: int = 0, rho: float | None = None, chunk: int | None = None,
                  reward_workers: int = 1, out: str | Path | None = None, title: str = "",
                  say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Every setting: :func:`collect`, :func:`diagnostics`; with ``out`` write ``diagnose.json``,
     ``diagnose.md``, ``<setting>.png`` and the per-token arrays ``<setting>.npz`` there. Returns
-    ``{"settings": {name: diagnostics}, ...}``."""
+    ``{"settings": {name: diagnostics}, ...}``. ``rho`` / ``chunk`` None: the config's defaults (ICT's
+    rho, ``stats.chunk``); responses are scored with ``rl.reward.time_limit``'s default."""
+    rho = SelectorSection(method="ict", rho=rho).resolved_rho
     results: dict[str, Any] = {"title": title, "dataset": getattr(dataset, "name", ""), "prompts": len(dataset),
                                "max_new_tokens": int(max_new_tokens), "batch_rows": int(batch_rows),
                                "u_forms": list(u_forms), "rho": rho, "seed": int(seed), "template": template,
@@ -305,7 +300,7 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
     outdir = None if out is None else Path(out)
     if outdir is not None:
         outdir.mkdir(parents=True, exist_ok=True)
-    with RewardPool(reward_workers, time_limit=5.0) as pool:
+    with RewardPool(reward_workers, time_limit=RewardSection().time_limit) as pool:
         for setting in settings:
             t0 = time.perf_counter()
             data = collect(model, tokenizer, dataset, setting, u_forms=u_forms, max_new_tokens=max_new_tokens,

@@ -1,11 +1,12 @@
 """The token inspector: which tokens of a group of responses ICT, 20-Entropy and STAPO would train on.
 
 :func:`token_report` samples G responses to one prompt, recomputes every response token's docs/method.md §1
-statistics (logp, H1, H2 and the JS score u against the group-mean distribution) from the hidden states
-that predict them (:meth:`ict_jax.model.qwen2.Qwen2.predicting_states`, then
-:func:`ict_jax.rl.token_stats.stats_from_hidden`), and selects the same tokens three times through the
-train step's entry point :func:`ict_jax.rl.selectors.select`: ICT, 20-Entropy and STAPO (docs/method.md §2),
-each with the selector settings of the run being inspected (:func:`column_selectors`).
+statistics (logp, H1, H2 and the JS score u against the group-mean distribution) with the train step's
+statistics-of-a-group function (:func:`ict_jax.rl.group_stats.group_stats`: the hidden states that
+predict them, then :func:`ict_jax.rl.token_stats.stats_from_hidden`), and selects the same tokens three
+times through the train step's entry point :func:`ict_jax.rl.selectors.select`: ICT, 20-Entropy and
+STAPO (docs/method.md §2), each with the selector settings of the run being inspected
+(:func:`column_selectors`).
 :func:`~ict_jax.tools.inspector_page.render_html` turns the report into one self-contained HTML page
 (inline CSS and JS, no external resources): every token coloured by its JS score, outlined when
 selected, its statistics on hover, and the ICT / entropy / STAPO masks side by side. ``ict-jax inspect``
@@ -24,10 +25,12 @@ import numpy as np
 from flax import nnx
 
 from ict_jax.config import SelectorSection, StatsSection, from_dict
-from ict_jax.data.templates import format_prompt
+from ict_jax.data.prompts import encode_prompt
+from ict_jax.model.tokenizers import decode_responses
+from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.selectors import select, stapo_candidates, stapo_quantile
-from ict_jax.rl.token_stats import TokenStats, stats_from_hidden
+from ict_jax.rl.token_stats import TokenStats
 from ict_jax.sampling.sampler import generate
 from ict_jax.tools.inspector_page import MASKS
 
@@ -86,9 +89,6 @@ def column_selectors(
 # ------------------------------------------------------------------------------------------------
 # The steps of a report
 # ------------------------------------------------------------------------------------------------
-_STATS_FNS: dict[tuple, Any] = {}  # (graphdef, G, N, T_s, chunk) -> jitted statistics pass
-
-
 def _token_text(tokenizer: Any, token_id: int) -> str:
     """The decoded text of one token, special tokens kept (``<eos>`` is shown, not dropped)."""
     try:
@@ -97,38 +97,30 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
         return tokenizer.decode([int(token_id)])
 
 
-def _encode_prompt(tokenizer: Any, prompt: str, template: str, vocab: int) -> tuple[str, list[int]]:
-    """The templated prompt text and its token ids, checked against the model's vocabulary."""
-    text = format_prompt(prompt, template, tokenizer)
-    prompt_ids = [int(i) for i in tokenizer.encode(text)]
-    if not prompt_ids:
-        raise ValueError("the prompt encodes to zero tokens")
-    if max(prompt_ids) >= vocab:
-        raise ValueError(f"the prompt has token id {max(prompt_ids)} but the model's vocabulary has {vocab} ids")
-    return text, prompt_ids
-
-
-def _group_stats(model: Any, ids: np.ndarray, tokens: np.ndarray, valid: np.ndarray, *, t_s: float,
-                 chunk: int, u_form: str = "aligned") -> TokenStats:
-    """docs/method.md §1 statistics of the G responses ``tokens [G, N]`` to the one prompt ``ids [1, Lp]``:
-    the hidden states of prompt + response that predict each response token, then
-    :func:`stats_from_hidden` over the group (one jitted pass, cached per shape and setting)."""
-    G, N = tokens.shape
-    full = np.concatenate([np.repeat(ids, G, axis=0), tokens], axis=1)
-    full_mask = np.concatenate([np.ones((G, ids.shape[1]), np.int32), valid.astype(np.int32)], axis=1)
+def _group_stats(model: Any, ids: np.ndarray, tokens: np.ndarray, valid: np.ndarray,
+                 request: GroupStatsRequest) -> TokenStats:
+    """docs/method.md §1 statistics of the G responses ``tokens [G, N]`` to the one prompt ``ids [1, Lp]``
+    in ``request``'s reading of u: :func:`ict_jax.rl.group_stats.compiled_group_stats`, the train step's
+    statistics-of-a-group function (jitted once per model graph and request)."""
     graphdef, state = nnx.split(model)
-    fn_key = (graphdef, G, N, t_s, int(chunk), u_form)
-    stats_fn = _STATS_FNS.get(fn_key)
-    if stats_fn is None:
-        @jax.jit
-        def stats_fn(state, full, full_mask, valid):
-            m = nnx.merge(graphdef, state)
-            hidden, targets = m.predicting_states(full, full_mask, N)
-            return stats_from_hidden(hidden, m.unembedding(), targets, valid, group_size=G, temperature=t_s,
-                                     chunk=chunk, u_form=u_form)
+    full, full_mask = group_rows(ids, np.ones_like(ids), tokens, valid, request.group_size)
+    return compiled_group_stats(graphdef, request)(state, full, full_mask, jnp.asarray(valid))[request.u_forms[0]]
 
-        _STATS_FNS[fn_key] = stats_fn
-    return stats_fn(state, jnp.asarray(full), jnp.asarray(full_mask), jnp.asarray(valid))
+
+def _stats_request(stats: StatsSection | None, G: int, sampling_temperature: float,
+                   **override: Any) -> GroupStatsRequest:
+    """The statistics of a report: the ``stats`` section (None = the config defaults) with the fields given
+    in ``override`` (``temperature``, ``chunk``, ``u_form``; None = the section's), T_s None = the
+    sampling temperature."""
+    section = dataclasses.replace(stats or StatsSection(), **{k: v for k, v in override.items() if v is not None})
+    return GroupStatsRequest.from_section(section, group_size=G, temperature=sampling_temperature, compute=_STATS)
+
+
+def _stapo_threshold(st: TokenStats, adv: jax.Array, valid: np.ndarray, stapo: SelectorSection) -> float:
+    """STAPO's entropy quantile q over its candidate set in this group (+inf when the set is empty)."""
+    _, over = stapo_candidates(st.logp, adv, jnp.asarray(valid), tau_p=stapo.tau_p,
+                               quantile_over=stapo.stapo_quantile_over)
+    return float(stapo_quantile(st.H1, over, stapo.resolved_tau_h))
 
 
 def _advantages(rewards: Sequence[float] | Callable[[str], float] | None, texts: list[str],
@@ -218,21 +210,23 @@ def token_report(
     tau_p: float | None = None,
     tau_h: float | None = None,
     rewards: Sequence[float] | Callable[[str], float] | None = None,
+    stats: StatsSection | None = None,
     stats_temperature: float | None = None,
-    chunk: int = 128,
+    chunk: int | None = None,
     u_form: str | None = None,
 ) -> dict[str, Any]:
     """Sample ``num_samples`` (G) responses to ``prompt`` and compute, for every response token, the
     docs/method.md §1 statistics and the ICT, 20-Entropy and STAPO masks (docs/method.md §2).
 
-    - ``template``: how the prompt is wrapped (:func:`ict_jax.data.templates.format_prompt`: ``"none"`` = as is,
-      ``"plain"``, ``"qwen_chat"``).
-    - Sampling: :func:`ict_jax.sampling.sampler.generate` with key ``jax.random.key(seed)``, the tokenizer's
-      EOS ids.
-    - Statistics: :meth:`~ict_jax.model.qwen2.Qwen2.predicting_states` of prompt + response (``hidden[:, t]``
-      predicts response token t), then :func:`~ict_jax.rl.token_stats.stats_from_hidden` with
-      p = softmax(logits / T_s), T_s = ``stats_temperature`` (default: the sampling ``temperature``, as in
-      training), and u in the reading ``u_form`` (docs/method.md §1; None = the ``stats.u_form`` default).
+    - ``template``: how the prompt is wrapped (:func:`ict_jax.data.prompts.encode_prompt`, the prompt front
+      door: ``"none"`` = as is, ``"plain"``, ``"qwen_chat"``).
+    - Sampling: :func:`ict_jax.sampling.sampler.generate`, key ``jax.random.key(seed)``, the tokenizer's EOS ids.
+    - Statistics: :func:`ict_jax.rl.group_stats.group_stats` (the train step's: the hidden states of
+      prompt + response that predict each response token, then blocks of positions) under the ``stats``
+      section of the inspected run (None = the ``ict_jax.config`` defaults): p = softmax(logits / T_s),
+      T_s = its ``temperature`` (None: the sampling ``temperature``, as in training), u in its reading
+      ``u_form`` (docs/method.md §1), blocks of its ``chunk`` positions. ``stats_temperature``,
+      ``chunk`` and ``u_form`` override the section when not None.
     - Masks: :func:`ict_jax.rl.selectors.select` with each column's section of :func:`column_selectors`
       (``selector`` = the inspected run's selector config, None = the ``ict_jax.config`` defaults;
       ``rho_ict``, ``rho_entropy``, ``ict_scope``, ``entropy_scope``, ``tau_p``, ``tau_h`` override it
@@ -252,37 +246,29 @@ def token_report(
     G, N = int(num_samples), int(max_new_tokens)
     if G < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    t_s = float(temperature if stats_temperature is None else stats_temperature)
-    if not t_s > 0:
-        raise ValueError(f"the statistics temperature must be > 0, got {t_s}")
+    request = _stats_request(stats, G, float(temperature), temperature=stats_temperature, chunk=chunk, u_form=u_form)
     run = SelectorSection() if selector is None else selector
     columns = column_selectors(run, rho_ict=rho_ict, rho_entropy=rho_entropy, ict_scope=ict_scope,
                                entropy_scope=entropy_scope, tau_p=tau_p, tau_h=tau_h)
-    text, prompt_ids = _encode_prompt(tokenizer, prompt, template, model.config.vocab_size)
+    enc = encode_prompt(prompt, tokenizer, template=template, vocab_size=model.config.vocab_size)
 
-    ids = np.asarray([prompt_ids], np.int32)
+    ids = enc.ids[None]
     ro = generate(model, ids, np.ones_like(ids), jax.random.key(int(seed)), num_samples=G, max_new_tokens=N,
                   temperature=float(temperature), eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
     tokens, valid = np.asarray(ro.tokens, np.int32), np.asarray(ro.valid, bool)
-    u_form = StatsSection().u_form if u_form is None else u_form
-    st = _group_stats(model, ids, tokens, valid, t_s=t_s, chunk=chunk, u_form=u_form)
-
-    eos = {int(e) for e in tokenizer.eos_ids}
-    texts = [tokenizer.decode([int(t) for t, v in zip(tokens[i], valid[i]) if v and int(t) not in eos])
-             for i in range(G)]
+    st = _group_stats(model, ids, tokens, valid, request)
+    texts = decode_responses(tokenizer, tokens, valid)
     reward_list, adv, source = _advantages(rewards, texts, G)
     masks = _select_columns(st, adv, valid, columns, seed)
     arrays: dict[str, Any] = {"tokens": tokens, "valid": valid,
                               **{k: np.asarray(getattr(st, k), np.float32) for k in _STATS},
                               **{k: np.asarray(m, np.float32) for k, m in masks.items()},
                               "advantages": np.asarray(adv, np.float32)}
-    stapo = columns["stapo"]
-    _, over = stapo_candidates(st.logp, adv, jnp.asarray(valid), tau_p=stapo.tau_p,
-                               quantile_over=stapo.stapo_quantile_over)
-    q = float(stapo_quantile(st.H1, over, stapo.resolved_tau_h))
+    q = _stapo_threshold(st, adv, valid, columns["stapo"])
     settings = _settings(run, columns, num_samples=G, max_new_tokens=N, temperature=float(temperature),
-                         stats_temperature=t_s, seed=int(seed), template=template, u_form=u_form)
-    return {"prompt": prompt, "prompt_text": text, "prompt_ids": prompt_ids, "settings": settings,
+                         stats_temperature=request.temperature, seed=int(seed), template=template,
+                         u_form=request.u_forms[0], chunk=request.chunk)
+    return {"prompt": prompt, "prompt_text": enc.text, "prompt_ids": enc.ids.tolist(), "settings": settings,
             "advantage_source": source,
             "responses": _responses(tokenizer, arrays, np.asarray(ro.truncated, bool), texts, reward_list),
             "summary": _summary(arrays, q), "arrays": arrays}
