@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import ict_jax
 from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, load_params_from_checkpoint
@@ -128,7 +129,7 @@ def test_restore_with_a_concrete_template_and_params_only():
     for where in (d.parent, d, d / "1"):  # run dir, its checkpoints folder, one step's dir
         model, meta = load_params_from_checkpoint(where)
         assert meta["step"] == 1 and model.config == MODEL
-        _assert_bitwise(ict_jax.rl.train_step.nnx.state(model, ict_jax.rl.train_step.nnx.Param), saved[0])
+        _assert_bitwise(nnx.state(model, nnx.Param), saved[0])
 
 
 def test_restore_onto_an_eight_device_mesh(devices8):

@@ -383,3 +383,21 @@ def test_peft_round_trip_and_weight_errors(tmp_path):
     save_file({k: v for k, v in tensors.items() if k != name}, str(out / "adapter_model.safetensors"))
     with pytest.raises(WeightError, match="is missing"):
         load_peft_adapter(base, out)
+
+
+def test_cli_export_format(tmp_path, capsys):
+    """``ict-jax export --format peft`` of a run without adapters is one line and exit 2; merged works."""
+    from ict_jax.cli.main import main
+    from ict_jax.rl.state import init_train_state
+    from ict_jax.train.checkpoints import Checkpointer
+
+    cfg = load_config(None, [])
+    with Checkpointer(tmp_path / "run" / "checkpoints", async_save=False) as ckpt:
+        ckpt.save(1, init_train_state(cfg, ict_jax.init_model(TINY, seed=0)), {"config": cfg})
+    args = ["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out")]
+    assert main(args + ["--format", "peft"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no LoRA adapters" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert main(args + ["--format", "merged"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
