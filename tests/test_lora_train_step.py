@@ -191,7 +191,8 @@ def _check_chain_rule(method: str, *extra: str):
         assert m_lora["loss/kl"] > 0  # the reference differs from the policy
 
 
-@pytest.mark.parametrize("method,extra", [("ict", ()), ("entropy", ("train.micro_batches=2",))])
+@pytest.mark.parametrize("method,extra", [("ict", ()), ("entropy", ("train.micro_batches=2",)),
+                                          ("dense", ("rl.loss.kl_coef=0",))])  # the last: the one-pass head
 def test_the_adapter_gradient_is_the_chain_rule_of_the_full_gradient(method, extra):
     _check_chain_rule(method, *extra)
 
@@ -273,3 +274,34 @@ def test_compiled_step_holds_no_base_moments_and_no_reference_copy():
     assert m_full.argument_size_in_bytes == 3 * p + p + small  # weights, mu, nu, the reference copy
     assert m_lora.argument_size_in_bytes == p + 3 * a + small  # the base once, adapters, mu, nu
     assert m_lora.argument_size_in_bytes < 0.3 * m_full.argument_size_in_bytes
+
+
+def test_lora_in_the_config_without_adapters_in_the_state_is_refused():
+    """model.lora.enabled with a state that holds no adapters would train every parameter: one line."""
+    from ict_jax.rl.sft import make_sft_step
+
+    cfg = _config("ict", "model.lora.enabled=true")
+    state = init_train_state(cfg, ict_jax.init_model(MODEL, seed=1))
+    with pytest.raises(ValueError, match="model.lora.enabled is true but the train state holds no LoRA adapters"):
+        make_train_step(cfg)(state, _batch())
+    tokens = _batch().tokens[:4]
+    with pytest.raises(ValueError, match="model.lora.enabled is true"):
+        make_sft_step(cfg)(state, tokens, jnp.ones_like(tokens), jnp.ones_like(tokens))
+    new, _ = make_train_step(cfg)(init_train_state(cfg, _adapted()), _batch())  # with adapters it trains
+    assert new.frozen is not None
+
+
+@pytest.mark.e2e
+def test_cli_train_with_lora_fails_loudly_until_the_trainer_builds_adapters(tmp_path):
+    """`ict-jax train model.lora.enabled=true` must never silently train every parameter."""
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    p = subprocess.run([sys.executable, "-m", "ict_jax.cli", "train", "--config", str(demo),
+                        "model.lora.enabled=true", "train.steps=1", "train.sft_steps=1", f"run_dir={tmp_path / 'r'}"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "model.lora.enabled is true" in p.stderr and "Traceback" not in p.stderr

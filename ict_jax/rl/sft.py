@@ -17,7 +17,7 @@ import optax
 from ict_jax.config import Config
 from ict_jax.sharding import batch_sharding
 from ict_jax.rl.token_stats import stats_from_hidden
-from ict_jax.rl.state import TrainState, as_model_def, make_optimizer
+from ict_jax.rl.state import TrainState, as_model_def, check_lora_state, make_optimizer
 
 F32 = jnp.float32
 
@@ -65,6 +65,7 @@ def make_sft_step(config: Config, mesh: jax.sharding.Mesh | None = None, *, tx: 
     fn = jax.jit(lambda s, t, a, m: sft_step(s, t, a, m, tx=tx, chunk=chunk), donate_argnums=(0,))
 
     def step(state: TrainState, tokens, attention_mask, loss_mask):
+        check_lora_state(config, state)
         if mesh is None:
             return fn(state, tokens, attention_mask, loss_mask)
         rows = batch_sharding(mesh, 2)

@@ -149,6 +149,15 @@ def reference_params(state_or_params: Any, dtype: str | Any = "float32") -> Any:
     return jax.tree.map(lambda x: jnp.asarray(x, dtype).copy(), params)
 
 
+def check_lora_state(config: Config, state: TrainState) -> None:
+    """ValueError (one line) when the config asks for LoRA (``model.lora.enabled``) but ``state`` holds no
+    adapters: every parameter would train, silently, instead of the adapters."""
+    if config.model.lora.enabled and state.frozen is None:
+        raise ValueError("model.lora.enabled is true but the train state holds no LoRA adapters (every parameter "
+                         "would train): build the model with ict_jax.add_adapters(model, ict_jax.model.lora.lora_spec("
+                         "config.model.lora, num_layers)) before init_train_state")
+
+
 def kl_reference(state: TrainState, ref_params: Any) -> tuple[Any, ModelDef]:
     """``(params, model def)`` of the KL reference policy (docs/method.md §4 (b)): with LoRA the state's
     own model with the adapters off (the frozen base: nothing copied, ``ref_params`` must be None);

@@ -53,7 +53,7 @@ from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.losses import LossDenominators, loss_denominators, policy_loss
 from ict_jax.rl.metrics import step_metrics
 from ict_jax.rl.selectors import select
-from ict_jax.rl.state import ModelDef, TrainState, as_model_def, kl_reference, make_optimizer
+from ict_jax.rl.state import ModelDef, TrainState, as_model_def, check_lora_state, kl_reference, make_optimizer
 from ict_jax.rl.token_stats import (
     GROUP_STATS,
     TokenStats,
@@ -445,6 +445,7 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
 
     def jitted_for(state: TrainState, batch: RolloutBatch, ref_params: Any) -> Callable:
         """The jax.jit object for these argument structures (built once, with the shape checks)."""
+        check_lora_state(config, state)
         check_step_inputs(plan, mesh, batch, ref_params, lora=state.frozen is not None)
         key = (jax.tree.structure(state), jax.tree.structure(batch), ref_params is None)
         if key not in compiled:
