@@ -147,7 +147,7 @@ def test_fresh_adapters_and_adapters_off_give_the_base_exactly():
     np.testing.assert_array_equal(np.asarray(h), np.asarray(base.predicting_states(ids, mask)[0]))
 
 
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_merged_model_is_the_adapted_model_and_its_update_has_rank_r(scan):
     """W + (alpha / r) A B in place of each weight gives the adapted model's logits; W' - W has rank <= r."""
     r = 3

@@ -21,7 +21,7 @@ from ict_jax.model.adapters import add_adapters, merge_adapters, split_adapters
 from ict_jax.model.config import LORA_MODULES, LoraSpec
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.losses import group_advantages
-from ict_jax.rl.state import init_train_state, kl_reference, reference_params
+from ict_jax.rl.state import init_train_state, kl_reference, reference_params, split_trainable
 from ict_jax.rl.train_step import StepPlan, _valid, make_train_step, old_policy_pass
 
 P, G, LP, LR = 4, 4, 3, 6
@@ -104,6 +104,12 @@ def test_the_state_trains_the_adapters_and_freezes_the_base():
     ids = _batch().tokens[:2]
     np.testing.assert_array_equal(np.asarray(state.model()(ids)), np.asarray(model(ids)))
     assert jax.tree.structure(state.model_state()) == jax.tree.structure(nnx.split(model)[1])
+    # the same split of an abstract model (restore templates, AOT compiles): nothing allocated
+    _, params, frozen = split_trainable(nnx.eval_shape(lambda: ict_jax.Qwen2(MODEL.replace(lora=SPEC),
+                                                                            rngs=nnx.Rngs(0))))
+    assert jax.tree.structure(params) == jax.tree.structure(adapters)
+    assert jax.tree.structure(frozen) == jax.tree.structure(base)
+    assert split_trainable(ict_jax.init_model(MODEL))[2] is None  # without adapters every parameter trains
 
 
 def test_a_step_changes_the_adapters_and_not_the_base():
@@ -208,9 +214,11 @@ def test_chain_rule_full_matrix(method, extra):
 # Every method and schedule
 # ------------------------------------------------------------------------------------------------
 SCHEDULES = {"fused": (), "micro": ("train.micro_batches=2",), "mini": ("train.mini_batches=2", "train.micro_batches=2")}
-CASES = [(m, "fused") for m in METHODS] + [("ict", "micro"), ("stapo", "mini")] + [
-    pytest.param(m, s, marks=pytest.mark.slow) for m in METHODS for s in ("micro", "mini")
-    if (m, s) not in (("ict", "micro"), ("stapo", "mini"))]
+# the default suite: three methods fused (dense and entropy run in the chain-rule test) and two other
+# schedules; every method x schedule in the slow suite
+_DEFAULT = (("ict", "fused"), ("stapo", "fused"), ("random", "fused"), ("ict", "micro"), ("stapo", "mini"))
+CASES = list(_DEFAULT) + [pytest.param(m, s, marks=pytest.mark.slow) for m in METHODS for s in SCHEDULES
+                          if (m, s) not in _DEFAULT]
 
 
 @pytest.mark.parametrize("method,schedule", CASES)

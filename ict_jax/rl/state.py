@@ -97,11 +97,7 @@ def init_train_state(config: Config, model: Any, *, tx: optax.GradientTransforma
     """A :class:`TrainState` for ``model`` (already placed on its mesh); the optimizer state follows the
     parameters' shardings. A model with LoRA adapters (``nnx.LoRAParam`` variables) trains only them: they
     are ``params``, the rest is ``frozen`` (no copy is made)."""
-    frozen = None
-    if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
-        graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, nnx.Param)
-    else:
-        graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, params, frozen = split_trainable(model)
     tx = tx or make_optimizer(config)
     opt_state = init_opt_state(tx, params)
     step, rng = jnp.zeros((), jnp.int32), jax.random.PRNGKey(config.seed)
@@ -112,6 +108,16 @@ def init_train_state(config: Config, model: Any, *, tx: optax.GradientTransforma
     if target is not None:
         step, rng = jax.device_put((step, rng), target)
     return TrainState(params=params, opt_state=opt_state, step=step, rng=rng, graphdef=graphdef, frozen=frozen)
+
+
+def split_trainable(model: Any) -> tuple[Any, Any, Any]:
+    """``(graphdef, trainable, frozen)`` of a model (concrete or from ``nnx.eval_shape``): with LoRA adapters
+    (``nnx.LoRAParam`` variables) the adapters train and every other parameter is frozen; without, every
+    ``nnx.Param`` trains and ``frozen`` is None. The one place that decides what a train state trains."""
+    if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
+        return nnx.split(model, nnx.LoRAParam, nnx.Param)
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params, None
 
 
 def init_opt_state(tx: optax.GradientTransformation, params: Any) -> Any:
