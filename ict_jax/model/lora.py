@@ -45,7 +45,8 @@ def adapter_keys(weight: str) -> tuple[str, str]:
 
 
 def peft_module_name(target: str, layer: int) -> str:
-    """The Hugging Face / PEFT module name of projection ``target`` in ``layer``: ``model.layers.3.self_attn.q_proj``."""
+    """The Hugging Face / PEFT module name of projection ``target`` in ``layer``
+    (``model.layers.3.self_attn.q_proj``)."""
     return f"model.layers.{layer}.{LORA_MODULES[target][1]}.{target}"
 
 

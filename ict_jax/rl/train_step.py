@@ -257,7 +257,8 @@ def old_policy_pass(plan: StepPlan, params: Any, ref_params: Any, graphdef: Any,
     n = old_pass_chunks(plan, batch.tokens.shape[0] // plan.group_size)
     logp_ref = None
     if plan.use_kl:
-        logp_ref = nograd_stats(plan, ref_params, ref_def or graphdef, batch, valid, ("logp",), n).logp
+        ref_graph = graphdef if ref_def is None else ref_def
+        logp_ref = nograd_stats(plan, ref_params, ref_graph, batch, valid, ("logp",), n).logp
     old = None
     if not plan.fused:  # (a): old-policy pass over the whole rollout batch
         old = nograd_stats(plan, params, graphdef, batch, valid, ("logp", "js") if plan.need_js else ("logp",), n)
@@ -434,7 +435,8 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
     ``mesh``: rows of the batch are split over ('data', 'fsdp'); the state keeps the shardings it
     has (from :func:`ict_jax.init_model` / :func:`ict_jax.load_hf` with the same mesh). The state is
     donated. ``ref_params``: the KL reference (:func:`~ict_jax.rl.state.reference_params`), None when
-    ``rl.loss.kl_coef`` is 0 and for a LoRA state (its reference is its base with the adapters off). The warm-up switch (``step < warmup_steps``) is traced data: no recompilation.
+    ``rl.loss.kl_coef`` is 0 and for a LoRA state (its reference is its base with the adapters off).
+    The warm-up switch (``step < warmup_steps``) is traced data: no recompilation.
     ``step.lower(state, batch, ref_params=None)`` gives the ``jax.stages.Lowered`` program (arguments
     may be abstract ``jax.ShapeDtypeStruct`` trees) for ``.compile().memory_analysis()`` and cost
     estimates without running it. ``step.jitted`` maps argument structures to their ``jax.jit``.
