@@ -399,4 +399,6 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | 
     (:func:`ict_jax.model.peft.export_model`, docs/lora.md)."""
     model, meta = load_params_from_checkpoint(ckpt_dir, step)
     base = ((meta.get("config") or {}).get("model") or {}).get("path")
+    if not (isinstance(base, str) and (Path(base) / "config.json").is_file()):
+        base = None  # base_model_name_or_path only for a transformers directory (not a .gguf or pkg: spec)
     return export_model(model, out_dir, format=format, dtype=dtype, base_model_name_or_path=base)
