@@ -84,7 +84,11 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: float, dtype: An
     (``model.qwen2``: XLA CPU's backward of 2-D dots is the fast one)."""
     lead, inner, r = x.shape[:-k], math.prod(x.shape[-k:]), a.shape[-1]
     xa = jnp.dot(x.reshape(-1, inner), a.astype(dtype).reshape(inner, r), preferred_element_type=jnp.float32)
-    y = jnp.dot(xa.astype(dtype), b.astype(dtype).reshape(r, -1), preferred_element_type=jnp.float32)
+    # (x A) B as a dot with a size-1 batch dimension: ``remat: block`` keeps the outputs of dots WITHOUT
+    # batch dimensions (the projections' x W, [tokens, out]); this term is as large but cheap to recompute
+    # from the kept x A (r wide), so it is not kept a second time (XLA drops the unit batch dimension)
+    y = jax.lax.dot_general(xa.astype(dtype)[None], b.astype(dtype).reshape(1, r, -1), (((2,), (1,)), ((0,), (0,))),
+                            preferred_element_type=jnp.float32)[0]
     return (y * scale).astype(dtype).reshape(lead + b.shape[1:])
 
 
