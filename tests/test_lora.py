@@ -185,7 +185,7 @@ def test_the_sampler_runs_the_adapted_model(unroll):
     assert (np.asarray(base_out.tokens[0]) != toks).any()
 
 
-def test_adapters_on_a_mesh_follow_the_rule_table(devices8):
+def test_adapters_on_a_mesh_follow_the_rule_table(devices8, tmp_path):
     """On (data 2, fsdp 2, tensor 2): A shards like its weight's input, B like its output, the rank axis
     is replicated; the logits equal one device's."""
     from jax.sharding import PartitionSpec as P
@@ -204,9 +204,13 @@ def test_adapters_on_a_mesh_follow_the_rule_table(devices8):
     with jax.set_mesh(mesh):
         got = jax.jit(lambda s, i, m: nnx.merge(graphdef, s)(i, m))(state, ids, mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(one(ids, mask)), atol=1e-5, rtol=0)
-    # add_adapters places new adapters on the model's mesh too
-    added = add_adapters(ict_jax.init_model(TINY, seed=1, mesh=mesh), spec)
+    # add_adapters places new adapters on the model's mesh too, and so does loading a PEFT adapter
+    base = ict_jax.init_model(TINY, seed=1, mesh=mesh)
+    added = add_adapters(base, spec)
     assert added.layers.lora.wq_lora_b[...].sharding.spec == P(None, None, "tensor", None)
+    loaded = load_peft_adapter(base, save_peft_adapter(on_mesh, tmp_path / "adapter"))
+    assert loaded.layers.lora.wq_lora_a[...].sharding.spec == P(None, "fsdp", None)
+    jax.tree.map(np.testing.assert_array_equal, split_adapters(loaded)[1], split_adapters(on_mesh)[1])
 
 
 def test_add_and_merge_refuse_what_they_cannot_do(tmp_path):
