@@ -32,6 +32,11 @@ _API: dict[str, str] = {
     "save_hf": "model.weights",
     "load_gguf": "model.gguf",
     "load_model_and_tokenizer": "model.loading",
+    "LoraSpec": "model.config",  # LoRA adapters (docs/lora.md)
+    "add_adapters": "model.adapters",
+    "merge_adapters": "model.adapters",
+    "save_peft_adapter": "model.peft",
+    "load_peft_adapter": "model.peft",
     # -- device mesh (sharding.py) --
     "make_mesh": "sharding",
     # -- token statistics, selectors, losses, the train step, SFT (rl/) --

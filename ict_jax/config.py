@@ -63,6 +63,45 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------
+# --- model.lora: low-rank adapters (docs/lora.md) ------------------------------------------------
+#: The projections LoRA can adapt, by their PEFT / Hugging Face module names (Qwen2's attention and MLP).
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters: ``y = x W + (alpha / rank) (x A) B`` on the targeted projections (docs/lora.md)."""
+
+    enabled: bool = False  # off: the whole model trains (and the KL reference is a copy of it)
+    rank: int = 16  # r (our choice; PEFT's default is 8)
+    alpha: float = 32.0  # the scale is alpha / rank (PEFT; rsLoRA's alpha / sqrt(rank) is not offered)
+    dropout: float = 0.0  # only 0: the RL ratio and statistics need a deterministic policy forward
+    # which projections, by PEFT name; `target_regex` (PEFT's target_modules as a string) replaces it
+    targets: tuple[LoraTarget, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # a regular expression full-matched against PEFT module names (model.layers.N.self_attn.q_proj); it
+    # must select a projection in every layer or in none (adapters are stacked over the layers)
+    target_regex: str | None = None
+    base_dtype: Literal["float32", "bfloat16"] | None = None  # the frozen base's dtype; null = param_dtype
+
+
+def _validate_lora(lora: LoraSection) -> None:
+    """One-line errors for ``model.lora`` (ranges are checked with the other numeric fields)."""
+    if lora.dropout != 0:
+        raise ConfigError(f"model.lora.dropout: {lora.dropout} is not supported; only 0 (the ratio r = pi / pi_old "
+                          "and the token statistics need a deterministic policy forward, and the sampler has none)")
+    if not lora.targets and lora.target_regex is None:
+        raise ConfigError("model.lora.targets: empty; name at least one of "
+                          + ", ".join(get_args(LoraTarget)) + " (or set model.lora.target_regex)")
+    if len(set(lora.targets)) != len(lora.targets):
+        raise ConfigError(f"model.lora.targets: {list(lora.targets)} names a projection twice")
+    if lora.target_regex is not None:
+        try:
+            re.compile(lora.target_regex)
+        except re.error as e:
+            raise ConfigError(f"model.lora.target_regex: {lora.target_regex!r} is not a regular expression ({e})") \
+                from None
+
+
 @dataclass(frozen=True)
 class ModelSection:
     path: str | None = None  # HF directory or .gguf file; None = random init from `preset`
@@ -74,6 +113,7 @@ class ModelSection:
     scan_layers: bool = True
     # "char" = the built-in CharTokenizer; a path = an HF tokenizer dir or .gguf; None = from model.path
     tokenizer: str | None = None
+    lora: LoraSection = field(default_factory=LoraSection)  # low-rank adapters (docs/lora.md); off by default
 
 
 #: TPU generations whose topology names ``mesh.target`` accepts, with the number of dimensions of
@@ -447,6 +487,8 @@ RANGES: dict[str, Range] = {
     "logging.print_every": Range(1),
     "seed": Range(0, 2**32, hi_open=True),  # jax.random.key(seed) wraps at 2**32: two seeds would be one run
 }
+RANGES.update({"model.lora.rank": Range(1), "model.lora.alpha": _POS,  # model.lora (docs/lora.md)
+               "model.lora.dropout": Range(0, 1, hi_open=True)})
 
 
 def _range_text(key: str) -> str:
@@ -488,6 +530,7 @@ _FN_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_
 def validate(cfg: Config) -> Config:
     """Ranges of every numeric field, then cross-field checks; returns ``cfg``. Raises :class:`ConfigError`."""
     check_ranges(cfg)
+    _validate_lora(cfg.model.lora)
     for name in ("data", "fsdp", "tensor"):
         v = getattr(cfg.mesh, name)
         if v == 0 or v < -1:

@@ -36,6 +36,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",  # key/value heads
     "mlp": "tensor",  # FFN width
     "head_dim": None,
+    "lora_rank": None,  # the rank axis of LoRA adapters (small: replicated; A and B shard like their weight)
     "layers": None,  # the stacked-layer axis (scan)
     "norm": None,  # RMSNorm scales
     "seq": None,  # sequence positions of activations

@@ -1,4 +1,4 @@
-"""``ict-jax export``: a training checkpoint as a Hugging Face safetensors directory."""
+"""``ict-jax export``: a training checkpoint as a Hugging Face safetensors directory or a PEFT adapter."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ def add_export_args(p: Any) -> None:
     p.add_argument("--out", required=True, metavar="HF_DIR", help="output directory (must not exist or be empty)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="parameter dtype of the written safetensors (default: as trained)")
+    p.add_argument("--format", default="merged", choices=("merged", "peft"),
+                   help="merged: a transformers directory (LoRA adapters merged into the weights); peft: the LoRA "
+                        "adapters alone as a PEFT adapter directory (docs/lora.md)")
 
 
 def export_main(args: Any) -> int:
@@ -20,6 +23,6 @@ def export_main(args: Any) -> int:
     directory, step = resolve_checkpoint_dir(args.checkpoint, args.step)
     with Checkpointer(directory, read_only=True) as ckpt:
         step = ckpt.resolve_step(step)
-    out = export_checkpoint(directory, args.out, step=step, dtype=args.dtype)
+    out = export_checkpoint(directory, args.out, step=step, dtype=args.dtype, format=args.format)
     print(f"exported step {step} of {directory} to {out}")
     return 0

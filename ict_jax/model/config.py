@@ -15,6 +15,44 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 #: HF ``architectures`` values whose weights this model can hold (same tensors, maybe without q/k/v bias).
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
 
+#: The projections LoRA can adapt: PEFT / Hugging Face module name -> (our stacked weight in
+#: ``DecoderStack``, the HF submodule it sits in: ``model.layers.{i}.<submodule>.<name>``).
+LORA_MODULES: dict[str, tuple[str, str]] = {
+    "q_proj": ("wq", "self_attn"), "k_proj": ("wk", "self_attn"), "v_proj": ("wv", "self_attn"),
+    "o_proj": ("wo", "self_attn"), "gate_proj": ("w_gate", "mlp"), "up_proj": ("w_up", "mlp"),
+    "down_proj": ("w_down", "mlp"),
+}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The LoRA adapters of a :class:`ModelConfig` (docs/lora.md): ``y = x W + (alpha / rank) (x A) B`` on
+    each projection of ``targets`` (PEFT module names, kept in :data:`LORA_MODULES` order), in every layer.
+    ``base_dtype``: the frozen base weights' dtype (None = the model's ``param_dtype``, which the adapters
+    always use). Built from the config's ``model.lora`` by :func:`ict_jax.model.lora.lora_spec`."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = tuple(LORA_MODULES)
+    base_dtype: Dtype | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
+            raise ValueError(f"LoraSpec.rank must be a positive integer, got {self.rank!r}")
+        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
+            raise ValueError(f"LoraSpec.alpha must be a positive number, got {self.alpha!r}")
+        unknown = [t for t in self.targets if t not in LORA_MODULES]
+        if unknown or not self.targets:
+            raise ValueError(f"LoraSpec.targets {list(self.targets)}: name one or more of {', '.join(LORA_MODULES)}")
+        # canonical order and a tuple (a JSON round trip gives a list): equal specs hash equal
+        object.__setattr__(self, "targets", tuple(t for t in LORA_MODULES if t in self.targets))
+        object.__setattr__(self, "alpha", float(self.alpha))
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank (PEFT's scaling without rsLoRA)."""
+        return self.alpha / self.rank
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -44,8 +82,11 @@ class ModelConfig:
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     remat: Literal["none", "block", "full"] = "block"
     scan_layers: bool = True
+    lora: LoraSpec | None = None  # low-rank adapters on the projections (docs/lora.md); None = none
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # read back from a checkpoint's JSON metadata
+            object.__setattr__(self, "lora", LoraSpec(**self.lora))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -67,6 +108,11 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
+    @property
+    def base_param_dtype(self) -> str:
+        """The dtype of the weights other than LoRA adapters: ``lora.base_dtype`` when set, else ``param_dtype``."""
+        return self.lora.base_dtype if self.lora is not None and self.lora.base_dtype else self.param_dtype
+
     def resolved_compute_dtype(self) -> str:
         if self.compute_dtype != "auto":
             return self.compute_dtype
@@ -84,6 +130,17 @@ class ModelConfig:
             per_layer += q + 2 * kv
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+    def num_adapter_params(self) -> int:
+        """Exact LoRA adapter parameter count: rank x (in + out) per targeted projection and layer (0 without
+        LoRA). Not included in :meth:`num_params`, which counts the base model."""
+        if self.lora is None:
+            return 0
+        d, f, hd = self.hidden_size, self.intermediate_size, self.resolved_head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        sizes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "gate_proj": (d, f),
+                 "up_proj": (d, f), "down_proj": (f, d)}
+        return self.num_layers * self.lora.rank * sum(sum(sizes[t]) for t in self.lora.targets)
 
     # -- presets ---------------------------------------------------------------------------------
     @classmethod

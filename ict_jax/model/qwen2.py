@@ -23,6 +23,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ict_jax.model.config import ModelConfig
+from ict_jax.model.lora import LoraStack, adapter_keys, lora_delta
 from ict_jax.sharding import constrain, state_shardings
 
 _MASKED = -1e9  # large finite negative: a fully masked (padding) query row stays NaN-free
@@ -55,12 +56,13 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype:
 
 
 class DecoderStack(nnx.Module):
-    """All decoder layers' weights, stacked on a leading ``layers`` axis."""
+    """All decoder layers' weights, stacked on a leading ``layers`` axis; ``lora``: their LoRA adapters
+    (:class:`ict_jax.model.lora.LoraStack`, set by :class:`Qwen2` when the config has ``lora``) or None."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         L, D, F, H, KV, hd = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
                               c.resolved_head_dim)
-        pd = _dtype(c.param_dtype)
+        pd = _dtype(c.base_param_dtype)
         self.attn_norm = _param(rngs, (L, D), ("layers", "norm"), pd, "ones")
         self.wq = _param(rngs, (L, D, H, hd), ("layers", "embed", "q_heads", "head_dim"), pd)
         self.wk = _param(rngs, (L, D, KV, hd), ("layers", "embed", "kv_heads", "head_dim"), pd)
@@ -74,12 +76,17 @@ class DecoderStack(nnx.Module):
         self.w_gate = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd)
         self.w_up = _param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd)
         self.w_down = _param(rngs, (L, F, D), ("layers", "mlp", "embed"), pd)
+        self.lora = nnx.data(None)
 
-    def arrays(self) -> dict[str, jax.Array]:
+    def arrays(self, adapters: bool = True) -> dict[str, jax.Array]:
+        """Every stacked weight by name; with ``adapters`` (and LoRA) also the adapters (``wq_lora_a``, ...)."""
         names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
         if hasattr(self, "bq"):
             names += ["bq", "bk", "bv"]
-        return {n: getattr(self, n)[...] for n in names}
+        out = {n: getattr(self, n)[...] for n in names}
+        if adapters and self.lora is not None:
+            out.update(self.lora.arrays())
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -114,6 +121,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def _proj(p: dict[str, jax.Array], name: str, x: jax.Array, c: ModelConfig, dtype: Any, k: int = 1) -> jax.Array:
+    """Projection ``name`` of one layer's weights ``p``: ``x W``, plus ``(alpha / r) (x A) B`` when ``p``
+    carries the projection's LoRA adapters (docs/lora.md)."""
+    y = _mm(x, p[name], dtype, k)
+    a_key, b_key = adapter_keys(name)
+    if a_key in p:
+        y = y + lora_delta(x, p[a_key], p[b_key], c.lora.scale, dtype, k)
+    return y
+
+
 def _mm(a: jax.Array, b: jax.Array, dtype: Any, k: int = 1) -> jax.Array:
     """Contract the last ``k`` dims of activations ``a`` with the first ``k`` dims of weights ``b`` as ONE
     2-D matmul (float32 accumulation). Flattening to 2-D makes XLA CPU's backward pass ~2.5x faster
@@ -140,9 +157,9 @@ def attention_qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: ja
     """The first half of a decoder block: pre-norm, q/k/v projections (+ biases) and RoPE.
     x ``[B, T, D]`` -> q ``[B, T, H, hd]``, k and v ``[B, KV, T, hd]`` (the KV-cache layout)."""
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps, dtype)
-    q = _mm(h, p["wq"], dtype)  # [B, T, H, hd]
-    k = _mm(h, p["wk"], dtype)
-    v = _mm(h, p["wv"], dtype)
+    q = _proj(p, "wq", h, c, dtype)  # [B, T, H, hd]
+    k = _proj(p, "wk", h, c, dtype)
+    v = _proj(p, "wv", h, c, dtype)
     if "bq" in p:
         q = q + _lead(p["bq"].astype(dtype), q.ndim)
         k = k + _lead(p["bk"].astype(dtype), k.ndim)
@@ -155,13 +172,13 @@ def attention_qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: ja
 def finish_layer(p: dict[str, jax.Array], x: jax.Array, attn: jax.Array, c: ModelConfig, dtype: Any) -> jax.Array:
     """The second half of a decoder block: the output projection of ``attn`` ``[B, T, H, hd]`` added to
     the residual ``x``, then the pre-norm SwiGLU MLP and its residual."""
-    x = x + _mm(attn, p["wo"], dtype, k=2)
+    x = x + _proj(p, "wo", attn, c, dtype, k=2)
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps, dtype)
-    g = _mm(h, p["w_gate"], dtype)
-    u = _mm(h, p["w_up"], dtype)
+    g = _proj(p, "w_gate", h, c, dtype)
+    u = _proj(p, "w_up", h, c, dtype)
     a = constrain((jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dtype),
                   ("batch", "seq", "mlp"))
-    x = x + _mm(a, p["w_down"], dtype)
+    x = x + _proj(p, "w_down", a, c, dtype)
     return constrain(x, ("batch", "seq", "act_embed"))
 
 
@@ -195,17 +212,21 @@ class Qwen2(nnx.Module):
     - ``model.hidden_states(...)`` -> post-final-norm hidden states ``[B, T, D]`` (compute dtype) and
       ``model.unembedding()`` -> ``[D, V]``: token statistics multiply the two in blocks.
     - ``model.init_cache`` / ``model.extend`` / ``model.decode`` -> KV-cache incremental decoding.
+    - with ``config.lora``: LoRA adapters (``nnx.LoRAParam``) on the targeted projections; every forward
+      (and the sampler) runs the adapted model, ``hidden_states(..., adapters=False)`` the base alone.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
         self.config = c
-        pd = _dtype(c.param_dtype)
+        pd = _dtype(c.base_param_dtype)
         self.embed = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), pd)
         self.layers = DecoderStack(c, rngs)
         self.final_norm = _param(rngs, (c.hidden_size,), ("norm",), pd, "ones")
         if not c.tie_word_embeddings:
             self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), pd)
+        if c.lora is not None:  # last: the base weights draw the same numbers with and without adapters
+            self.layers.lora = LoraStack(self.layers, c.lora, _dtype(c.param_dtype), rngs)
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -221,9 +242,9 @@ class Qwen2(nnx.Module):
         x = jnp.take(self.embed[...], ids, axis=0).astype(self.compute_dtype)
         return constrain(x, ("batch", "seq", "act_embed"))
 
-    def _run_layers(self, x, cos, sin, allowed):
+    def _run_layers(self, x, cos, sin, allowed, adapters: bool = True):
         c, dtype = self.config, self.compute_dtype
-        params = self.layers.arrays()
+        params = self.layers.arrays(adapters)
         layer = _remat(decoder_layer, c.remat)
         if c.scan_layers:
             def body(h, p):
@@ -244,27 +265,30 @@ class Qwen2(nnx.Module):
         allowed = jnp.tril(jnp.ones((T, T), bool))[None] & (mask[:, None, :] > 0)
         return cos, sin, allowed
 
-    def hidden_states(self, input_ids: Int[Array, "B T"],
-                      attention_mask: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
-        """Post-final-norm hidden states ``[B, T, D]`` in the compute dtype."""
+    def hidden_states(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"] | None = None, *,
+                      adapters: bool = True) -> Float[Array, "B T D"]:
+        """Post-final-norm hidden states ``[B, T, D]`` in the compute dtype. ``adapters=False``: the LoRA
+        adapters' contribution removed, i.e. the frozen base model (the KL reference, docs/lora.md)."""
         cos, sin, allowed = self._full_sequence_tables(input_ids, attention_mask)
-        x = self._run_layers(self._embed(input_ids), cos, sin, allowed)
+        x = self._run_layers(self._embed(input_ids), cos, sin, allowed, adapters)
         return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps, self.compute_dtype)
 
     def predicting_states(self, tokens: Int[Array, "B L"], attention_mask: Int[Array, "B L"] | None = None,
-                          num_targets: int | None = None) -> tuple[Float[Array, "B N D"], Int[Array, "B N"]]:
+                          num_targets: int | None = None, *, adapters: bool = True
+                          ) -> tuple[Float[Array, "B N D"], Int[Array, "B N"]]:
         """The hidden states that predict ``tokens``' last ``num_targets`` positions, and those targets.
 
         ``hidden[:, t]`` predicts ``tokens[:, t + 1]``: the forward pass reads ``tokens[:, :-1]`` and the
         last ``N`` of its states predict ``tokens[:, -N:]`` (``N = num_targets``, default all ``L - 1``).
         Returns ``(hidden [B, N, D], targets [B, N])``, the inputs of
-        :func:`ict_jax.rl.token_stats.stats_from_hidden` for a prompt + response row."""
+        :func:`ict_jax.rl.token_stats.stats_from_hidden` for a prompt + response row. ``adapters``: as in
+        :meth:`hidden_states`."""
         n = tokens.shape[1] - 1 if num_targets is None else num_targets
         if not 1 <= n <= tokens.shape[1] - 1:
             raise ValueError(f"num_targets={n}: a row of {tokens.shape[1]} tokens has 1..{tokens.shape[1] - 1} "
                              "predicted positions")
         mask = None if attention_mask is None else attention_mask[:, :-1]
-        return self.hidden_states(tokens[:, :-1], mask)[:, -n:], tokens[:, -n:]
+        return self.hidden_states(tokens[:, :-1], mask, adapters=adapters)[:, -n:], tokens[:, -n:]
 
     def layer_states(self, input_ids: Int[Array, "B T"],
                      attention_mask: Int[Array, "B T"] | None = None) -> list[jax.Array]:
@@ -281,11 +305,11 @@ class Qwen2(nnx.Module):
     def logits_from_hidden(self, h: jax.Array) -> jax.Array:
         return jnp.einsum("...d,dv->...v", h, self.unembedding(), preferred_element_type=jnp.float32)
 
-    def __call__(self, input_ids: Int[Array, "B T"],
-                 attention_mask: Int[Array, "B T"] | None = None) -> Float[Array, "B T V"]:
+    def __call__(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"] | None = None, *,
+                 adapters: bool = True) -> Float[Array, "B T V"]:
         """float32 logits ``[B, T, V]``. Materialises the full logits: training code uses
         :meth:`hidden_states` + :func:`ict_jax.stats_from_hidden` instead."""
-        return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask))
+        return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, adapters=adapters))
 
     # -- KV-cache decoding -----------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:

@@ -21,10 +21,10 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from ict_jax.config import StatsSection
+from ict_jax.rl.state import as_model_def
 from ict_jax.rl.token_stats import ALL_STATS, DEFAULT_COMPUTE, GROUP_STATS, U_FORMS, TokenStats, stats_from_hidden
 
 
@@ -68,9 +68,12 @@ class GroupStatsRequest:
 def head_inputs(params: Any, graphdef: Any, tokens: Int[Array, "B L"], attention_mask: Int[Array, "B L"],
                 response_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(hidden states that predict the last ``response_len`` tokens ``[B, N, D]``, the unembedding
-    ``[D, V]``, those tokens ``[B, N]``) of the model ``nnx.merge(graphdef, params)``."""
-    model = nnx.merge(graphdef, params)
-    hidden, targets = model.predicting_states(tokens, attention_mask, response_len)
+    ``[D, V]``, those tokens ``[B, N]``) of the model ``graphdef`` + ``params``. ``graphdef``: the model's
+    graphdef, or a :class:`~ict_jax.rl.state.ModelDef` (LoRA: the frozen base, and whether the adapters
+    run)."""
+    md = as_model_def(graphdef)
+    model = md.merge(params)
+    hidden, targets = model.predicting_states(tokens, attention_mask, response_len, adapters=md.adapters)
     return hidden, model.unembedding(), targets
 
 

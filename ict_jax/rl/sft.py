@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from ict_jax.config import Config, StatsSection
 from ict_jax.sharding import batch_sharding
 from ict_jax.rl.token_stats import stats_from_hidden
-from ict_jax.rl.state import TrainState, make_optimizer
+from ict_jax.rl.state import TrainState, as_model_def, check_lora_state, make_optimizer
 
 F32 = jnp.float32
 _CHUNK = StatsSection().chunk  # stats.chunk's default: the largest block of positions of the log-probs
@@ -32,7 +31,7 @@ def sft_loss(params: Any, graphdef: Any, tokens: jax.Array, attention_mask: jax.
     the target tokens to learn (the EOS included). Position ``t`` predicts ``tokens[:, t]`` from the
     hidden state at ``t - 1``; the log-probs are those of softmax(logits) (temperature 1).
     """
-    model = nnx.merge(graphdef, params)
+    model = as_model_def(graphdef).merge(params)  # graphdef, or a ModelDef (LoRA: with the frozen base)
     h, targets = model.predicting_states(tokens, attention_mask)  # every position after the first
     w = loss_mask[:, 1:].astype(F32)
     stats = stats_from_hidden(h, model.unembedding(), targets, w, group_size=1, temperature=1.0,
@@ -46,7 +45,7 @@ def sft_step(state: TrainState, tokens: jax.Array, attention_mask: jax.Array, lo
              tx: Any, chunk: int = _CHUNK) -> tuple[TrainState, dict[str, jax.Array]]:
     """One SFT update (pure; jit it or use :func:`make_sft_step`): cross-entropy, then ``tx``."""
     (loss, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
-        state.params, state.graphdef, tokens, attention_mask, loss_mask, chunk=chunk)
+        state.params, state.model_def(), tokens, attention_mask, loss_mask, chunk=chunk)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, **{"sft/grad_norm": optax.tree.norm(grads)})
@@ -67,6 +66,7 @@ def make_sft_step(config: Config, mesh: jax.sharding.Mesh | None = None, *, tx: 
     fn = jax.jit(lambda s, t, a, m: sft_step(s, t, a, m, tx=tx, chunk=chunk), donate_argnums=(0,))
 
     def step(state: TrainState, tokens, attention_mask, loss_mask):
+        check_lora_state(config, state)
         if mesh is None:
             return fn(state, tokens, attention_mask, loss_mask)
         rows = batch_sharding(mesh, 2)

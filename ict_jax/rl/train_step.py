@@ -9,7 +9,7 @@
 (b) :func:`old_policy_pass`: otherwise a no-grad old-policy pass over the whole rollout batch (micro-batch
     by micro-batch) gives them, fixed for every update. ``rl.loss.old_logp: sampler`` takes logp_old
     from the sampler instead (u still from the old pass). With kl_coef > 0 it also runs the reference
-    pass with ``ref_params`` for logp_ref;
+    pass with ``ref_params`` for logp_ref (a LoRA state: its own base with the adapters off, no copy);
 (c) :func:`micro_batched_grads`: a scan over mini-batches (whole groups, :func:`mini_batch_update`).
     With several micro-batches a no-grad statistics pass over the mini-batch first gives H1, the STAPO
     quantile, the global top-k mask and every loss denominator; then micro-batch gradients are
@@ -58,7 +58,7 @@ from ict_jax.rl.group_stats import GroupStatsRequest, group_stats, head_inputs
 from ict_jax.rl.losses import LossDenominators, loss_denominators, policy_loss
 from ict_jax.rl.metrics import step_metrics
 from ict_jax.rl.selectors import select, selector_needs
-from ict_jax.rl.state import TrainState, make_optimizer
+from ict_jax.rl.state import ModelDef, TrainState, check_lora_state, kl_reference, make_optimizer
 from ict_jax.rl.token_stats import ALL_STATS, GROUP_STATS, TokenStats, stats_and_surrogate
 from ict_jax.sharding import batch_sharding, check_prompts_divide, replicated
 
@@ -241,18 +241,21 @@ def old_pass_chunks(plan: StepPlan, num_prompts: int) -> int:
 
 
 def old_policy_pass(plan: StepPlan, params: Any, ref_params: Any, graphdef: Any, batch: RolloutBatch,
-                    valid: jax.Array) -> tuple[jax.Array | None, jax.Array | None, dict[str, jax.Array]]:
+                    valid: jax.Array, ref_def: ModelDef | None = None
+                    ) -> tuple[jax.Array | None, jax.Array | None, dict[str, jax.Array]]:
     """docs/method.md §4 (a)-(b): ``(logp_old, logp_ref, group_old)`` over the whole rollout batch:
     ``[B, Lr]`` or None, and the old policy's group statistics by name (``js`` = u, ``pbar_tok``).
 
-    With kl_coef > 0 the reference pass gives logp_ref. Unless fused, the no-grad old-policy pass gives
-    logp_old and the group statistics the mask or the metrics read (:attr:`StepPlan.old_group_compute`);
-    ``old_logp: sampler`` takes logp_old from the sampler. Fused and not from the sampler, logp_old is
-    None and ``group_old`` empty: the gradient forward gives them."""
+    With kl_coef > 0 the reference pass gives logp_ref: ``ref_params`` under ``ref_def`` (default: the
+    policy's ``graphdef``; LoRA: the base with the adapters off). Unless fused, the no-grad old-policy
+    pass gives logp_old and the group statistics the mask or the metrics read
+    (:attr:`StepPlan.old_group_compute`); ``old_logp: sampler`` takes logp_old from the sampler. Fused and
+    not from the sampler, logp_old is None and ``group_old`` empty: the gradient forward gives them."""
     n = old_pass_chunks(plan, batch.tokens.shape[0] // plan.group_size)
     logp_ref = None
     if plan.use_kl:
-        logp_ref = nograd_stats(plan, ref_params, graphdef, batch, valid, ("logp",), n).logp
+        ref_graph = graphdef if ref_def is None else ref_def
+        logp_ref = nograd_stats(plan, ref_params, ref_graph, batch, valid, ("logp",), n).logp
     old = None
     if not plan.fused:  # (a): old-policy pass over the whole rollout batch
         old = nograd_stats(plan, params, graphdef, batch, valid, ("logp",) + plan.old_group_compute, n)
@@ -342,10 +345,13 @@ def mini_batch_update(plan: StepPlan, graphdef: Any, key: jax.Array, step: jax.A
 
 def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: Any) -> tuple[TrainState, dict]:
     """One rollout batch, unjitted: the old-policy and reference passes, the scan over mini-batches,
-    the §5 metrics (loss metrics averaged over mini-batches, ``train/skipped`` counted)."""
-    graphdef = state.graphdef
+    the §5 metrics (loss metrics averaged over mini-batches, ``train/skipped`` counted). Only
+    ``state.params`` is differentiated and updated (with LoRA: the adapters; ``state.frozen`` passes
+    through, and the KL reference is the base with the adapters off)."""
+    graphdef = state.model_def()
     valid = _valid(batch, plan.loss.mask_truncated)
-    logp_old, logp_ref, group_old = old_policy_pass(plan, state.params, ref_params, graphdef, batch, valid)
+    ref_params, ref_def = kl_reference(state, ref_params)
+    logp_old, logp_ref, group_old = old_policy_pass(plan, state.params, ref_params, graphdef, batch, valid, ref_def)
     body = functools.partial(mini_batch_update, plan, graphdef, state.rng, state.step)
     xs = tuple(_split_or_none(a, plan.mini_batches) for a in (batch, valid, logp_old, logp_ref, group_old))
     xs += (jnp.arange(plan.mini_batches, dtype=jnp.int32),)  # the mini-batch index (docs/method.md §2)
@@ -365,11 +371,14 @@ def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: 
 # jit, shardings and the public entry point
 # ------------------------------------------------------------------------------------------------
 def check_step_inputs(plan: StepPlan, mesh: jax.sharding.Mesh | None, batch: RolloutBatch,
-                      ref_params: Any) -> None:
+                      ref_params: Any, lora: bool = False) -> None:
     """Clear errors for a batch the plan cannot split: whole groups per mini-batch and, on a mesh,
     whole groups per shard in the old-policy pass (u compares a rollout with its group); micro-batches
-    of equal rows, as many rows per shard."""
-    if plan.use_kl and ref_params is None:
+    of equal rows, as many rows per shard. ``lora``: the state trains adapters (its reference is its base)."""
+    if lora and ref_params is not None:
+        raise ValueError("with LoRA adapters the KL reference is the frozen base with the adapters off: "
+                         "pass ref_params=None (no reference copy)")
+    if plan.use_kl and ref_params is None and not lora:
         raise ValueError("rl.loss.kl_coef > 0 needs ref_params (see ict_jax.rl.state.reference_params)")
     check_batch_geometry(batch.tokens.shape[0], plan.group_size, plan.mini_batches, plan.micro_batches, mesh)
 
@@ -423,7 +432,9 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
 
     ``mesh``: rows of the batch are split over ('data', 'fsdp'); the state keeps the shardings it
     has (from :func:`ict_jax.init_model` / :func:`ict_jax.load_hf` with the same mesh). The state is
-    donated. The warm-up switch (``step < warmup_steps``) is traced data: no recompilation.
+    donated. ``ref_params``: the KL reference (:func:`~ict_jax.rl.state.reference_params`), None when
+    ``rl.loss.kl_coef`` is 0 and for a LoRA state (its reference is its base with the adapters off).
+    The warm-up switch (``step < warmup_steps``) is traced data: no recompilation.
     ``step.lower(state, batch, ref_params=None)`` gives the ``jax.stages.Lowered`` program (arguments
     may be abstract ``jax.ShapeDtypeStruct`` trees) for ``.compile().memory_analysis()`` and cost
     estimates without running it. ``step.jitted`` maps argument structures to their ``jax.jit``.
@@ -434,7 +445,8 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
 
     def jitted_for(state: TrainState, batch: RolloutBatch, ref_params: Any) -> Callable:
         """The jax.jit object for these argument structures (built once, with the shape checks)."""
-        check_step_inputs(plan, mesh, batch, ref_params)
+        check_lora_state(config, state)
+        check_step_inputs(plan, mesh, batch, ref_params, lora=state.frozen is not None)
         key = (jax.tree.structure(state), jax.tree.structure(batch), ref_params is None)
         if key not in compiled:
             compiled[key] = jit_step(plan, mesh, state, batch, ref_params)

@@ -30,7 +30,7 @@ from flax import nnx
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import load_model_and_tokenizer, load_model_tokenizer, load_tokenizer_spec
 from ict_jax.model.qwen2 import Qwen2
-from ict_jax.model.weights import save_hf
+from ict_jax.model.peft import export_model
 from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings
 from ict_jax.sharding import replicated, state_shardings
 
@@ -392,8 +392,13 @@ def run_model_tokenizer(path: str | Path, tokenizer: str | None = None) -> Any:
 
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
-                      dtype: str | None = None) -> Path:
-    """Write checkpoint ``step`` (default: the latest) of ``ckpt_dir`` as a Hugging Face directory
-    (``config.json`` + safetensors) at ``out_dir``, which must not exist or be empty."""
-    model, _meta = load_params_from_checkpoint(ckpt_dir, step)
-    return save_hf(model, out_dir, dtype=dtype)
+                      dtype: str | None = None, format: str = "merged") -> Path:
+    """Write checkpoint ``step`` (default: the latest) of ``ckpt_dir`` at ``out_dir``, which must not exist
+    or be empty: ``format="merged"`` a Hugging Face directory (``config.json`` + safetensors; LoRA adapters
+    merged into the weights), ``"peft"`` the LoRA adapters alone as a PEFT adapter directory
+    (:func:`ict_jax.model.peft.export_model`, docs/lora.md)."""
+    model, meta = load_params_from_checkpoint(ckpt_dir, step)
+    base = ((meta.get("config") or {}).get("model") or {}).get("path")
+    if not (isinstance(base, str) and (Path(base) / "config.json").is_file()):
+        base = None  # base_model_name_or_path only for a transformers directory (not a .gguf or pkg: spec)
+    return export_model(model, out_dir, format=format, dtype=dtype, base_model_name_or_path=base)
