@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from ict_jax.data.datasets import Dataset
-from ict_jax.data.example import Example
+from ict_jax.data.example import DataError, Example
 from ict_jax.data.templates import BOXED_INSTRUCTION, MC_INSTRUCTION, format_prompt
+from ict_jax.model.tokenizers import UnknownCharacterError
 
 log = logging.getLogger(__name__)
 
@@ -33,37 +34,78 @@ class EncodedPrompts:
     texts: list[str]  # the templated prompt texts
     pad_id: int
     max_prompt_len: int
-    dropped: int  # prompts longer than max_prompt_len
+    dropped: int  # prompts longer than max_prompt_len, or (with max_positions) that leave no room to answer
     dropped_indices: list[int]  # their positions in the dataset
+    dropped_positions: int = 0  # of ``dropped``: prompt + max_new_tokens over the model's max_positions
 
     def __len__(self) -> int:
         return len(self.examples)
 
 
+class PromptTooLong(ValueError):
+    """A prompt plus the tokens to be generated after it exceeds the model's position limit
+    (``max_position_embeddings``): the positions past it were never trained (RoPE) and the output is
+    garbage. The message is one line naming the prompt, the counts and the limit."""
+
+
+def prompt_fits(n_prompt_tokens: int, max_new_tokens: int, max_positions: int | None) -> bool:
+    """Whether a prompt of ``n_prompt_tokens`` tokens followed by up to ``max_new_tokens`` generated ones
+    stays within ``max_positions`` (a model's ``max_position_embeddings``; None = no limit). A left-padded
+    prompt's positions start at 0 whatever its padding, so only its own length counts."""
+    return max_positions is None or int(n_prompt_tokens) + int(max_new_tokens) <= int(max_positions)
+
+
+def check_prompt_fits(n_prompt_tokens: int, max_new_tokens: int, max_positions: int | None, *,
+                      where: str = "the prompt") -> None:
+    """Raise :class:`PromptTooLong` (one line naming ``where``) unless :func:`prompt_fits`. The one check
+    behind ``ict-jax sample``, ``eval``, ``inspect``, ``diagnose`` and the training data filter."""
+    if not prompt_fits(n_prompt_tokens, max_new_tokens, max_positions):
+        raise PromptTooLong(
+            f"{where} is {int(n_prompt_tokens)} tokens; with {int(max_new_tokens)} new tokens that is "
+            f"{int(n_prompt_tokens) + int(max_new_tokens)} positions, more than the model's "
+            f"max_position_embeddings={int(max_positions)} (shorten the prompt or lower max_new_tokens)")
+
+
 def encode_prompts(dataset: Dataset, tokenizer: Any, *, template: str = "qwen_chat", max_prompt_len: int = 512,
-                   instruction: str | None = None) -> EncodedPrompts:
+                   instruction: str | None = None, max_new_tokens: int = 0,
+                   max_positions: int | None = None) -> EncodedPrompts:
     """Template and tokenise every example. Prompts longer than ``max_prompt_len`` tokens are dropped
-    (never truncated) and counted in ``dropped`` (and logged). ``instruction`` defaults to
-    ``MC_INSTRUCTION`` for multiple choice and ``BOXED_INSTRUCTION`` otherwise."""
+    (never truncated) and counted in ``dropped`` (and logged); so are prompts that, with
+    ``max_new_tokens`` generated after them, exceed ``max_positions`` (the model's
+    ``max_position_embeddings``; None = no such check), also counted in ``dropped_positions``.
+    ``instruction`` defaults to ``MC_INSTRUCTION`` for multiple choice and ``BOXED_INSTRUCTION`` otherwise.
+    A character the tokenizer cannot represent is a :class:`~ict_jax.data.example.DataError` naming
+    the data set and the example."""
     if max_prompt_len < 1:
         raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
     if instruction is None:
         instruction = MC_INSTRUCTION if dataset.scorer == "mc" else BOXED_INSTRUCTION
     examples, ids, texts, dropped = [], [], [], []
+    no_room = 0
     for i, ex in enumerate(dataset):
         text = format_prompt(ex.prompt, template, tokenizer, instruction=instruction)
-        tok = np.asarray(tokenizer.encode(text), dtype=np.int32)
+        try:
+            tok = np.asarray(tokenizer.encode(text), dtype=np.int32)
+        except UnknownCharacterError as e:
+            raise DataError(f"{dataset.name} example {ex.meta.get('index', i)}: {e}") from None
         if len(tok) > max_prompt_len or len(tok) == 0:
             dropped.append(i)
+            continue
+        if not prompt_fits(len(tok), max_new_tokens, max_positions):
+            dropped.append(i)
+            no_room += 1
             continue
         examples.append(ex)
         ids.append(tok)
         texts.append(text)
-    if dropped:
+    if len(dropped) > no_room:
         log.warning("%s: dropped %d of %d prompts longer than max_prompt_len=%d tokens", dataset.name,
-                    len(dropped), len(dataset), max_prompt_len)
+                    len(dropped) - no_room, len(dataset), max_prompt_len)
+    if no_room:
+        log.warning("%s: dropped %d of %d prompts that with max_new_tokens=%d exceed the model's "
+                    "max_position_embeddings=%d", dataset.name, no_room, len(dataset), max_new_tokens, max_positions)
     return EncodedPrompts(dataset.name, dataset.scorer, examples, ids, texts, int(tokenizer.pad_id),
-                          max_prompt_len, len(dropped), dropped)
+                          max_prompt_len, len(dropped), dropped, no_room)
 
 
 def make_buckets(max_len: int, smallest: int = 32) -> tuple[int, ...]:

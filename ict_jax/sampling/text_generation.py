@@ -10,7 +10,8 @@ left-padded to a length bucket (:func:`ict_jax.data.prompts.make_buckets` of ``m
 batch is filled to ``batch_size`` prompts with copies of its last prompt (their samples are discarded),
 so one program is compiled per (bucket, n) whatever the number of prompts in a call.
 
-Over-long prompts are never truncated: a prompt of more than ``max_prompt_len`` tokens raises
+Over-long prompts are never truncated: a prompt of more than ``max_prompt_len`` tokens, or one that
+with ``max_new_tokens`` after it would pass the model's ``max_position_embeddings``, raises
 ``ValueError`` (``overlong="error"``, the default), or (``overlong="skip"``) gets n empty responses
 (scored wrong: no answer) and is counted in ``gen.skipped``.
 """
@@ -24,8 +25,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ict_jax.data.prompts import bucket_for, make_buckets, pad_left
+from ict_jax.config import eval_settings
+from ict_jax.data.prompts import bucket_for, check_prompt_fits, make_buckets, pad_left, prompt_fits
 from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES, format_prompt
+from ict_jax.model.tokenizers import UnknownCharacterError
 from ict_jax.sampling.sampler import SampleSettings, make_generate_fn, state_mesh
 from ict_jax.sharding import check_prompts_divide, to_host
 
@@ -52,6 +55,10 @@ class TextGenerator:
             self.graphdef, self.state = model
         else:
             self.graphdef, self.state = nnx.split(model)
+        self.max_positions = _max_positions(model, self.graphdef, self.state)
+        if not prompt_fits(1, max_new_tokens, self.max_positions):
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+                             f"max_position_embeddings={self.max_positions}")
         self.mesh = mesh if mesh is not None else state_mesh(self.state)
         if self.mesh is not None:
             check_prompts_divide(batch_size, self.mesh)
@@ -78,20 +85,34 @@ class TextGenerator:
         text = format_prompt(prompt, self.template, self.tokenizer, instruction=self.instruction)
         return np.asarray(self.tokenizer.encode(text), np.int32)
 
+    def fits(self, n_tokens: int) -> bool:
+        """A prompt of ``n_tokens`` (after templating) is sampled: at most ``max_prompt_len``, and with
+        ``max_new_tokens`` after it within the model's ``max_position_embeddings``."""
+        return 0 < n_tokens <= self.max_prompt_len and prompt_fits(
+            n_tokens, self.sample_kwargs["max_new_tokens"], self.max_positions)
+
     def __call__(self, prompts: Sequence[str], n: int) -> list[list[str]]:
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings, got one string")
         n = int(n)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        encoded = [self.encode(p) for p in prompts]
+        encoded = []
+        for i, p in enumerate(prompts):
+            try:
+                encoded.append(self.encode(p))
+            except UnknownCharacterError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
         out: list[list[str]] = [[""] * n for _ in prompts]
         keep = []
         for i, ids in enumerate(encoded):
-            if 0 < len(ids) <= self.max_prompt_len:
+            if self.fits(len(ids)):
                 keep.append(i)
             elif self.overlong == "skip":
                 self.skipped += 1
+            elif len(ids) <= self.max_prompt_len:
+                check_prompt_fits(len(ids), self.sample_kwargs["max_new_tokens"], self.max_positions,
+                                  where=f"prompt {i} (after templating)")
             else:
                 raise ValueError(f"prompt {i} is {len(ids)} tokens after templating, more than max_prompt_len="
                                  f"{self.max_prompt_len} (prompts are never truncated: raise max_prompt_len or "
@@ -116,8 +137,24 @@ class TextGenerator:
         return sum(fn.jitted._cache_size() for fn in self.fns.values())
 
 
-def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float = 0.6,
-                        top_p: float = 0.95, top_k: int = 0, template: str = "qwen_chat", max_prompt_len: int,
+def _max_positions(model: Any, graphdef: Any, state: Any) -> int | None:
+    """The model's ``max_position_embeddings`` (None when it has no config saying so)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        try:
+            config = getattr(nnx.merge(graphdef, state), "config", None)
+        except Exception:  # noqa: BLE001 - an unusual graph: no position limit known
+            config = None
+    limit = getattr(config, "max_position_embeddings", None)
+    return None if limit is None else int(limit)
+
+
+_EVAL = eval_settings()  # the defaults below are the config tree's (ict_jax.config.EVAL_KEYS)
+
+
+def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
+                        temperature: float = _EVAL["temperature"], top_p: float = _EVAL["top_p"], top_k: int = 0,
+                        template: str = _EVAL["template"], max_prompt_len: int,
                         batch_size: int, seed: int = 0, mesh: Any = None, overlong: str = "error",
                         instruction: str | None = None, kv_cache_dtype: str | None = None) -> TextGenerator:
     """``generate_fn(prompts: list[str], n: int) -> list[list[str]]`` sampling from ``model``.
@@ -128,7 +165,8 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int, temp
       (default ``BOXED_INSTRUCTION``) go to :func:`ict_jax.data.templates.format_prompt`; with ``template="none"``
       prompts are used exactly as given (already templated, see :func:`template_dataset`);
     - sampling: ``temperature``, ``top_p``, ``top_k`` (0 = off), ``max_new_tokens`` (docs/method.md §6 defaults
-      0.6 / 0.95; max_new_tokens = the training maximum); stops at ``tokenizer.eos_ids``;
+      0.6 / 0.95 and the template, read from the config tree: ``data.eval_temperature``,
+      ``data.eval_top_p``, ``data.template``); stops at ``tokenizer.eos_ids``;
     - shapes: up to ``batch_size`` prompts per program run (a multiple of data * fsdp under ``mesh``),
       left-padded to a bucket of :func:`ict_jax.data.prompts.make_buckets(max_prompt_len)`;
     - responses: the valid tokens (through the ending EOS), decoded with special tokens skipped;
