@@ -233,6 +233,19 @@ class DataSection:
     eval_limit: int | None = None  # problems per benchmark (None = all)
 
 
+#: The settings of an evaluation (``ict-jax eval``, the trainer's periodic evaluation) and the config key
+#: each is read from: the one place their defaults live (the config tree's fields). ``ict-jax eval`` of a
+#: run directory takes them from the run's recorded config, its flags override them, and its help texts
+#: and ``EVAL_DEFAULTS`` / ``make_text_generator`` read the defaults through :func:`eval_settings`.
+EVAL_KEYS: dict[str, str] = {
+    "benchmarks": "data.eval", "data_dir": "data.data_dir", "template": "data.template",
+    "n": "data.eval_n", "k": "data.eval_k", "temperature": "data.eval_temperature", "top_p": "data.eval_top_p",
+    "limit": "data.eval_limit", "max_new_tokens": "rollout.max_new_tokens",
+    "max_prompt_len": "rollout.max_prompt_len", "batch_size": "train.prompts_per_step", "seed": "seed",
+    "workers": "rl.reward.workers", "time_limit": "rl.reward.time_limit",
+}
+
+
 @dataclass(frozen=True)
 class LoggingSection:
     # a compact line every N steps when no progress bar is shown (not a terminal, --no-progress);
@@ -521,6 +534,33 @@ def rho_fraction(rho: float) -> tuple[int, int]:
     _check_fraction("rho", rho)
     f = fractions.Fraction(round(rho * 10_000), 10_000)
     return f.numerator, f.denominator
+
+
+def get_dotted(tree: Any, key: str, default: Any = None) -> Any:
+    """``tree``'s value at a dotted ``key`` (a :class:`Config` or the plain dict of one, e.g. a run's
+    ``config.json``); ``default`` where the key is missing."""
+    node = tree
+    for part in key.split("."):
+        if isinstance(node, dict):
+            if part not in node:
+                return default
+            node = node[part]
+        elif dataclasses.is_dataclass(node) and hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            return default
+    return node
+
+
+def eval_settings(tree: Any = None) -> dict[str, Any]:
+    """{setting: value} of :data:`EVAL_KEYS` from ``tree`` (a :class:`Config` or the plain dict a run
+    recorded; keys it lacks take the defaults; None = the defaults). Lists come back as tuples."""
+    defaults = Config()
+    out = {}
+    for name, key in EVAL_KEYS.items():
+        value = get_dotted(defaults, key) if tree is None else get_dotted(tree, key, get_dotted(defaults, key))
+        out[name] = tuple(value) if isinstance(value, list) else value
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

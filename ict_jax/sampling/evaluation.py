@@ -23,12 +23,17 @@ from typing import Any
 
 import numpy as np
 
+from ict_jax.config import eval_settings
 from ict_jax.rewards.pool import RewardPool
 
 __all__ = ["EVAL_DEFAULTS", "pass_at_k", "aggregate", "format_table", "evaluate", "evaluate_benchmarks"]
 
-#: docs/method.md §6: samples per problem, the k reported, and the sampling settings of the eval generate_fn.
-EVAL_DEFAULTS: dict[str, Any] = {"n": 4, "ks": (1, 4), "temperature": 0.6, "top_p": 0.95}
+_DEFAULTS = eval_settings()
+#: docs/method.md §6: samples per problem, the k reported, and the sampling settings of the eval generate_fn;
+#: read from the config tree's defaults (``data.eval_n``, ``data.eval_k``, ``data.eval_temperature``,
+#: ``data.eval_top_p``: :data:`ict_jax.config.EVAL_KEYS`), never written here.
+EVAL_DEFAULTS: dict[str, Any] = {"n": _DEFAULTS["n"], "ks": _DEFAULTS["k"], "temperature": _DEFAULTS["temperature"],
+                                 "top_p": _DEFAULTS["top_p"]}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
