@@ -584,3 +584,44 @@ def test_an_extension_that_crashed_is_not_taken_for_finished(tmp_path, monkeypat
     (run / "summary.json").write_text(json.dumps({**summary, "steps": 3}))  # the extension finished
     t = trainer_mod.Trainer(load_config(DEMO, args), resume=True)
     assert t.finished is not None and t.finished["steps"] == 3
+
+
+def test_a_tensorboard_writer_that_died_on_a_full_disk_is_an_error_not_a_hang(tmp_path, monkeypatch, capfd):
+    """Issue 25 item 6: tensorboardX writes events from a thread; when a write fails (a full disk) the
+    thread ends and the next events block forever on its full queue: the run hung. Now the next log
+    raises the write's OSError naming the folder, and the dying thread prints no traceback."""
+    import errno
+    import threading
+
+    from tensorboardX import record_writer
+
+    from ict_jax.train.logs import RunLogger
+
+    log = RunLogger(tmp_path / "run", total_steps=100, progress=False)
+    log.log(0, {"reward/mean": 0.5})
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    monkeypatch.setattr(record_writer.RecordWriter, "flush", full)
+    outcome = {}
+
+    def many_steps():
+        try:
+            for step in range(1, 100):
+                log.log(step, {f"m/{i}": float(i) for i in range(20)})
+        except OSError as e:
+            outcome["error"] = e
+
+    worker = threading.Thread(target=many_steps, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "RunLogger.log blocked on a dead TensorBoard writer"
+    err = outcome["error"]
+    assert err.errno == errno.ENOSPC and err.filename == str(tmp_path / "run" / "tb" / "rl")
+    assert "Exception in thread" not in capfd.readouterr().err
+    closing = threading.Thread(target=log.close, daemon=True)  # closing does not block on the dead writer
+    closing.start()
+    closing.join(timeout=30)
+    assert not closing.is_alive()

@@ -4,11 +4,14 @@ plot and the before/after table. Only process 0 writes."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -102,6 +105,8 @@ class RunLogger:
         self.tracker = tracker
         self.progress, self.print_every = progress, print_every
         self._bar = None
+        self._previous_thread_hook: Any = None
+        self._thread_hook: Any = None
         self._tb: dict[str, Any] | None = None
         self._file = None
         if self.enabled:
@@ -131,7 +136,23 @@ class RunLogger:
         else:
             self._every = int(self.print_every)
 
+    def _quiet_event_threads(self) -> None:
+        """A tensorboardX event thread that dies on a failed write (a full disk) is not printed as a
+        traceback: :func:`check_event_writer` raises its error on the next log, as one line."""
+        if self._previous_thread_hook is not None:
+            return
+        previous = self._previous_thread_hook = threading.excepthook
+
+        def hook(args: Any) -> None:
+            if type(args.thread).__name__ == "_EventLoggerThread" and issubclass(args.exc_type, OSError):
+                return
+            previous(args)
+
+        threading.excepthook = hook
+        self._thread_hook = hook
+
     def _writer(self, phase: str) -> Any:
+        self._quiet_event_threads()
         if phase not in self._tb:
             # tensorboardX: event files without TensorFlow; imported only when used
             from tensorboardX import SummaryWriter
@@ -144,11 +165,15 @@ class RunLogger:
         if not self.enabled:
             return
         row = {"step": int(step), "phase": phase, **{k: _json_float(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
+        try:
+            self._file.write(json.dumps(row) + "\n")
+        except OSError as e:  # a full disk: the error names the file
+            raise OSError(e.errno, e.strerror, str(self.run_dir / "metrics.jsonl")) from None
         if self._tb is not None:
             tb = self._writer(phase)
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
+                    check_event_writer(tb, self.run_dir / "tb" / phase)
                     tb.add_scalar(k, v, step)
         if self.tracker is not None:
             self.tracker.log(step, metrics, phase)
@@ -180,13 +205,53 @@ class RunLogger:
             print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        """Close every sink. A sink that cannot be flushed (a full disk) raises its OSError after the
+        others are closed, unless an exception is already on its way (the first error is the one the
+        user sees, e.g. the checkpoint that did not fit)."""
         if self._bar is not None:
             self._bar.close()
-        for tb in (self._tb or {}).values():
-            tb.close()
-        if self._file is not None:
-            self._file.close()
+        failed: OSError | None = None
+        # a TensorBoard writer whose thread died cannot flush, and closing it would block on its queue
+        sinks = [tb for tb in (self._tb or {}).values() if not event_writer_died(tb)]
+        for sink in [*sinks, *([self._file] if self._file is not None else [])]:
+            try:
+                sink.close()
+            except OSError as e:
+                failed = failed or e
         self._bar = self._tb = self._file = None
+        if self._thread_hook is not None and threading.excepthook is self._thread_hook:
+            threading.excepthook = self._previous_thread_hook
+        self._previous_thread_hook = self._thread_hook = None
+        if failed is not None and sys.exc_info()[1] is None:
+            raise failed
+
+
+def event_writer_died(writer: Any) -> bool:
+    """Whether a tensorboardX SummaryWriter's background event thread has ended (a failed write)."""
+    events = getattr(getattr(writer, "file_writer", None), "event_writer", None)
+    worker = getattr(events, "_worker", None)
+    return worker is not None and not worker.is_alive()
+
+
+def check_event_writer(writer: Any, logdir: Path) -> None:
+    """tensorboardX writes events from a background thread; when a write fails (a full disk) that thread
+    ends, and the next events would block forever on its full queue (a hung run). Raise the write's
+    ``OSError`` (named by the folder) instead, before anything is queued to a writer that is gone."""
+    if not event_writer_died(writer):
+        return
+    events = writer.file_writer.event_writer
+    error = OSError(errno.EIO, "TensorBoard's event writer stopped", str(logdir))
+    try:  # the writer's own file: its flush fails with the reason the thread ended
+        events._ev_writer.flush()
+    except OSError as e:
+        error = OSError(e.errno, e.strerror, str(logdir))
+    # nothing will write these events any more: tensorboardX's exit-time close must neither block on
+    # the full queue nor flush into the full disk again
+    with contextlib.suppress(Exception):
+        while True:
+            events._event_queue.get_nowait()
+    events._closed = True
+    raise error
 
 
 def _json_float(v: Any) -> Any:

@@ -363,6 +363,7 @@ class Trainer:
                 nonfinite_in_a_row = nonfinite_in_a_row + 1 if m.get("train/skipped", 0) > 0 else 0
                 m["train/nonfinite_in_a_row"] = float(nonfinite_in_a_row)
                 logger.log(step, m)
+                r.checkpointer.check()  # a background save that failed (a full disk) stops the run now
                 last = m
                 if nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
                     raise TrainingDiverged(
