@@ -178,3 +178,78 @@ def test_saved_model_folder_follows_the_umask(tmp_path, umask):
     assert (out.stat().st_mode & 0o777) == 0o777 & ~umask
     for f in out.iterdir():
         assert (f.stat().st_mode & 0o777) == 0o666 & ~umask, f.name
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 5: an output location that cannot be written was a Python traceback (exit 1), some of
+# them after minutes of work. Now every command that writes checks it first: one line, exit 2.
+# /proc/x/... cannot be created, even by root; /etc/hostname/... lies under a file.
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, label", [
+    (["train", "--config", str(DEMO), "run_dir=/proc/x/run"], "run_dir '/proc/x/run'"),
+    (["sft", "--config", str(DEMO), "run_dir=/proc/x/run"], "run_dir '/proc/x/run'"),
+    (["eval", "--model", "RUN", "--out", "/proc/x/out"], "--out '/proc/x/out'"),
+    (["inspect", "--checkpoint", "RUN", "--prompt", "1+1=", "--out", "/proc/x/page.html"], "--out '/proc/x/page.html'"),
+    (["inspect", "--model", "RUN", "--prompt", "1+1=", "--out", "/etc/hostname/page.html"],
+     "--out '/etc/hostname/page.html'"),
+    (["export", "--checkpoint", "RUN", "--out", "/proc/x/hf"], "--out '/proc/x/hf'"),
+    (["compare", "--config", str(DEMO), "--out", "/proc/x/cmp"], "out '/proc/x/cmp'"),
+    (["diagnose", "--model", "RUN", "--prompts", "split?size=2", "--out", "/proc/x/diag"], "--out '/proc/x/diag'"),
+    (["compile", "--config", str(DEMO), "--topology", "local", "--json", "/proc/x/c.json"], "--json '/proc/x/c.json'"),
+    (["compile", "--config", str(DEMO), "--topology", "local", "--dump-hlo", "/proc/x/hlo"], "--dump-hlo '/proc/x/hlo'"),
+])
+def test_an_unwritable_output_location_is_one_line_before_any_work(argv, label, run_dir, capsys, monkeypatch):
+    import ict_jax.train.checkpoints as ck
+
+    def no_work(*a, **k):  # nothing may be loaded, trained or compiled before the check
+        raise AssertionError("work started before the output location was checked")
+
+    monkeypatch.setattr(ck, "load_run_model", no_work)
+    monkeypatch.setattr(ck, "load_params_from_checkpoint", no_work)
+    monkeypatch.setattr(ck, "export_checkpoint", no_work)
+    argv = [str(run_dir) if a == "RUN" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ict-jax {argv[0]}: error: {label} ") and "Traceback" not in err, err
+    assert "cannot be" in err
+
+
+def test_check_output_locations(tmp_path):
+    from ict_jax.outputs import OutputLocationError, check_output_dir, check_output_file
+
+    deep = tmp_path / "a" / "b" / "c"
+    assert check_output_dir(deep, "--out") == deep and not (tmp_path / "a").exists()  # checked, nothing left behind
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputLocationError, match=r"^--out '.*file/sub' cannot be created: '.*file' is a file"):
+        check_output_dir(tmp_path / "file" / "sub", "--out")
+    with pytest.raises(OutputLocationError, match="exists and is not a folder"):
+        check_output_dir(tmp_path / "file", "--out")
+    with pytest.raises(OutputLocationError, match="is a folder; name a file"):
+        check_output_file(tmp_path, "--out")
+    assert check_output_file(tmp_path / "new" / "page.html", "--out") == tmp_path / "new" / "page.html"
+    with pytest.raises(OutputLocationError, match=r"nothing can be created in '/proc'"):
+        check_output_dir("/proc/x/run", "run_dir")
+
+
+def test_oserror_on_a_users_path_is_one_line(tmp_path, capsys, monkeypatch):
+    """An OSError of the user's paths or disk that only shows while writing (after the checks) is one
+    line with exit 2, naming the file, not a traceback."""
+    import errno
+
+    import ict_jax.cli.info as info
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.json"))
+
+    monkeypatch.setattr(info, "info_main", full)
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ict-jax info: error: No space left on device: '{tmp_path / 'x.json'}'\n"
+
+    def bug(args):
+        raise OSError(errno.EBADF, "Bad file descriptor")  # not about the user's paths: a traceback
+
+    monkeypatch.setattr(info, "info_main", bug)
+    with pytest.raises(OSError):
+        main(["info"])

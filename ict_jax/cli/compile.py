@@ -38,12 +38,17 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 def compile_main(args: argparse.Namespace) -> int:
     from ict_jax.cli.errors import UserError
     from ict_jax.config import load_config
+    from ict_jax.outputs import check_output_dir, check_output_file
     from ict_jax.aot.compile import PROGRAMS, compile_run, get_target
     from ict_jax.aot.report import not_fitting_line, render, to_json
     from ict_jax.aot.fit import format_fit, search
 
     if args.max_compiles < 1:
         raise UserError(f"--max-compiles {args.max_compiles}: must be at least 1")
+    if args.json:  # the results are written after minutes of compiling: check the places first
+        check_output_file(args.json, "--json")
+    if args.dump_hlo:
+        check_output_dir(args.dump_hlo, "--dump-hlo")
     cfg = load_config(args.config, args.overrides)
     target = get_target(args.topology if args.topology is not None else cfg.mesh.target)
     programs = PROGRAMS if args.program == "all" else (args.program,)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ict_jax.cli.errors import UserError
 from ict_jax.config import SELECTOR_DEFAULTS, UForm
+from ict_jax.outputs import check_output_dir
 
 
 def add_diagnose_args(p: argparse.ArgumentParser) -> None:
@@ -77,7 +78,7 @@ def diagnose_main(args: argparse.Namespace) -> int:
         raise UserError(f"--num-prompts {args.num_prompts}: must be >= 1")
     if not 0 < args.rho <= 1:
         raise UserError(f"--rho {args.rho}: allowed 0 < rho <= 1")
-    out = Path(args.out)
+    out = check_output_dir(args.out, "--out")
     if args.reanalyse:
         if not (out / "diagnose.json").is_file():
             raise UserError(f"--reanalyse: {str(out / 'diagnose.json')!r} does not exist")

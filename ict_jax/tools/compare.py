@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from ict_jax.config import Config, ConfigError, Method, load_config
+from ict_jax.outputs import check_output_dir
 from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, RunSpec, collect, format_markdown,
                                           has_checkpoint, is_finite, pass_at_k, plot_groups)
 from ict_jax.train.record import run_finished
@@ -247,7 +248,7 @@ def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | str 
         raise ConfigError(f"--target-reward {target_reward!r}: expected a number")
     if out is None:
         out = "runs/compare_" + ("config" if isinstance(config, Config) else Path(config).stem)
-    out = Path(out)
+    out = check_output_dir(out, "out")  # every run writes under it: checked before any work
     specs = plan_runs(methods, seeds, out, rhos)
     model_path, tokenizer = start_model(cfg, out)
     run_cfgs = [run_config(cfg, s, model_path, tokenizer) for s in specs]  # validates every run up front
