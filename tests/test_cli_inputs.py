@@ -253,3 +253,75 @@ def test_oserror_on_a_users_path_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(info, "info_main", bug)
     with pytest.raises(OSError):
         main(["info"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 2: a prompt plus max_new_tokens past the model's max_position_embeddings generated
+# garbage; item 8: `sample --temperature 0` / `-n 0` named internal parameters, `-n 0` after loading.
+# ------------------------------------------------------------------------------------------------
+LONG = "12+" * 700 + "5="  # 2,102 characters: the issue's prompt; the tiny preset has 2,048 positions
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sample", "--prompt", LONG], "error: --prompt 1 is 2102 tokens; with 256 new tokens that is 2358 positions, "
+                                   "more than the model's max_position_embeddings=2048"),
+    (["sample", "--prompt", "1+1=", "--prompt", "x" * 2000, "--max-new-tokens", "49"],
+     "error: --prompt 2 is 2000 tokens; with 49 new tokens that is 2049 positions"),
+    (["inspect", "--prompt", LONG, "--max-new-tokens", "8"], "error: the prompt (after templating) is 2102 tokens; "
+                                                             "with 8 new tokens"),
+    (["sample", "--prompt", "9５="], "error: --prompt 1: character '５' (U+FF15"),
+])
+def test_prompts_past_the_models_positions_are_refused(argv, message, run_dir, capsys, tmp_path):
+    argv = [*argv, "--model", str(run_dir / "sft_model"), "--tokenizer", "char"]
+    if argv[0] == "inspect":
+        argv += ["--out", str(tmp_path / "page.html"), "--template", "none"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-n", "0"], "-n/--num-samples must be >= 1, got 0"),
+    (["--temperature", "0"], "--temperature must be > 0, got 0.0 (for argmax decoding pass --greedy)"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--top-k", "-1"], "--top-k must be >= 0 (0 = off), got -1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+])
+def test_sample_flags_are_checked_before_the_model_loads(flags, message, capsys, monkeypatch):
+    import ict_jax.train.checkpoints as ck
+
+    monkeypatch.setattr(ck, "load_run_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert main(["sample", "--model", "no/such/model", "--prompt", "1+1=", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ict-jax sample: error: {message}\n"
+
+
+def test_diagnose_refuses_prompts_past_the_models_positions(tiny_model):
+    from ict_jax import CharTokenizer
+    from ict_jax.data.datasets import Dataset
+    from ict_jax.data.example import Example
+    from ict_jax.tools.diagnose import Setting, collect
+
+    small = tiny_model.config.max_position_embeddings  # 2048
+    ds = Dataset("mine", [Example("1+1=", "2"), Example("y" * (small - 10), "1"), Example("z" * small, "1")], "exact")
+    with pytest.raises(ValueError, match=r"^2 of 3 prompts pass the model's positions; the first, prompt 1, is 2038 "
+                                         r"tokens; with 16 new tokens that is 2054 positions"):
+        collect(tiny_model, CharTokenizer(), ds, Setting(2, 1.0), max_new_tokens=16, template="none")
+
+
+def test_training_data_drops_and_counts_prompts_past_the_models_positions(caplog):
+    """encode_prompts (the training data): a prompt of n tokens is kept when n + max_new_tokens <=
+    max_positions; the others are dropped and counted like over-long prompts (hand-counted cases)."""
+    from ict_jax import CharTokenizer
+    from ict_jax.data.datasets import Dataset
+    from ict_jax.data.example import Example
+    from ict_jax.data.prompts import encode_prompts
+
+    ds = Dataset("mine", [Example("x" * n, "1") for n in (3, 10, 11, 12, 20, 4)], "exact")
+    enc = encode_prompts(ds, CharTokenizer(), template="none", max_prompt_len=16, max_new_tokens=6, max_positions=16)
+    # 3, 10 fit (10 + 6 = 16); 11, 12 do not; 20 is over max_prompt_len; 4 fits
+    assert [len(i) for i in enc.ids] == [3, 10, 4]
+    assert enc.dropped == 3 and enc.dropped_indices == [2, 3, 4] and enc.dropped_positions == 2
+    assert "dropped 2 of 6 prompts that with max_new_tokens=6 exceed the model's max_position_embeddings=16" \
+        in caplog.text
+    assert encode_prompts(ds, CharTokenizer(), template="none", max_prompt_len=16).dropped == 1  # no limit given

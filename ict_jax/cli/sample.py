@@ -52,20 +52,47 @@ def _format(tok, text: str, chat: bool | None) -> str:
     return render_chat_template(QWEN2P5_CHAT_TEMPLATE, messages, True)
 
 
+def _validate(args: argparse.Namespace) -> None:
+    """The flags, before anything loads (issue 25 item 8: `-n 0` loaded the model first, then named an
+    internal parameter)."""
+    from ict_jax.cli.errors import UserError
+
+    if args.num_samples < 1:
+        raise UserError(f"-n/--num-samples must be >= 1, got {args.num_samples}")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.greedy and not args.temperature > 0:
+        raise UserError(f"--temperature must be > 0, got {args.temperature} (for argmax decoding pass --greedy)")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+
+
 def sample_main(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
-    from ict_jax.data.prompts import pad_left
+    from ict_jax.cli.errors import UserError
+    from ict_jax.data.prompts import check_prompt_fits, pad_left
+    from ict_jax.model.tokenizers import UnknownCharacterError
     from ict_jax.sampling.sampler import generate
     from ict_jax.train.checkpoints import load_run_model
 
+    _validate(args)
     model, tok, where = load_run_model(args.model, tokenizer=args.tokenizer)
     if where != str(args.model):
         print(f"model: {where}", file=sys.stderr)
-    encoded = [tok.encode(_format(tok, text, args.chat)) for text in args.prompt]
-    if any(len(e) == 0 for e in encoded):
-        raise ValueError("a prompt encodes to zero tokens")
+    encoded = []
+    for i, text in enumerate(args.prompt, start=1):
+        try:
+            encoded.append(tok.encode(_format(tok, text, args.chat)))
+        except UnknownCharacterError as e:
+            raise UserError(f"--prompt {i}: {e}") from None
+        if not encoded[-1]:
+            raise UserError(f"--prompt {i} encodes to zero tokens")
+        check_prompt_fits(len(encoded[-1]), args.max_new_tokens, model.config.max_position_embeddings,
+                          where=f"--prompt {i}")
     ids, mask = pad_left(encoded, max(len(e) for e in encoded), tok.pad_id)  # every prompt ends at the last column
     t0 = time.perf_counter()
     r = generate(model, ids, mask, jax.random.key(args.seed), num_samples=args.num_samples,

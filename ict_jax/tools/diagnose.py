@@ -28,8 +28,9 @@ import numpy as np
 from flax import nnx
 
 from ict_jax.config import SelectorSection
-from ict_jax.data.prompts import pad_left
+from ict_jax.data.prompts import check_prompt_fits, pad_left, prompt_fits
 from ict_jax.data.templates import BOXED_INSTRUCTION, MC_INSTRUCTION, format_prompt
+from ict_jax.model.tokenizers import UnknownCharacterError
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.selectors import select
@@ -95,17 +96,29 @@ def outcome_advantages(correct: np.ndarray, G: int, row_valid: np.ndarray | None
 
 
 
-def _prompt_ids(dataset: Any, tokenizer: Any, template: str, vocab: int) -> list[np.ndarray]:
+def _prompt_ids(dataset: Any, tokenizer: Any, template: str, vocab: int, max_new_tokens: int = 0,
+                max_positions: int | None = None) -> list[np.ndarray]:
+    """Every prompt's ids; prompts that with ``max_new_tokens`` pass ``max_positions`` (the model's
+    ``max_position_embeddings``) are refused, counted, in one line."""
     instruction = MC_INSTRUCTION if getattr(dataset, "scorer", None) == "mc" else BOXED_INSTRUCTION
     out = []
     for i, ex in enumerate(dataset):
-        ids = np.asarray(tokenizer.encode(format_prompt(ex.prompt, template, tokenizer, instruction=instruction)),
-                         np.int32)
+        try:
+            ids = np.asarray(tokenizer.encode(format_prompt(ex.prompt, template, tokenizer, instruction=instruction)),
+                             np.int32)
+        except UnknownCharacterError as e:
+            raise ValueError(f"prompt {i} of {getattr(dataset, 'name', 'the prompts')}: {e}") from None
         if ids.size == 0:
             raise ValueError(f"prompt {i} encodes to zero tokens")
         if ids.max() >= vocab:
             raise ValueError(f"prompt {i} has token id {int(ids.max())}; the model's vocabulary has {vocab} ids")
         out.append(ids)
+    too_long = [i for i, ids in enumerate(out) if not prompt_fits(len(ids), max_new_tokens, max_positions)]
+    if too_long:
+        first = too_long[0]
+        check_prompt_fits(len(out[first]), max_new_tokens, max_positions,
+                          where=f"{len(too_long)} of {len(out)} prompts pass the model's positions; the first, prompt "
+                                f"{first},")
     return out
 
 
@@ -166,7 +179,8 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         raise ValueError(f"temperature {T}: must be > 0")
     t_s = T if stats_temperature is None else float(stats_temperature)
     batch_prompts = min(max(1, int(batch_rows) // G), len(dataset))
-    prompts = _prompt_ids(dataset, tokenizer, template, model.config.vocab_size)
+    prompts = _prompt_ids(dataset, tokenizer, template, model.config.vocab_size, N,
+                          model.config.max_position_embeddings)
     Lp = max(len(p) for p in prompts)
     graphdef, state = nnx.split(model)
     gen = make_generate_fn(graphdef, num_samples=G, max_new_tokens=N, temperature=T,

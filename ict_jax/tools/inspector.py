@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ict_jax.config import SelectorSection, StatsSection, from_dict
+from ict_jax.data.prompts import check_prompt_fits
 from ict_jax.data.templates import format_prompt
 from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.selectors import select, stapo_candidates, stapo_quantile
@@ -259,6 +260,7 @@ def token_report(
     columns = column_selectors(run, rho_ict=rho_ict, rho_entropy=rho_entropy, ict_scope=ict_scope,
                                entropy_scope=entropy_scope, tau_p=tau_p, tau_h=tau_h)
     text, prompt_ids = _encode_prompt(tokenizer, prompt, template, model.config.vocab_size)
+    check_prompt_fits(len(prompt_ids), N, model.config.max_position_embeddings, where="the prompt (after templating)")
 
     ids = np.asarray([prompt_ids], np.int32)
     ro = generate(model, ids, np.ones_like(ids), jax.random.key(int(seed)), num_samples=G, max_new_tokens=N,
