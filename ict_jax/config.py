@@ -156,6 +156,9 @@ class LossSection:
 class AdvSection:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     drop_zero_std_groups: bool = False  # DAPO dynamic sampling
+    # what a group must vary in to be kept by dynamic sampling: "correct" (DAPO's definition, 0 < #correct
+    # < G) or "reward" (the total reward; keeps all-wrong groups that differ only by a format penalty)
+    filter_on: Literal["reward", "correct"] = "correct"
     max_refill: int = 4  # extra prompt batches drawn to replace dropped groups (then they stay dropped)
     eps: float = 1e-6
 

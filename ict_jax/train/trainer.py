@@ -42,6 +42,7 @@ from ict_jax.model.weights import load_hf, save_hf
 from ict_jax.rewards.checks import CUSTOM_KIND, sft_target
 from ict_jax.rl.sft import make_sft_step, sft_arrays
 from ict_jax.rl.batch import build_rollout_batch
+from ict_jax.rl.dynamic_sampling import informative_groups
 from ict_jax.rl.state import TrainState, init_opt_state, init_train_state, reference_params
 from ict_jax.sharding import shard_batch, to_host
 from ict_jax.train.checkpoints import Checkpointer
@@ -53,12 +54,6 @@ from ict_jax.train.tracking import WandbTracker
 
 SAMPLER_STREAM = 0x53414D50  # "SAMP"
 MAX_NONFINITE_IN_A_ROW = 3
-
-
-def _informative(rewards: np.ndarray, G: int) -> np.ndarray:
-    """Per group: the G rewards are not all equal (docs/method.md §3: max > min)."""
-    r = rewards.reshape(-1, G)
-    return r.max(axis=1) > r.min(axis=1)
 
 
 class TrainingDiverged(RuntimeError):
@@ -268,8 +263,9 @@ class Trainer:
         Every process holds the same host data (the same seeded prompt iterator) and builds the same
         batch; each process scores only its share of the rows and the rewards are all-gathered.
 
-        ``rl.adv.drop_zero_std_groups`` (DAPO dynamic sampling): a group whose G rewards are all equal
-        carries no policy gradient; up to ``rl.adv.max_refill`` further prompt batches are drawn and
+        ``rl.adv.drop_zero_std_groups`` (DAPO dynamic sampling): a group whose G responses are all
+        correct or all wrong (``rl.adv.filter_on: correct``; ``reward``: whose G rewards are all equal)
+        is dropped (:func:`ict_jax.rl.dynamic_sampling.informative_groups`); up to ``rl.adv.max_refill`` further prompt batches are drawn and
         their informative groups take the dropped groups' places. Slots still empty after that stay in
         the batch with ``row_valid = 0`` (out of the loss and its denominators)."""
 
@@ -282,12 +278,13 @@ class Trainer:
         group_ok = pb.valid.astype(bool)
         refills = 0
         if cfg.rl.adv.drop_zero_std_groups:
-            group_ok &= _informative(rewards, G)
+            group_ok &= informative_groups(rewards, G, cfg.rl.adv.filter_on, cfg.rl.reward.correct)
             ids, mask, rewards = ids.copy(), mask.copy(), rewards.copy()
             while not group_ok.all() and refills < cfg.rl.adv.max_refill:
                 refills += 1
                 pb2, ro2, rew2 = self._generate_and_score(state, jax.random.fold_in(key, refills))
-                donors = list(np.flatnonzero(pb2.valid.astype(bool) & _informative(rew2, G)))
+                donors = list(np.flatnonzero(pb2.valid.astype(bool) & informative_groups(
+                    rew2, G, cfg.rl.adv.filter_on, cfg.rl.reward.correct)))
                 holes = list(np.flatnonzero(~group_ok))
                 if not donors:
                     continue
