@@ -627,17 +627,35 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return from_dict(data)
 
 
+def _yaml_where(err: Any) -> str:
+    """`` at line L, column C: <problem> (<context> at line l, column c)`` of a YAML error (1-based)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    out = f" at line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else f": {problem}"
+    context, cmark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and cmark is not None:
+        out += f" ({context} at line {cmark.line + 1}, column {cmark.column + 1})"
+    return out
+
+
 def _load_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     import yaml  # yaml only where text is parsed (the CLI parser imports this module)
 
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.yaml"))[:3]
+        raise ConfigError(f"config file {str(path)!r} is a folder: name a YAML file in it"
+                          + (f" ({', '.join(found)}, ...)" if found else ""))
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     if path.resolve() in seen:
         raise ConfigError(f"config file {str(path)!r} includes itself through 'base'")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{_yaml_where(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     base = data.pop("base", None)
