@@ -140,11 +140,21 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def has_results(out: Path) -> bool:
+    """Whether the comparison in ``out`` has produced anything a later invocation would reuse: the warm
+    start's ``sft_model``, or a run that logged at least one step (its ``metrics.jsonl``)."""
+    if (out / "warmstart" / "sft_model").is_dir():
+        return True
+    return any(p.is_file() and p.stat().st_size > 0 for p in out.glob("**/metrics.jsonl"))
+
+
 def check_same_config(cfg: Config, out: Path) -> None:
     """An existing comparison in ``out`` must have been made with the same config (``run_dir`` aside):
-    its finished runs are reused, so mixing configs would mix results silently."""
+    its finished runs are reused, so mixing configs would mix results silently. A record left by an
+    invocation that failed before any run produced anything (:func:`has_results`) guards nothing: it is
+    replaced (the corrected rerun of a comparison that failed at start-up is not refused)."""
     path = out / "compare_config.json"
-    if not path.is_file():
+    if not path.is_file() or not has_results(out):
         return
     old = _flatten(json.loads(path.read_text()))
     new = _flatten(json.loads(json.dumps(cfg.to_dict())))
@@ -256,7 +266,7 @@ def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | str 
     say(f"{len(specs)} runs ({len(methods)} method(s), seeds {seeds}"
         + (f", ict rho {', '.join(f'{r:g}' for r in rhos)}" if rhos else "") + f") -> {out}")
     t0 = time.perf_counter()
-    if jax.process_index() == 0 and not (out / "compare_config.json").is_file():
+    if jax.process_index() == 0 and not has_results(out):  # this invocation's config is the one on record
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     ws = warm_start(cfg, out, progress=progress, say=say) if cfg.train.sft_steps > 0 else {}
