@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import importlib.util
 import logging
 import os
 import re
@@ -17,7 +16,7 @@ from ict_jax import __version__
 from ict_jax.cli.errors import UserError
 from ict_jax.config import ConfigError
 from ict_jax.outputs import USER_PATH_ERRNOS, os_error_line
-from ict_jax.platform import nvidia_gpu_present, tpu_chips_present
+from ict_jax.platform import use_cpu_without_accelerators
 
 # subcommand -> (module, add_args function, main function, one-line help). Modules import lazily so
 # `ict-jax info` does not pay for the trainer's imports.
@@ -88,17 +87,8 @@ def quiet_library_logs() -> None:
     except ImportError:
         pass
 def skip_absent_tpu() -> bool:
-    """With libtpu installed (the ``tpu`` extra, e.g. for ``ict-jax compile``) on a machine without TPU
-    chips or NVIDIA GPUs, JAX would still start the TPU runtime, which prints several lines of warnings
-    (TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES) on every command before falling back to the CPU. Then
-    (and only when ``JAX_PLATFORMS`` is unset) set ``JAX_PLATFORMS=cpu``: the same devices, no noise.
-    Compiling for a TPU topology works either way. Returns True when it set it (docs/tpu.md)."""
-    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
-        return False
-    if tpu_chips_present() or nvidia_gpu_present():
-        return False
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    return True
+    """``ict_jax.platform.use_cpu_without_accelerators``: no libtpu warnings on a machine without a TPU."""
+    return use_cpu_without_accelerators()
 
 
 def silence_stderr(log_path: str | None = None) -> None:

@@ -96,6 +96,13 @@ def outcome_advantages(correct: np.ndarray, G: int, row_valid: np.ndarray | None
 
 
 
+def prompt_instruction(dataset: Any, template: str) -> str | None:
+    """The instruction each prompt gets after its question (None with template ``none``: as given)."""
+    if template == "none":
+        return None
+    return MC_INSTRUCTION if getattr(dataset, "scorer", None) == "mc" else BOXED_INSTRUCTION
+
+
 def _prompt_ids(dataset: Any, tokenizer: Any, template: str, vocab: int, max_new_tokens: int = 0,
                 max_positions: int | None = None) -> list[np.ndarray]:
     """Every prompt's ids; prompts that with ``max_new_tokens`` pass ``max_positions`` (the model's
@@ -199,10 +206,13 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         real = len(idx)
         idx += [idx[-1]] * (batch_prompts - real)  # filler prompts keep one compiled shape; dropped below
         ids, mask = pad_left([prompts[i] for i in idx], Lp, int(tokenizer.pad_id))
+        say(f"{setting.name}: sampling prompts {start + 1}-{start + real} of {n_prompts} ({G} responses each, up to "
+            f"{N} tokens{', compiling first' if b == 0 else ''}) ...")
         t0 = time.perf_counter()
         ro = gen(state, ids, mask, jax.random.fold_in(key, b))
         tokens, valid, trunc = (np.asarray(x) for x in jax.block_until_ready((ro.tokens, ro.valid, ro.truncated)))
-        timing["sample_s"] += time.perf_counter() - t0
+        t_sample = time.perf_counter() - t0
+        timing["sample_s"] += t_sample
         rows = real * G
         t0 = time.perf_counter()
         batch_texts, rew, ok, row_valid = _score(pool, dataset, tokenizer, idx, real, G, tokens, valid)
@@ -220,7 +230,8 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
                        config=cfg, group_size=G)
             masks[name].append(np.asarray(m)[:rows] > 0)
         jax.block_until_ready(base.logp)
-        timing["stats_s"] += time.perf_counter() - t0
+        t_stats = time.perf_counter() - t0
+        timing["stats_s"] += t_stats
         for k, x in (("tokens", tokens), ("valid", vmask), ("logp", base.logp), ("H1", base.H1), ("H2", base.H2),
                      ("pmax", base.pmax), ("truncated", trunc)):
             arrays[k].append(np.asarray(x)[:rows])
@@ -232,8 +243,8 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         advantages.append(adv[:rows])
         groups.append(np.repeat(np.asarray(idx[:real]), G))
         texts += batch_texts
-        say(f"{setting.name}: prompts {start + 1}-{start + real} of {n_prompts} sampled and scored "
-            f"({int(ok[:rows].sum())}/{rows} correct)")
+        say(f"{setting.name}: prompts {start + 1}-{start + real} of {n_prompts} sampled in {t_sample:.0f} s, "
+            f"statistics and masks in {t_stats:.0f} s ({int(ok[:rows].sum())}/{rows} correct)")
     cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
     out = {k: cat(v) for k, v in arrays.items()}
     out["valid"] = out["valid"].astype(bool)
@@ -315,12 +326,13 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
     results: dict[str, Any] = {"title": title, "dataset": getattr(dataset, "name", ""), "prompts": len(dataset),
                                "max_new_tokens": int(max_new_tokens), "batch_rows": int(batch_rows),
                                "u_forms": list(u_forms), "rho": rho, "seed": int(seed), "template": template,
-                               "paper": PAPER, "settings": {}}
+                               "instruction": prompt_instruction(dataset, template), "paper": PAPER, "settings": {}}
     outdir = None if out is None else Path(out)
     if outdir is not None:
         outdir.mkdir(parents=True, exist_ok=True)
     with RewardPool(reward_workers, time_limit=5.0) as pool:
-        for setting in settings:
+        for i, setting in enumerate(settings, start=1):
+            say(f"{setting.name}: setting {i} of {len(settings)} (G = {setting.group_size}, T = {setting.temperature})")
             t0 = time.perf_counter()
             data = collect(model, tokenizer, dataset, setting, u_forms=u_forms, max_new_tokens=max_new_tokens,
                            batch_rows=batch_rows, template=template, seed=seed, rho=rho, chunk=chunk, pool=pool,
