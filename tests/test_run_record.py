@@ -625,3 +625,35 @@ def test_a_tensorboard_writer_that_died_on_a_full_disk_is_an_error_not_a_hang(tm
     closing.start()
     closing.join(timeout=30)
     assert not closing.is_alive()
+
+
+def test_wall_s_counts_an_interrupted_invocation(tmp_path):
+    """Issue 25 item 15: summary.json's wall_s is documented "over all invocations" but left out an
+    invocation that was interrupted (Ctrl-C) or stopped by an error. Both now count."""
+    from ict_jax.config import load_config
+    from ict_jax.train.record import read_summary
+    from ict_jax.train.trainer import Interrupted, Trainer
+
+    cfg = load_config(DEMO, TINY + ["train.sft_steps=0", "data.eval=[]", "train.steps=2", "mesh.data=-1",
+                                     "mesh.tensor=2", f"run_dir={tmp_path / 'run'}"])
+
+    def interrupted():
+        time.sleep(0.3)
+        raise Interrupted("interrupted at RL step 1/2")
+
+    with pytest.raises(Interrupted):
+        with Trainer(cfg, progress=False) as t:
+            t.run_loop = interrupted
+            t.train()
+    first = read_summary(tmp_path / "run")
+    assert first["status"] == "running" and first["wall_s"] >= 0.3
+
+    def failed():
+        time.sleep(0.2)
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError):
+        with Trainer(cfg, resume=True, progress=False) as t:
+            t.run_loop = failed
+            t.train()
+    assert read_summary(tmp_path / "run")["wall_s"] >= first["wall_s"] + 0.2  # added up over invocations

@@ -113,6 +113,7 @@ class Trainer:
         self._tracker: Any = None
         self._summary: dict[str, Any] = {}
         self._last_eval: tuple[int, dict[str, float]] | None = None
+        self._wall_clock: tuple[float, float] | None = None  # (wall_s before this invocation, its start)
         if resume and run_finished(self.run_dir):
             previous = read_config(self.run_dir)
             if previous is not None:
@@ -409,6 +410,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter() if t0 is None else t0
         wall_before = float(self._summary.get("wall_s", 0.0)) if wall_before is None else wall_before
+        self._wall_clock = self._wall_clock or (wall_before, t0)  # close() counts an interrupted invocation
         self._summary["sft"] = self.sft()
         self._summary["model"] = str(self.run_dir / SFT_MODEL)
         self._save_summary("sft finished")
@@ -429,6 +431,7 @@ class Trainer:
         cfg, r = self.cfg, self.run
         t0 = time.perf_counter()
         wall_before = float(self._summary.get("wall_s", 0.0))
+        self._wall_clock = (wall_before, t0)  # close() counts an interrupted invocation's time too
         if self._summary.get("status") in (None, "finished"):  # until it finishes (again), it is not finished
             self._save_summary("running")
         sft_part = f"SFT {cfg.train.sft_steps} steps, then " if cfg.train.sft_steps > 0 else ""
@@ -445,9 +448,16 @@ class Trainer:
         if jax.process_index() == 0 and metrics.exists():
             self._summary["plot"] = str(plot_metrics(metrics, self.run_dir / "metrics.png"))
         self._save_summary("finished")
+        self._wall_clock = None
         return self._summary
 
     def close(self) -> None:
+        if self._wall_clock is not None:  # stopped (Ctrl-C, an error) or SFT only: wall_s over every invocation
+            before, t0 = self._wall_clock
+            self._wall_clock = None
+            self._summary["wall_s"] = before + time.perf_counter() - t0
+            with contextlib.suppress(OSError):  # a full disk: the error that stopped the run is the one shown
+                self._save_summary(self._summary.get("status", "running"))
         if self._logger is not None:
             self._logger.close()
             self._logger = None
