@@ -211,8 +211,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         t0 = time.perf_counter()
         ro = gen(state, ids, mask, jax.random.fold_in(key, b))
         tokens, valid, trunc = (np.asarray(x) for x in jax.block_until_ready((ro.tokens, ro.valid, ro.truncated)))
-        t_sample = time.perf_counter() - t0
-        timing["sample_s"] += t_sample
+        timing["sample_s"] += (t_sample := time.perf_counter() - t0)
         rows = real * G
         t0 = time.perf_counter()
         batch_texts, rew, ok, row_valid = _score(pool, dataset, tokenizer, idx, real, G, tokens, valid)
@@ -230,8 +229,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
                        config=cfg, group_size=G)
             masks[name].append(np.asarray(m)[:rows] > 0)
         jax.block_until_ready(base.logp)
-        t_stats = time.perf_counter() - t0
-        timing["stats_s"] += t_stats
+        timing["stats_s"] += (t_stats := time.perf_counter() - t0)
         for k, x in (("tokens", tokens), ("valid", vmask), ("logp", base.logp), ("H1", base.H1), ("H2", base.H2),
                      ("pmax", base.pmax), ("truncated", trunc)):
             arrays[k].append(np.asarray(x)[:rows])
