@@ -414,3 +414,58 @@ def test_the_command_line_prints_a_full_disk_as_one_line(tmp_path, enospc_on_sav
     assert max(steps) < 39  # stopped right after the failure, not at the end of the run
     with Checkpointer(run / "checkpoints", read_only=True) as again:
         assert again.all_steps() == [2]
+
+
+def test_tensorstores_event_loop_tracebacks_are_kept_out_of_the_console():
+    """After a failed save, tensorstore prints "RuntimeError: Event loop is closed" tracebacks (from C,
+    through sys.stderr) for the save's other writes. They go to the details log; everything else passes
+    through unchanged and at once."""
+    import io
+
+    from ict_jax.train.checkpoint_errors import OrbaxLogCapture, QuietEventLoopTracebacks
+
+    out = io.StringIO()
+    capture = OrbaxLogCapture("/x")
+    quiet = QuietEventLoopTracebacks(out, capture)
+    quiet.write("rl 4/8  reward 0.1\n")
+    assert out.getvalue() == "rl 4/8  reward 0.1\n"  # at once
+    noise = ("Traceback (most recent call last):\n", '  File "base_events.py", line 806, in call_soon_threadsafe\n',
+             "    self._check_closed()\n", "RuntimeError", ": ", "Event loop is closed", "\n")
+    for piece in noise:  # as PyErr_Display writes it: in pieces
+        quiet.write(piece)
+    quiet.write("\rpartial bar")
+    assert out.getvalue() == "rl 4/8  reward 0.1\n\rpartial bar"
+    assert len(capture.records) == 1 and "Event loop is closed" in capture.records[0].getMessage()
+    other = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: a real error\n"
+    quiet.write("before " + other + "after\n")
+    assert out.getvalue().endswith("before " + other + "after\n")
+    quiet.write("Traceback (most recent call last):\n  File")
+    quiet.flush()  # held while it may still be being printed ...
+    assert not out.getvalue().endswith("  File")
+    quiet.remove()  # ... but an unfinished traceback is not swallowed
+    assert out.getvalue().endswith("Traceback (most recent call last):\n  File")
+
+
+def test_event_loop_tracebacks_of_two_threads_at_once_are_kept_out_too():
+    import io
+    import threading
+
+    from ict_jax.train.checkpoint_errors import OrbaxLogCapture, QuietEventLoopTracebacks
+
+    out = io.StringIO()
+    quiet = QuietEventLoopTracebacks(out, OrbaxLogCapture("/x"))
+    lines = ["Traceback (most recent call last):\n", '  File "base_events.py", line 806, in call_soon_threadsafe\n',
+             "    self._check_closed()\n", "RuntimeError: Event loop is closed\n"]
+    barrier = threading.Barrier(2)
+
+    def printer():
+        for line in lines:  # the two threads' lines interleave
+            barrier.wait()
+            quiet.write(line)
+
+    threads = [threading.Thread(target=printer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out.getvalue() == "" and len(quiet.capture.records) == 2

@@ -657,3 +657,37 @@ def test_wall_s_counts_an_interrupted_invocation(tmp_path):
             t.run_loop = failed
             t.train()
     assert read_summary(tmp_path / "run")["wall_s"] >= first["wall_s"] + 0.2  # added up over invocations
+
+
+def test_a_row_is_written_whole_or_not_at_all_and_a_half_row_is_not_read(tmp_path):
+    """Issue 25 item 6, "nothing lost": on a full disk metrics.jsonl got half a row, and the resumed run
+    then failed on it (JSONDecodeError, exit 1). A failed write is cut back to where the row began, and a
+    half row at the end of a file (from a crash mid-write) is skipped by the readers."""
+    import errno
+
+    from ict_jax.train.logs import append_row, complete_lines
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "phase": "rl"}\n')
+    real = open(path, "ab", buffering=0)
+
+    class FullDisk:  # writes part of the row, then the disk is full
+        def fileno(self):
+            return real.fileno()
+
+        def write(self, data):
+            os.write(real.fileno(), data[:10])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as err:
+        append_row(FullDisk(), json.dumps({"step": 1, "phase": "rl", "x": 1.5}) + "\n", path)
+    real.close()
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(path)
+    assert path.read_text() == '{"step": 0, "phase": "rl"}\n'  # the half row is gone
+
+    assert complete_lines('{"a": 1}\n{"b": 2}\n') == ['{"a": 1}', '{"b": 2}']
+    assert complete_lines('{"a": 1}\n{"b": 2') == ['{"a": 1}']  # cut short: skipped
+    assert complete_lines('{"a": 1}\n{"b": 2}') == ['{"a": 1}', '{"b": 2}']  # whole, only the newline missing
+    path.write_text('{"step": 0, "phase": "rl", "m": 1.0}\n{"step": 1, "phase": "rl", "m": 2.0}\n{"step": 2, "ph')
+    assert [r["step"] for r in read_metrics(path)] == [0, 1]
+    assert truncate_metrics(path, {"rl": 1}) == 1 and path.read_text() == '{"step": 0, "phase": "rl", "m": 1.0}\n'

@@ -18,12 +18,15 @@ import errno
 import logging
 import os
 import re
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CheckpointWriteError", "OrbaxLogCapture", "write_error", "ERROR_LOG"]
+__all__ = ["CheckpointWriteError", "OrbaxLogCapture", "QuietEventLoopTracebacks", "write_error", "ERROR_LOG"]
 
 #: The details of a failed checkpoint write: ``<run_dir>/checkpoint_errors.log`` (beside the checkpoint
 #: folder), or a file in the system's temporary folder when that one cannot be written either.
@@ -84,6 +87,75 @@ class OrbaxLogCapture(logging.Filter):
     def text(self) -> str:
         fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(threadName)s: %(message)s")
         return "\n".join(fmt.format(r) for r in self.records)
+
+
+class QuietEventLoopTracebacks:
+    """``sys.stderr`` while a :class:`~ict_jax.train.checkpoints.Checkpointer` writes: everything passes
+    through unchanged and at once, except the tracebacks that end in ``RuntimeError: Event loop is
+    closed``. tensorstore prints those (from C, through ``sys.stderr``, bypassing logging and
+    ``sys.excepthook``) for the other writes of a save that already failed, which complete after orbax
+    closed their event loop; they are kept in ``capture`` (the details log) instead. Only a text that
+    starts a traceback is held back, until its last line says what it is; each thread's text is read on
+    its own (two threads print their tracebacks at the same time)."""
+
+    HEADER = "Traceback (most recent call last):"
+    NOISE = "RuntimeError: Event loop is closed"
+
+    def __init__(self, stream: Any, capture: "OrbaxLogCapture"):
+        self.stream, self.capture = stream, capture
+        self.blocks: dict[int, str] = {}  # thread -> the traceback it is printing
+        self.active = True
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._write(text)
+        return len(text)
+
+    def _write(self, text: str) -> None:
+        me = threading.get_ident()
+        while text:
+            if me not in self.blocks:
+                start = text.find(self.HEADER) if self.active else -1
+                if start < 0:
+                    self.stream.write(text)
+                    return
+                self.stream.write(text[:start])
+                self.blocks[me], text = "", text[start:]
+            self.blocks[me] += text
+            text = ""
+            lines = self.blocks[me].split("\n")
+            for k in range(1, len(lines) - 1):  # complete lines after the header
+                if lines[k] and not lines[k][0].isspace():  # the exception line ends the traceback
+                    block, text = "\n".join(lines[:k + 1]) + "\n", "\n".join(lines[k + 1:])
+                    del self.blocks[me]
+                    if lines[k].strip() == self.NOISE:
+                        self.capture.records.append(logging.makeLogRecord(
+                            {"name": "tensorstore", "levelno": logging.ERROR, "levelname": "ERROR", "msg": block}))
+                    else:
+                        self.stream.write(block)
+                    break
+
+    def flush(self) -> None:  # a traceback still being printed by another thread stays held until it ends
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the real stream's
+        return getattr(self.stream, name)
+
+    def install(self) -> "QuietEventLoopTracebacks":
+        sys.stderr = self
+        return self
+
+    def remove(self) -> None:
+        with self._lock:
+            for block in self.blocks.values():  # a traceback that never finished: shown as it is
+                self.stream.write(block)
+            self.blocks.clear()
+        self.flush()
+        if sys.stderr is self:
+            sys.stderr = self.stream
+        else:  # another writer wrapped it meanwhile: stay in the chain, inert
+            self.active = False
 
 
 def _reason(exc: BaseException) -> tuple[int, str]:

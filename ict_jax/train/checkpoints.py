@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.weights import save_hf
 from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings
 from ict_jax.sharding import replicated, state_shardings
-from ict_jax.train.checkpoint_errors import CheckpointWriteError, OrbaxLogCapture, write_error
+from ict_jax.train.checkpoint_errors import (CheckpointWriteError, OrbaxLogCapture, QuietEventLoopTracebacks,
+                                            write_error)
 
 FORMAT = 1  # meta["format"]: bump when the saved items change
 _ITEMS = ("params", "opt", "meta")
@@ -184,12 +186,15 @@ class Checkpointer:
             absl_log.setLevel(level)
         # a failed background save: orbax's log records go to the details log, the user gets one line
         self._capture = None if read_only else OrbaxLogCapture(self.directory).install()
+        self._quiet = None if read_only else QuietEventLoopTracebacks(sys.stderr, self._capture).install()
         self._pending_step: int | None = None  # the step of a save that may still be writing
+        self._write_failed = False
 
     def _failed(self, exc: BaseException, step: int | None) -> CheckpointWriteError:
         """The one-line error of a failed save; orbax's other background writes are let finish first
         (their errors go to the details log too) so that nothing of the failed save is left running."""
         self._pending_step = None
+        self._write_failed = True
         for _ in range(3):  # each wait re-raises the next error still pending
             try:
                 self._mgr.wait_until_finished()
@@ -346,6 +351,8 @@ class Checkpointer:
         finally:
             if self._capture is not None:
                 self._capture.remove()
+            if self._quiet is not None:  # after a failed save, stray tensorstore callbacks may come any time
+                self._quiet.flush() if self._write_failed else self._quiet.remove()
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -61,6 +61,18 @@ def compact_line(phase: str, step: int, total: int, metrics: Mapping[str, float]
     return "  ".join(parts)
 
 
+def complete_lines(text: str) -> list[str]:
+    """The non-blank lines of a JSONL text, without a last line that was cut short (no newline after it
+    and not valid JSON: a process killed, or a disk that filled up, in the middle of writing a row)."""
+    lines = [line for line in text.split("\n")]
+    if lines and lines[-1].strip() and not text.endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines.pop()
+    return [line for line in lines if line.strip()]
+
+
 def truncate_metrics(path: str | Path, keep_below: Mapping[str, int | None]) -> int:
     """Rewrite ``metrics.jsonl`` without the rows a resumed run will log again: a row of phase ``p`` is
     kept when ``keep_below[p]`` is None (or ``p`` is not named) or its step is below it; a later row of
@@ -71,9 +83,7 @@ def truncate_metrics(path: str | Path, keep_below: Mapping[str, int | None]) -> 
         return 0
     rows: dict[tuple[str, int], str] = {}
     total = 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
+    for line in complete_lines(path.read_text()):
         total += 1
         row = json.loads(line)
         phase, step = row.get("phase", "rl"), int(row["step"])
@@ -111,7 +121,8 @@ class RunLogger:
         self._file = None
         if self.enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            # unbuffered bytes: a row is on disk whole when log() returns, or not at all (append_row)
+            self._file = open(self.run_dir / "metrics.jsonl", "ab", buffering=0)
             if tensorboard:
                 self._tb = {}
         self.start(desc, total_steps, initial_step)
@@ -165,10 +176,7 @@ class RunLogger:
         if not self.enabled:
             return
         row = {"step": int(step), "phase": phase, **{k: _json_float(v) for k, v in metrics.items()}}
-        try:
-            self._file.write(json.dumps(row) + "\n")
-        except OSError as e:  # a full disk: the error names the file
-            raise OSError(e.errno, e.strerror, str(self.run_dir / "metrics.jsonl")) from None
+        append_row(self._file, json.dumps(row) + "\n", self.run_dir / "metrics.jsonl")
         if self._tb is not None:
             tb = self._writer(phase)
             for k, v in metrics.items():
@@ -226,6 +234,22 @@ class RunLogger:
             raise failed
 
 
+def append_row(f: Any, line: str, path: Path) -> None:
+    """Append ``line`` to the unbuffered binary file ``f`` whole, or not at all: a write that fails half
+    way (a full disk) is cut back to where the row began, so the file never ends in half a row (which a
+    resumed run could not read); the ``OSError`` then names ``path``."""
+    data = line.encode("utf-8")
+    start = os.fstat(f.fileno()).st_size
+    try:
+        done = 0
+        while done < len(data):
+            done += f.write(data[done:])
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(f.fileno(), start)
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 def event_writer_died(writer: Any) -> bool:
     """Whether a tensorboardX SummaryWriter's background event thread has ended (a failed write)."""
     events = getattr(getattr(writer, "file_writer", None), "event_writer", None)
@@ -266,10 +290,7 @@ def read_metrics(path: str | Path, phase: str | None = "rl") -> list[dict[str, A
     still repeat a step, the last row of it wins."""
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
+        for line in complete_lines(f.read()):
             row = json.loads(line)
             if phase is None or row.get("phase", "rl") == phase:
                 rows[(row.get("phase", "rl"), row["step"])] = row
