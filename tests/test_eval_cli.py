@@ -225,8 +225,10 @@ def test_eval_of_a_run_directory_uses_the_runs_settings(run_dir, tmp_path, capsy
     st = res["settings"]
     assert (st["template"], st["max_new_tokens"], st["max_prompt_len"], st["temperature"], st["top_p"]) == \
         ("none", 5, 16, 0.9, 1.0)
-    assert (res["n"], res["ks"], st["seed"], st["batch_size"], st["workers"]) == (2, [1, 2], 3, 2, 1)
-    assert set(st["sources"].values()) == {"run"}  # config.json records every key
+    assert (res["n"], res["ks"], st["seed"], st["workers"]) == (2, [1, 2], 3, 1)
+    # every setting from the run's config.json, except the sampler's batch: this machine's resource
+    assert st["batch_size"] == 8 and st["sources"].pop("batch_size") == "default"
+    assert set(st["sources"].values()) == {"run"}
     assert list(res["benchmarks"]) == ["split?digits=1&size=3&seed=5"]
     rows = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
     assert all(r["prompt"].endswith("=") and "<user>" not in r["prompt"] for r in rows)  # template none: "7="

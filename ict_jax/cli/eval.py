@@ -37,6 +37,9 @@ def _csv(kind: type):
     return parse
 
 
+#: Settings a run's record does not decide: the sampler's batch is a resource of the machine that
+#: evaluates (a recipe's 128 prompts a call suit its TPU slice, not a laptop); only the flag or the default.
+_NOT_FROM_THE_RUN = {"batch_size"}
 #: flag dest -> the setting of :data:`ict_jax.config.EVAL_KEYS` it overrides (all default to None: the
 #: run's recorded value, else the config tree's default)
 _SETTING_FLAGS = {"benchmarks": "benchmarks", "data_dir": "data_dir", "template": "template", "n": "n", "k": "k",
@@ -83,7 +86,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="answer over-long prompts (and prompts that with --max-new-tokens pass the model's "
                         "max_position_embeddings) with empty responses (scored wrong) and count them")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
-                   help="prompts per sampler call (" + _default_help("batch_size") + ")")
+                   help=f"prompts per sampler call (default {_default_help('batch_size').rsplit(' ', 1)[-1]}; a resource "
+                        "of this machine, never taken from the run)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="first N problems of each benchmark (" + _default_help("limit", "all") + ")")
     p.add_argument("--template", choices=TEMPLATES, default=None, help="prompt template (" + _default_help("template") + ")")
@@ -114,7 +118,8 @@ def resolve_settings(args: argparse.Namespace, recorded: dict | None) -> tuple[d
     values, sources = {}, {}
     for dest, name in _SETTING_FLAGS.items():
         flag = getattr(args, dest)
-        run_value = get_dotted(recorded, EVAL_KEYS[name], missing) if recorded is not None else missing
+        run_value = (get_dotted(recorded, EVAL_KEYS[name], missing)
+                     if recorded is not None and name not in _NOT_FROM_THE_RUN else missing)
         if isinstance(run_value, list):
             run_value = tuple(run_value)
         if flag is not None:
