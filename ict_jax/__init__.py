@@ -178,6 +178,13 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
     sys.meta_path.append(_MovedModuleFinder())
 
+# What the command line does before JAX starts, for library and notebook use too: with libtpu installed
+# on a machine without a TPU (or a GPU), JAX_PLATFORMS=cpu, so that JAX's first use prints no libtpu
+# warnings (ict_jax.platform.use_cpu_without_accelerators; only when JAX is not imported yet and
+# JAX_PLATFORMS is unset: import ict_jax before jax, docs/tpu.md).
+if "jax" not in sys.modules:
+    importlib.import_module(".platform", __name__).use_cpu_without_accelerators()
+
 
 def _resolve(module: str, name: str) -> Any:
     if module.endswith("evaluation") and name == "evaluate_benchmarks":

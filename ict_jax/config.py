@@ -206,6 +206,9 @@ class LossSection:
 class AdvSection:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     drop_zero_std_groups: bool = False  # DAPO dynamic sampling
+    # what a group must vary in to be kept by dynamic sampling: "correct" (DAPO's definition, 0 < #correct
+    # < G) or "reward" (the total reward; keeps all-wrong groups that differ only by a format penalty)
+    filter_on: Literal["reward", "correct"] = "correct"
     max_refill: int = 4  # extra prompt batches drawn to replace dropped groups (then they stay dropped)
     eps: float = 1e-6
 
@@ -281,6 +284,19 @@ class DataSection:
     eval_temperature: float = 0.6
     eval_top_p: float = 0.95
     eval_limit: int | None = None  # problems per benchmark (None = all)
+
+
+#: The settings of an evaluation (``ict-jax eval``, the trainer's periodic evaluation) and the config key
+#: each is read from: the one place their defaults live (the config tree's fields). ``ict-jax eval`` of a
+#: run directory takes them from the run's recorded config, its flags override them, and its help texts
+#: and ``EVAL_DEFAULTS`` / ``make_text_generator`` read the defaults through :func:`eval_settings`.
+EVAL_KEYS: dict[str, str] = {
+    "benchmarks": "data.eval", "data_dir": "data.data_dir", "template": "data.template",
+    "n": "data.eval_n", "k": "data.eval_k", "temperature": "data.eval_temperature", "top_p": "data.eval_top_p",
+    "limit": "data.eval_limit", "max_new_tokens": "rollout.max_new_tokens",
+    "max_prompt_len": "rollout.max_prompt_len", "batch_size": "train.prompts_per_step", "seed": "seed",
+    "workers": "rl.reward.workers", "time_limit": "rl.reward.time_limit",
+}
 
 
 @dataclass(frozen=True)
@@ -584,6 +600,33 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def get_dotted(tree: Any, key: str, default: Any = None) -> Any:
+    """``tree``'s value at a dotted ``key`` (a :class:`Config` or the plain dict of one, e.g. a run's
+    ``config.json``); ``default`` where the key is missing."""
+    node = tree
+    for part in key.split("."):
+        if isinstance(node, dict):
+            if part not in node:
+                return default
+            node = node[part]
+        elif dataclasses.is_dataclass(node) and hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            return default
+    return node
+
+
+def eval_settings(tree: Any = None) -> dict[str, Any]:
+    """{setting: value} of :data:`EVAL_KEYS` from ``tree`` (a :class:`Config` or the plain dict a run
+    recorded; keys it lacks take the defaults; None = the defaults). Lists come back as tuples."""
+    defaults = Config()
+    out = {}
+    for name, key in EVAL_KEYS.items():
+        value = get_dotted(defaults, key) if tree is None else get_dotted(tree, key, get_dotted(defaults, key))
+        out[name] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------
@@ -645,17 +688,35 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return from_dict(data)
 
 
+def _yaml_where(err: Any) -> str:
+    """`` at line L, column C: <problem> (<context> at line l, column c)`` of a YAML error (1-based)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    out = f" at line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else f": {problem}"
+    context, cmark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and cmark is not None:
+        out += f" ({context} at line {cmark.line + 1}, column {cmark.column + 1})"
+    return out
+
+
 def _load_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     import yaml  # yaml only where text is parsed (the CLI parser imports this module)
 
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.yaml"))[:3]
+        raise ConfigError(f"config file {str(path)!r} is a folder: name a YAML file in it"
+                          + (f" ({', '.join(found)}, ...)" if found else ""))
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     if path.resolve() in seen:
         raise ConfigError(f"config file {str(path)!r} includes itself through 'base'")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{_yaml_where(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     base = data.pop("base", None)

@@ -41,13 +41,24 @@ import matplotlib
 
 if "ipykernel" not in sys.modules:
     matplotlib.use("Agg")  # run as a script: no display, write PNGs only
-import jax
-import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-import ict_jax
+import ict_jax  # before jax: with the `tpu` extra on a machine without a TPU it selects the CPU, no libtpu warnings
 from ict_jax.config import SELECTOR_DEFAULTS, SelectorSection
+
+import jax  # noqa: E402  (after ict_jax, see above)
+import jax.numpy as jnp  # noqa: E402
+
+
+
+def legends_clear(fig) -> None:
+    """Every legend of ``fig`` lies outside the plotting area of every axes (it covers no curve or bar)."""
+    fig.canvas.draw()
+    for leg in [a.get_legend() for a in fig.axes if a.get_legend() is not None] + list(fig.legends):
+        box = leg.get_window_extent()
+        assert not any(box.overlaps(a.get_window_extent()) for a in fig.axes), "a legend covers a plot"
+
 
 # ---- parameters ----
 MODEL = os.environ.get("ICT_NB_MODEL", "")  # "" = tiny random model; else run dir / checkpoint / HF dir / .gguf
@@ -154,8 +165,9 @@ for ax, (key, sel, label) in zip(axes, (("js", masks["ict"], "ICT selected"),
     ax.hist(x, bins=bins, color="#bbbbbb", label="all tokens")
     ax.hist(S[key][sel], bins=bins, color="#1a5fb4" if "ICT" in label else "#26a269", alpha=0.85, label=label)
     ax.set_title(key)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
 fig.tight_layout()
+legends_clear(fig)
 fig.savefig(os.path.join(OUT_DIR, "distributions.png"), dpi=110)
 
 fig, ax = plt.subplots(figsize=(6, 4.4))
@@ -166,15 +178,20 @@ for name, m, colour in cat:
 ax.scatter(S["H1"][silenced], S["js"][silenced], s=40, marker="x", c="#c01c28", label=f"STAPO silenced ({silenced.sum()})")
 ax.set_xlabel("H1 (Shannon entropy)")
 ax.set_ylabel("JS(p || group mean)")
-ax.legend(fontsize=8)
+ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
 fig.tight_layout()
+legends_clear(fig)
 fig.savefig(os.path.join(OUT_DIR, "js_vs_h1.png"), dpi=110)
 
-fig, axes = plt.subplots(1, 3, figsize=(13, 0.45 * G + 1.2), sharey=True)
+# the positions up to the longest response only: the rest of max_new_tokens holds no token of any response
+width = int(np.flatnonzero(v.any(axis=0)).max()) + 1 if v.any() else N
+assert v[:, :width].any(axis=0).all()  # every column shown holds a token of some response
+print(f"mask maps: positions 0-{width - 1} (the longest response) of max_new_tokens = {N}")
+fig, axes = plt.subplots(1, 3, figsize=(min(13, 4 + 1.1 * width), 0.45 * G + 1.2), sharey=True)
 for ax, (name, m) in zip(axes, (("ICT", masks["ict"]), ("20-Entropy", masks["entropy"]), ("STAPO silenced", silenced))):
     img = np.where(v, 0.35, 1.0)
     img[m] = 0.0
-    ax.imshow(img, cmap="gray", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+    ax.imshow(img[:, :width], cmap="gray", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
     ax.set_title(f"{name}: black = selected, grey = other valid", fontsize=9)
     ax.set_xlabel("response position t")
 axes[0].set_ylabel("response j")

@@ -45,6 +45,16 @@ import numpy as np
 
 from ict_jax.train.logs import read_metrics
 
+
+
+def legends_clear(fig) -> None:
+    """Every legend of ``fig`` lies outside the plotting area of every axes (it covers no curve)."""
+    fig.canvas.draw()
+    for leg in [a.get_legend() for a in fig.axes if a.get_legend() is not None] + list(fig.legends):
+        box = leg.get_window_extent()
+        assert not any(box.overlaps(a.get_window_extent()) for a in fig.axes), "a legend covers a plot"
+
+
 # ---- parameters ----
 RUN_DIR = os.environ.get("ICT_NB_RUN_DIR", "")  # "" = train a short demo run here
 DEMO_STEPS = int(os.environ.get("ICT_NB_DEMO_STEPS", "6"))
@@ -123,9 +133,10 @@ ax2.set_ylabel("selected fraction of valid tokens")
 ax2.set_ylim(0, 1.05)
 lines = ax.get_legend_handles_labels()
 lines2 = ax2.get_legend_handles_labels()
-ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="best")
+fig.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="lower center", ncol=3, frameon=False)
 ax.set_title(f"{RUN_DIR}", fontsize=8)
-fig.tight_layout()
+fig.tight_layout(rect=(0, 0.07, 1, 1))  # the legend below the plot, never over a curve
+legends_clear(fig)
 fig.savefig(os.path.join(OUT_DIR, "h1_h2_selected.png"), dpi=110)
 
 # %% [markdown]
@@ -143,8 +154,9 @@ for ax, (a, b, title) in zip(axes, panels):
             ax.plot(s, x, lw=1, label=key, **MARK)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("RL step")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
 fig.tight_layout()
+legends_clear(fig)
 fig.savefig(os.path.join(OUT_DIR, "selected_vs_all.png"), dpi=110)
 if matplotlib.get_backend().lower() == "agg":
     plt.close("all")

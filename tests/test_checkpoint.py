@@ -303,3 +303,170 @@ def test_cli_export(tmp_path, capsys):
     assert written["torch_dtype"] == "bfloat16" and written["hidden_size"] == MODEL.hidden_size
     assert main(["export", "--checkpoint", str(d), "--out", str(tmp_path / "hf")]) == 2  # not over a written dir
     assert "not empty" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 6: a full disk. Orbax wrote ~380 lines of tracebacks and the failed background save
+# surfaced at the next save, steps later. Now: one line naming the step, the reason, the checkpoint that
+# is intact and a log with the details; at the first check after the failure; earlier checkpoints intact.
+# ------------------------------------------------------------------------------------------------
+class _FailingCommit:
+    """A commit future whose background write fails as a full disk does."""
+
+    def result(self, timeout=None):
+        raise OSError(28, "No space left on device")
+
+
+@pytest.fixture
+def enospc_on_save(monkeypatch):
+    """From now on every ``params`` write of orbax fails in the background with ENOSPC."""
+    import orbax.checkpoint as ocp
+
+    real = ocp.StandardCheckpointHandler.async_save
+
+    async def failing(self, *args, **kwargs):
+        futures = await real(self, *args, **kwargs) or []
+        return [*futures, _FailingCommit()]
+
+    def arm():
+        monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", failing)
+
+    return arm
+
+
+def test_a_failed_background_save_is_one_line_with_a_log_and_keeps_the_earlier_checkpoint(
+        tmp_path, enospc_on_save, capfd):
+    from ict_jax.train.checkpoint_errors import CheckpointWriteError
+
+    state = init_train_state(_config(), ict_jax.init_model(MODEL, seed=3))
+    before = _host(state.params)
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", keep=3)
+    ckpt.save(1, state, {"step": 1})
+    ckpt.wait()
+    enospc_on_save()
+    ckpt.save(2, state, {"step": 2})  # returns: the write fails in the background
+    with pytest.raises(CheckpointWriteError) as err:
+        for _ in range(200):  # what the trainer does after every step; raises at the first call after the failure
+            ckpt.check()
+            time.sleep(0.05)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("the checkpoint of step 2 could not be written")
+    assert "No space left on device" in msg and "the last finished checkpoint (step 1) is intact" in msg
+    assert err.value.errno == 28 and isinstance(err.value, OSError)
+    log = Path(err.value.log_path)
+    assert log == tmp_path / "run" / "checkpoint_errors.log" and f"details in {log}" in msg
+    assert "No space left on device" in log.read_text() and "Traceback" in log.read_text()
+    printed = capfd.readouterr().err
+    assert "Traceback" not in printed and "ERROR:absl" not in printed  # orbax's records went to the log
+    ckpt.close()
+    with Checkpointer(tmp_path / "run" / "checkpoints", read_only=True) as again:
+        assert again.all_steps() == [1]
+        restored, meta = again.restore(state)
+    assert meta["step"] == 1
+    _assert_bitwise(_host(restored.params), before)
+
+
+def test_a_disk_without_room_for_the_next_checkpoint_is_refused_before_writing(tmp_path, monkeypatch):
+    import shutil as sh
+
+    from ict_jax.train.checkpoint_errors import CheckpointWriteError
+
+    state = init_train_state(_config(), ict_jax.init_model(MODEL, seed=3))
+    folder = tmp_path / "checkpoints"
+    with Checkpointer(folder, keep=3) as ckpt:
+        ckpt.save(1, state, {})
+        ckpt.wait()
+        real = sh.disk_usage
+        monkeypatch.setattr(sh, "disk_usage", lambda p: real(p)._replace(free=1000))
+        with pytest.raises(CheckpointWriteError, match=r"step 2 .*No space left on device \(0\.0 MiB free, about "
+                                                       r"[0-9.]+ MiB needed; nothing was written\)"):
+            ckpt.save(2, state, {})
+        assert sorted(p.name for p in folder.iterdir()) == ["1"]  # not even a temporary folder
+
+
+@pytest.mark.e2e
+def test_the_command_line_prints_a_full_disk_as_one_line(tmp_path, enospc_on_save, capsys, monkeypatch):
+    """The trainer stops at the first step after the failed save (not at the next save) and the command
+    prints one line (exit 2); the earlier checkpoint stays."""
+    from ict_jax.cli.main import main
+
+    run = tmp_path / "run"
+    args = ["train", "--config", str(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"),
+            "model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=4",
+            "rollout.max_prompt_len=8", "train.sft_steps=0", 'data.train=["arith?digits=1&size=16"]', "data.eval=[]",
+            "stats.chunk=4", "rl.reward.workers=1", "train.steps=40", "train.save_every=2", f"run_dir={run}",
+            "mesh.data=4", "mesh.tensor=2",
+            "--no-progress"]
+    from ict_jax.train import checkpoints as ck_module
+
+    real_save = ck_module.Checkpointer.save
+
+    def save(self, step, *a, **k):  # the disk fills up after the first checkpoint
+        if step == 4:
+            enospc_on_save()
+        return real_save(self, step, *a, **k)
+
+    monkeypatch.setattr(ck_module.Checkpointer, "save", save)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ict-jax train: error: the checkpoint of step 4 could not be written")
+    assert "Traceback" not in "\n".join(err)
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) < 39  # stopped right after the failure, not at the end of the run
+    with Checkpointer(run / "checkpoints", read_only=True) as again:
+        assert again.all_steps() == [2]
+
+
+def test_tensorstores_event_loop_tracebacks_are_kept_out_of_the_console():
+    """After a failed save, tensorstore prints "RuntimeError: Event loop is closed" tracebacks (from C,
+    through sys.stderr) for the save's other writes. They go to the details log; everything else passes
+    through unchanged and at once."""
+    import io
+
+    from ict_jax.train.checkpoint_errors import OrbaxLogCapture, QuietEventLoopTracebacks
+
+    out = io.StringIO()
+    capture = OrbaxLogCapture("/x")
+    quiet = QuietEventLoopTracebacks(out, capture)
+    quiet.write("rl 4/8  reward 0.1\n")
+    assert out.getvalue() == "rl 4/8  reward 0.1\n"  # at once
+    noise = ("Traceback (most recent call last):\n", '  File "base_events.py", line 806, in call_soon_threadsafe\n',
+             "    self._check_closed()\n", "RuntimeError", ": ", "Event loop is closed", "\n")
+    for piece in noise:  # as PyErr_Display writes it: in pieces
+        quiet.write(piece)
+    quiet.write("\rpartial bar")
+    assert out.getvalue() == "rl 4/8  reward 0.1\n\rpartial bar"
+    assert len(capture.records) == 1 and "Event loop is closed" in capture.records[0].getMessage()
+    other = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: a real error\n"
+    quiet.write("before " + other + "after\n")
+    assert out.getvalue().endswith("before " + other + "after\n")
+    quiet.write("Traceback (most recent call last):\n  File")
+    quiet.flush()  # held while it may still be being printed ...
+    assert not out.getvalue().endswith("  File")
+    quiet.remove()  # ... but an unfinished traceback is not swallowed
+    assert out.getvalue().endswith("Traceback (most recent call last):\n  File")
+
+
+def test_event_loop_tracebacks_of_two_threads_at_once_are_kept_out_too():
+    import io
+    import threading
+
+    from ict_jax.train.checkpoint_errors import OrbaxLogCapture, QuietEventLoopTracebacks
+
+    out = io.StringIO()
+    quiet = QuietEventLoopTracebacks(out, OrbaxLogCapture("/x"))
+    lines = ["Traceback (most recent call last):\n", '  File "base_events.py", line 806, in call_soon_threadsafe\n',
+             "    self._check_closed()\n", "RuntimeError: Event loop is closed\n"]
+    barrier = threading.Barrier(2)
+
+    def printer():
+        for line in lines:  # the two threads' lines interleave
+            barrier.wait()
+            quiet.write(line)
+
+    threads = [threading.Thread(target=printer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out.getvalue() == "" and len(quiet.capture.records) == 2

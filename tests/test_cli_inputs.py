@@ -178,3 +178,150 @@ def test_saved_model_folder_follows_the_umask(tmp_path, umask):
     assert (out.stat().st_mode & 0o777) == 0o777 & ~umask
     for f in out.iterdir():
         assert (f.stat().st_mode & 0o777) == 0o666 & ~umask, f.name
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 5: an output location that cannot be written was a Python traceback (exit 1), some of
+# them after minutes of work. Now every command that writes checks it first: one line, exit 2.
+# /proc/x/... cannot be created, even by root; /etc/hostname/... lies under a file.
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, label", [
+    (["train", "--config", str(DEMO), "run_dir=/proc/x/run"], "run_dir '/proc/x/run'"),
+    (["sft", "--config", str(DEMO), "run_dir=/proc/x/run"], "run_dir '/proc/x/run'"),
+    (["eval", "--model", "RUN", "--out", "/proc/x/out"], "--out '/proc/x/out'"),
+    (["inspect", "--checkpoint", "RUN", "--prompt", "1+1=", "--out", "/proc/x/page.html"], "--out '/proc/x/page.html'"),
+    (["inspect", "--model", "RUN", "--prompt", "1+1=", "--out", "/etc/hostname/page.html"],
+     "--out '/etc/hostname/page.html'"),
+    (["export", "--checkpoint", "RUN", "--out", "/proc/x/hf"], "--out '/proc/x/hf'"),
+    (["compare", "--config", str(DEMO), "--out", "/proc/x/cmp"], "out '/proc/x/cmp'"),
+    (["diagnose", "--model", "RUN", "--prompts", "split?size=2", "--out", "/proc/x/diag"], "--out '/proc/x/diag'"),
+    (["compile", "--config", str(DEMO), "--topology", "local", "--json", "/proc/x/c.json"], "--json '/proc/x/c.json'"),
+    (["compile", "--config", str(DEMO), "--topology", "local", "--dump-hlo", "/proc/x/hlo"], "--dump-hlo '/proc/x/hlo'"),
+])
+def test_an_unwritable_output_location_is_one_line_before_any_work(argv, label, run_dir, capsys, monkeypatch):
+    import ict_jax.train.checkpoints as ck
+
+    def no_work(*a, **k):  # nothing may be loaded, trained or compiled before the check
+        raise AssertionError("work started before the output location was checked")
+
+    monkeypatch.setattr(ck, "load_run_model", no_work)
+    monkeypatch.setattr(ck, "load_params_from_checkpoint", no_work)
+    monkeypatch.setattr(ck, "export_checkpoint", no_work)
+    argv = [str(run_dir) if a == "RUN" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ict-jax {argv[0]}: error: {label} ") and "Traceback" not in err, err
+    assert "cannot be" in err
+
+
+def test_check_output_locations(tmp_path):
+    from ict_jax.outputs import OutputLocationError, check_output_dir, check_output_file
+
+    deep = tmp_path / "a" / "b" / "c"
+    assert check_output_dir(deep, "--out") == deep and not (tmp_path / "a").exists()  # checked, nothing left behind
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputLocationError, match=r"^--out '.*file/sub' cannot be created: '.*file' is a file"):
+        check_output_dir(tmp_path / "file" / "sub", "--out")
+    with pytest.raises(OutputLocationError, match="exists and is not a folder"):
+        check_output_dir(tmp_path / "file", "--out")
+    with pytest.raises(OutputLocationError, match="is a folder; name a file"):
+        check_output_file(tmp_path, "--out")
+    assert check_output_file(tmp_path / "new" / "page.html", "--out") == tmp_path / "new" / "page.html"
+    with pytest.raises(OutputLocationError, match=r"nothing can be created in '/proc'"):
+        check_output_dir("/proc/x/run", "run_dir")
+
+
+def test_oserror_on_a_users_path_is_one_line(tmp_path, capsys, monkeypatch):
+    """An OSError of the user's paths or disk that only shows while writing (after the checks) is one
+    line with exit 2, naming the file, not a traceback."""
+    import errno
+
+    import ict_jax.cli.info as info
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.json"))
+
+    monkeypatch.setattr(info, "info_main", full)
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ict-jax info: error: No space left on device: '{tmp_path / 'x.json'}'\n"
+
+    def bug(args):
+        raise OSError(errno.EBADF, "Bad file descriptor")  # not about the user's paths: a traceback
+
+    monkeypatch.setattr(info, "info_main", bug)
+    with pytest.raises(OSError):
+        main(["info"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 2: a prompt plus max_new_tokens past the model's max_position_embeddings generated
+# garbage; item 8: `sample --temperature 0` / `-n 0` named internal parameters, `-n 0` after loading.
+# ------------------------------------------------------------------------------------------------
+LONG = "12+" * 700 + "5="  # 2,102 characters: the issue's prompt; the tiny preset has 2,048 positions
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sample", "--prompt", LONG], "error: --prompt 1 is 2102 tokens; with 256 new tokens that is 2358 positions, "
+                                   "more than the model's max_position_embeddings=2048"),
+    (["sample", "--prompt", "1+1=", "--prompt", "x" * 2000, "--max-new-tokens", "49"],
+     "error: --prompt 2 is 2000 tokens; with 49 new tokens that is 2049 positions"),
+    (["inspect", "--prompt", LONG, "--max-new-tokens", "8"], "error: the prompt (after templating) is 2102 tokens; "
+                                                             "with 8 new tokens"),
+    (["sample", "--prompt", "9５="], "error: --prompt 1: character '５' (U+FF15"),
+])
+def test_prompts_past_the_models_positions_are_refused(argv, message, run_dir, capsys, tmp_path):
+    argv = [*argv, "--model", str(run_dir / "sft_model"), "--tokenizer", "char"]
+    if argv[0] == "inspect":
+        argv += ["--out", str(tmp_path / "page.html"), "--template", "none"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-n", "0"], "-n/--num-samples must be >= 1, got 0"),
+    (["--temperature", "0"], "--temperature must be > 0, got 0.0 (for argmax decoding pass --greedy)"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--top-k", "-1"], "--top-k must be >= 0 (0 = off), got -1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+])
+def test_sample_flags_are_checked_before_the_model_loads(flags, message, capsys, monkeypatch):
+    import ict_jax.train.checkpoints as ck
+
+    monkeypatch.setattr(ck, "load_run_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert main(["sample", "--model", "no/such/model", "--prompt", "1+1=", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ict-jax sample: error: {message}\n"
+
+
+def test_diagnose_refuses_prompts_past_the_models_positions(tiny_model):
+    from ict_jax import CharTokenizer
+    from ict_jax.data.datasets import Dataset
+    from ict_jax.data.example import Example
+    from ict_jax.tools.diagnose import Setting, collect
+
+    small = tiny_model.config.max_position_embeddings  # 2048
+    ds = Dataset("mine", [Example("1+1=", "2"), Example("y" * (small - 10), "1"), Example("z" * small, "1")], "exact")
+    with pytest.raises(ValueError, match=r"^2 of 3 prompts pass the model's positions; the first, prompt 1, is 2038 "
+                                         r"tokens; with 16 new tokens that is 2054 positions"):
+        collect(tiny_model, CharTokenizer(), ds, Setting(2, 1.0), max_new_tokens=16, template="none")
+
+
+def test_training_data_drops_and_counts_prompts_past_the_models_positions(caplog):
+    """encode_prompts (the training data): a prompt of n tokens is kept when n + max_new_tokens <=
+    max_positions; the others are dropped and counted like over-long prompts (hand-counted cases)."""
+    from ict_jax import CharTokenizer
+    from ict_jax.data.datasets import Dataset
+    from ict_jax.data.example import Example
+    from ict_jax.data.prompts import encode_prompts
+
+    ds = Dataset("mine", [Example("x" * n, "1") for n in (3, 10, 11, 12, 20, 4)], "exact")
+    enc = encode_prompts(ds, CharTokenizer(), template="none", max_prompt_len=16, max_new_tokens=6, max_positions=16)
+    # 3, 10 fit (10 + 6 = 16); 11, 12 do not; 20 is over max_prompt_len; 4 fits
+    assert [len(i) for i in enc.ids] == [3, 10, 4]
+    assert enc.dropped == 3 and enc.dropped_indices == [2, 3, 4] and enc.dropped_positions == 2
+    assert "dropped 2 of 6 prompts that with max_new_tokens=6 exceed the model's max_position_embeddings=16" \
+        in caplog.text
+    assert encode_prompts(ds, CharTokenizer(), template="none", max_prompt_len=16).dropped == 1  # no limit given

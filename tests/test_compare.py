@@ -379,3 +379,29 @@ def test_rho_ablation_selects_fewer_tokens_at_smaller_rho(tmp_path):
     assert 0 < sel["ict_rho0.05"] < sel["ict_rho0.3"] < 1, sel
     rows = _table_rows((out / "results.md").read_text())
     assert [r[:3] for r in rows[2:]] == [["ict_rho0.05", "0.05", "2"], ["ict_rho0.3", "0.3", "2"]]
+
+
+def test_a_comparison_that_failed_at_start_up_does_not_block_the_corrected_rerun(tmp_path, capsys, monkeypatch):
+    """Issue 25 item 9: a compare that failed at start-up (here: the warm start's data file does not
+    exist) left compare_config.json, and the corrected rerun was refused as "another config". The record
+    guards results: while the folder holds none, a rerun with another config replaces it; once a run has
+    produced something, another config is still refused."""
+    import ict_jax.tools.compare
+
+    out = tmp_path / "cmp"
+    argv = ["compare", "--config", str(DEMO), "--methods", "ict", "--seeds", "1", "--out", str(out), "--no-progress",
+            *TINY]
+    bad = [*argv, 'data.train=["file:no_such_file.jsonl"]']
+    assert cli_main(bad) == 2  # the real Trainer: fails while reading its inputs, before writing anything
+    assert "no_such_file.jsonl" in capsys.readouterr().err
+    assert (out / "compare_config.json").is_file() and not ict_jax.tools.compare.has_results(out)
+    monkeypatch.setattr(ict_jax.tools.compare, "Trainer", _FakeTrainer)
+    monkeypatch.setattr(_FakeTrainer, "calls", [])
+    monkeypatch.setattr(_FakeTrainer, "configs", {})
+    monkeypatch.setattr(_FakeTrainer, "diverge", set())
+    assert cli_main(argv) == 0, capsys.readouterr().err  # the corrected config: accepted
+    recorded = json.loads((out / "compare_config.json").read_text())
+    assert recorded["data"]["train"] == ["arith?digits=1&size=64"]  # the record is the run's config now
+    capsys.readouterr()
+    assert cli_main([*argv, "train.steps=4"]) == 2  # results exist: another config is refused
+    assert "holds a comparison made with another config" in capsys.readouterr().err

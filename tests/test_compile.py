@@ -363,8 +363,13 @@ def test_a_config_that_does_not_fit_exits_3_with_one_line(tmp_path, capsys):
     rc, text, err = _cli(["compile", "--config", RECIPE, "--topology", "v5e:2x2", "--program", "step",
                           "mesh.data=4", "mesh.fsdp=1", "train.micro_batches=1", "--json", str(out)], capsys)
     assert rc == 3
-    assert err.count("\n") == 1 and err.startswith("ict-jax compile: step does not fit v5e:2x2:")
-    assert "GiB of temporaries > 15.75 GiB HBM" in err
+    # issue 25 item 13: a progress line as each program starts and ends (compile printed nothing for
+    # minutes), then the one line of exit code 3
+    lines = err.splitlines()
+    assert lines[0] == "[compile] step: compiling for v5e:2x2 ..."
+    assert lines[1].startswith("[compile] step: compiled in ") and "does not fit (" in lines[1]
+    assert len(lines) == 3 and lines[2].startswith("ict-jax compile: step does not fit v5e:2x2:")
+    assert "GiB of temporaries > 15.75 GiB HBM" in lines[2]
     data = json.loads(out.read_text())
     assert data["programs"][0]["fits"] is False and data["programs"][0]["temporaries"] > 16 * 1024 ** 3
     assert "NO" in text

@@ -241,7 +241,19 @@ def test_section_given_a_value(tmp_path):
 
 def test_missing_base_and_invalid_yaml(tmp_path):
     assert "nope.yaml" in _error(tmp_path, "base: nope.yaml\n")
-    assert "not valid YAML" in _error(tmp_path, "rl: [unclosed\n")
+    # issue 25 item 8: the line and column of the YAML error (it was lost)
+    assert "not valid YAML at line 2, column 1: expected ',' or ']'" in _error(tmp_path, "rl: [unclosed\n")
+    assert "at line 3, column 10: mapping values are not allowed here" in _error(  # the second colon
+        tmp_path, "train:\n  steps: 3\n  keep: a: b\n")
+
+
+def test_a_config_folder_is_not_said_to_be_missing(tmp_path):
+    """Issue 25 item 8: `--config configs` said the folder "does not exist"."""
+    (tmp_path / "a.yaml").write_text("seed: 1\n")
+    with pytest.raises(ConfigError, match=r"is a folder: name a YAML file in it \(a.yaml, \.\.\.\)"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "none.yaml")
 
 
 @pytest.mark.parametrize("override,key", [

@@ -470,13 +470,35 @@ def test_file_task_from_jsonl_and_parquet(tmp_path):
     ("ok.jsonl", ['{"question": "1?", "solution": "1"}'], "ValueError", "reward='nope' is not a reward kind"),
     ("ok.txt", ['x'], "ValueError", "expected a .jsonl, .parquet, .csv file"),
     ("missing.jsonl", None, "FileNotFoundError", "file:missing.jsonl: no such file"),
+    # issue 25 item 8: a null field is null (not missing); the column of invalid JSON is the line's own
+    # (json counted the trailing newline as a second line: "column 1"); a non-UTF-8 file names its line
+    ("bad.jsonl", ['{"question": "1?", "solution": "1"}', '{"question": null, "solution": "2"}'], "DataError",
+     "bad.jsonl:2: field 'question' is null; expected str"),
+    ("bad.jsonl", ['{"question": "1?", "solution": "1"'], "DataError",
+     "bad.jsonl:1: invalid JSON (Expecting ',' delimiter at the end of the line)"),
+    ("bad.jsonl", ['{"question": "1?" "solution": "1"}'], "DataError",
+     "bad.jsonl:1: invalid JSON (Expecting ',' delimiter at column 19)"),
+    ("bad.jsonl", ['{"question": "1?", "solution": "1"}', b'{"question": "caf\xe9?", "solution": "2"}'], "DataError",
+     "bad.jsonl:2: not UTF-8 text (byte 0xe9 at column 18): save the file as UTF-8"),
+    ("bad.csv", ['question,solution', '1?,1', b'caf\xe9?,2'], "DataError", "bad.csv:3: not UTF-8 text (byte 0xe9 at "
+                                                                           "column 4)"),
 ])
 def test_file_task_errors_name_the_file_and_line(tmp_path, name, rows, error, message):
     if rows is not None:
-        (tmp_path / name).write_text("\n".join(rows) + "\n")
+        (tmp_path / name).write_bytes(b"\n".join(r if isinstance(r, bytes) else r.encode() for r in rows) + b"\n")
     reward = "nope" if "reward=" in message else "math"
     with pytest.raises(Exception) as e:
         load_dataset(f"file:{name}?prompt=question&answer=solution&reward={reward}", data_dir=str(tmp_path))
     assert type(e.value).__name__ == error and message in str(e.value), str(e.value)
     with pytest.raises(ValueError, match="unknown option"):
         load_dataset("file:x.jsonl?promt=question")
+
+
+def test_jsonl_lines_split_on_newlines_only_and_a_bom_is_dropped(tmp_path):
+    """U+2028 inside a JSON string is not a line break (str.splitlines would split there); a UTF-8
+    byte-order mark at the start of the file is not part of the first row."""
+    rows = [{"prompt": "a\u2028b", "answer": "1"}, {"prompt": "c", "answer": "2"}]
+    text = "\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n"
+    (tmp_path / "t.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    ds = load_dataset(f"file:{tmp_path / 't.jsonl'}?reward=exact")
+    assert [e.prompt for e in ds] == ["a\u2028b", "c"]

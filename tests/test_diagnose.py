@@ -107,14 +107,22 @@ def test_diagnostics_hand_computed():
     assert "0.18 ± 0.09" in md and "1.03 / 0.99" in md and "ICT, u aligned" in md
 
 
-def test_run_diagnose_tiny_end_to_end(tmp_path):
+def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch):
     """A tiny random model on the split task: every reading and selector is reported, the counts follow
-    docs/method.md §2, and the JSON, Markdown and plot are written."""
+    docs/method.md §2, and the JSON, Markdown and plot are written; progress lines as each setting and
+    batch starts and ends (issue 25 item 13)."""
     tok = CharTokenizer()
     model = ict_jax.init_model(ict_jax.ModelConfig.tiny(vocab_size=tok.vocab_size, num_layers=1), seed=0)
     ds = load_dataset("split?digits=2&size=3&seed=3")
+    said = []
     res = run_diagnose(model, tok, ds, settings=[Setting(2, 1.0)], max_new_tokens=12, batch_rows=4,
-                       template="none", out=tmp_path, title="tiny")
+                       template="none", out=tmp_path, title="tiny", say=said.append)
+    assert said[0] == "G2_T1: setting 1 of 1 (G = 2, T = 1.0)"
+    assert said[1] == "G2_T1: sampling prompts 1-2 of 3 (2 responses each, up to 12 tokens, compiling first) ..."
+    assert said[2].startswith("G2_T1: prompts 1-2 of 3 sampled in ") and "statistics and masks in " in said[2]
+    assert said[3] == "G2_T1: sampling prompts 3-3 of 3 (2 responses each, up to 12 tokens) ..."
+    assert said[-1].startswith("G2_T1: done in ")
+    assert res["instruction"] is None  # template none: the prompts as given
     d = res["settings"]["G2_T1"]
     assert set(d["readings"]) == set(U_FORMS)
     assert set(d["selectors"]) == set(selector_specs(U_FORMS))
@@ -132,6 +140,42 @@ def test_run_diagnose_tiny_end_to_end(tmp_path):
     again = reanalyse(tmp_path, tok)["settings"]["G2_T1"]
     for key in ("valid_tokens", "accuracy", "readings", "selectors"):
         assert json.dumps(again[key], sort_keys=True) == json.dumps(d[key], sort_keys=True), key
+
+    # `ict-jax diagnose --reanalyse` loads the tokenizer only (it loaded the whole model: 30 s and 4.6 GB
+    # for the 1.5B) and needs no --prompts
+    import ict_jax.model.loading as loading
+
+    def no_weights(*a, **k):
+        raise AssertionError("--reanalyse loaded the weights")
+
+    monkeypatch.setattr(loading, "load_hf", no_weights)
+    monkeypatch.setattr(loading, "load_gguf", no_weights)
+    monkeypatch.setattr(loading, "load_model_and_tokenizer", no_weights)
+    capsys.readouterr()
+    assert main(["diagnose", "--reanalyse", "--model", str(tiny_hf_dir), "--tokenizer", "char",
+                 "--out", str(tmp_path)]) == 0
+    assert "[diagnose] G2_T1: reanalysed" in capsys.readouterr().out
+    assert main(["diagnose", "--model", str(tiny_hf_dir), "--out", str(tmp_path / "x")]) == 2
+    assert "--prompts SRC is required (except with --reanalyse)" in capsys.readouterr().err
+
+
+def test_diagnose_states_the_instruction_it_adds():
+    """Issue 25 item 13: the instruction each prompt gets is in the report and in --help."""
+    from ict_jax.cli.main import build_parser
+    from ict_jax.data.templates import BOXED_INSTRUCTION, MC_INSTRUCTION
+    from ict_jax.tools.diagnose import prompt_instruction
+    from ict_jax.tools.diagnose_report import format_markdown
+
+    ds = load_dataset("split?digits=2&size=3&seed=3")
+    assert prompt_instruction(ds, "qwen_chat") == prompt_instruction(ds, "plain") == BOXED_INSTRUCTION
+    assert prompt_instruction(type("MC", (), {"scorer": "mc"})(), "qwen_chat") == MC_INSTRUCTION
+    md = format_markdown({"title": "", "dataset": "d", "prompts": 1, "max_new_tokens": 4, "rho": 0.1, "seed": 0,
+                          "template": "qwen_chat", "instruction": BOXED_INSTRUCTION, "u_forms": ["aligned"],
+                          "paper": PAPER, "settings": {}})
+    assert f'followed by the instruction "{BOXED_INSTRUCTION}"' in md
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["diagnose"]
+    assert BOXED_INSTRUCTION in sub.format_help().replace("\n", " ").replace("  ", " ") or \
+        BOXED_INSTRUCTION in next(a.help for a in sub._actions if a.dest == "template")
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -160,3 +204,31 @@ def test_aligned_ceiling():
         st = stats_from_logits(jnp.asarray(logits), np.zeros((n, 1), np.int32), np.ones((n, 1)), group_size=n)
         np.testing.assert_allclose(np.asarray(st.js)[:, 0], aligned_ceiling(np.array([n]))[0], rtol=1e-5)
     np.testing.assert_allclose(aligned_ceiling(np.array([1, 8])), [0.0, 0.4970], atol=1e-4)
+
+
+def test_position_panels_draw_bins_as_steps_not_lines_between_bins(tmp_path, monkeypatch):
+    """Issue 25 item 15: diagnose's position panels joined bin means by lines (with two bins, one
+    slanted line across both). Each bin is a flat step over its positions; an empty bin is a gap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.figure
+    from matplotlib.patches import StepPatch
+
+    from ict_jax.tools.diagnose_measures import POSITION_BIN
+    from ict_jax.tools.diagnose_report import plot_setting, position_steps
+
+    edges, values = position_steps([0, 16, 32], [0.25, None, 0.5], width=16)
+    assert edges == [0, 16, 32, 48] and values[0] == 0.25 and np.isnan(values[1]) and values[2] == 0.5
+    assert position_steps([0], [0.1], width=16) == ([0, 16], [0.1])
+    d = {"position_bins": [0, POSITION_BIN], "readings": {"aligned": {
+        "sorted_u": {"curve": None}, "u_by_position": [0.1, 0.3]}},
+        "selectors": {"ict[aligned]": {"selected_by_position": [0.2, None]}, "all": {"selected_by_position": [1, 1]}}}
+    figs = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: figs.append(self))
+    plot_setting(d, tmp_path / "x.png")
+    _, pos_u, pos_sel = figs[0].axes
+    for ax in (pos_u, pos_sel):
+        assert not ax.get_lines()  # no line joins two bins
+        steps = [p for p in ax.patches if isinstance(p, StepPatch)]
+        assert len(steps) == 1 and list(steps[0].get_data().edges) == [0, POSITION_BIN, 2 * POSITION_BIN]

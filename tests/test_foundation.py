@@ -123,3 +123,49 @@ def test_config_yaml_base_and_overrides(tmp_path):
     assert cfg.data.eval_k == (1, 2)
     assert cfg.rl.selector.resolved_rho == 0.2 and cfg.rl.selector.resolved_scope == "batch"
     assert rho_fraction(0.3) == (3, 10) and rho_fraction(0.1234) == (617, 5000)
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 15
+# ------------------------------------------------------------------------------------------------
+def test_param_count_of_a_model_and_a_clear_error(tiny_model, tiny_config):
+    """param_count(model) failed with a deep flax AttributeError; it counts a model's own parameters."""
+    assert ict_jax.param_count(tiny_model) == ict_jax.param_count(tiny_config) == tiny_config.num_params()
+    with pytest.raises(TypeError, match="param_count takes a ModelConfig or a Qwen2 model, got str"):
+        ict_jax.param_count("tiny")
+
+
+def test_info_lists_every_preset_of_the_registry(capsys):
+    """`ict-jax info` listed a hard-coded subset (no `demo`); it lists the registry, which is exactly what
+    model.preset accepts."""
+    import typing
+
+    from ict_jax.cli.main import main
+    from ict_jax.config import ModelSection
+
+    assert set(ModelConfig.presets()) == set(typing.get_args(typing.get_type_hints(ModelSection)["preset"]))
+    assert main(["info"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.split("model presets:")[1].splitlines()[2:]
+              if line.strip()]
+    assert listed == list(ModelConfig.presets())
+
+
+def test_import_ict_jax_chooses_the_cpu_when_libtpu_has_no_tpu(tmp_path):
+    """With the tpu extra (libtpu) on a machine without a TPU, library and notebook use printed libtpu's
+    warnings: `import ict_jax` (before jax) sets JAX_PLATFORMS=cpu as the command line does."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from ict_jax.platform import nvidia_gpu_present, tpu_chips_present
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "import os, ict_jax, jax; jax.devices(); print(os.environ.get('JAX_PLATFORMS'))"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    expected = "cpu" if (importlib.util.find_spec("libtpu") and not tpu_chips_present()
+                         and not nvidia_gpu_present()) else "None"
+    assert run.stdout.strip() == expected
+    assert "TPU_ACCELERATOR_TYPE" not in run.stderr and "TPU_WORKER_HOSTNAMES" not in run.stderr

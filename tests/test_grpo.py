@@ -283,3 +283,38 @@ def test_sharded_rows_match_one_device(devices8):
     np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-9)
     for k, v in want_metrics.items():
         np.testing.assert_allclose(float(metrics[k]), float(v), rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 25 item 4: dynamic sampling decided from the total reward, so with a format penalty an
+# all-wrong group whose rewards differ only by format survived. rl.adv.filter_on: correct | reward.
+# ------------------------------------------------------------------------------------------------
+def test_informative_groups_hand_cases():
+    from ict_jax.rl.dynamic_sampling import informative_groups
+
+    # G = 4; rl.reward.correct = 1, wrong = 0, no_answer = -0.2 (a format penalty)
+    rewards = np.array([
+        -0.2, 0.0, -0.2, 0.0,   # all wrong, rewards differ only by format
+        1.0, 0.0, 0.0, -0.2,    # one right
+        1.0, 1.0, 1.0, 1.0,     # all right
+        0.0, 0.0, 0.0, 0.0,     # all wrong, same reward
+        1.0, 1.1, 1.0, 1.0,     # all right, one with a bonus (a custom reward)
+        0.3, 0.0, 0.0, 0.0,     # partial credit, nothing correct (reasoning-gym style)
+    ])
+    assert informative_groups(rewards, 4, "correct", 1.0).tolist() == [False, True, False, False, False, False]
+    assert informative_groups(rewards, 4, "reward", 1.0).tolist() == [True, True, False, False, True, True]
+    # the threshold of "correct" is rl.reward.correct: with correct = 0.3 the last group has one right
+    assert informative_groups(rewards, 4, "correct", 0.3).tolist()[-1]
+    with pytest.raises(ValueError, match="filter_on"):
+        informative_groups(rewards, 4, "score")
+    with pytest.raises(ValueError, match="group_size=5"):
+        informative_groups(rewards, 5)
+
+
+def test_filter_on_config_key():
+    from ict_jax.config import ConfigError, load_config
+
+    assert load_config(None).rl.adv.filter_on == "correct"  # DAPO's definition (docs/config.md)
+    assert load_config(None, ["rl.adv.filter_on=reward"]).rl.adv.filter_on == "reward"
+    with pytest.raises(ConfigError, match="rl.adv.filter_on: 'score' is not allowed; allowed values: reward, correct"):
+        load_config(None, ["rl.adv.filter_on=score"])

@@ -477,3 +477,29 @@ def test_reward_pool_time_limit_default_is_the_configs():
     from ict_jax.config import RewardSection
 
     assert inspect.signature(RewardPool).parameters["time_limit"].default == RewardSection().time_limit
+
+
+# Issue 25 item 7: docs/rewards.md's RewardPool example in a plain script (no `if __name__ == "__main__":`)
+# failed with "reward worker ... died during start-up": each worker re-runs the script (forkserver/spawn)
+# and reaches RewardPool(...) again. The worker now stops there and the parent says so.
+@pytest.mark.e2e  # two Python processes with their worker pools: ~10-20 s on 2 cores
+def test_a_script_without_a_main_guard_is_told_so(tmp_path):
+    import subprocess
+    import sys
+
+    body = ('from ict_jax import RewardPool\n\nprint("top level ran")\n'
+            '{guard}with RewardPool(num_workers=2, time_limit=3.0) as pool:\n'
+            '{indent}    print("scores", pool.score("exact", ["1"], ["1"]).tolist())\n')
+    for name, guard, indent in (("plain.py", "", ""), ("guarded.py", 'if __name__ == "__main__":\n    ', "    ")):
+        (tmp_path / name).write_text(body.format(guard=guard, indent=indent))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    plain = subprocess.run([sys.executable, "plain.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                           env=env)
+    assert plain.returncode == 1
+    last = plain.stderr.strip().splitlines()[-1]
+    assert last.startswith("ict_jax.rewards.pool.UnguardedScriptError: reward worker ")
+    assert f"re-ran {tmp_path / 'plain.py'} while starting" in last and 'if __name__ == "__main__":' in last
+    assert "died during start-up" not in plain.stderr
+    guarded = subprocess.run([sys.executable, "guarded.py"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert guarded.returncode == 0 and "scores [1.0]" in guarded.stdout, guarded.stderr

@@ -584,3 +584,110 @@ def test_an_extension_that_crashed_is_not_taken_for_finished(tmp_path, monkeypat
     (run / "summary.json").write_text(json.dumps({**summary, "steps": 3}))  # the extension finished
     t = trainer_mod.Trainer(load_config(DEMO, args), resume=True)
     assert t.finished is not None and t.finished["steps"] == 3
+
+
+def test_a_tensorboard_writer_that_died_on_a_full_disk_is_an_error_not_a_hang(tmp_path, monkeypatch, capfd):
+    """Issue 25 item 6: tensorboardX writes events from a thread; when a write fails (a full disk) the
+    thread ends and the next events block forever on its full queue: the run hung. Now the next log
+    raises the write's OSError naming the folder, and the dying thread prints no traceback."""
+    import errno
+    import threading
+
+    from tensorboardX import record_writer
+
+    from ict_jax.train.logs import RunLogger
+
+    log = RunLogger(tmp_path / "run", total_steps=100, progress=False)
+    log.log(0, {"reward/mean": 0.5})
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    monkeypatch.setattr(record_writer.RecordWriter, "flush", full)
+    outcome = {}
+
+    def many_steps():
+        try:
+            for step in range(1, 100):
+                log.log(step, {f"m/{i}": float(i) for i in range(20)})
+        except OSError as e:
+            outcome["error"] = e
+
+    worker = threading.Thread(target=many_steps, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "RunLogger.log blocked on a dead TensorBoard writer"
+    err = outcome["error"]
+    assert err.errno == errno.ENOSPC and err.filename == str(tmp_path / "run" / "tb" / "rl")
+    assert "Exception in thread" not in capfd.readouterr().err
+    closing = threading.Thread(target=log.close, daemon=True)  # closing does not block on the dead writer
+    closing.start()
+    closing.join(timeout=30)
+    assert not closing.is_alive()
+
+
+def test_wall_s_counts_an_interrupted_invocation(tmp_path):
+    """Issue 25 item 15: summary.json's wall_s is documented "over all invocations" but left out an
+    invocation that was interrupted (Ctrl-C) or stopped by an error. Both now count."""
+    from ict_jax.config import load_config
+    from ict_jax.train.record import read_summary
+    from ict_jax.train.trainer import Interrupted, Trainer
+
+    cfg = load_config(DEMO, TINY + ["train.sft_steps=0", "data.eval=[]", "train.steps=2", "mesh.data=-1",
+                                     "mesh.tensor=2", f"run_dir={tmp_path / 'run'}"])
+
+    def interrupted():
+        time.sleep(0.3)
+        raise Interrupted("interrupted at RL step 1/2")
+
+    with pytest.raises(Interrupted):
+        with Trainer(cfg, progress=False) as t:
+            t.run_loop = interrupted
+            t.train()
+    first = read_summary(tmp_path / "run")
+    assert first["status"] == "running" and first["wall_s"] >= 0.3
+
+    def failed():
+        time.sleep(0.2)
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError):
+        with Trainer(cfg, resume=True, progress=False) as t:
+            t.run_loop = failed
+            t.train()
+    assert read_summary(tmp_path / "run")["wall_s"] >= first["wall_s"] + 0.2  # added up over invocations
+
+
+def test_a_row_is_written_whole_or_not_at_all_and_a_half_row_is_not_read(tmp_path):
+    """Issue 25 item 6, "nothing lost": on a full disk metrics.jsonl got half a row, and the resumed run
+    then failed on it (JSONDecodeError, exit 1). A failed write is cut back to where the row began, and a
+    half row at the end of a file (from a crash mid-write) is skipped by the readers."""
+    import errno
+
+    from ict_jax.train.logs import append_row, complete_lines
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "phase": "rl"}\n')
+    real = open(path, "ab", buffering=0)
+
+    class FullDisk:  # writes part of the row, then the disk is full
+        def fileno(self):
+            return real.fileno()
+
+        def write(self, data):
+            os.write(real.fileno(), data[:10])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as err:
+        append_row(FullDisk(), json.dumps({"step": 1, "phase": "rl", "x": 1.5}) + "\n", path)
+    real.close()
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(path)
+    assert path.read_text() == '{"step": 0, "phase": "rl"}\n'  # the half row is gone
+
+    assert complete_lines('{"a": 1}\n{"b": 2}\n') == ['{"a": 1}', '{"b": 2}']
+    assert complete_lines('{"a": 1}\n{"b": 2') == ['{"a": 1}']  # cut short: skipped
+    assert complete_lines('{"a": 1}\n{"b": 2}') == ['{"a": 1}', '{"b": 2}']  # whole, only the newline missing
+    path.write_text('{"step": 0, "phase": "rl", "m": 1.0}\n{"step": 1, "phase": "rl", "m": 2.0}\n{"step": 2, "ph')
+    assert [r["step"] for r in read_metrics(path)] == [0, 1]
+    assert truncate_metrics(path, {"rl": 1}) == 1 and path.read_text() == '{"step": 0, "phase": "rl", "m": 1.0}\n'

@@ -6,9 +6,11 @@ import json
 import pathlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ict_jax import CharTokenizer, load_tokenizer
-from ict_jax.model.tokenizers import QWEN2P5_CHAT_TEMPLATE, Tokenizer
+from ict_jax.model.tokenizers import CHAR_ALPHABET, QWEN2P5_CHAT_TEMPLATE, Tokenizer
 
 QWEN2P5_LAST_ID = 151664  # <|file_sep|>; the Qwen3 release adds ids above it
 
@@ -80,7 +82,40 @@ def test_char_tokenizer_round_trip_and_specials():
     assert tok.decode(ids) == "1+2="
     assert tok.decode(ids, skip_special_tokens=False) == "<bos>1+2=<eos>"
     assert tok.encode("<b") == [tok.vocab["<"], tok.vocab["b"]]  # not a special: plain characters
-    assert tok.encode("é") == [tok.unk_id]
+    assert tok.unk_id not in tok.encode(text)  # <unk> is never produced by encode (issue 25, item 3)
+
+
+# Issue 25 item 3: characters outside the alphabet were mapped to <unk> and dropped by decode, so
+# decode(encode("９５=🙂é")) == "=": a user's data changed without a word. They are refused now.
+@pytest.mark.parametrize("text, char, position", [("９５=🙂é", "９", 0), ("12=🙂", "🙂", 3), ("caf\u00e9", "é", 3),
+                                                  ("a\tb", "\t", 1)])
+def test_char_tokenizer_refuses_characters_it_cannot_represent(text, char, position):
+    from ict_jax.model.tokenizers import UnknownCharacterError
+
+    with pytest.raises(UnknownCharacterError) as err:
+        CharTokenizer().encode(text)
+    assert (err.value.char, err.value.position) == (char, position)
+    msg = str(err.value)
+    assert "\n" not in msg and repr(char) in msg and f"U+{ord(char):04X}" in msg and f"position {position}" in msg
+    assert isinstance(err.value, ValueError)  # the command line's one-line errors catch ValueError
+
+
+@given(st.text(alphabet=st.sampled_from(sorted(set(CHAR_ALPHABET))), max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_char_tokenizer_round_trips_every_text_it_accepts(text):
+    tok = CharTokenizer()
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_encode_prompts_names_the_data_set_and_example_of_an_unknown_character():
+    from ict_jax.data.datasets import Dataset
+    from ict_jax.data.example import DataError, Example
+    from ict_jax.data.prompts import encode_prompts
+
+    ds = Dataset("mine", [Example("1+1=", "2", {"index": 0}), Example("2+2=", "4", {"index": 1}),
+                          Example("3＋3=", "6", {"index": 2})], "exact")
+    with pytest.raises(DataError, match=r"^mine example 2: character '＋' \(U\+FF0B"):
+        encode_prompts(ds, CharTokenizer(), template="none", max_prompt_len=16)
 
 
 def test_char_tokenizer_chat_template():

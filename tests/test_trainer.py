@@ -231,8 +231,27 @@ def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
 
         t._score = fake_score
         batch, info = t._rollout_batch(0, t.run.state)
+        first_batches = list(batches)
+
+        # Issue 25 item 4: with a format penalty, group 0 is all wrong and differs only by format.
+        # filter_on=correct (the default) drops and refills it; filter_on=reward keeps it.
+        def format_only(pb, tokens, valid):
+            r = np.zeros(P * G, np.float32)
+            r[::G] = 1.0  # one right answer in every group ...
+            r[:G] = [-0.2, 0.0] * (G // 2)  # ... but group 0: all wrong, half without an answer
+            return r
+
+        t._score = format_only
+        kept = {}
+        for filter_on in ("correct", "reward"):
+            t.cfg = cfg.replace(**{"rl.reward.no_answer": -0.2, "rl.adv.filter_on": filter_on})
+            batches.clear()
+            fb, finfo = t._rollout_batch(0, t.run.state)
+            kept[filter_on] = (finfo["rollout/refills"], np.asarray(fb.rewards)[:G].astype(np.float32).tolist())
+    assert kept["correct"][0] >= 1 and max(kept["correct"][1]) == 1.0  # refilled with an informative group
+    assert kept["reward"] == (0, np.float32([-0.2, 0.0] * (G // 2)).tolist())  # kept: its rewards differ
     assert info["rollout/refills"] == 1 and info["rollout/kept_row_frac"] == 1.0
-    first, refill = batches
+    first, refill = first_batches
     Lr = cfg.rollout.max_new_tokens
     prompts = np.asarray(batch.tokens)[::G, :-Lr]
     width = prompts.shape[1]

@@ -513,12 +513,16 @@ def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *
 
 def compile_run(cfg: Config, target: Target, programs: Sequence[str] = PROGRAMS, *,
                 on_report: Callable[[ProgramReport], None] | None = None, analyse: bool = True,
-                dump_dir: str | Path | None = None) -> tuple[list[ProgramReport], str]:
-    """Compile ``programs`` of a run of ``cfg`` for ``target`` -> (reports, the model's source)."""
+                dump_dir: str | Path | None = None,
+                on_start: Callable[[str], None] | None = None) -> tuple[list[ProgramReport], str]:
+    """Compile ``programs`` of a run of ``cfg`` for ``target`` -> (reports, the model's source).
+    ``on_start(name)`` is called as each program starts, ``on_report(report)`` as it ends (progress)."""
     mc, source = target_model_config(cfg, target.platform)
     mesh = run_mesh(cfg, target)
     reports = []
     for program in build_programs(cfg, mc, mesh, target.platform, programs):
+        if on_start is not None:
+            on_start(program.name)
         rep = compile_program(program, target, mesh, analyse=analyse, dump_dir=dump_dir)
         reports.append(rep)
         if on_report is not None:

@@ -5,23 +5,26 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import time
 import typing
 from pathlib import Path
 
 from ict_jax.cli.errors import UserError
 from ict_jax.config import SELECTOR_DEFAULTS, StatsSection, UForm
+from ict_jax.outputs import check_output_dir
 
 
 def add_diagnose_args(p: argparse.ArgumentParser) -> None:
-    from ict_jax.data.templates import TEMPLATES
+    from ict_jax.data.templates import BOXED_INSTRUCTION, MC_INSTRUCTION, TEMPLATES
 
     forms = ",".join(typing.get_args(UForm))
     p.add_argument("--model", required=True, metavar="PATH",
                    help="a Hugging Face directory, a .gguf file or pkg:<package>/<file>")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH", help="tokenizer instead of the model's own")
-    p.add_argument("--prompts", required=True, metavar="SRC",
-                   help="the prompts: a data set spec, e.g. 'gym:gsm_symbolic?size=8&seed=0', 'split?digits=2&size=16' "
-                        "(docs/data.md); its answers and scorer give the rewards")
+    p.add_argument("--prompts", default=None, metavar="SRC",
+                   help="the prompts (required unless --reanalyse): a data set spec, e.g. "
+                        "'gym:gsm_symbolic?size=8&seed=0', 'split?digits=2&size=16' (docs/data.md); its answers and "
+                        "scorer give the rewards")
     p.add_argument("--data-dir", default=None, help="folder of the data set's files (file-based data sets)")
     p.add_argument("-G", "--group-sizes", default="8,16", metavar="G1,G2", help="responses per prompt (default 8,16)")
     p.add_argument("--temperature", default="1.0,0.7", metavar="T1,T2",
@@ -35,7 +38,10 @@ def add_diagnose_args(p: argparse.ArgumentParser) -> None:
                    help="responses per sampling run (R // G prompts, at least one): the mini-batch of the "
                         "batch-scoped selectors (default 64)")
     p.add_argument("--template", default="qwen_chat", choices=TEMPLATES,
-                   help="prompt template (default qwen_chat: the model's own chat template)")
+                   help="prompt template (default qwen_chat: the model's own chat template). With qwen_chat or plain "
+                        "every question is followed by the instruction \"" + BOXED_INSTRUCTION.replace("%", "%%")
+                        + "\" (multiple-choice data sets: \"" + MC_INSTRUCTION.replace("%", "%%") + "\"); none: the "
+                        "prompts as given. The report states it")
     p.add_argument("--rho", type=float, default=SELECTOR_DEFAULTS["ict"][0],
                    help=f"ICT's fraction per response (default {SELECTOR_DEFAULTS['ict'][0]})")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -46,7 +52,12 @@ def add_diagnose_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="write over an existing report in --out")
     p.add_argument("--reanalyse", action="store_true",
                    help="no sampling: rebuild the report in --out from its saved per-token arrays with this code "
-                        "(--model gives the tokenizer; the sampling options are ignored)")
+                        "(only the tokenizer of --model is loaded, not its weights; --prompts and the sampling "
+                        "options are not needed)")
+
+
+def _say(line: str) -> None:
+    print(f"[diagnose] {line}", flush=True)
 
 
 def _parse_list(text: str, cast: type, flag: str) -> list:
@@ -78,33 +89,40 @@ def diagnose_main(args: argparse.Namespace) -> int:
         raise UserError(f"--num-prompts {args.num_prompts}: must be >= 1")
     if not 0 < args.rho <= 1:
         raise UserError(f"--rho {args.rho}: allowed 0 < rho <= 1")
-    out = Path(args.out)
+    out = check_output_dir(args.out, "--out")
     if args.reanalyse:
         if not (out / "diagnose.json").is_file():
             raise UserError(f"--reanalyse: {str(out / 'diagnose.json')!r} does not exist")
-        from ict_jax.model.loading import load_model_and_tokenizer
+        from ict_jax.model.loading import load_model_tokenizer
         from ict_jax.tools.diagnose import reanalyse
 
-        _, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
-        reanalyse(out, tok, say=lambda s: print(f"[diagnose] {s}", flush=True))
+        tok = load_model_tokenizer(args.model, tokenizer=args.tokenizer)  # the tokenizer only, never the weights
+        reanalyse(out, tok, say=_say)
         print(f"wrote {out / 'diagnose.md'}, {out / 'diagnose.json'}")
         return 0
+    if args.prompts is None:
+        raise UserError("--prompts SRC is required (except with --reanalyse)")
     if (out / "diagnose.json").exists() and not args.force:
         raise UserError(f"--out {str(out)!r} already holds a report (pass --force to write over it)")
 
     from ict_jax.data.datasets import load_dataset
     from ict_jax.model.loading import load_model_and_tokenizer
-    from ict_jax.tools.diagnose import Setting, run_diagnose
+    from ict_jax.tools.diagnose import Setting, prompt_instruction, run_diagnose
 
     dataset = load_dataset(args.prompts, data_dir=args.data_dir, limit=args.num_prompts)
     if len(dataset) == 0:
         raise UserError(f"--prompts {args.prompts!r}: no prompts")
+    _say(f"loading {args.model} ...")
+    t0 = time.perf_counter()
     model, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
+    _say(f"loaded in {time.perf_counter() - t0:.0f} s; {len(dataset)} prompts, "
+         + (f"each followed by the instruction {instr!r}" if (instr := prompt_instruction(dataset, args.template))
+            else "as given (template none)"))
     settings = [Setting(g, t) for g, t in itertools.product(groups, temps)]
     results = run_diagnose(model, tok, dataset, settings=settings, u_forms=forms, max_new_tokens=args.max_new_tokens,
                            batch_rows=args.batch_rows, template=args.template, seed=args.seed, rho=args.rho,
                            chunk=args.chunk, out=out, title=args.title or f"{args.model} on {args.prompts}",
-                           say=lambda s: print(f"[diagnose] {s}", flush=True))
+                           say=_say)
     print(f"wrote {out / 'diagnose.md'}, {out / 'diagnose.json'}, "
           + ", ".join(str(out / f"{n}.png") for n in results["settings"]))
     return 0

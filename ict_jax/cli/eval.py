@@ -1,15 +1,18 @@
 """``ict-jax eval``: pass@k of a model on benchmarks (docs/method.md §6), end to end.
 
-    ict-jax eval --model PATH [--benchmarks math500,gsm8k_test,...] [--data-dir DIR] [--n 4] [--k 1,4]
-                 [--temperature 0.6] [--top-p 0.95] [--max-new-tokens 1024] [--max-prompt-len 1024]
-                 [--batch-size 8] [--limit N] [--template qwen_chat|plain|none] [--out DIR] [--workers 2]
-                 [--seed 0] [--mesh DATA,FSDP,TENSOR] [--tokenizer char|PATH] [--skip-overlong]
+    ict-jax eval --model PATH [--benchmarks math500,gsm8k_test,...] [--data-dir DIR] [--n N] [--k K,K]
+                 [--temperature T] [--top-p P] [--max-new-tokens N] [--max-prompt-len N] [--batch-size B]
+                 [--limit N] [--template qwen_chat|plain|none] [--out DIR] [--workers W] [--seed S]
+                 [--mesh DATA,FSDP,TENSOR] [--tokenizer char|PATH] [--skip-overlong]
 
-Loads the benchmarks first (bad names and missing files fail before the model loads), templates every
-prompt with the instruction of its scorer, checks prompt lengths up front, then samples with
+Every setting comes from, in order: its flag, the settings the model's training run recorded (a run
+directory, its checkpoint or sft_model, a model ``ict-jax export`` wrote), the config tree's default
+(:data:`ict_jax.config.EVAL_KEYS`: one source per default); the output says which. Loads the benchmarks
+first (bad names and missing files fail before the model loads), templates every prompt with the
+instruction of its scorer, checks prompt lengths up front, then samples with
 :func:`ict_jax.make_text_generator` and scores with :func:`ict_jax.evaluate_benchmarks`. Writes
-``{out}/eval.json`` (results, settings, per-benchmark ``skipped_overlong``) and ``{out}/eval_samples.jsonl``.
-docs/evaluation.md.
+``{out}/eval.json`` (results, settings and their sources, per-benchmark ``skipped_overlong``) and
+``{out}/eval_samples.jsonl``. docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import sys
 
 
 def _csv(kind: type):
@@ -33,68 +37,139 @@ def _csv(kind: type):
     return parse
 
 
+#: Settings a run's record does not decide: the sampler's batch is a resource of the machine that
+#: evaluates (a recipe's 128 prompts a call suit its TPU slice, not a laptop); only the flag or the default.
+_NOT_FROM_THE_RUN = {"batch_size"}
+#: flag dest -> the setting of :data:`ict_jax.config.EVAL_KEYS` it overrides (all default to None: the
+#: run's recorded value, else the config tree's default)
+_SETTING_FLAGS = {"benchmarks": "benchmarks", "data_dir": "data_dir", "template": "template", "n": "n", "k": "k",
+                  "temperature": "temperature", "top_p": "top_p", "limit": "limit",
+                  "max_new_tokens": "max_new_tokens", "max_prompt_len": "max_prompt_len",
+                  "batch_size": "batch_size", "seed": "seed", "workers": "workers", "time_limit": "time_limit"}
+
+
+def _default_help(setting: str, shown: object = None) -> str:
+    from ict_jax.config import EVAL_KEYS, eval_settings
+
+    value = eval_settings()[setting] if shown is None else shown
+    if isinstance(value, tuple):
+        value = ",".join(map(str, value))
+    return f"default: the run's {EVAL_KEYS[setting]}, else {value}"
+
+
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     from ict_jax.data.datasets import PAPER_BENCHMARKS
     from ict_jax.data.templates import TEMPLATES
 
     p.add_argument("--model", required=True, metavar="PATH",
                    help="Hugging Face checkpoint directory, .gguf file, pkg:<package>/<file>, or a training run "
-                        "directory (its last checkpoint)")
+                        "directory (its last checkpoint); a run directory (or a model `ict-jax export` wrote from "
+                        "one) brings its own settings (template, lengths, evaluation settings), flags override them")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH",
                    help="tokenizer instead of the model's own: 'char' (built-in CharTokenizer) or a path")
-    p.add_argument("--benchmarks", type=_csv(str), default=list(PAPER_BENCHMARKS), metavar="A,B,...",
-                   help="load_dataset names (default: the paper's seven: " + ",".join(PAPER_BENCHMARKS) + ")")
-    p.add_argument("--data-dir", default=None, metavar="DIR", help="benchmark files (docs/data.md)")
-    p.add_argument("--n", type=int, default=4, help="samples per problem (default 4)")
-    p.add_argument("--k", type=_csv(int), default=[1, 4], metavar="K,K", help="pass@k to report (default 1,4)")
-    p.add_argument("--temperature", type=float, default=0.6, help="default 0.6")
-    p.add_argument("--top-p", type=float, default=0.95, help="default 0.95")
+    p.add_argument("--benchmarks", type=_csv(str), default=None, metavar="A,B,...",
+                   help="load_dataset names (" + _default_help("benchmarks", "the paper's seven: "
+                                                                + ",".join(PAPER_BENCHMARKS)) + ")")
+    p.add_argument("--data-dir", default=None, metavar="DIR", help="benchmark files, docs/data.md ("
+                   + _default_help("data_dir") + ")")
+    p.add_argument("--n", type=int, default=None, help="samples per problem (" + _default_help("n") + ")")
+    p.add_argument("--k", type=_csv(int), default=None, metavar="K,K", help="pass@k to report (" + _default_help("k") + ")")
+    p.add_argument("--temperature", type=float, default=None, help=_default_help("temperature"))
+    p.add_argument("--top-p", type=float, default=None, help=_default_help("top_p"))
     p.add_argument("--top-k", type=int, default=0, help="default 0 (off)")
-    p.add_argument("--max-new-tokens", type=int, default=1024, metavar="N",
-                   help="response budget (default 1024 = the training default rollout.max_new_tokens)")
-    p.add_argument("--max-prompt-len", type=int, default=1024, metavar="N",
-                   help="longest prompt in tokens after templating (default 1024); longer ones are an error "
-                        "unless --skip-overlong; never truncated")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="response budget (" + _default_help("max_new_tokens") + ")")
+    p.add_argument("--max-prompt-len", type=int, default=None, metavar="N",
+                   help="longest prompt in tokens after templating (" + _default_help("max_prompt_len") + "); "
+                        "longer ones are an error unless --skip-overlong; never truncated")
     p.add_argument("--skip-overlong", action="store_true",
-                   help="answer over-long prompts with empty responses (scored wrong) and count them")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="prompts per sampler call (default 8)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="first N problems of each benchmark")
-    p.add_argument("--template", choices=TEMPLATES, default="qwen_chat", help="prompt template (default qwen_chat)")
+                   help="answer over-long prompts (and prompts that with --max-new-tokens pass the model's "
+                        "max_position_embeddings) with empty responses (scored wrong) and count them")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help=f"prompts per sampler call (default {_default_help('batch_size').rsplit(' ', 1)[-1]}; a resource "
+                        "of this machine, never taken from the run)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="first N problems of each benchmark (" + _default_help("limit", "all") + ")")
+    p.add_argument("--template", choices=TEMPLATES, default=None, help="prompt template (" + _default_help("template") + ")")
     p.add_argument("--out", default="eval_out", metavar="DIR",
                    help="writes DIR/eval.json and DIR/eval_samples.jsonl (default ./eval_out)")
-    p.add_argument("--workers", type=int, default=2, help="reward worker processes (default 2)")
-    p.add_argument("--time-limit", type=float, default=5.0, metavar="S", help="seconds per answer check (default 5)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--workers", type=int, default=None, help="reward worker processes (" + _default_help("workers") + ")")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="seconds per answer check (" + _default_help("time_limit") + ")")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (" + _default_help("seed") + ")")
     p.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
                    help="device mesh (-1 = the rest of the devices); default: no mesh, one device")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="parameter dtype (default float32)")
     p.add_argument("--reward-fn", default=None, metavar="PACKAGE.MODULE:FUNCTION",
                    help="the function that scores benchmarks whose reward kind is 'custom' (file:...&reward=custom); "
                         "run in the reward worker processes (docs/rewards.md)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress (bar or lines)")
 
 
-def _validate(args: argparse.Namespace) -> None:
+def resolve_settings(args: argparse.Namespace, recorded: dict | None) -> tuple[dict, dict]:
+    """({setting: value}, {setting: "flag" | "run" | "default"}): a flag given on the command line wins,
+    then the run's recorded config (``recorded``: the plain config tree), then the config tree's default.
+    ``benchmarks`` falls back to the paper's seven when neither names any."""
+    from ict_jax.config import EVAL_KEYS, eval_settings, get_dotted
+    from ict_jax.data.datasets import PAPER_BENCHMARKS
+
+    defaults = eval_settings()
+    missing = object()
+    values, sources = {}, {}
+    for dest, name in _SETTING_FLAGS.items():
+        flag = getattr(args, dest)
+        run_value = (get_dotted(recorded, EVAL_KEYS[name], missing)
+                     if recorded is not None and name not in _NOT_FROM_THE_RUN else missing)
+        if isinstance(run_value, list):
+            run_value = tuple(run_value)
+        if flag is not None:
+            values[name], sources[name] = (tuple(flag) if isinstance(flag, list) else flag), "flag"
+        elif run_value is not missing and run_value != ():  # a recorded null (no limit, no data_dir) counts
+            values[name], sources[name] = run_value, "run"
+        else:
+            values[name], sources[name] = defaults[name], "default"
+    if not values["benchmarks"]:
+        values["benchmarks"] = tuple(PAPER_BENCHMARKS)
+    return values, sources
+
+
+def _validate(s: dict, args: argparse.Namespace) -> None:
     from ict_jax.cli.errors import UserError
 
-    if args.n < 1:
-        raise UserError(f"--n must be >= 1, got {args.n}")
-    bad = [k for k in args.k if not 1 <= k <= args.n]
+    if s["n"] < 1:
+        raise UserError(f"--n must be >= 1, got {s['n']}")
+    bad = [k for k in s["k"] if not 1 <= k <= s["n"]]
     if bad:
-        raise UserError(f"--k {','.join(map(str, args.k))}: every k must be between 1 and --n={args.n}")
+        raise UserError(f"--k {','.join(map(str, s['k']))}: every k must be between 1 and --n={s['n']}")
     for name in ("max_new_tokens", "max_prompt_len", "batch_size", "workers"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit must be >= 1, got {args.limit}")
-    if not args.temperature > 0:
-        raise UserError(f"--temperature must be > 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+        if s[name] < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
+    if s["limit"] is not None and s["limit"] < 1:
+        raise UserError(f"--limit must be >= 1, got {s['limit']}")
+    if not s["temperature"] > 0:
+        raise UserError(f"--temperature must be > 0, got {s['temperature']}")
+    if not 0 < s["top_p"] <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {s['top_p']}")
+    if not s["time_limit"] > 0:
+        raise UserError(f"--time-limit must be > 0, got {s['time_limit']}")
     if args.reward_fn is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", args.reward_fn):
         raise UserError(f"--reward-fn {args.reward_fn!r}: expected package.module:function")
-    if len(set(args.benchmarks)) != len(args.benchmarks):
-        raise UserError(f"--benchmarks lists a benchmark twice: {','.join(args.benchmarks)}")
+    if len(set(s["benchmarks"])) != len(s["benchmarks"]):
+        raise UserError(f"--benchmarks lists a benchmark twice: {','.join(s['benchmarks'])}")
+
+
+def settings_lines(values: dict, sources: dict, where: str | None) -> list[str]:
+    """What the evaluation uses and where each value came from: one line per source."""
+    def show(v: object) -> str:
+        return ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+
+    label = {"run": f"from the run ({where})", "flag": "from flags", "default": "left at the defaults"}
+    lines = []
+    for src in ("run", "flag", "default"):
+        names = [n for n in values if sources.get(n) == src]
+        if names:
+            lines.append(f"settings {label[src]}: " + "  ".join(f"{n}={show(values[n])}" for n in names))
+    return lines
 
 
 def _mesh(spec: str | None):
@@ -116,16 +191,24 @@ def _mesh(spec: str | None):
 def eval_main(args: argparse.Namespace) -> int:
     from ict_jax.cli.errors import UserError
     from ict_jax.data.datasets import load_dataset
-    from ict_jax.sampling.evaluation import evaluate
-    from ict_jax.sampling.text_generation import make_text_generator
-    from ict_jax.data.templates import template_dataset
+    from ict_jax.data.prompts import prompt_fits
+    from ict_jax.data.templates import template_dataset, template_mismatch
+    from ict_jax.model.tokenizers import UnknownCharacterError
+    from ict_jax.outputs import check_output_dir
     from ict_jax.rewards.checks import CUSTOM_KIND
     from ict_jax.rewards.pool import RewardPool
-    from ict_jax.train.checkpoints import load_run_model, run_model_tokenizer
+    from ict_jax.sampling.evaluation import evaluate
+    from ict_jax.sampling.text_generation import make_text_generator
+    from ict_jax.train.checkpoints import load_run_model, recorded_run_config, run_model_tokenizer
 
-    _validate(args)
-    datasets = {name: load_dataset(name, data_dir=args.data_dir, limit=args.limit, seed=args.seed)
-                for name in args.benchmarks}
+    check_output_dir(args.out, "--out")  # before any work (issue 25 item 5)
+    record = recorded_run_config(args.model)
+    s, sources = resolve_settings(args, record[0] if record else None)
+    _validate(s, args)
+    for line in settings_lines(s, sources, record[1] if record else None):
+        print(line, flush=True)
+    datasets = {name: load_dataset(name, data_dir=s["data_dir"], limit=s["limit"], seed=s["seed"])
+                for name in s["benchmarks"]}
     custom = [name for name, ds in datasets.items() if ds.scorer == CUSTOM_KIND]
     if custom and not args.reward_fn:
         raise UserError(f"benchmark {custom[0]!r} is scored by reward=custom: name the function with --reward-fn")
@@ -133,39 +216,85 @@ def eval_main(args: argparse.Namespace) -> int:
     if empty:
         raise UserError(f"benchmark {empty[0]!r} has no problems")
     mesh = _mesh(args.mesh)
-    tok = run_model_tokenizer(args.model, args.tokenizer)  # cheap: template and length-check first
-    templated = {name: template_dataset(ds, tok, args.template) for name, ds in datasets.items()}
-    overlong = {name: sum(len(tok.encode(ex.prompt)) > args.max_prompt_len for ex in ds)
-                for name, ds in templated.items()}
-    if any(overlong.values()) and not args.skip_overlong:
-        name = next(k for k, v in overlong.items() if v)
-        raise UserError(f"{name}: {overlong[name]} prompt(s) longer than --max-prompt-len={args.max_prompt_len} "
-                        "tokens after templating (never truncated): raise --max-prompt-len or pass --skip-overlong")
-    model, tok, where = load_run_model(args.model, mesh=mesh, dtype=args.dtype, tokenizer=args.tokenizer)
-    gen = make_text_generator(model, tok, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, template="none",
-                              max_prompt_len=args.max_prompt_len, batch_size=args.batch_size, seed=args.seed,
+    tokenizer = args.tokenizer or _recorded_tokenizer(args.model, record)
+    tok = run_model_tokenizer(args.model, tokenizer)  # cheap: template and length-check first
+    why = template_mismatch(tok, s["template"])
+    if why:
+        print(f"ict-jax eval: warning: template {s['template']}: {why}", file=sys.stderr)
+    guessed = [n for n in ("template", "max_new_tokens", "max_prompt_len") if sources[n] == "default"]
+    if record is None and guessed:
+        print("ict-jax eval: warning: the model records no training settings, so these are defaults, not "
+              "necessarily what it was trained with: " + ", ".join(f"{n}={s[n]}" for n in guessed) + " (pass "
+              + " / ".join("--" + n.replace("_", "-") for n in guessed) + " if it was trained otherwise)",
+              file=sys.stderr)
+    templated = {name: template_dataset(ds, tok, s["template"]) for name, ds in datasets.items()}
+    lengths = {name: _prompt_lengths(ds, tok, UnknownCharacterError) for name, ds in templated.items()}
+    overlong = {name: sum(n > s["max_prompt_len"] for n in ls) for name, ls in lengths.items()}
+    _refuse(overlong, args.skip_overlong, f"longer than --max-prompt-len={s['max_prompt_len']} tokens after templating "
+            "(never truncated): raise --max-prompt-len or pass --skip-overlong")
+    model, tok, where = load_run_model(args.model, mesh=mesh, dtype=args.dtype, tokenizer=tokenizer)
+    limit = model.config.max_position_embeddings
+    no_room = {name: sum(n <= s["max_prompt_len"] and not prompt_fits(n, s["max_new_tokens"], limit) for n in ls)
+               for name, ls in lengths.items()}
+    _refuse(no_room, args.skip_overlong, f"that with --max-new-tokens={s['max_new_tokens']} pass the model's "
+            f"max_position_embeddings={limit} (the positions past it were never trained): lower --max-new-tokens "
+            "or pass --skip-overlong")
+    gen = make_text_generator(model, tok, max_new_tokens=s["max_new_tokens"], temperature=s["temperature"],
+                              top_p=s["top_p"], top_k=args.top_k, template="none",
+                              max_prompt_len=s["max_prompt_len"], batch_size=s["batch_size"], seed=s["seed"],
                               mesh=mesh, overlong="skip" if args.skip_overlong else "error")
-    settings = {"model": args.model, "loaded": where, "reward_fn": args.reward_fn, "tokenizer": args.tokenizer, "template": args.template,
-                "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                "max_new_tokens": args.max_new_tokens, "max_prompt_len": args.max_prompt_len,
-                "batch_size": args.batch_size, "limit": args.limit, "seed": args.seed, "mesh": args.mesh,
-                "data_dir": args.data_dir}
+    settings = {"model": args.model, "loaded": where, "reward_fn": args.reward_fn, "tokenizer": tokenizer,
+                **{k: list(v) if isinstance(v, tuple) else v for k, v in s.items()}, "top_k": args.top_k,
+                "mesh": args.mesh, "sources": sources, "run_config": record[1] if record else None}
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "eval.json")
     checkers = {CUSTOM_KIND: args.reward_fn} if args.reward_fn else None  # imported in the workers only
-    with RewardPool(args.workers, time_limit=args.time_limit, checkers=checkers) as pool:
-        results = evaluate(gen, templated, pool, n=args.n, ks=args.k, batch_size=args.batch_size,
+    with RewardPool(s["workers"], time_limit=s["time_limit"], checkers=checkers) as pool:
+        results = evaluate(gen, templated, pool, n=s["n"], ks=s["k"], batch_size=s["batch_size"],
                            samples_path=os.path.join(args.out, "eval_samples.jsonl"), settings=settings,
                            progress=not args.no_progress, print_table=True)
-    for name, count in overlong.items():
-        results["benchmarks"][name]["skipped_overlong"] = int(count)
+    for name in overlong:
+        results["benchmarks"][name]["skipped_overlong"] = int(overlong[name] + no_room[name])
     results["compiled_programs"] = gen.compiled_programs()
     with open(json_path, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2)
-    skipped = sum(overlong.values())
-    if skipped:
-        print(f"{skipped} over-long prompt(s) answered with empty responses (scored wrong): "
-              + ", ".join(f"{k} {v}" for k, v in overlong.items() if v))
+    skipped = {k: overlong[k] + no_room[k] for k in overlong}
+    if sum(skipped.values()):
+        print(f"{sum(skipped.values())} over-long prompt(s) answered with empty responses (scored wrong): "
+              + ", ".join(f"{k} {v}" for k, v in skipped.items() if v))
     print(f"wrote {json_path} and {os.path.join(args.out, 'eval_samples.jsonl')}")
     return 0
+
+
+def _recorded_tokenizer(model: str, record: tuple[dict, str] | None) -> str | None:
+    """The tokenizer an exported model's recorded config names, when it is the built-in ``char`` (an
+    exported directory carries no tokenizer files); None otherwise (the model's own)."""
+    from ict_jax.config import get_dotted
+    from ict_jax.train.checkpoints import run_model_source
+
+    if record is None or run_model_source(model) is not None:
+        return None  # a run directory: its checkpoint names its tokenizer
+    spec = get_dotted(record[0], "model.tokenizer")
+    has_files = os.path.isdir(model) and any(os.path.exists(os.path.join(model, f))
+                                             for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
+    return "char" if spec == "char" and not has_files else None
+
+
+def _prompt_lengths(dataset, tok, unknown_error) -> list[int]:
+    from ict_jax.cli.errors import UserError
+
+    out = []
+    for i, ex in enumerate(dataset):
+        try:
+            out.append(len(tok.encode(ex.prompt)))
+        except unknown_error as e:
+            raise UserError(f"{dataset.name} problem {i}: {e}") from None
+    return out
+
+
+def _refuse(counts: dict, skip: bool, what: str) -> None:
+    from ict_jax.cli.errors import UserError
+
+    if any(counts.values()) and not skip:
+        name = next(k for k, v in counts.items() if v)
+        raise UserError(f"{name}: {counts[name]} prompt(s) {what}")

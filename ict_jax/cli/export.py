@@ -18,8 +18,10 @@ def add_export_args(p: Any) -> None:
 
 
 def export_main(args: Any) -> int:
+    from ict_jax.outputs import check_output_dir
     from ict_jax.train.checkpoints import Checkpointer, export_checkpoint, resolve_checkpoint_dir
 
+    check_output_dir(args.out, "--out")
     directory, step = resolve_checkpoint_dir(args.checkpoint, args.step)
     with Checkpointer(directory, read_only=True) as ckpt:
         step = ckpt.resolve_step(step)

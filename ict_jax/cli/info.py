@@ -35,7 +35,7 @@ def info_main(args: argparse.Namespace) -> int:
     print("mesh: " + " x ".join(f"{k}={v}" for k, v in mesh.shape.items()))
     print("model presets:")
     print(f"  {'name':<14}{'params':>16}{'layers':>8}{'width':>7}{'heads':>7}{'kv':>4}{'vocab':>9}  head")
-    for name in ("tiny", "qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_7b"):
+    for name in ModelConfig.presets():  # the registry: every preset model.preset accepts
         c = ModelConfig.preset(name)
         print(f"  {name:<14}{param_count(c):>16,}{c.num_layers:>8}{c.hidden_size:>7}{c.num_heads:>7}"
               f"{c.num_kv_heads:>4}{c.vocab_size:>9}  {'tied' if c.tie_word_embeddings else 'untied'}")

@@ -64,10 +64,12 @@ def _cfg_get(cfg: Any, *keys: str) -> Any:
 
 def inspect_main(args: argparse.Namespace) -> int:
     from ict_jax.model.loading import load_tokenizer_spec
+    from ict_jax.outputs import check_output_file
     from ict_jax.tools.inspector import checkpoint_selector, token_report
     from ict_jax.tools.inspector_page import render_html
     from ict_jax.train.checkpoints import load_params_from_checkpoint, load_run_model
 
+    check_output_file(args.out, "--out")  # before the model loads
     cfg: dict[str, Any] = {}
     meta: dict[str, Any] | None = None
     if args.checkpoint is not None:

@@ -4,8 +4,8 @@ library modules. User errors (bad config, missing files, bad shapes) print one l
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
-import importlib.util
 import logging
 import os
 import re
@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 from ict_jax import __version__
 from ict_jax.cli.errors import UserError
 from ict_jax.config import ConfigError
-from ict_jax.platform import nvidia_gpu_present, tpu_chips_present
+from ict_jax.outputs import USER_PATH_ERRNOS, os_error_line
+from ict_jax.platform import use_cpu_without_accelerators
 
 # subcommand -> (module, add_args function, main function, one-line help). Modules import lazily so
 # `ict-jax info` does not pay for the trainer's imports.
@@ -86,20 +87,29 @@ def quiet_library_logs() -> None:
     except ImportError:
         pass
 def skip_absent_tpu() -> bool:
-    """With libtpu installed (the ``tpu`` extra, e.g. for ``ict-jax compile``) on a machine without TPU
-    chips or NVIDIA GPUs, JAX would still start the TPU runtime, which prints several lines of warnings
-    (TPU_ACCELERATOR_TYPE, TPU_WORKER_HOSTNAMES) on every command before falling back to the CPU. Then
-    (and only when ``JAX_PLATFORMS`` is unset) set ``JAX_PLATFORMS=cpu``: the same devices, no noise.
-    Compiling for a TPU topology works either way. Returns True when it set it (docs/tpu.md)."""
-    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
-        return False
-    if tpu_chips_present() or nvidia_gpu_present():
-        return False
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    return True
+    """``ict_jax.platform.use_cpu_without_accelerators``: no libtpu warnings on a machine without a TPU."""
+    return use_cpu_without_accelerators()
+
+
+def silence_stderr(log_path: str | None = None) -> None:
+    """After the one-line error of a full disk, what libraries print while the process exits (writers
+    that flush into the full disk at exit, aborted background writes) goes to ``log_path`` (the details
+    log), else nowhere: the error line stays the last line the user sees. Only for the process's own
+    command line (``main()`` without ``argv``), never for a caller's process."""
+    try:
+        sys.stderr.flush()
+        fd = os.open(log_path or os.devnull, os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        try:
+            fd = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            return
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from_command_line = argv is None  # the process's own command (not a call from Python code)
     skip_absent_tpu()
     parser = build_parser()
     argv = join_negative_values(sys.argv[1:] if argv is None else argv)
@@ -124,6 +134,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_error_types() as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"ict-jax {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the user's paths or disk (a read-only folder, a full disk): one line, not a bug
+        if e.errno not in USER_PATH_ERRNOS:
+            raise
+        print(f"ict-jax {args.command}: error: {os_error_line(e)}", file=sys.stderr, flush=True)
+        if from_command_line and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            silence_stderr(getattr(e, "log_path", None))
         return 2
     except BrokenPipeError:  # the output went to a pipe that closed (`| head`): not an error of ours
         sys.stderr.close()

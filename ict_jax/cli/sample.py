@@ -46,21 +46,47 @@ def _template(tok, chat: bool | None) -> str:
     return "qwen_chat" if chat else "none"
 
 
+def _validate(args: argparse.Namespace) -> None:
+    """The flags, before anything loads (issue 25 item 8: `-n 0` loaded the model first, then named an
+    internal parameter)."""
+    from ict_jax.cli.errors import UserError
+
+    if args.num_samples < 1:
+        raise UserError(f"-n/--num-samples must be >= 1, got {args.num_samples}")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.greedy and not args.temperature > 0:
+        raise UserError(f"--temperature must be > 0, got {args.temperature} (for argmax decoding pass --greedy)")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+
+
 def sample_main(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
+    from ict_jax.cli.errors import UserError
     from ict_jax.data.prompts import encode_prompt, pad_left
-    from ict_jax.model.tokenizers import decode_response
+    from ict_jax.model.tokenizers import UnknownCharacterError, decode_response
     from ict_jax.sampling.sampler import generate
     from ict_jax.train.checkpoints import load_run_model
 
+    _validate(args)
     model, tok, where = load_run_model(args.model, tokenizer=args.tokenizer)
     if where != str(args.model):
         print(f"model: {where}", file=sys.stderr)
     template = _template(tok, args.chat)
-    encoded = [encode_prompt(text, tok, template=template, instruction="", vocab_size=model.config.vocab_size).ids
-               for text in args.prompt]
+    encoded = []
+    for i, text in enumerate(args.prompt, start=1):
+        try:
+            encoded.append(encode_prompt(text, tok, template=template, instruction="",
+                                         vocab_size=model.config.vocab_size, max_new_tokens=args.max_new_tokens,
+                                         max_positions=model.config.max_position_embeddings,
+                                         where=f"--prompt {i}").ids)
+        except UnknownCharacterError as e:
+            raise UserError(f"--prompt {i}: {e}") from None
     ids, mask = pad_left(encoded, max(len(e) for e in encoded), tok.pad_id)  # every prompt ends at the last column
     t0 = time.perf_counter()
     r = generate(model, ids, mask, jax.random.key(args.seed), num_samples=args.num_samples,

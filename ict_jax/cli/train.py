@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ict_jax.config import ConfigError, load_config
+from ict_jax.outputs import check_output_dir
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,7 @@ def _setup(args: argparse.Namespace):
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         return cfg
+    check_output_dir(cfg.run_dir, "run_dir")  # before anything is built (issue 25 item 5)
     from ict_jax.train.run import maybe_initialize_distributed
 
     maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)

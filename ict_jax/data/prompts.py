@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from ict_jax.data.datasets import Dataset
-from ict_jax.data.example import Example
+from ict_jax.data.example import DataError, Example
 from ict_jax.data.templates import BOXED_INSTRUCTION, format_prompt, instruction_for
+from ict_jax.model.tokenizers import UnknownCharacterError
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,30 @@ log = logging.getLogger(__name__)
 class PromptRefused(ValueError):
     """A prompt :func:`encode_prompt` refuses (one line): longer than the limit after templating (never
     truncated), encoding to no token, or holding an id the model's vocabulary lacks."""
+
+
+class PromptTooLong(PromptRefused):
+    """A prompt plus the tokens to be generated after it exceeds the model's position limit
+    (``max_position_embeddings``): the positions past it were never trained (RoPE) and the output is
+    garbage. The message is one line naming the prompt, the counts and the limit."""
+
+
+def prompt_fits(n_prompt_tokens: int, max_new_tokens: int, max_positions: int | None) -> bool:
+    """Whether a prompt of ``n_prompt_tokens`` tokens followed by up to ``max_new_tokens`` generated ones
+    stays within ``max_positions`` (a model's ``max_position_embeddings``; None = no limit). A left-padded
+    prompt's positions start at 0 whatever its padding, so only its own length counts."""
+    return max_positions is None or int(n_prompt_tokens) + int(max_new_tokens) <= int(max_positions)
+
+
+def check_prompt_fits(n_prompt_tokens: int, max_new_tokens: int, max_positions: int | None, *,
+                      where: str = "the prompt") -> None:
+    """Raise :class:`PromptTooLong` (one line naming ``where``) unless :func:`prompt_fits`. The one check
+    behind ``ict-jax sample``, ``eval``, ``inspect``, ``diagnose`` and the training data filter."""
+    if not prompt_fits(n_prompt_tokens, max_new_tokens, max_positions):
+        raise PromptTooLong(
+            f"{where} is {int(n_prompt_tokens)} tokens; with {int(max_new_tokens)} new tokens that is "
+            f"{int(n_prompt_tokens) + int(max_new_tokens)} positions, more than the model's "
+            f"max_position_embeddings={int(max_positions)} (shorten the prompt or lower max_new_tokens)")
 
 
 @dataclass(frozen=True)
@@ -39,14 +64,19 @@ class EncodedPrompt:
 
 def encode_prompt(question: str, tokenizer: Any, *, template: str = "qwen_chat", instruction: str = BOXED_INSTRUCTION,
                   max_len: int | None = None, vocab_size: int | None = None,
-                  limit_key: str = "rollout.max_prompt_len") -> EncodedPrompt:
+                  limit_key: str = "rollout.max_prompt_len", max_new_tokens: int = 0,
+                  max_positions: int | None = None, where: str = "the prompt") -> EncodedPrompt:
     """The one prompt front door (training data, evaluation, the inspector, diagnose, ``ict-jax sample``):
     template (:func:`ict_jax.data.templates.format_prompt`: ``template``, ``instruction``; ``""`` = no
     instruction), tokenise (``tokenizer.encode``), check.
 
     Raises :class:`PromptRefused` (one line) when the prompt is longer than ``max_len`` tokens (None = no
     limit; the message says by how much and names the limit's config key ``limit_key``), encodes to zero
-    tokens, or holds an id ``>= vocab_size`` (None = not checked)."""
+    tokens, or holds an id ``>= vocab_size`` (None = not checked); :class:`PromptTooLong` (a
+    :class:`PromptRefused`) when it and ``max_new_tokens`` generated tokens exceed ``max_positions`` (the
+    model's ``max_position_embeddings``; None = not checked; :func:`check_prompt_fits`, naming ``where``).
+    A character the tokenizer cannot represent raises its
+    :class:`~ict_jax.model.tokenizers.UnknownCharacterError`."""
     text = format_prompt(question, template, tokenizer, instruction=instruction)
     ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
     n = len(ids)
@@ -57,6 +87,7 @@ def encode_prompt(question: str, tokenizer: Any, *, template: str = "qwen_chat",
                             f"{limit_key}={max_len} (prompts are never truncated)")
     if vocab_size is not None and int(ids.max()) >= vocab_size:
         raise PromptRefused(f"the prompt has token id {int(ids.max())} but the model's vocabulary has {vocab_size} ids")
+    check_prompt_fits(n, max_new_tokens, max_positions, where=where)
     return EncodedPrompt(text, ids)
 
 
@@ -71,38 +102,54 @@ class EncodedPrompts:
     texts: list[str]  # the templated prompt texts
     pad_id: int
     max_prompt_len: int
-    dropped: int  # prompts longer than max_prompt_len
+    dropped: int  # prompts longer than max_prompt_len, or (with max_positions) that leave no room to answer
     dropped_indices: list[int]  # their positions in the dataset
+    dropped_positions: int = 0  # of ``dropped``: prompt + max_new_tokens over the model's max_positions
 
     def __len__(self) -> int:
         return len(self.examples)
 
 
 def encode_prompts(dataset: Dataset, tokenizer: Any, *, template: str = "qwen_chat", max_prompt_len: int = 512,
-                   instruction: str | None = None) -> EncodedPrompts:
+                   instruction: str | None = None, max_new_tokens: int = 0,
+                   max_positions: int | None = None) -> EncodedPrompts:
     """Template and tokenise every example (:func:`encode_prompt`). Prompts longer than ``max_prompt_len``
-    tokens (or of no token) are dropped (never truncated) and counted in ``dropped`` (and logged).
-    ``instruction`` defaults to the data set's (:func:`ict_jax.data.templates.instruction_for`)."""
+    tokens (or of no token) are dropped (never truncated) and counted in ``dropped`` (and logged); so are
+    prompts that, with ``max_new_tokens`` generated after them, exceed ``max_positions`` (the model's
+    ``max_position_embeddings``; None = no such check), also counted in ``dropped_positions``.
+    ``instruction`` defaults to the data set's (:func:`ict_jax.data.templates.instruction_for`).
+    A character the tokenizer cannot represent is a :class:`~ict_jax.data.example.DataError` naming
+    the data set and the example."""
     if max_prompt_len < 1:
         raise ValueError(f"rollout.max_prompt_len: {max_prompt_len} must be >= 1")
     if instruction is None:
         instruction = instruction_for(dataset.scorer)
     examples, ids, texts, dropped = [], [], [], []
+    no_room = 0
     for i, ex in enumerate(dataset):
         try:
             one = encode_prompt(ex.prompt, tokenizer, template=template, instruction=instruction,
-                                max_len=max_prompt_len)
+                                max_len=max_prompt_len, max_new_tokens=max_new_tokens, max_positions=max_positions)
+        except UnknownCharacterError as e:
+            raise DataError(f"{dataset.name} example {ex.meta.get('index', i)}: {e}") from None
+        except PromptTooLong:
+            dropped.append(i)
+            no_room += 1
+            continue
         except PromptRefused:
             dropped.append(i)
             continue
         examples.append(ex)
         ids.append(one.ids)
         texts.append(one.text)
-    if dropped:
+    if len(dropped) > no_room:
         log.warning("%s: dropped %d of %d prompts longer than max_prompt_len=%d tokens", dataset.name,
-                    len(dropped), len(dataset), max_prompt_len)
+                    len(dropped) - no_room, len(dataset), max_prompt_len)
+    if no_room:
+        log.warning("%s: dropped %d of %d prompts that with max_new_tokens=%d exceed the model's "
+                    "max_position_embeddings=%d", dataset.name, no_room, len(dataset), max_new_tokens, max_positions)
     return EncodedPrompts(dataset.name, dataset.scorer, examples, ids, texts, int(tokenizer.pad_id),
-                          max_prompt_len, len(dropped), dropped)
+                          max_prompt_len, len(dropped), dropped, no_room)
 
 
 def make_buckets(max_len: int, smallest: int = 32) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import io
 import json
 import os
 import random
@@ -24,21 +25,40 @@ from ict_jax.rewards.checks import last_boxed
 # --------------------------------------------------------------------------------------------------
 # Row readers
 # --------------------------------------------------------------------------------------------------
+def read_text(path: str) -> str:
+    """The file as UTF-8 text (a byte-order mark is dropped). Any other encoding is a :class:`DataError`
+    naming the line and column of the first byte that is not UTF-8."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}): save the "
+                        "file as UTF-8") from None
+
+
+def _json_row(line: str, loc: str) -> dict:
+    text = line.rstrip("\r\n")
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:  # the column within this line (1-based), whatever json counts
+        where = "at the end of the line" if e.pos >= len(text) else f"at column {e.pos + 1}"
+        raise DataError(f"{loc}: invalid JSON ({e.msg} {where})") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{loc}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
 def read_rows(path: str) -> Iterator[tuple[str, dict]]:
     """Rows of a ``.jsonl``, ``.parquet`` or ``.csv`` file as dicts, with their location."""
     if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
+        # split on "\n" only: str.splitlines would also split inside strings at U+2028 and friends
+        for lineno, line in enumerate(read_text(path).split("\n"), start=1):
+            if line.strip():
                 loc = f"{path}:{lineno}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{loc}: invalid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{loc}: expected a JSON object, got {type(row).__name__}")
-                yield loc, row
+                yield loc, _json_row(line, loc)
     elif path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -49,19 +69,19 @@ def read_rows(path: str) -> Iterator[tuple[str, dict]]:
         for i, row in enumerate(table.to_pylist()):
             yield f"{path}: row {i}", row
     elif path.endswith(".csv"):
-        with open(path, encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            for row in reader:
-                loc = f"{path}:{reader.line_num}"
-                if None in row or any(v is None for v in row.values()):
-                    raise DataError(f"{loc}: wrong number of CSV fields")
-                yield loc, row
+        reader = csv.DictReader(io.StringIO(read_text(path), newline=""))
+        for row in reader:
+            loc = f"{path}:{reader.line_num}"
+            if None in row or any(v is None for v in row.values()):
+                raise DataError(f"{loc}: wrong number of CSV fields")
+            yield loc, row
     else:
         raise DataError(f"{path}: unsupported file type (expected .jsonl, .parquet or .csv)")
 
 
 def get_field(row: dict, loc: str, *names: str, types: tuple[type, ...] = (str,), default: Any = ...) -> Any:
-    """The first of ``names`` present in ``row``, type-checked (ints/floats given as str are kept)."""
+    """The first of ``names`` present in ``row`` and not null, type-checked (ints/floats given as str are
+    kept). A required field that is there but null is named as such, not as missing."""
     for name in names:
         if name in row and row[name] is not None:
             value = row[name]
@@ -71,6 +91,9 @@ def get_field(row: dict, loc: str, *names: str, types: tuple[type, ...] = (str,)
             return value
     if default is not ...:
         return default
+    nulls = [n for n in names if n in row]
+    if nulls:
+        raise DataError(f"{loc}: field {nulls[0]!r} is null; expected {'/'.join(t.__name__ for t in types)}")
     raise DataError(f"{loc}: missing field {' or '.join(repr(n) for n in names)} (has {sorted(row)})")
 
 

@@ -42,6 +42,19 @@ def instruction_for(scorer: str | None) -> str:
     return MC_INSTRUCTION if scorer == "mc" else BOXED_INSTRUCTION
 
 
+def template_mismatch(tokenizer: Any, template: str) -> str | None:
+    """Why ``template`` does not fit ``tokenizer``, or None when it does (or cannot be told). The one case
+    that can be told from the tokenizer alone: ``qwen_chat`` with a tokenizer that has no chat template of
+    its own and no ``<|im_start|>`` token (a base model's, or a tokenizer from another family): the Qwen2.5
+    ChatML fallback would spell its markers out of ordinary tokens, text the model never saw."""
+    if template != "qwen_chat" or not isinstance(tokenizer, HFTokenizer) or tokenizer.chat_template is not None:
+        return None
+    if tokenizer.token_to_id("<|im_start|>") is not None:
+        return None
+    return ("the tokenizer has no chat template and no <|im_start|> token, so template qwen_chat writes Qwen's "
+            "ChatML markers as ordinary text the model never saw (a base model? use template plain or none)")
+
+
 def template_dataset(dataset: Any, tokenizer: Any, template: str = "qwen_chat") -> Any:
     """A copy of ``dataset`` (a :class:`~ict_jax.data.datasets.Dataset`) whose prompts are the full templated texts,
     with the instruction that fits its scorer (``MC_INSTRUCTION`` for multiple choice, else

@@ -180,9 +180,15 @@ class ModelConfig:
         return cls(**base)
 
     @classmethod
+    def presets(cls) -> dict[str, Any]:
+        """The preset registry: name -> the constructor (``ModelConfig.preset(name)``); ``ict-jax info``
+        lists it and ``model.preset`` accepts exactly these names."""
+        return {"tiny": cls.tiny, "demo": cls.demo, "qwen2p5_0p5b": cls.qwen2p5_0p5b,
+                "qwen2p5_1p5b": cls.qwen2p5_1p5b, "qwen2p5_7b": cls.qwen2p5_7b}
+
+    @classmethod
     def preset(cls, name: str, **kw: Any) -> "ModelConfig":
-        presets = {"tiny": cls.tiny, "demo": cls.demo, "qwen2p5_0p5b": cls.qwen2p5_0p5b, "qwen2p5_1p5b": cls.qwen2p5_1p5b,
-                   "qwen2p5_7b": cls.qwen2p5_7b}
+        presets = cls.presets()
         if name not in presets:
             raise ValueError(f"unknown model preset {name!r}; allowed: {', '.join(presets)}")
         return presets[name](**kw)

@@ -387,7 +387,12 @@ def init_model(config: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | 
     return nnx.merge(graphdef, state)
 
 
-def param_count(config: ModelConfig) -> int:
-    """Parameter count from ``jax.eval_shape`` (allocates nothing)."""
-    abstract = nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(0)))
+def param_count(config_or_model: ModelConfig | Qwen2) -> int:
+    """Parameter count of a :class:`ModelConfig` (from ``jax.eval_shape``: allocates nothing) or of a
+    model (its own parameters). Anything else is a ``TypeError`` that says what it takes."""
+    if isinstance(config_or_model, Qwen2):
+        return sum(int(x.size) for x in jax.tree.leaves(nnx.state(config_or_model, nnx.Param)))
+    if not isinstance(config_or_model, ModelConfig):
+        raise TypeError(f"param_count takes a ModelConfig or a Qwen2 model, got {type(config_or_model).__name__}")
+    abstract = nnx.eval_shape(lambda: Qwen2(config_or_model, rngs=nnx.Rngs(0)))
     return sum(int(x.size) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))

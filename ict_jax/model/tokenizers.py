@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import unicodedata
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -291,13 +292,30 @@ CHAR_ALPHABET = (" \n0123456789+-*/=().,?!:;'\"%$#_^{}[]<>\\|&"
                  "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
+class UnknownCharacterError(ValueError):
+    """A character the :class:`CharTokenizer` cannot represent. ``char``, ``position`` (in ``text``) and
+    ``text`` say which; the message is one line. Callers that know where the text came from (a data
+    set's example, a command-line prompt) prefix it with that."""
+
+    def __init__(self, char: str, position: int, text: str):
+        self.char, self.position, self.text = char, position, text
+        name = unicodedata.name(char, "unnamed")
+        shown = text if len(text) <= 60 else (text[:57] + "...")
+        super().__init__(f"character {char!r} (U+{ord(char):04X} {name}) at position {position} of {shown!r} is "
+                         "not in the CharTokenizer's alphabet (ASCII letters, digits, space, newline and "
+                         "common punctuation; docs/models.md)")
+
+
 class CharTokenizer:
     """One id per character, for tests and the arithmetic demo.
 
     Ids: the specials ``<pad>=0, <bos>=1, <eos>=2, <unk>=3, <system>=4, <user>=5, <assistant>=6``, then
     ``CHAR_ALPHABET`` in order (space, newline, digits, operators, punctuation, letters): 100 ids in
-    all, fixed across versions. Characters outside the alphabet encode to ``<unk>``. Special-token names
-    written in the text encode to their ids. Chat format:
+    all, fixed across versions. A character outside the alphabet is refused: :meth:`encode` raises
+    :class:`UnknownCharacterError` naming it (a user's text is never changed silently), so
+    ``decode(encode(text)) == text`` for every text it accepts (special-token names aside). Special-token
+    names written in the text encode to their ids; ``<unk>`` is never produced by :meth:`encode` (a model
+    may still generate its id, a special token like the others). Chat format:
     ``<bos>`` then, per message, ``<role>content<eos>``; the generation prompt is ``<assistant>``.
     """
 
@@ -318,7 +336,10 @@ class CharTokenizer:
                     ids.append(self.vocab[tok])
                     i = end + 1
                     continue
-            ids.append(self.vocab.get(text[i], self.unk_id))
+            tok_id = self.vocab.get(text[i])
+            if tok_id is None:
+                raise UnknownCharacterError(text[i], i, text)
+            ids.append(tok_id)
             i += 1
         return ids
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from ict_jax.rewards.checks import KINDS, RewardCheck, RewardSpec, check_text, math_equal, response_tail
 
-__all__ = ["RewardPool", "RewardFunctionError", "load_function"]
+__all__ = ["RewardPool", "RewardFunctionError", "UnguardedScriptError", "load_function"]
 
 
 # ---- Worker processes ----
@@ -106,6 +106,32 @@ def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | Non
         conn.send((res.reward, res.correct, res.answer, res.status))
 
 
+#: Exit code of a worker process whose start-up re-ran the user's script up to a RewardPool (a script
+#: without ``if __name__ == "__main__":``): the parent turns it into :func:`unguarded_script_message`.
+EXIT_REIMPORTED_MAIN = 86
+
+
+class UnguardedScriptError(RuntimeError):
+    """The workers could not start because they re-run the user's script, which creates the pool at its
+    top level (no ``if __name__ == "__main__":``)."""
+
+
+def _starting_child_process() -> bool:
+    """True while this process is a spawn / forkserver child re-importing the parent's main module (the
+    state in which multiprocessing itself refuses to start processes: ``_inheriting``)."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))
+
+
+def unguarded_script_message(pid: int | None = None) -> str:
+    """Why a worker died at start-up when the parent's script has no ``if __name__ == "__main__":``."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None) or "your script"
+    who = "a reward worker" if pid is None else f"reward worker {pid}"
+    return (f"{who} re-ran {script} while starting and reached RewardPool(...) again: worker processes "
+            "(forkserver/spawn) import the main script anew, so a script that creates a RewardPool must do so "
+            "under `if __name__ == \"__main__\":` (docs/rewards.md)")
+
+
 class _Worker:
     def __init__(self, ctx, spec, checkers, mem_limit_mb, search_dir=None):
         self.conn, child = ctx.Pipe(duplex=True)
@@ -153,6 +179,8 @@ class RewardPool:
     def __init__(self, num_workers: int = 2, *, time_limit: float = 5.0, spec: RewardSpec | None = None,
                  context: str = "forkserver", mem_limit_mb: int | None = 2048,
                  checkers: Mapping[str, Callable] | None = None, start_timeout: float = 120.0):
+        if _starting_child_process():  # a worker re-running the user's unguarded script: stop here, silently;
+            os._exit(EXIT_REIMPORTED_MAIN)  # the parent names the problem (UnguardedScriptError)
         if context not in ("forkserver", "spawn"):
             raise ValueError(f"RewardPool: context must be 'forkserver' or 'spawn' (never fork), got {context!r}")
         if num_workers < 1 or time_limit <= 0:
@@ -182,6 +210,8 @@ class RewardPool:
             self.close()
             if isinstance(self._error, RewardFunctionError):  # the user's function: a one-line user error
                 raise RewardFunctionError(str(self._error))
+            if isinstance(self._error, UnguardedScriptError):  # the message says it all
+                raise UnguardedScriptError(str(self._error))
             raise RuntimeError(f"RewardPool: workers failed to start: {self._error}")
         self.startup_seconds = time.monotonic() - t0
 
@@ -326,6 +356,9 @@ class RewardPool:
                     msg = w.conn.recv()
                 except (EOFError, OSError):  # the worker died (segfault, OOM killer, ...)
                     if w.state == "starting":
+                        w.proc.join(timeout=5.0)  # its exit code says why
+                        if w.proc.exitcode == EXIT_REIMPORTED_MAIN:
+                            raise UnguardedScriptError(unguarded_script_message(w.proc.pid)) from None
                         raise RuntimeError(f"reward worker {w.proc.pid} died during start-up "
                                            f"(exit code {w.proc.exitcode})") from None
                     self._replace(w, RewardCheck(spec.wrong, False, None, "error: worker died"))

@@ -17,18 +17,24 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ict_jax.config import eval_settings
 from ict_jax.rewards.pool import RewardPool
 
 __all__ = ["EVAL_DEFAULTS", "pass_at_k", "aggregate", "format_table", "evaluate", "evaluate_benchmarks"]
 
-#: docs/method.md §6: samples per problem, the k reported, and the sampling settings of the eval generate_fn.
-EVAL_DEFAULTS: dict[str, Any] = {"n": 4, "ks": (1, 4), "temperature": 0.6, "top_p": 0.95}
+_DEFAULTS = eval_settings()
+#: docs/method.md §6: samples per problem, the k reported, and the sampling settings of the eval generate_fn;
+#: read from the config tree's defaults (``data.eval_n``, ``data.eval_k``, ``data.eval_temperature``,
+#: ``data.eval_top_p``: :data:`ict_jax.config.EVAL_KEYS`), never written here.
+EVAL_DEFAULTS: dict[str, Any] = {"n": _DEFAULTS["n"], "ks": _DEFAULTS["k"], "temperature": _DEFAULTS["temperature"],
+                                 "top_p": _DEFAULTS["top_p"]}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -68,7 +74,8 @@ def aggregate(correct: Mapping[str, Sequence[Sequence[bool]]], ks: Sequence[int]
 
 
 def format_table(results: Mapping[str, Any], ks: Sequence[int] | None = None) -> str:
-    """The per-benchmark + average table of :func:`aggregate` / :func:`evaluate` results, in percent."""
+    """The per-benchmark + average table of :func:`aggregate` / :func:`evaluate` results: pass@k as
+    fractions with three decimals, the one convention of every table (eval, train, compare, docs)."""
     ks = list(ks or [int(key[5:]) for key in results["average"] if key.startswith("pass@")])
     names = list(results["benchmarks"])
     w = max([len("benchmark"), len("average")] + [len(n) for n in names])
@@ -76,10 +83,48 @@ def format_table(results: Mapping[str, Any], ks: Sequence[int] | None = None) ->
     lines = [f"{'benchmark':<{w}}  {'problems':>8}  " + "  ".join(f"{c:>8}" for c in cols)]
     for name in names:
         b = results["benchmarks"][name]
-        lines.append(f"{name:<{w}}  {b['problems']:>8d}  " + "  ".join(f"{100 * b[c]:>8.2f}" for c in cols))
+        lines.append(f"{name:<{w}}  {b['problems']:>8d}  " + "  ".join(f"{b[c]:>8.3f}" for c in cols))
     total = sum(b["problems"] for b in results["benchmarks"].values())
-    lines.append(f"{'average':<{w}}  {total:>8d}  " + "  ".join(f"{100 * results['average'][c]:>8.2f}" for c in cols))
+    lines.append(f"{'average':<{w}}  {total:>8d}  " + "  ".join(f"{results['average'][c]:>8.3f}" for c in cols))
     return "\n".join(lines)
+
+
+class Progress:
+    """Problems done: a tqdm bar on a terminal; redirected (a log file, CI, ``nohup``), a compact line
+    about every fifth of the problems (``eval 52/256 problems  ETA 1m10s``), like the trainer's lines:
+    never the bar's carriage-return frames in a log. Lines go to stderr."""
+
+    LINES = 5
+
+    def __init__(self, total: int, *, enabled: bool = True, stream: Any = None):
+        self.total, self.done, self.stream = int(total), 0, stream or sys.stderr
+        self._bar = None
+        self._every = 0
+        self._t0 = time.monotonic()
+        if enabled and getattr(self.stream, "isatty", lambda: False)():
+            from tqdm.auto import tqdm  # imported only when used
+
+            self._bar = tqdm(total=self.total, desc="eval", unit="problem", file=self.stream)
+        elif enabled:
+            self._every = max(1, -(-max(1, self.total) // self.LINES))
+
+    def update(self, n: int) -> None:
+        before, self.done = self.done, self.done + int(n)
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self._every and (self.done // self._every > before // self._every or self.done == self.total):
+            rate = (time.monotonic() - self._t0) / max(1, self.done)
+            eta = f"  ETA {_duration(rate * (self.total - self.done))}" if self.done < self.total else ""
+            print(f"eval {self.done}/{self.total} problems{eta}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(max(0.0, seconds)))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _as_benchmarks(datasets: Any) -> list[tuple[str, str, Sequence[Any]]]:
@@ -119,8 +164,6 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
     ``settings``, per-benchmark ``no_answer`` fraction, ``timeouts`` and ``seconds``) and one JSONL line
     per sample (``samples_path``: benchmark, index, sample, prompt, response, answer (extracted), gold,
     correct, reward, status); prints the table (:func:`format_table`); returns the results dict."""
-    from tqdm.auto import tqdm  # imported only when used
-
     ks = tuple(int(k) for k in ks)
     if n < 1 or not ks or min(ks) < 1 or max(ks) > n:
         raise ValueError(f"evaluate: need 1 <= k <= n for every k, got n={n}, ks={ks}")
@@ -135,7 +178,7 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
     if samples_path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(samples_path)), exist_ok=True)
         sample_file = open(samples_path, "w", encoding="utf-8")
-    bar = tqdm(total=sum(len(ex) for _, _, ex in benches), desc="eval", unit="problem", disable=not progress)
+    bar = Progress(sum(len(ex) for _, _, ex in benches), enabled=progress)
     try:
         for name, scorer, examples in benches:
             t0 = time.monotonic()

@@ -11,7 +11,8 @@ of ``max_prompt_len``), and every batch is filled to ``batch_size`` prompts with
 (their samples are discarded), so one program is compiled per (bucket, n) whatever the number of prompts
 in a call.
 
-Over-long prompts are never truncated: a prompt of more than ``max_prompt_len`` tokens raises
+Over-long prompts are never truncated: a prompt of more than ``max_prompt_len`` tokens, or one that
+with ``max_new_tokens`` after it would pass the model's ``max_position_embeddings``, raises
 ``ValueError`` (``overlong="error"``, the default), or (``overlong="skip"``) gets n empty responses
 (scored wrong: no answer) and is counted in ``gen.skipped``.
 """
@@ -25,9 +26,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ict_jax.data.prompts import PromptRefused, bucket_for, encode_prompt, make_buckets, pad_left
+from ict_jax.config import eval_settings
+from ict_jax.data.prompts import PromptRefused, bucket_for, encode_prompt, make_buckets, pad_left, prompt_fits
 from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES
-from ict_jax.model.tokenizers import decode_response
+from ict_jax.model.tokenizers import UnknownCharacterError, decode_response
 from ict_jax.sampling.sampler import SampleSettings, make_generate_fn, state_mesh
 from ict_jax.sharding import check_prompts_divide, to_host
 
@@ -54,6 +56,10 @@ class TextGenerator:
             self.graphdef, self.state = model
         else:
             self.graphdef, self.state = nnx.split(model)
+        self.max_positions = _max_positions(model, self.graphdef, self.state)
+        if not prompt_fits(1, max_new_tokens, self.max_positions):
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+                             f"max_position_embeddings={self.max_positions}")
         self.mesh = mesh if mesh is not None else state_mesh(self.state)
         if self.mesh is not None:
             check_prompts_divide(batch_size, self.mesh)
@@ -80,17 +86,22 @@ class TextGenerator:
         return encode_prompt(prompt, self.tokenizer, template=self.template, instruction=self.instruction).ids
 
     def _encode_all(self, prompts: Sequence[str]) -> tuple[list[np.ndarray | None], list[int]]:
-        """(the ids of every prompt, None where refused; the indices kept). An over-long or empty prompt is
-        refused (:class:`~ict_jax.data.prompts.PromptRefused`, one line) or, with ``overlong="skip"``,
-        counted in ``skipped``."""
+        """(the ids of every prompt, None where refused; the indices kept). A prompt over ``max_prompt_len``,
+        of no token, or that with ``max_new_tokens`` after it passes the model's ``max_position_embeddings``
+        is refused (:class:`~ict_jax.data.prompts.PromptRefused`, one line) or, with ``overlong="skip"``,
+        counted in ``skipped``. A character the tokenizer cannot represent is always refused."""
         encoded: list[np.ndarray | None] = []
         for i, p in enumerate(prompts):
             try:
                 encoded.append(encode_prompt(p, self.tokenizer, template=self.template, instruction=self.instruction,
-                                             max_len=self.max_prompt_len, limit_key="max_prompt_len").ids)
+                                             max_len=self.max_prompt_len, limit_key="max_prompt_len",
+                                             max_new_tokens=self.sample_kwargs["max_new_tokens"],
+                                             max_positions=self.max_positions, where="the prompt").ids)
+            except UnknownCharacterError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
             except PromptRefused as e:
                 if self.overlong != "skip":
-                    raise PromptRefused(f"prompt {i}: {e}") from None
+                    raise type(e)(f"prompt {i}: {e}") from None
                 self.skipped += 1
                 encoded.append(None)
         return encoded, [i for i, ids in enumerate(encoded) if ids is not None]
@@ -123,8 +134,24 @@ class TextGenerator:
         return sum(fn.jitted._cache_size() for fn in self.fns.values())
 
 
-def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float = 0.6,
-                        top_p: float = 0.95, top_k: int = 0, template: str = "qwen_chat", max_prompt_len: int,
+def _max_positions(model: Any, graphdef: Any, state: Any) -> int | None:
+    """The model's ``max_position_embeddings`` (None when it has no config saying so)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        try:
+            config = getattr(nnx.merge(graphdef, state), "config", None)
+        except Exception:  # noqa: BLE001 - an unusual graph: no position limit known
+            config = None
+    limit = getattr(config, "max_position_embeddings", None)
+    return None if limit is None else int(limit)
+
+
+_EVAL = eval_settings()  # the defaults below are the config tree's (ict_jax.config.EVAL_KEYS)
+
+
+def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
+                        temperature: float = _EVAL["temperature"], top_p: float = _EVAL["top_p"], top_k: int = 0,
+                        template: str = _EVAL["template"], max_prompt_len: int,
                         batch_size: int, seed: int = 0, mesh: Any = None, overlong: str = "error",
                         instruction: str | None = None, kv_cache_dtype: str | None = None) -> TextGenerator:
     """``generate_fn(prompts: list[str], n: int) -> list[list[str]]`` sampling from ``model``.
@@ -135,7 +162,8 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int, temp
       (default ``BOXED_INSTRUCTION``) go to :func:`ict_jax.data.templates.format_prompt`; with ``template="none"``
       prompts are used exactly as given (already templated, see :func:`template_dataset`);
     - sampling: ``temperature``, ``top_p``, ``top_k`` (0 = off), ``max_new_tokens`` (docs/method.md §6 defaults
-      0.6 / 0.95; max_new_tokens = the training maximum); stops at ``tokenizer.eos_ids``;
+      0.6 / 0.95 and the template, read from the config tree: ``data.eval_temperature``,
+      ``data.eval_top_p``, ``data.template``); stops at ``tokenizer.eos_ids``;
     - shapes: up to ``batch_size`` prompts per program run (a multiple of data * fsdp under ``mesh``),
       left-padded to a bucket of :func:`ict_jax.data.prompts.make_buckets(max_prompt_len)`;
     - responses: :func:`ict_jax.model.tokenizers.decode_response` of the valid tokens (EOS dropped,

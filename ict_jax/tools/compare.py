@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from ict_jax.config import EXTRA_METHODS, Config, ConfigError, Method, load_config
+from ict_jax.outputs import check_output_dir
 from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, RunSpec, collect, format_markdown,
                                           has_checkpoint, is_finite, pass_at_k, plot_groups)
 from ict_jax.train.record import run_finished
@@ -153,11 +154,21 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def has_results(out: Path) -> bool:
+    """Whether the comparison in ``out`` has produced anything a later invocation would reuse: the warm
+    start's ``sft_model``, or a run that logged at least one step (its ``metrics.jsonl``)."""
+    if (out / "warmstart" / "sft_model").is_dir():
+        return True
+    return any(p.is_file() and p.stat().st_size > 0 for p in out.glob("**/metrics.jsonl"))
+
+
 def check_same_config(cfg: Config, out: Path) -> None:
     """An existing comparison in ``out`` must have been made with the same config (``run_dir`` aside):
-    its finished runs are reused, so mixing configs would mix results silently."""
+    its finished runs are reused, so mixing configs would mix results silently. A record left by an
+    invocation that failed before any run produced anything (:func:`has_results`) guards nothing: it is
+    replaced (the corrected rerun of a comparison that failed at start-up is not refused)."""
     path = out / "compare_config.json"
-    if not path.is_file():
+    if not path.is_file() or not has_results(out):
         return
     old = _flatten(json.loads(path.read_text()))
     new = _flatten(json.loads(json.dumps(cfg.to_dict())))
@@ -262,7 +273,7 @@ def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | None
         raise ConfigError(f"target_reward: {target_reward!r}: expected a number")
     if out is None:
         out = "runs/compare_" + ("config" if isinstance(config, Config) else Path(config).stem)
-    out = Path(out)
+    out = check_output_dir(out, "out")  # every run writes under it: checked before any work
     specs = plan_runs(methods, seeds, out, rhos)
     model_path, tokenizer = start_model(cfg, out)
     run_cfgs = [run_config(cfg, s, model_path, tokenizer) for s in specs]  # validates every run up front
@@ -270,7 +281,7 @@ def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | None
     say(f"{len(specs)} runs ({len(methods)} method(s), seeds {seeds}"
         + (f", ict rho {', '.join(f'{r:g}' for r in rhos)}" if rhos else "") + f") -> {out}")
     t0 = time.perf_counter()
-    if jax.process_index() == 0 and not (out / "compare_config.json").is_file():
+    if jax.process_index() == 0 and not has_results(out):  # this invocation's config is the one on record
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     ws = warm_start(cfg, out, progress=progress, say=say) if cfg.train.sft_steps > 0 else {}

@@ -29,9 +29,9 @@ import numpy as np
 from flax import nnx
 
 from ict_jax.config import RewardSection, SelectorSection, StatsSection
-from ict_jax.data.prompts import PromptRefused, encode_prompt, pad_left
+from ict_jax.data.prompts import PromptRefused, check_prompt_fits, encode_prompt, pad_left, prompt_fits
 from ict_jax.data.templates import instruction_for
-from ict_jax.model.tokenizers import decode_responses
+from ict_jax.model.tokenizers import UnknownCharacterError, decode_responses
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
@@ -101,17 +101,36 @@ def outcome_advantages(correct: np.ndarray, G: int, row_valid: np.ndarray | None
 
 
 
-def _prompt_ids(dataset: Any, tokenizer: Any, template: str, vocab: int) -> list[np.ndarray]:
+def prompt_instruction(dataset: Any, template: str) -> str | None:
+    """The instruction each prompt gets after its question (None with template ``none``: as given)."""
+    if template == "none":
+        return None
+    return instruction_for(getattr(dataset, "scorer", None))
+
+
+def _prompt_ids(dataset: Any, tokenizer: Any, template: str, vocab: int, max_new_tokens: int = 0,
+                max_positions: int | None = None) -> list[np.ndarray]:
     """Every prompt through the prompt front door (:func:`ict_jax.data.prompts.encode_prompt`) with the
-    data set's instruction; a prompt it refuses is an error naming the prompt."""
+    data set's instruction; a prompt it refuses is an error naming the prompt, and prompts that with
+    ``max_new_tokens`` pass ``max_positions`` (the model's ``max_position_embeddings``) are refused,
+    counted, in one line."""
     instruction = instruction_for(getattr(dataset, "scorer", None))
-    out = []
+    out, too_long = [], []
     for i, ex in enumerate(dataset):
         try:
-            out.append(encode_prompt(ex.prompt, tokenizer, template=template, instruction=instruction,
-                                     vocab_size=vocab).ids)
+            ids = encode_prompt(ex.prompt, tokenizer, template=template, instruction=instruction, vocab_size=vocab).ids
+        except UnknownCharacterError as e:
+            raise ValueError(f"prompt {i} of {getattr(dataset, 'name', 'the prompts')}: {e}") from None
         except PromptRefused as e:
             raise PromptRefused(f"prompt {i}: {e}") from None
+        out.append(ids)
+        if not prompt_fits(len(ids), max_new_tokens, max_positions):
+            too_long.append(i)
+    if too_long:
+        first = too_long[0]
+        check_prompt_fits(len(out[first]), max_new_tokens, max_positions,
+                          where=f"{len(too_long)} of {len(out)} prompts pass the model's positions; the first, prompt "
+                                f"{first},")
     return out
 
 
@@ -165,7 +184,8 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     # every statistic under every reading (checked: stats.u_form), blocks of stats.chunk
     request = GroupStatsRequest(G, t_s, StatsSection().chunk if chunk is None else int(chunk), _COMPUTE, u_forms)
     batch_prompts = min(max(1, int(batch_rows) // G), len(dataset))
-    prompts = _prompt_ids(dataset, tokenizer, template, model.config.vocab_size)
+    prompts = _prompt_ids(dataset, tokenizer, template, model.config.vocab_size, N,
+                          model.config.max_position_embeddings)
     Lp = max(len(p) for p in prompts)
     graphdef, state = nnx.split(model)
     gen = make_generate_fn(graphdef, num_samples=G, max_new_tokens=N, temperature=T,
@@ -184,10 +204,12 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         real = len(idx)
         idx += [idx[-1]] * (batch_prompts - real)  # filler prompts keep one compiled shape; dropped below
         ids, mask = pad_left([prompts[i] for i in idx], Lp, int(tokenizer.pad_id))
+        say(f"{setting.name}: sampling prompts {start + 1}-{start + real} of {n_prompts} ({G} responses each, up to "
+            f"{N} tokens{', compiling first' if b == 0 else ''}) ...")
         t0 = time.perf_counter()
         ro = gen(state, ids, mask, jax.random.fold_in(key, b))
         tokens, valid, trunc = (np.asarray(x) for x in jax.block_until_ready((ro.tokens, ro.valid, ro.truncated)))
-        timing["sample_s"] += time.perf_counter() - t0
+        timing["sample_s"] += (t_sample := time.perf_counter() - t0)
         rows = real * G
         t0 = time.perf_counter()
         batch_texts, rew, ok, row_valid = _score(pool, dataset, tokenizer, idx, real, G, tokens, valid)
@@ -201,7 +223,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         for name, m in _select_all(specs, per, u_forms[0], adv, vmask, b, G).items():
             masks[name].append(m[:rows])
         jax.block_until_ready(base.logp)
-        timing["stats_s"] += time.perf_counter() - t0
+        timing["stats_s"] += (t_stats := time.perf_counter() - t0)
         for k, x in (("tokens", tokens), ("valid", vmask), ("logp", base.logp), ("H1", base.H1), ("H2", base.H2),
                      ("pmax", base.pmax), ("truncated", trunc)):
             arrays[k].append(np.asarray(x)[:rows])
@@ -212,8 +234,8 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         advantages.append(adv[:rows])
         groups.append(np.repeat(np.asarray(idx[:real]), G))
         texts += batch_texts
-        say(f"{setting.name}: prompts {start + 1}-{start + real} of {n_prompts} sampled and scored "
-            f"({int(ok[:rows].sum())}/{rows} correct)")
+        say(f"{setting.name}: prompts {start + 1}-{start + real} of {n_prompts} sampled in {t_sample:.0f} s, "
+            f"statistics and masks in {t_stats:.0f} s ({int(ok[:rows].sum())}/{rows} correct)")
     cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
     out = {k: cat(v) for k, v in arrays.items()}
     out["valid"] = out["valid"].astype(bool)
@@ -296,12 +318,13 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
     results: dict[str, Any] = {"title": title, "dataset": getattr(dataset, "name", ""), "prompts": len(dataset),
                                "max_new_tokens": int(max_new_tokens), "batch_rows": int(batch_rows),
                                "u_forms": list(u_forms), "rho": rho, "seed": int(seed), "template": template,
-                               "paper": PAPER, "settings": {}}
+                               "instruction": prompt_instruction(dataset, template), "paper": PAPER, "settings": {}}
     outdir = None if out is None else Path(out)
     if outdir is not None:
         outdir.mkdir(parents=True, exist_ok=True)
     with RewardPool(reward_workers, time_limit=RewardSection().time_limit) as pool:
-        for setting in settings:
+        for i, setting in enumerate(settings, start=1):
+            say(f"{setting.name}: setting {i} of {len(settings)} (G = {setting.group_size}, T = {setting.temperature})")
             t0 = time.perf_counter()
             data = collect(model, tokenizer, dataset, setting, u_forms=u_forms, max_new_tokens=max_new_tokens,
                            batch_rows=batch_rows, template=template, seed=seed, rho=rho, chunk=chunk, pool=pool,

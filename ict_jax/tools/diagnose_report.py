@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from ict_jax.tools.diagnose_measures import POSITION_BIN
+
 __all__ = ["format_markdown", "format_summary", "plot_setting"]
 
 
@@ -147,7 +149,10 @@ def format_markdown(results: Mapping[str, Any]) -> str:
     forms = list(results["u_forms"])
     paper = results["paper"]
     intro = (f"Data {results['dataset']}, {results['prompts']} prompts, up to {results['max_new_tokens']} new "
-             f"tokens, rho {results['rho']}, template {results['template']}, seed {results['seed']}. Readings of u: "
+             f"tokens, rho {results['rho']}, template {results['template']}, seed {results['seed']}."
+             + (f" Every prompt is the question followed by the instruction \"{results['instruction']}\"."
+                if results.get("instruction") else "")
+             + " Readings of u: "
              f"{', '.join(forms)} (docs/method.md §1). The paper's column: Qwen2.5 on GSM8K / MATH "
              "(docs/method.md §5).")
     out = [f"# Token diagnostics{': ' + results['title'] if results.get('title') else ''}", "", intro, "",
@@ -175,6 +180,14 @@ def format_markdown(results: Mapping[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def position_steps(bins: list[int], values: list[float | None], width: int = POSITION_BIN) -> tuple[list, list]:
+    """(edges, values) drawing binned means as what they are: one flat step over each bin
+    ``[start, start + width)``, a gap (NaN) where a bin has no token. Joining bin means by lines would
+    draw a trend between bins that was never measured (two bins gave one slanted line)."""
+    edges = [*bins, (bins[-1] + width) if bins else width]
+    return edges, [float("nan") if v is None else float(v) for v in values]
+
+
 def plot_setting(d: Mapping[str, Any], path: str | Path, title: str = "") -> None:
     """Three panels: the mean normalised sorted-u curve per reading; mean u against position per reading;
     the selected share against position for ICT under each reading, 20-Entropy and random."""
@@ -188,18 +201,17 @@ def plot_setting(d: Mapping[str, Any], path: str | Path, title: str = "") -> Non
         s = r["sorted_u"]
         if s["curve"] is not None:
             ax[0].plot(s["grid"], s["curve"], label=f"{form} (E {s['E']:.2f})")
-        bins = d["position_bins"]
-        ys = r["u_by_position"]
-        ax[1].plot([b for b, y in zip(bins, ys) if y is not None], [y for y in ys if y is not None], label=form)
+        if d["position_bins"]:
+            ax[1].stairs(*reversed(position_steps(d["position_bins"], r["u_by_position"])), label=form)
     ax[0].axvline(0.1, color="grey", linestyle=":", linewidth=1)
     ax[0].set(title="sorted u / max u, mean over responses", xlabel="rank fraction", ylabel="u / max u")
-    ax[1].set(title="mean u against position", xlabel="response position", ylabel="u")
+    ax[1].set(title=f"mean u against position (bins of {POSITION_BIN})", xlabel="response position", ylabel="u")
     for name, s in d["selectors"].items():
         if name.startswith("ict[") or name in ("entropy", "random"):
-            ys = s["selected_by_position"]
-            ax[2].plot([b for b, y in zip(d["position_bins"], ys) if y is not None], [y for y in ys if y is not None],
-                       label=name)
-    ax[2].set(title="selected share against position", xlabel="response position", ylabel="share selected")
+            if d["position_bins"]:
+                ax[2].stairs(*reversed(position_steps(d["position_bins"], s["selected_by_position"])), label=name)
+    ax[2].set(title=f"selected share against position (bins of {POSITION_BIN})", xlabel="response position",
+              ylabel="share selected")
     for a in ax:
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=7)

@@ -17,8 +17,13 @@ The ``graphdef`` of a :class:`~ict_jax.TrainState` is not saved: it comes from t
 from __future__ import annotations
 
 import dataclasses
+import errno
+import gc
 import json
 import logging
+import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,8 @@ from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.peft import export_model
 from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings
 from ict_jax.sharding import replicated, state_shardings
+from ict_jax.train.checkpoint_errors import (CheckpointWriteError, OrbaxLogCapture, QuietEventLoopTracebacks,
+                                            write_error)
 
 FORMAT = 1  # meta["format"]: bump when the saved items change
 _ITEMS = ("params", "opt", "meta")
@@ -115,6 +122,18 @@ def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
     return {tuple(name(k) for k in path): tuple(getattr(leaf, "shape", ())) for path, leaf in flat}
 
 
+def _tree_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder``."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
 def resolve_checkpoint_dir(directory: str | Path, step: int | None = None) -> tuple[Path, int | None]:
     """(the folder holding ``<step>/`` directories, step) for a run dir, its ``checkpoints/`` folder
     or one step's directory; FileNotFoundError when it does not exist."""
@@ -165,6 +184,26 @@ class Checkpointer:
             self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         finally:
             absl_log.setLevel(level)
+        # a failed background save: orbax's log records go to the details log, the user gets one line
+        self._capture = None if read_only else OrbaxLogCapture(self.directory).install()
+        self._quiet = None if read_only else QuietEventLoopTracebacks(sys.stderr, self._capture).install()
+        self._pending_step: int | None = None  # the step of a save that may still be writing
+        self._write_failed = False
+
+    def _failed(self, exc: BaseException, step: int | None) -> CheckpointWriteError:
+        """The one-line error of a failed save; orbax's other background writes are let finish first
+        (their errors go to the details log too) so that nothing of the failed save is left running."""
+        self._pending_step = None
+        self._write_failed = True
+        for _ in range(3):  # each wait re-raises the next error still pending
+            try:
+                self._mgr.wait_until_finished()
+                break
+            except (OSError, ValueError, RuntimeError):
+                continue
+        gc.collect()  # coroutines of the aborted save end now, not as noise at interpreter exit
+        return write_error(exc, step=step, directory=self.directory, intact=self.latest_step(),
+                           capture=self._capture)
 
     # -- queries (finished checkpoints only: read from disk) ----------------------------------------
     def all_steps(self) -> list[int]:
@@ -205,10 +244,33 @@ class Checkpointer:
         meta = _jsonable({**meta, "step": step, "format": FORMAT})
         if (self.directory / str(step)).exists():
             raise FileExistsError(f"a checkpoint of step {step} already exists in {str(self.directory)!r}")
-        self._mgr.save(step, force=True, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params),
-            opt=ocp.args.StandardSave({"opt_state": state.opt_state, "step": state.step, "rng": state.rng}),
-            meta=ocp.args.JsonSave(meta)))
+        self._check_space(step)
+        previous = self._pending_step
+        try:  # orbax first waits for the previous save: its failure surfaces here, as that step's
+            self._mgr.save(step, force=True, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(state.params),
+                opt=ocp.args.StandardSave({"opt_state": state.opt_state, "step": state.step, "rng": state.rng}),
+                meta=ocp.args.JsonSave(meta)))
+        except (OSError, ValueError, RuntimeError) as e:
+            raise self._failed(e, previous if previous is not None else step) from None
+        self._pending_step = step
+
+    def _check_space(self, step: int) -> None:
+        """Before anything is written: the disk must have room for one more checkpoint as large as the
+        last finished one (orbax compresses, so its size on disk is the estimate; 5 % margin). A full
+        disk is then refused at the save itself, with nothing half-written; the first save of a
+        folder is not estimated (a failure is still caught and reported by :meth:`check` / :meth:`wait`)."""
+        last = self.latest_step()
+        if last is None or self._pending_step is not None:
+            return
+        need = int(_tree_bytes(self.directory / str(last)) * 1.05)
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            return
+        if free < need:
+            raise self._failed(OSError(errno.ENOSPC, f"No space left on device ({free / 2**20:.1f} MiB free, "
+                                              f"about {need / 2**20:.1f} MiB needed; nothing was written)"), step)
 
     def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
         """(the TrainState of checkpoint ``step`` (default: the latest finished one), its meta).
@@ -259,11 +321,38 @@ class Checkpointer:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def wait(self) -> None:
-        """Block until a background save has finished (and old checkpoints are pruned)."""
-        self._mgr.wait_until_finished()
+        """Block until a background save has finished (and old checkpoints are pruned). A save that
+        failed raises :class:`~ict_jax.train.checkpoint_errors.CheckpointWriteError` (one line, the
+        details in a log file)."""
+        try:
+            self._mgr.wait_until_finished()
+        except (OSError, ValueError, RuntimeError) as e:
+            raise self._failed(e, self._pending_step) from None
+        self._pending_step = None
+
+    def check(self) -> None:
+        """Without waiting: raise :class:`~ict_jax.train.checkpoint_errors.CheckpointWriteError` if a
+        background save has failed since the last call (the trainer calls it after every step, so a
+        full disk stops the run at once rather than at the next save)."""
+        if self._pending_step is None:
+            return
+        try:
+            self._mgr.check_for_errors()
+        except (OSError, ValueError, RuntimeError) as e:
+            raise self._failed(e, self._pending_step) from None
+        if not self._mgr.is_saving_in_progress():
+            self.wait()  # finished: returns at once, or raises the failure it ended with
 
     def close(self) -> None:
-        self._mgr.close()
+        try:
+            self._mgr.close()
+        except (OSError, ValueError, RuntimeError) as e:
+            raise self._failed(e, self._pending_step) from None
+        finally:
+            if self._capture is not None:
+                self._capture.remove()
+            if self._quiet is not None:  # after a failed save, stray tensorstore callbacks may come any time
+                self._quiet.flush() if self._write_failed else self._quiet.remove()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -373,6 +462,48 @@ def load_run_model(path: str | Path, *, step: int | None = None, mesh: jax.shard
     return model, tok, f"{where} (checkpoint of step {meta.get('step')})"
 
 
+#: In a Hugging Face directory written by :func:`export_checkpoint`: the config tree of the run the
+#: weights come from (its template, lengths and evaluation settings travel with the model).
+RUN_CONFIG_FILE = "ict_jax_config.json"
+
+
+def recorded_run_config(path: str | Path, step: int | None = None) -> tuple[dict[str, Any], str] | None:
+    """(the config tree a model was trained with, as the plain dict the run recorded, where it was
+    read) for any model path the commands take: a training run directory, its checkpoints/ folder or a
+    ``<step>/`` directory (the metadata of the checkpoint that loads: ``step``, else the latest), a run's
+    ``sft_model`` (the run's ``config.json``), or a Hugging Face directory that :func:`export_checkpoint`
+    wrote (its :data:`RUN_CONFIG_FILE`). None for a model with no recorded settings."""
+    def read(file: Path) -> dict[str, Any] | None:
+        try:
+            tree = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return tree if isinstance(tree, dict) else None
+
+    p = Path(path)
+    source = run_model_source(p)
+    if source is not None and source[0] == "checkpoint":
+        directory, step = resolve_checkpoint_dir(source[1], step)
+        with Checkpointer(directory, read_only=True) as ckpt:
+            step = ckpt.resolve_step(step)
+            tree = ckpt.restore_meta(step).get("config")
+        if isinstance(tree, dict):
+            return tree, f"the checkpoint of step {step} in {directory}"
+        run_dir = directory.parent if directory.name == "checkpoints" else directory
+        candidates = [run_dir / "config.json"]
+    elif source is not None:  # the run's sft_model
+        candidates = [source[1].parent / "config.json"]
+    elif p.is_dir():
+        candidates = [p / RUN_CONFIG_FILE] + ([p.parent / "config.json"] if p.name == "sft_model" else [])
+    else:
+        return None
+    for file in candidates:
+        tree = read(file)
+        if tree is not None:
+            return tree, str(file)
+    return None
+
+
 def run_model_tokenizer(path: str | Path, tokenizer: str | None = None) -> Any:
     """The tokenizer :func:`load_run_model` would return, without loading the weights."""
     source = run_model_source(path)
@@ -396,9 +527,14 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | 
     """Write checkpoint ``step`` (default: the latest) of ``ckpt_dir`` at ``out_dir``, which must not exist
     or be empty: ``format="merged"`` a Hugging Face directory (``config.json`` + safetensors; LoRA adapters
     merged into the weights), ``"peft"`` the LoRA adapters alone as a PEFT adapter directory
-    (:func:`ict_jax.model.peft.export_model`, docs/lora.md)."""
+    (:func:`ict_jax.model.peft.export_model`, docs/lora.md). The run's config tree goes beside it as
+    :data:`RUN_CONFIG_FILE`, so that ``ict-jax eval`` / ``inspect`` of the exported model use the run's
+    template, lengths and evaluation settings."""
     model, meta = load_params_from_checkpoint(ckpt_dir, step)
     base = ((meta.get("config") or {}).get("model") or {}).get("path")
     if not (isinstance(base, str) and (Path(base) / "config.json").is_file()):
         base = None  # base_model_name_or_path only for a transformers directory (not a .gguf or pkg: spec)
-    return export_model(model, out_dir, format=format, dtype=dtype, base_model_name_or_path=base)
+    out = export_model(model, out_dir, format=format, dtype=dtype, base_model_name_or_path=base)
+    if isinstance(meta.get("config"), dict):
+        (Path(out) / RUN_CONFIG_FILE).write_text(json.dumps(meta["config"], indent=2))
+    return out

@@ -4,11 +4,14 @@ plot and the before/after table. Only process 0 writes."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -58,6 +61,18 @@ def compact_line(phase: str, step: int, total: int, metrics: Mapping[str, float]
     return "  ".join(parts)
 
 
+def complete_lines(text: str) -> list[str]:
+    """The non-blank lines of a JSONL text, without a last line that was cut short (no newline after it
+    and not valid JSON: a process killed, or a disk that filled up, in the middle of writing a row)."""
+    lines = [line for line in text.split("\n")]
+    if lines and lines[-1].strip() and not text.endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines.pop()
+    return [line for line in lines if line.strip()]
+
+
 def truncate_metrics(path: str | Path, keep_below: Mapping[str, int | None]) -> int:
     """Rewrite ``metrics.jsonl`` without the rows a resumed run will log again: a row of phase ``p`` is
     kept when ``keep_below[p]`` is None (or ``p`` is not named) or its step is below it; a later row of
@@ -68,9 +83,7 @@ def truncate_metrics(path: str | Path, keep_below: Mapping[str, int | None]) -> 
         return 0
     rows: dict[tuple[str, int], str] = {}
     total = 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
+    for line in complete_lines(path.read_text()):
         total += 1
         row = json.loads(line)
         phase, step = row.get("phase", "rl"), int(row["step"])
@@ -102,11 +115,14 @@ class RunLogger:
         self.tracker = tracker
         self.progress, self.print_every = progress, print_every
         self._bar = None
+        self._previous_thread_hook: Any = None
+        self._thread_hook: Any = None
         self._tb: dict[str, Any] | None = None
         self._file = None
         if self.enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            # unbuffered bytes: a row is on disk whole when log() returns, or not at all (append_row)
+            self._file = open(self.run_dir / "metrics.jsonl", "ab", buffering=0)
             if tensorboard:
                 self._tb = {}
         self.start(desc, total_steps, initial_step)
@@ -131,7 +147,23 @@ class RunLogger:
         else:
             self._every = int(self.print_every)
 
+    def _quiet_event_threads(self) -> None:
+        """A tensorboardX event thread that dies on a failed write (a full disk) is not printed as a
+        traceback: :func:`check_event_writer` raises its error on the next log, as one line."""
+        if self._previous_thread_hook is not None:
+            return
+        previous = self._previous_thread_hook = threading.excepthook
+
+        def hook(args: Any) -> None:
+            if type(args.thread).__name__ == "_EventLoggerThread" and issubclass(args.exc_type, OSError):
+                return
+            previous(args)
+
+        threading.excepthook = hook
+        self._thread_hook = hook
+
     def _writer(self, phase: str) -> Any:
+        self._quiet_event_threads()
         if phase not in self._tb:
             # tensorboardX: event files without TensorFlow; imported only when used
             from tensorboardX import SummaryWriter
@@ -144,11 +176,12 @@ class RunLogger:
         if not self.enabled:
             return
         row = {"step": int(step), "phase": phase, **{k: _json_float(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
+        append_row(self._file, json.dumps(row) + "\n", self.run_dir / "metrics.jsonl")
         if self._tb is not None:
             tb = self._writer(phase)
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
+                    check_event_writer(tb, self.run_dir / "tb" / phase)
                     tb.add_scalar(k, v, step)
         if self.tracker is not None:
             self.tracker.log(step, metrics, phase)
@@ -180,13 +213,69 @@ class RunLogger:
             print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        """Close every sink. A sink that cannot be flushed (a full disk) raises its OSError after the
+        others are closed, unless an exception is already on its way (the first error is the one the
+        user sees, e.g. the checkpoint that did not fit)."""
         if self._bar is not None:
             self._bar.close()
-        for tb in (self._tb or {}).values():
-            tb.close()
-        if self._file is not None:
-            self._file.close()
+        failed: OSError | None = None
+        # a TensorBoard writer whose thread died cannot flush, and closing it would block on its queue
+        sinks = [tb for tb in (self._tb or {}).values() if not event_writer_died(tb)]
+        for sink in [*sinks, *([self._file] if self._file is not None else [])]:
+            try:
+                sink.close()
+            except OSError as e:
+                failed = failed or e
         self._bar = self._tb = self._file = None
+        if self._thread_hook is not None and threading.excepthook is self._thread_hook:
+            threading.excepthook = self._previous_thread_hook
+        self._previous_thread_hook = self._thread_hook = None
+        if failed is not None and sys.exc_info()[1] is None:
+            raise failed
+
+
+def append_row(f: Any, line: str, path: Path) -> None:
+    """Append ``line`` to the unbuffered binary file ``f`` whole, or not at all: a write that fails half
+    way (a full disk) is cut back to where the row began, so the file never ends in half a row (which a
+    resumed run could not read); the ``OSError`` then names ``path``."""
+    data = line.encode("utf-8")
+    start = os.fstat(f.fileno()).st_size
+    try:
+        done = 0
+        while done < len(data):
+            done += f.write(data[done:])
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(f.fileno(), start)
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def event_writer_died(writer: Any) -> bool:
+    """Whether a tensorboardX SummaryWriter's background event thread has ended (a failed write)."""
+    events = getattr(getattr(writer, "file_writer", None), "event_writer", None)
+    worker = getattr(events, "_worker", None)
+    return worker is not None and not worker.is_alive()
+
+
+def check_event_writer(writer: Any, logdir: Path) -> None:
+    """tensorboardX writes events from a background thread; when a write fails (a full disk) that thread
+    ends, and the next events would block forever on its full queue (a hung run). Raise the write's
+    ``OSError`` (named by the folder) instead, before anything is queued to a writer that is gone."""
+    if not event_writer_died(writer):
+        return
+    events = writer.file_writer.event_writer
+    error = OSError(errno.EIO, "TensorBoard's event writer stopped", str(logdir))
+    try:  # the writer's own file: its flush fails with the reason the thread ended
+        events._ev_writer.flush()
+    except OSError as e:
+        error = OSError(e.errno, e.strerror, str(logdir))
+    # nothing will write these events any more: tensorboardX's exit-time close must neither block on
+    # the full queue nor flush into the full disk again
+    with contextlib.suppress(Exception):
+        while True:
+            events._event_queue.get_nowait()
+    events._closed = True
+    raise error
 
 
 def _json_float(v: Any) -> Any:
@@ -201,10 +290,7 @@ def read_metrics(path: str | Path, phase: str | None = "rl") -> list[dict[str, A
     still repeat a step, the last row of it wins."""
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
+        for line in complete_lines(f.read()):
             row = json.loads(line)
             if phase is None or row.get("phase", "rl") == phase:
                 rows[(row.get("phase", "rl"), row["step"])] = row

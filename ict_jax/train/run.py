@@ -95,10 +95,13 @@ class TrainingPrompts:
     kinds: list[str]
 
 
-def encode_training_data(cfg: Config, tokenizer: Any, datasets: list[Any]) -> TrainingPrompts:
+def encode_training_data(cfg: Config, tokenizer: Any, datasets: list[Any],
+                         max_positions: int | None = None) -> TrainingPrompts:
     """Template and tokenise every training dataset (``data.train``) and concatenate them; each prompt
-    keeps its dataset's scorer kind."""
-    parts = [encode_prompts(ds, tokenizer, template=cfg.data.template, max_prompt_len=cfg.rollout.max_prompt_len)
+    keeps its dataset's scorer kind. Prompts that with ``rollout.max_new_tokens`` pass ``max_positions``
+    (the model's ``max_position_embeddings``) are dropped and counted, as over-long ones are."""
+    parts = [encode_prompts(ds, tokenizer, template=cfg.data.template, max_prompt_len=cfg.rollout.max_prompt_len,
+                            max_new_tokens=cfg.rollout.max_new_tokens, max_positions=max_positions)
              for ds in datasets]
     if len(parts) == 1:
         return TrainingPrompts(parts[0], [parts[0].scorer] * len(parts[0]))
@@ -107,6 +110,7 @@ def encode_training_data(cfg: Config, tokenizer: Any, datasets: list[Any]) -> Tr
                   examples=[e for p in parts for e in p.examples], ids=[i for p in parts for i in p.ids],
                   texts=[t for p in parts for t in p.texts], pad_id=parts[0].pad_id,
                   max_prompt_len=cfg.rollout.max_prompt_len, dropped=sum(p.dropped for p in parts),
+                  dropped_positions=sum(p.dropped_positions for p in parts),
                   dropped_indices=[])
     return TrainingPrompts(EncodedPrompts(**{k: v for k, v in merged.items() if k in fields}),
                     [p.scorer for p in parts for _ in range(len(p))])
@@ -217,7 +221,7 @@ def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer
         model, tokenizer, tok_spec = build_model_and_tokenizer(cfg, mesh)
     else:
         tok_spec = "given"
-    prompts = encode_training_data(cfg, tokenizer, datasets)
+    prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=model.config.max_position_embeddings)
     P = cfg.train.prompts_per_step
     iterator = PromptIterator(prompts.encoded, P, seed=cfg.seed)
     state = init_train_state(cfg, model)

@@ -42,6 +42,7 @@ from ict_jax.model.weights import load_hf, save_hf
 from ict_jax.rewards.checks import CUSTOM_KIND, sft_target
 from ict_jax.rl.sft import make_sft_step, sft_arrays
 from ict_jax.rl.batch import build_rollout_batch
+from ict_jax.rl.dynamic_sampling import informative_groups
 from ict_jax.rl.state import TrainState, init_opt_state, init_train_state, reference_params
 from ict_jax.sharding import shard_batch, to_host
 from ict_jax.train.checkpoints import Checkpointer
@@ -53,12 +54,6 @@ from ict_jax.train.tracking import WandbTracker
 
 SAMPLER_STREAM = 0x53414D50  # "SAMP"
 MAX_NONFINITE_IN_A_ROW = 3
-
-
-def _informative(rewards: np.ndarray, G: int) -> np.ndarray:
-    """Per group: the G rewards are not all equal (docs/method.md §3: max > min)."""
-    r = rewards.reshape(-1, G)
-    return r.max(axis=1) > r.min(axis=1)
 
 
 class TrainingDiverged(RuntimeError):
@@ -118,6 +113,7 @@ class Trainer:
         self._tracker: Any = None
         self._summary: dict[str, Any] = {}
         self._last_eval: tuple[int, dict[str, float]] | None = None
+        self._wall_clock: tuple[float, float] | None = None  # (wall_s before this invocation, its start)
         if resume and run_finished(self.run_dir):
             previous = read_config(self.run_dir)
             if previous is not None:
@@ -268,8 +264,9 @@ class Trainer:
         Every process holds the same host data (the same seeded prompt iterator) and builds the same
         batch; each process scores only its share of the rows and the rewards are all-gathered.
 
-        ``rl.adv.drop_zero_std_groups`` (DAPO dynamic sampling): a group whose G rewards are all equal
-        carries no policy gradient; up to ``rl.adv.max_refill`` further prompt batches are drawn and
+        ``rl.adv.drop_zero_std_groups`` (DAPO dynamic sampling): a group whose G responses are all
+        correct or all wrong (``rl.adv.filter_on: correct``; ``reward``: whose G rewards are all equal)
+        is dropped (:func:`ict_jax.rl.dynamic_sampling.informative_groups`); up to ``rl.adv.max_refill`` further prompt batches are drawn and
         their informative groups take the dropped groups' places. Slots still empty after that stay in
         the batch with ``row_valid = 0`` (out of the loss and its denominators)."""
 
@@ -282,12 +279,13 @@ class Trainer:
         group_ok = pb.valid.astype(bool)
         refills = 0
         if cfg.rl.adv.drop_zero_std_groups:
-            group_ok &= _informative(rewards, G)
+            group_ok &= informative_groups(rewards, G, cfg.rl.adv.filter_on, cfg.rl.reward.correct)
             ids, mask, rewards = ids.copy(), mask.copy(), rewards.copy()
             while not group_ok.all() and refills < cfg.rl.adv.max_refill:
                 refills += 1
                 pb2, ro2, rew2 = self._generate_and_score(state, jax.random.fold_in(key, refills))
-                donors = list(np.flatnonzero(pb2.valid.astype(bool) & _informative(rew2, G)))
+                donors = list(np.flatnonzero(pb2.valid.astype(bool) & informative_groups(
+                    rew2, G, cfg.rl.adv.filter_on, cfg.rl.reward.correct)))
                 holes = list(np.flatnonzero(~group_ok))
                 if not donors:
                     continue
@@ -363,6 +361,7 @@ class Trainer:
                 nonfinite_in_a_row = nonfinite_in_a_row + 1 if m.get("train/skipped", 0) > 0 else 0
                 m["train/nonfinite_in_a_row"] = float(nonfinite_in_a_row)
                 logger.log(step, m)
+                r.checkpointer.check()  # a background save that failed (a full disk) stops the run now
                 last = m
                 if nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
                     raise TrainingDiverged(
@@ -411,6 +410,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter() if t0 is None else t0
         wall_before = float(self._summary.get("wall_s", 0.0)) if wall_before is None else wall_before
+        self._wall_clock = self._wall_clock or (wall_before, t0)  # close() counts an interrupted invocation
         self._summary["sft"] = self.sft()
         self._summary["model"] = str(self.run_dir / SFT_MODEL)
         self._save_summary("sft finished")
@@ -431,6 +431,7 @@ class Trainer:
         cfg, r = self.cfg, self.run
         t0 = time.perf_counter()
         wall_before = float(self._summary.get("wall_s", 0.0))
+        self._wall_clock = (wall_before, t0)  # close() counts an interrupted invocation's time too
         if self._summary.get("status") in (None, "finished"):  # until it finishes (again), it is not finished
             self._save_summary("running")
         sft_part = f"SFT {cfg.train.sft_steps} steps, then " if cfg.train.sft_steps > 0 else ""
@@ -447,9 +448,16 @@ class Trainer:
         if jax.process_index() == 0 and metrics.exists():
             self._summary["plot"] = str(plot_metrics(metrics, self.run_dir / "metrics.png"))
         self._save_summary("finished")
+        self._wall_clock = None
         return self._summary
 
     def close(self) -> None:
+        if self._wall_clock is not None:  # stopped (Ctrl-C, an error) or SFT only: wall_s over every invocation
+            before, t0 = self._wall_clock
+            self._wall_clock = None
+            self._summary["wall_s"] = before + time.perf_counter() - t0
+            with contextlib.suppress(OSError):  # a full disk: the error that stopped the run is the one shown
+                self._save_summary(self._summary.get("status", "running"))
         if self._logger is not None:
             self._logger.close()
             self._logger = None
