@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 
 from ict_jax.config import eval_settings
-from ict_jax.data.prompts import PromptRefused, bucket_for, encode_prompt, make_buckets, pad_left, prompt_fits
+from ict_jax.data.prompts import (PromptRefused, PromptTooLong, bucket_for, encode_prompt, make_buckets, pad_left,
+                                  prompt_fits)
 from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES
 from ict_jax.model.tokenizers import UnknownCharacterError, decode_response
 from ict_jax.sampling.sampler import SampleSettings, make_generate_fn, state_mesh
@@ -96,12 +97,14 @@ class TextGenerator:
                 encoded.append(encode_prompt(p, self.tokenizer, template=self.template, instruction=self.instruction,
                                              max_len=self.max_prompt_len, limit_key="max_prompt_len",
                                              max_new_tokens=self.sample_kwargs["max_new_tokens"],
-                                             max_positions=self.max_positions, where="the prompt").ids)
+                                             max_positions=self.max_positions,
+                                             where=f"prompt {i} (after templating)").ids)
             except UnknownCharacterError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             except PromptRefused as e:
                 if self.overlong != "skip":
-                    raise type(e)(f"prompt {i}: {e}") from None
+                    # a PromptTooLong names the prompt itself (``where``); the other refusals get its index here
+                    raise (e if isinstance(e, PromptTooLong) else type(e)(f"prompt {i}: {e}")) from None
                 self.skipped += 1
                 encoded.append(None)
         return encoded, [i for i, ids in enumerate(encoded) if ids is not None]
