@@ -51,6 +51,10 @@ def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
                                      "mesh.data=-1", "mesh.tensor=2"])  # 4 x 1 x 2 on the 8 test devices
     with Trainer(cfg, progress=False) as t:
         summary = t.train()
+        compiled = {name: list(p.executables) for name, p in t.parts.programs.by_name().items()}
+    # the programs compiled before the first step (the pre-flight point) are the ones the run executed:
+    # one shape each (the largest prompt bucket is the only one of rollout.max_prompt_len 16), nothing else
+    assert compiled == {"step": [(16, 16, 6)], "generate": [(4, 16)], "eval": []}, compiled
     run = tmp_path / "run"
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]

@@ -37,6 +37,7 @@ from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, grou
 from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.selectors import select
 from ict_jax.rl.token_stats import ALL_STATS, U_FORMS, TokenStats
+from ict_jax.rng import DIAGNOSE_STREAM, stream_key
 from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.tools.diagnose_measures import diagnostics, marked_examples
 from ict_jax.tools.diagnose_report import format_markdown, plot_setting
@@ -52,7 +53,6 @@ PAPER = {
                "unselected"),
     "adv_corr": "high u goes with positive-advantage responses (A.3.4)",
 }
-_RANDOM_KEY = 0x44494147  # "DIAG": the random selector's root key (folded with the batch index)
 #: Every statistic, under every reading (logp, H1, H2, pmax once; js and pbar_tok per reading).
 _COMPUTE = ALL_STATS
 
@@ -150,14 +150,15 @@ def _score(pool: Any, dataset: Any, tokenizer: Any, idx: list[int], real: int, G
 
 
 def _select_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str, TokenStats], first: str,
-                adv: np.ndarray, valid: np.ndarray, step: int, G: int) -> dict[str, np.ndarray]:
+                adv: np.ndarray, valid: np.ndarray, step: int, G: int, key: jax.Array) -> dict[str, np.ndarray]:
     """Every selector's mask (bool) of one sampling batch, its mini-batch, through the train step's
-    :func:`~ict_jax.rl.selectors.select`, each reading its own reading of u."""
+    :func:`~ict_jax.rl.selectors.select`, each reading its own reading of u; ``key``: the root key (the
+    random control draws its stream from it at ``step``, the batch index, as in training)."""
     base, out = per[first], {}
     for name, (cfg, form) in specs.items():
         st = TokenStats(base.logp, base.H1, base.H2, per[form].js)
         out[name] = np.asarray(select(cfg.method, st, jnp.asarray(adv), jnp.asarray(valid), step=step, config=cfg,
-                                      key=jax.random.key(_RANDOM_KEY), group_size=G)) > 0
+                                      key=key, group_size=G)) > 0
     return out
 
 
@@ -192,7 +193,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
                            eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
     stats_fn = compiled_group_stats(graphdef, request)
     specs = selector_specs(u_forms, rho)
-    key = jax.random.key(int(seed))
+    root = jax.random.key(int(seed))  # batch b samples on the diagnose stream at b (ict_jax.rng)
     arrays: dict[str, list] = {k: [] for k in ("tokens", "valid", "logp", "H1", "H2", "pmax", "truncated")}
     per_form: dict[str, dict[str, list]] = {f: {"js": [], "pbar_tok": []} for f in u_forms}
     masks: dict[str, list] = {name: [] for name in specs}
@@ -207,7 +208,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         say(f"{setting.name}: sampling prompts {start + 1}-{start + real} of {n_prompts} ({G} responses each, up to "
             f"{N} tokens{', compiling first' if b == 0 else ''}) ...")
         t0 = time.perf_counter()
-        ro = gen(state, ids, mask, jax.random.fold_in(key, b))
+        ro = gen(state, ids, mask, stream_key(root, DIAGNOSE_STREAM, b))
         tokens, valid, trunc = (np.asarray(x) for x in jax.block_until_ready((ro.tokens, ro.valid, ro.truncated)))
         timing["sample_s"] += (t_sample := time.perf_counter() - t0)
         rows = real * G
@@ -220,7 +221,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         t0 = time.perf_counter()
         per = stats_fn(state, *group_rows(ids, mask, tokens, valid, G), jnp.asarray(vmask))
         base = per[u_forms[0]]  # logp, H1, H2, pmax: the same under every reading
-        for name, m in _select_all(specs, per, u_forms[0], adv, vmask, b, G).items():
+        for name, m in _select_all(specs, per, u_forms[0], adv, vmask, b, G, root).items():
             masks[name].append(m[:rows])
         jax.block_until_ready(base.logp)
         timing["stats_s"] += (t_stats := time.perf_counter() - t0)
