@@ -101,3 +101,18 @@ def test_a_program_compiles_once_per_shape_and_runs_that_executable(devices8):
     assert list(prog.executables) == [(8, 4)] and jitted._cache_size() == 0
     prog(w2, np.ones((16, 4), np.float32))  # another shape: its own executable
     assert sorted(prog.executables) == [(8, 4), (16, 4)]
+
+
+def test_run_parts_are_frozen_and_typed():
+    """RunParts: frozen, and no field typed Any (issue 24); the train state is not among them."""
+    import dataclasses
+    import typing
+
+    from ict_jax.train.parts import RunParts
+
+    hints = typing.get_type_hints(RunParts)
+    fields = {f.name for f in dataclasses.fields(RunParts)}
+    assert fields == set(hints) and "state" not in fields and len(fields) >= 10
+    untyped = [name for name, t in hints.items() if t is typing.Any or typing.Any in typing.get_args(t)]
+    assert not untyped, untyped
+    assert RunParts.__dataclass_params__.frozen

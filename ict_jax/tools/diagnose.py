@@ -162,6 +162,17 @@ def _select_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[s
     return out
 
 
+def _checked_setting(setting: Setting, max_new_tokens: int) -> tuple[int, float, int]:
+    """(G, temperature, max new tokens) of a setting; ValueError (one line) for a G or temperature that
+    cannot be diagnosed."""
+    G, T = int(setting.group_size), float(setting.temperature)
+    if G < 2:
+        raise ValueError(f"G = {G}: the diagnostics compare a response with its group; use G >= 2")
+    if not T > 0:
+        raise ValueError(f"temperature {T}: must be > 0")
+    return G, T, int(max_new_tokens)
+
+
 def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_forms: Sequence[str] = U_FORMS,
             max_new_tokens: int = 256, batch_rows: int = 64, template: str = "qwen_chat", seed: int = 0,
             rho: float | None = None, chunk: int | None = None, pool: Any = None,
@@ -176,11 +187,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     (:func:`selector_specs`); ``chunk`` None: ``stats.chunk``'s default; the statistics go through
     :func:`ict_jax.rl.group_stats.group_stats`, the train step's statistics-of-a-group function."""
     u_forms = tuple(u_forms)
-    G, T, N = int(setting.group_size), float(setting.temperature), int(max_new_tokens)
-    if G < 2:
-        raise ValueError(f"G = {G}: the diagnostics compare a response with its group; use G >= 2")
-    if not T > 0:
-        raise ValueError(f"temperature {T}: must be > 0")
+    G, T, N = _checked_setting(setting, max_new_tokens)
     t_s = T if stats_temperature is None else float(stats_temperature)
     # every statistic under every reading (checked: stats.u_form), blocks of stats.chunk
     request = GroupStatsRequest(G, t_s, StatsSection().chunk if chunk is None else int(chunk), _COMPUTE, u_forms)
