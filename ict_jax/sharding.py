@@ -144,6 +144,11 @@ def place(tree: Any, shardings: Any) -> Any:
     copy). Host (NumPy) leaves become global arrays through ``jax.make_array_from_callback``: in a
     multi-process run every process holds the same host data and each provides its own devices' shards."""
     def one(sh: Any, a: Any) -> jax.Array:
+        if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            if a.is_fully_addressable and not sh.is_fully_addressable:  # a process's own key, the same in each
+                return jax.random.wrap_key_data(one(sh, np.asarray(jax.random.key_data(a))),
+                                                impl=jax.random.key_impl(a))
+            return jax.device_put(a, sh)
         if isinstance(a, jax.Array):
             return jax.device_put(a, sh)
         a = np.asarray(a)
