@@ -45,7 +45,7 @@ from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import resolve_path
 from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.state import make_optimizer
-from ict_jax.rl.train_step import StepPlan, make_train_step, old_pass_chunks
+from ict_jax.rl.train_step import StepPlan, old_pass_chunks
 from ict_jax.sharding import make_mesh
 from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state

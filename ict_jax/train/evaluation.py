@@ -46,9 +46,9 @@ class Evaluator:
         """The benchmarks, loaded once per run and templated up front with each one's own instruction
         (multiple choice vs \\boxed{})."""
         if self._datasets is None:
-            d, tok = self.parts.config.data, self.parts.tokenizer
-            self._datasets = {name: template_dataset(load_dataset(name, data_dir=d.data_dir, seed=self.parts.config.seed),
-                                                     tok, d.template) for name in d.eval}
+            d, tok, seed = self.parts.config.data, self.parts.tokenizer, self.parts.config.seed
+            self._datasets = {name: template_dataset(load_dataset(name, data_dir=d.data_dir, seed=seed), tok,
+                                                     d.template) for name in d.eval}
         return self._datasets
 
     def generator(self, state: TrainState) -> TextGenerator:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
@@ -112,7 +113,7 @@ def run_mesh_checked(cfg: Config) -> Mesh:
 
 
 def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, model: Qwen2 | None = None,
-                tokenizer: Tokenizer | None = None) -> tuple[RunParts, TrainState, Any]:
+                tokenizer: Tokenizer | None = None) -> tuple[RunParts, TrainState, nnx.State | None]:
     """``(parts, train state, KL reference parameters or None)`` of a run of ``cfg``: a new run, or with
     ``resume`` the one in ``run_dir`` continued (its last RL checkpoint restored into the state).
     ``model``/``tokenizer``: use these instead of ``model.path`` / ``model.preset``. ``progress``: a
@@ -149,7 +150,8 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
 
 def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress: bool, mesh: Mesh, model: Qwen2,
                tokenizer: Tokenizer, tok_spec: str, prompts: TrainingPrompts, iterator: PromptIterator,
-               programs: RunPrograms, pool: RewardPool, state: TrainState) -> tuple[RunParts, TrainState, Any]:
+               programs: RunPrograms, pool: RewardPool, state: TrainState
+               ) -> tuple[RunParts, TrainState, nnx.State | None]:
     """The writing half of :func:`build_parts`: the run directory, checkpoints and resume, the record,
     the logger."""
     run_dir.mkdir(parents=True, exist_ok=True)

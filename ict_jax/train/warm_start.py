@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +74,7 @@ def sft_batch(parts: RunParts, data: SftData, step: int) -> tuple[jax.Array, ...
     return tuple(map(jnp.asarray, arrays))
 
 
-def start_rl(parts: RunParts, model: Qwen2) -> tuple[TrainState, Any]:
+def start_rl(parts: RunParts, model: Qwen2) -> tuple[TrainState, nnx.State | None]:
     """(train state, KL reference or None) of RL starting from ``model`` (the warm start) with a fresh RL
     optimizer state; the reference is the warm-started policy."""
     state = init_train_state(parts.config, model)
@@ -131,7 +131,7 @@ def save_warm_start(parts: RunParts, state: TrainState) -> None:
 
 
 def warm_start(parts: RunParts, state: TrainState, start_logger: StartLogger, *, resume: bool
-               ) -> tuple[TrainState, Any, dict[str, float] | None]:
+               ) -> tuple[TrainState, nnx.State | None, dict[str, float] | None]:
     """The warm start and the switch to RL: ``(RL start state, KL reference or None, the last SFT step's
     metrics)``; the metrics are None when a finished warm start (``<run_dir>/sft_model``) was loaded
     instead of trained."""
