@@ -116,3 +116,18 @@ def test_run_parts_are_frozen_and_typed():
     untyped = [name for name, t in hints.items() if t is typing.Any or typing.Any in typing.get_args(t)]
     assert not untyped, untyped
     assert RunParts.__dataclass_params__.frozen
+
+
+def test_former_train_run_names_resolve_with_a_warning_or_name_their_replacement():
+    import importlib
+
+    import ict_jax.train.resume
+    import ict_jax.train.run as run
+
+    with pytest.warns(DeprecationWarning, match="use ict_jax.train.resume.resume_point"):
+        assert run.resume_point is ict_jax.train.resume.resume_point
+    with pytest.warns(DeprecationWarning, match="ict_jax.train.distributed"):
+        assert run.maybe_initialize_distributed is importlib.import_module(
+            "ict_jax.train.distributed").maybe_initialize_distributed
+    with pytest.raises(AttributeError, match="build_parts"):
+        run.build_run  # noqa: B018
