@@ -511,7 +511,7 @@ def test_resume_of_a_missing_run_dir_writes_nothing(tmp_path):
 
 def test_resume_point_of_each_phase(tmp_path):
     from ict_jax.config import load_config
-    from ict_jax.train.run import resume_point
+    from ict_jax.train.resume import resume_point
 
     cfg = load_config(DEMO, ["train.sft_steps=10"])
     run = tmp_path / "r"
@@ -577,7 +577,7 @@ def test_an_extension_that_crashed_is_not_taken_for_finished(tmp_path, monkeypat
     def fake_build(*a, **k):
         raise Built
 
-    monkeypatch.setattr(trainer_mod, "build_run", fake_build)
+    monkeypatch.setattr(trainer_mod, "build_parts", fake_build)
     with pytest.raises(Built):
         trainer_mod.Trainer(load_config(DEMO, args), resume=True)
     summary = json.loads((run / "summary.json").read_text())

@@ -1,7 +1,8 @@
 """Compile, without running, the programs a training run uses: for a TPU slice (through libtpu, on any
 machine) or for the local devices (docs/tpu.md).
 
-A run compiles three programs (``train.run.build_run``, ``train.run.run_eval``):
+A run compiles three programs, built by the run's own builder (:func:`ict_jax.train.programs.build_programs`,
+which training calls too: what compile checks is what training runs):
 
 - ``step``: :func:`ict_jax.rl.train_step.make_train_step` at the recipe's batch geometry
   (P x G rows, the largest prompt bucket + ``max_new_tokens``), with the reference parameters when
@@ -40,20 +41,22 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ict_jax.config import Config, ConfigError, parse_topology
-from ict_jax.data.prompts import make_buckets
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import resolve_path
 from ict_jax.platform import accelerator_type, tpu_chips_present
-from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import make_optimizer
-from ict_jax.rl.train_step import StepPlan, make_train_step, old_pass_chunks
-from ict_jax.sampling.sampler import make_generate_fn
-from ict_jax.sharding import BATCH_AXES, batch_sharding, make_mesh, replicated
+from ict_jax.rl.train_step import StepPlan, old_pass_chunks
+from ict_jax.sharding import make_mesh
 from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state
+from ict_jax.train.model_source import preset_config, run_tokenizer
+from ict_jax.train.preflight import program_memory
+from ict_jax.train.programs import (PLACEHOLDER_IDS, PROGRAM_NAMES, TokenIds, abstract_batch,  # noqa: F401
+                                    abstract_reference, kv_cache_dtype, prompt_len, sampler_prompts)
+from ict_jax.train.programs import build_programs as build_run_programs
 
-#: The programs of a run, in the order they are compiled.
-PROGRAMS = ("step", "generate", "eval")
+#: The programs of a run, in the order they are compiled (``train.programs``).
+PROGRAMS = PROGRAM_NAMES
 TPU_EXTRA = "pip install 'ict_jax[tpu]'"
 GIB = 1024 ** 3
 
@@ -168,12 +171,13 @@ def target_model_config(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
     """(the model's architecture for ``cfg`` compiled on ``platform``, where it came from).
 
     ``model.path``, when it is a local Hugging Face directory or a ``.gguf`` file, gives the
-    architecture; otherwise ``model.preset`` does (the recipes name a placeholder path). ``auto``
-    compute dtype resolves for the target platform."""
+    architecture; otherwise ``model.preset`` does (the recipes name a placeholder path), sized to the
+    run's tokenizer as training sizes it (``train.model_source.preset_config``). ``auto`` compute dtype
+    resolves for the target platform."""
     m = cfg.model
     compute = m.compute_dtype if m.compute_dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
-    kw = dict(param_dtype=m.param_dtype, compute_dtype=compute, remat=m.remat, scan_layers=m.scan_layers)
     if m.path:
+        kw = dict(param_dtype=m.param_dtype, compute_dtype=compute, remat=m.remat, scan_layers=m.scan_layers)
         try:
             path = Path(resolve_path(m.path))
         except (FileNotFoundError, ValueError):
@@ -186,8 +190,11 @@ def target_model_config(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
             from ict_jax.model.gguf import config_from_gguf
 
             return config_from_gguf(gguf.GGUFReader(str(path)), str(path), **kw), f"checkpoint {path}"
-        return ModelConfig.preset(m.preset, **kw), f"preset {m.preset} (model.path {m.path!r} is not here)"
-    return ModelConfig.preset(m.preset, **kw), f"preset {m.preset}"
+        return (preset_config(cfg, compute_dtype=compute),
+                f"preset {m.preset} (model.path {m.path!r} is not here)")
+    tok = run_tokenizer(cfg)
+    return preset_config(cfg, vocab_size=tok.vocab_size if tok is not None else None,
+                         compute_dtype=compute), f"preset {m.preset}"
 
 
 def run_mesh(cfg: Config, target: Target) -> jax.sharding.Mesh:
@@ -201,31 +208,6 @@ def run_mesh(cfg: Config, target: Target) -> jax.sharding.Mesh:
                          f"({target.chips} devices): {e}") from None
 
 
-def prompt_len(cfg: Config) -> int:
-    """The largest prompt bucket: prompts are left-padded to a bucket of ``max_prompt_len``."""
-    return max(make_buckets(cfg.rollout.max_prompt_len))
-
-
-def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh) -> RolloutBatch:
-    """The rollout batch of one step (P x G rows, rows over ('data', 'fsdp')), abstract."""
-    B = cfg.train.prompts_per_step * cfg.rollout.num_samples
-    L, Lr = prompt_len(cfg) + cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens
-
-    def s(shape: tuple[int, ...], dt: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, len(shape)))
-
-    i32, f32 = jnp.int32, jnp.float32
-    return RolloutBatch(tokens=s((B, L), i32), attention_mask=s((B, L), i32), response_valid=s((B, Lr), f32),
-                        rewards=s((B,), f32), advantages=s((B,), f32), sampler_logp=s((B, Lr), f32),
-                        truncated=s((B,), f32), row_valid=s((B,), f32), correct=s((B,), f32))
-
-
-def abstract_reference(params: Any, dtype: str) -> Any:
-    """The KL reference parameters (``rl.state.reference_params``: the policy's in the compute dtype,
-    the same shardings), abstract."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype), sharding=a.sharding), params)
-
-
 def per_device_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` s or arrays (its shard of each
     leaf)."""
@@ -233,8 +215,16 @@ def per_device_bytes(tree: Any) -> int:
     for a in jax.tree.leaves(tree):
         sh = getattr(a, "sharding", None)
         shape = sh.shard_shape(a.shape) if sh is not None else a.shape
-        total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(a.dtype).itemsize
+        total += int(np.prod(shape, dtype=np.int64)) * _itemsize(a.dtype)
     return total
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes of one element; a typed PRNG key's are those of its key data (threefry: 2 x uint32)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+        return int(np.prod(data.shape, dtype=np.int64)) * jnp.dtype(data.dtype).itemsize
+    return jnp.dtype(dtype).itemsize
 
 
 def stats_block(positions: int, chunk: int) -> int:
@@ -252,8 +242,9 @@ def _stacked_sizes(params: Any, num_layers: int, hidden: int) -> set[int]:
 
 
 @dataclasses.dataclass
-class Program:
-    """One program of a run, ready to lower: ``lower()`` -> ``jax.stages.Lowered``."""
+class CompileJob:
+    """One program of a run to compile and check: ``lower()`` -> ``jax.stages.Lowered`` (the run's own
+    program, ``train.programs``), with what the report and the discipline checks need."""
 
     name: str
     lower: Callable[[], Any]
@@ -262,11 +253,17 @@ class Program:
     info: dict[str, Any]  # shapes the discipline checks need
 
 
-def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platform: str,
-                   names: Sequence[str] = PROGRAMS) -> list[Program]:
-    """The named programs of a run of ``cfg`` on ``mesh``, with abstract arguments."""
+def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
+                   names: Sequence[str] = PROGRAMS) -> list[CompileJob]:
+    """The named programs of a run of ``cfg`` on ``mesh``, built by the run's own builder
+    (:func:`ict_jax.train.programs.build_programs`) from an abstract train state."""
+    unknown = [n for n in names if n not in PROGRAMS]
+    if unknown:
+        raise ValueError(f"unknown program {unknown[0]!r}; known: {', '.join(PROGRAMS)}")
     state = abstract_train_state(cfg, mc, mesh=mesh)
-    ref = abstract_reference(state.params, mc.resolved_compute_dtype()) if cfg.rl.loss.kl_coef > 0 else None
+    tok = run_tokenizer(cfg)
+    run = build_run_programs(cfg, mesh, mc, state, TokenIds.of(tok) if tok is not None else PLACEHOLDER_IDS)
+    ref = run.step.abstract()[2]
     state_bytes = {"params": per_device_bytes(state.params), "opt_state": per_device_bytes(state.opt_state),
                    "ref": per_device_bytes(ref) if ref is not None else 0}
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -280,43 +277,20 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
     common = dict(num_layers=mc.num_layers, vocab=mc.vocab_size, hidden=mc.hidden_size, devices=mesh.size,
                   stacked=stacked, state_bytes=state_bytes,
                   batch_shards=batch_shards, tensor=mesh.shape["tensor"], prompt_len=Lp, new_tokens=N)
+    kv_bytes = jnp.dtype(kv_cache_dtype(cfg) or mc.resolved_compute_dtype()).itemsize
     out = []
     for name in names:
+        program = run.by_name()[name]
+        args = program.abstract()
         if name == "step":
-            step = make_train_step(cfg, mesh)
-            batch = abstract_batch(cfg, mesh)
-            out.append(Program("step", lambda step=step, batch=batch: step.lower(state, batch, ref), resident=0,
-                               expected_args=per_device_bytes((state, batch, ref)),
-                               info=dict(common, rows=pass_rows // batch_shards, positions=N,
-                                         block=stats_block(N, cfg.stats.chunk))))
-        elif name in ("generate", "eval"):
-            ev = name == "eval"
-            d, r = cfg.data, cfg.rollout
-            g = d.eval_n if ev else G
-            prompts = P if ev else P // r.chunks  # generate's row chunking: P / rollout.chunks prompts a call
-            kv = None if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
-            fn = make_generate_fn(state.graphdef, num_samples=g, max_new_tokens=N,
-                                  temperature=d.eval_temperature if ev else r.temperature,
-                                  top_p=d.eval_top_p if ev else r.top_p, top_k=0 if ev else r.top_k, eos_ids=(1,),
-                                  kv_cache_dtype=kv, pad_id=0, unroll_layers=None if platform == "cpu" else False,
-                                  mesh=mesh)
-            rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
-            ids = jax.ShapeDtypeStruct((prompts, Lp), jnp.int32, sharding=rows)
-            key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(mesh))
-
-            def lower(fn=fn, ids=ids, key=key):
-                with jax.set_mesh(mesh):
-                    return fn.jitted.lower(state.params, ids, ids, key)
-
-            kv_dtype = jnp.dtype(kv or mc.resolved_compute_dtype())
-            out.append(Program(name, lower, resident=state_bytes["opt_state"] + state_bytes["ref"],
-                               expected_args=per_device_bytes((state.params, ids, ids, key)),
-                               info=dict(common, rows=prompts * g // batch_shards, positions=N, block=1,
-                                         cache_slots=Lp + N - 1,
-                                         kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim,
-                                         kv_bytes=kv_dtype.itemsize)))
-        else:
-            raise ValueError(f"unknown program {name!r}; known: {', '.join(PROGRAMS)}")
+            info = dict(common, rows=pass_rows // batch_shards, positions=N, block=stats_block(N, cfg.stats.chunk))
+            out.append(CompileJob(name, program.lower, 0, per_device_bytes(args), info))
+            continue
+        rows = sampler_prompts(name, cfg) * (cfg.data.eval_n if name == "eval" else G)
+        info = dict(common, rows=rows // batch_shards, positions=N, block=1, cache_slots=Lp + N - 1,
+                    kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes)
+        out.append(CompileJob(name, program.lower, state_bytes["opt_state"] + state_bytes["ref"],
+                              per_device_bytes(args), info))
     return out
 
 
@@ -374,7 +348,7 @@ def _gathers(items: list[hlo.Collective], op: str = "all-gather") -> list[hlo.Co
     return [c for c in items if c.op == op]
 
 
-def discipline_checks(program: Program, module: hlo.HloModule, items: list[hlo.Collective],
+def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hlo.Collective],
                       arguments: int) -> list[Check]:
     """docs/tpu.md "Memory discipline" on one compiled program:
 
@@ -467,7 +441,7 @@ def _without_persistent_cache(off: bool):
         compilation_cache.reset_cache()
 
 
-def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *, analyse: bool = True,
+def compile_program(program: CompileJob, target: Target, mesh: jax.sharding.Mesh, *, analyse: bool = True,
                     dump_dir: str | Path | None = None) -> ProgramReport:
     """Lower and compile one program; a program that does not fit gives ``compiled=False`` with the
     compiler's message and numbers (``temporaries`` from RESOURCE_EXHAUSTED when it names them).
@@ -493,10 +467,9 @@ def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *
         return rep
     rep.compile_s = time.perf_counter() - t0
     rep.compiled = True
-    ma = compiled.memory_analysis()
-    rep.arguments, rep.temporaries = int(ma.argument_size_in_bytes), int(ma.temp_size_in_bytes)
-    rep.outputs, rep.aliased = int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes)
-    rep.code = int(ma.generated_code_size_in_bytes)
+    mem = program_memory(program.name, compiled)
+    rep.arguments, rep.temporaries, rep.outputs = mem.arguments, mem.temporaries, mem.outputs
+    rep.aliased, rep.code = mem.aliased, mem.code
     rep.fits = rep.hbm is None or rep.live <= rep.hbm
     text = compiled.as_text() if (analyse or dump_dir) else ""
     if dump_dir is not None:
@@ -520,7 +493,7 @@ def compile_run(cfg: Config, target: Target, programs: Sequence[str] = PROGRAMS,
     mc, source = target_model_config(cfg, target.platform)
     mesh = run_mesh(cfg, target)
     reports = []
-    for program in build_programs(cfg, mc, mesh, target.platform, programs):
+    for program in build_programs(cfg, mc, mesh, programs):
         if on_start is not None:
             on_start(program.name)
         rep = compile_program(program, target, mesh, analyse=analyse, dump_dir=dump_dir)

@@ -245,7 +245,7 @@ def search(cfg: Config, target: Target, *, programs: Sequence[str] = PROGRAMS, m
         devices = target.devices
         mesh = make_mesh(*(cand.overrides[f"mesh.{a}"] for a in ("data", "fsdp", "tensor")), devices=devices)
         reports = []
-        for program in build_programs(trial, mc, mesh, target.platform, programs):
+        for program in build_programs(trial, mc, mesh, programs):
             rep = compile_program(program, target, mesh)
             reports.append(rep)
             if not rep.fits:

@@ -51,7 +51,7 @@ def _setup(args: argparse.Namespace):
     if args.print_config:
         return cfg
     check_output_dir(cfg.run_dir, "run_dir")  # before anything is built (issue 25 item 5)
-    from ict_jax.train.run import maybe_initialize_distributed
+    from ict_jax.train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     return cfg

@@ -37,6 +37,7 @@ from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, grou
 from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.selectors import select
 from ict_jax.rl.token_stats import ALL_STATS, U_FORMS, TokenStats
+from ict_jax.rng import DIAGNOSE_STREAM, stream_key
 from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.tools.diagnose_measures import diagnostics, marked_examples
 from ict_jax.tools.diagnose_report import format_markdown, plot_setting
@@ -52,7 +53,6 @@ PAPER = {
                "unselected"),
     "adv_corr": "high u goes with positive-advantage responses (A.3.4)",
 }
-_RANDOM_KEY = 0x44494147  # "DIAG": the random selector's root key (folded with the batch index)
 #: Every statistic, under every reading (logp, H1, H2, pmax once; js and pbar_tok per reading).
 _COMPUTE = ALL_STATS
 
@@ -150,15 +150,27 @@ def _score(pool: Any, dataset: Any, tokenizer: Any, idx: list[int], real: int, G
 
 
 def _select_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str, TokenStats], first: str,
-                adv: np.ndarray, valid: np.ndarray, step: int, G: int) -> dict[str, np.ndarray]:
+                adv: np.ndarray, valid: np.ndarray, step: int, G: int, key: jax.Array) -> dict[str, np.ndarray]:
     """Every selector's mask (bool) of one sampling batch, its mini-batch, through the train step's
-    :func:`~ict_jax.rl.selectors.select`, each reading its own reading of u."""
+    :func:`~ict_jax.rl.selectors.select`, each reading its own reading of u; ``key``: the root key (the
+    random control draws its stream from it at ``step``, the batch index, as in training)."""
     base, out = per[first], {}
     for name, (cfg, form) in specs.items():
         st = TokenStats(base.logp, base.H1, base.H2, per[form].js)
         out[name] = np.asarray(select(cfg.method, st, jnp.asarray(adv), jnp.asarray(valid), step=step, config=cfg,
-                                      key=jax.random.key(_RANDOM_KEY), group_size=G)) > 0
+                                      key=key, group_size=G)) > 0
     return out
+
+
+def _checked_setting(setting: Setting, max_new_tokens: int) -> tuple[int, float, int]:
+    """(G, temperature, max new tokens) of a setting; ValueError (one line) for a G or temperature that
+    cannot be diagnosed."""
+    G, T = int(setting.group_size), float(setting.temperature)
+    if G < 2:
+        raise ValueError(f"G = {G}: the diagnostics compare a response with its group; use G >= 2")
+    if not T > 0:
+        raise ValueError(f"temperature {T}: must be > 0")
+    return G, T, int(max_new_tokens)
 
 
 def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_forms: Sequence[str] = U_FORMS,
@@ -175,11 +187,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     (:func:`selector_specs`); ``chunk`` None: ``stats.chunk``'s default; the statistics go through
     :func:`ict_jax.rl.group_stats.group_stats`, the train step's statistics-of-a-group function."""
     u_forms = tuple(u_forms)
-    G, T, N = int(setting.group_size), float(setting.temperature), int(max_new_tokens)
-    if G < 2:
-        raise ValueError(f"G = {G}: the diagnostics compare a response with its group; use G >= 2")
-    if not T > 0:
-        raise ValueError(f"temperature {T}: must be > 0")
+    G, T, N = _checked_setting(setting, max_new_tokens)
     t_s = T if stats_temperature is None else float(stats_temperature)
     # every statistic under every reading (checked: stats.u_form), blocks of stats.chunk
     request = GroupStatsRequest(G, t_s, StatsSection().chunk if chunk is None else int(chunk), _COMPUTE, u_forms)
@@ -192,7 +200,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
                            eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
     stats_fn = compiled_group_stats(graphdef, request)
     specs = selector_specs(u_forms, rho)
-    key = jax.random.key(int(seed))
+    root = jax.random.key(int(seed))  # batch b samples on the diagnose stream at b (ict_jax.rng)
     arrays: dict[str, list] = {k: [] for k in ("tokens", "valid", "logp", "H1", "H2", "pmax", "truncated")}
     per_form: dict[str, dict[str, list]] = {f: {"js": [], "pbar_tok": []} for f in u_forms}
     masks: dict[str, list] = {name: [] for name in specs}
@@ -207,7 +215,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         say(f"{setting.name}: sampling prompts {start + 1}-{start + real} of {n_prompts} ({G} responses each, up to "
             f"{N} tokens{', compiling first' if b == 0 else ''}) ...")
         t0 = time.perf_counter()
-        ro = gen(state, ids, mask, jax.random.fold_in(key, b))
+        ro = gen(state, ids, mask, stream_key(root, DIAGNOSE_STREAM, b))
         tokens, valid, trunc = (np.asarray(x) for x in jax.block_until_ready((ro.tokens, ro.valid, ro.truncated)))
         timing["sample_s"] += (t_sample := time.perf_counter() - t0)
         rows = real * G
@@ -220,7 +228,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         t0 = time.perf_counter()
         per = stats_fn(state, *group_rows(ids, mask, tokens, valid, G), jnp.asarray(vmask))
         base = per[u_forms[0]]  # logp, H1, H2, pmax: the same under every reading
-        for name, m in _select_all(specs, per, u_forms[0], adv, vmask, b, G).items():
+        for name, m in _select_all(specs, per, u_forms[0], adv, vmask, b, G, root).items():
             masks[name].append(m[:rows])
         jax.block_until_ready(base.logp)
         timing["stats_s"] += (t_stats := time.perf_counter() - t0)
