@@ -118,7 +118,7 @@ def encode_training_data(cfg: Config, tokenizer: Any, datasets: list[Any],
 
 def build_model_and_tokenizer(cfg: Config, mesh: Any) -> tuple[Any, Any, str]:
     """(model, tokenizer, tokenizer spec). ``model.path``: an HF directory or a ``.gguf`` file (or
-    ``pkg:<package>/<file>``); otherwise a randomly initialised ``model.preset`` whose vocabulary is
+    ``pkg:<package>/<file>``, or a real model split over packages, docs/models.md); otherwise a randomly initialised ``model.preset`` whose vocabulary is
     sized to the tokenizer (``model.tokenizer``: ``char`` = the built-in CharTokenizer)."""
 
     m = cfg.model
