@@ -255,3 +255,26 @@ def test_info_lists_the_real_models(split_site, monkeypatch, capsys):
     print_real_models(verify=True)
     out = capsys.readouterr().out
     assert "parts 4/4 (1.0)" in out and "assembled, sha256 verified" in out and "install:" not in out
+
+
+def test_every_model_front_door_takes_the_split_spec(split_site, capsys):
+    """The commands resolve the spec through loading.resolve_path: the tokenizer-first path of eval /
+    diagnose, compile's architecture lookup (model.path), and `ict-jax sample` (below, e2e)."""
+    from ict_jax.aot.compile import target_model_config
+    from ict_jax.config import load_config
+    from ict_jax.train.checkpoints import run_model_tokenizer
+
+    tok = run_model_tokenizer("pkg:fakesplit-t23")
+    assert tok.vocab_size == V and tok.encode("abcd") == [256, 257]
+    cfg = load_config(None, ["model.path=pkg:fakesplit-t23"])
+    mc, where = target_model_config(cfg, "cpu")
+    assert (mc.vocab_size, mc.hidden_size, mc.num_layers) == (V, D, 1) and where.endswith("fakesplit-t23.gguf")
+
+
+@pytest.mark.e2e
+def test_sample_command_takes_the_split_spec(split_site, capsys):
+    from ict_jax.cli.main import main
+
+    assert main(["sample", "--model", "pkg:fakesplit-t23", "--prompt", "ab", "--max-new-tokens", "3",
+                 "--greedy", "--no-chat"]) == 0
+    assert capsys.readouterr().out.strip()
