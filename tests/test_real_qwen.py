@@ -65,7 +65,8 @@ def test_architecture_is_qwen2p5_0p5b(pair):
     c = model.config
     assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.vocab_size) == \
         (24, 896, 4864, 14, 2, 151_936)
-    assert c.qkv_bias and not c.tie_word_embeddings and c.rope_theta == 1_000_000.0 and c.rms_norm_eps == 1e-6
+    assert c.qkv_bias and not c.tie_word_embeddings and c.rope_theta == 1_000_000.0
+    assert c.rms_norm_eps == pytest.approx(1e-6, rel=1e-6)  # stored as float32 in the GGUF
     assert ref.config.vocab_size == c.vocab_size
 
 
@@ -83,7 +84,7 @@ def test_logits_match_transformers_every_position_full_vocabulary(pair):
     err = np.abs(got - want)
     print(f"\nQwen2.5-Coder-0.5B: {len(ids)} positions x {want.shape[1]} logits, max |diff| {err.max():.2e} "
           f"(logit range {want.min():.1f}..{want.max():.1f}); " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()))
-    np.testing.assert_allclose(got, want, atol=5e-4, rtol=0)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)  # measured 5.7e-5 (docs/models.md)
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
