@@ -163,7 +163,6 @@ def _select_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[s
     return out
 
 
-<<<<<<< HEAD
 def _checked_setting(setting: Setting, max_new_tokens: int) -> tuple[int, float, int]:
     """(G, temperature, max new tokens) of a setting; ValueError (one line) for a G or temperature that
     cannot be diagnosed."""
@@ -173,7 +172,8 @@ def _checked_setting(setting: Setting, max_new_tokens: int) -> tuple[int, float,
     if not T > 0:
         raise ValueError(f"temperature {T}: must be > 0")
     return G, T, int(max_new_tokens)
-=======
+
+
 #: :func:`~ict_jax.rl.saturation.tie_decided` compiled once per candidate-set shape (not op by op)
 _tie_decided = jax.jit(tie_decided, static_argnames=("scope", "group_size", "set_rows"))
 
@@ -191,7 +191,6 @@ def _ties_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str
         score = getattr(per[form] if stat == "js" else per[first], stat)
         out[name] = np.asarray(_tie_decided(score, masks[name], valid, scope=cfg.resolved_scope, group_size=G))
     return out
->>>>>>> real
 
 
 def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_forms: Sequence[str] = U_FORMS,
@@ -222,11 +221,12 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     stats_fn = compiled_group_stats(graphdef, request)
     specs = selector_specs(u_forms, rho)
     root = jax.random.key(int(seed))  # batch b samples on the diagnose stream at b (ict_jax.rng)
-    arrays: dict[str, list] = {k: [] for k in ("tokens", "valid", "logp", "H1", "H2", "pmax", "truncated")}
+    arrays: dict[str, list] = {k: [] for k in ("tokens", "valid", "logp", "H1", "H2", "pmax", "truncated", "reward",
+                                              "correct", "advantage", "group")}
     per_form: dict[str, dict[str, list]] = {f: {"js": [], "pbar_tok": []} for f in u_forms}
     masks: dict[str, list] = {name: [] for name in specs}
     ties: dict[str, list] = {}
-    rewards, correct, advantages, texts, groups = [], [], [], [], []
+    texts: list[str] = []
     timing = {"sample_s": 0.0, "stats_s": 0.0, "score_s": 0.0}
     n_prompts = len(prompts)
     for b, start in enumerate(range(0, n_prompts, batch_prompts)):
@@ -250,37 +250,37 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         t0 = time.perf_counter()
         per = stats_fn(state, *group_rows(ids, mask, tokens, valid, G), jnp.asarray(vmask))
         base = per[u_forms[0]]  # logp, H1, H2, pmax: the same under every reading
-<<<<<<< HEAD
-        for name, m in _select_all(specs, per, u_forms[0], adv, vmask, b, G, root).items():
-=======
-        batch_masks = _select_all(specs, per, u_forms[0], adv, vmask, b, G)
+        batch_masks = _select_all(specs, per, u_forms[0], adv, vmask, b, G, root)
         for name, m in batch_masks.items():
->>>>>>> real
             masks[name].append(m[:rows])
         for name, t in _ties_all(specs, per, u_forms[0], batch_masks, vmask, G).items():
             ties.setdefault(name, []).append(t[:rows])
         jax.block_until_ready(base.logp)
         timing["stats_s"] += (t_stats := time.perf_counter() - t0)
         for k, x in (("tokens", tokens), ("valid", vmask), ("logp", base.logp), ("H1", base.H1), ("H2", base.H2),
-                     ("pmax", base.pmax), ("truncated", trunc)):
+                     ("pmax", base.pmax), ("truncated", trunc), ("reward", rew), ("correct", ok > 0),
+                     ("advantage", adv), ("group", np.repeat(np.asarray(idx), G))):
             arrays[k].append(np.asarray(x)[:rows])
         for form, k in itertools.product(u_forms, ("js", "pbar_tok")):
             per_form[form][k].append(np.asarray(getattr(per[form], k))[:rows])
-        rewards.append(rew[:rows])
-        correct.append(ok[:rows] > 0)
-        advantages.append(adv[:rows])
-        groups.append(np.repeat(np.asarray(idx[:real]), G))
         texts += batch_texts
         say(f"{setting.name}: prompts {start + 1}-{start + real} of {n_prompts} sampled in {t_sample:.0f} s, "
             f"statistics and masks in {t_stats:.0f} s ({int(ok[:rows].sum())}/{rows} correct)")
+    out = _concatenated(arrays, per_form, masks, ties)
+    out.update(texts=texts, timing=timing, u_forms=u_forms, group_size=G,
+               selector_forms={k: f for k, (_, f) in specs.items()})
+    return out
+
+
+def _concatenated(arrays: Mapping[str, list], per_form: Mapping[str, Mapping[str, list]],
+                  masks: Mapping[str, list], ties: Mapping[str, list]) -> dict[str, Any]:
+    """The batches' per-token and per-row arrays of :func:`collect`, each concatenated over the batches."""
     cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
-    out = {k: cat(v) for k, v in arrays.items()}
+    out: dict[str, Any] = {k: cat(v) for k, v in arrays.items()}
     out["valid"] = out["valid"].astype(bool)
     out.update({k: {f: cat(v[k]) for f, v in per_form.items()} for k in ("js", "pbar_tok")})
     out["masks"] = {k: cat(v) for k, v in masks.items()}
     out["ties"] = {k: cat(v) for k, v in ties.items()}
-    out.update(reward=cat(rewards), correct=cat(correct), advantage=cat(advantages), group=cat(groups), texts=texts,
-               timing=timing, u_forms=u_forms, group_size=G, selector_forms={k: f for k, (_, f) in specs.items()})
     return out
 
 

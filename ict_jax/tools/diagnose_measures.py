@@ -148,6 +148,17 @@ def _corr(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
             "n": n}
 
 
+def _u_summary(u: np.ndarray, valid: np.ndarray, ceiling: np.ndarray) -> dict[str, Any]:
+    """u over the valid tokens: its summary, p90, max, the share at 0, and ``u_at_ceiling``: the share of
+    valid tokens within 5 % of the reading's largest u there (``rl.saturation``)."""
+    if not valid.any():
+        return _summary(u[valid]) | {"p90": None, "max": None, "zero_share": None, "u_at_ceiling": None}
+    at_ceiling = valid & (ceiling > 0) & (u >= CEILING_FRACTION * ceiling)
+    return _summary(u[valid]) | {"p90": float(np.quantile(u[valid], 0.9)), "max": float(u[valid].max()),
+                                 "zero_share": float((u[valid] <= 0).mean()),
+                                 "u_at_ceiling": float(at_ceiling.sum() / valid.sum())}
+
+
 def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
     """The docs/method.md §5 diagnostics of one setting's :func:`collect` output (module docstring)."""
     valid = np.asarray(data["valid"], bool)
@@ -182,13 +193,7 @@ def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
         mean_u = np.where(rows, (u * valid).sum(1) / np.maximum(valid.sum(1), 1), 0.0)
         informative = rows & (adv != 0)  # groups whose rewards differ: A != 0
         readings[form] = {
-            "u": _summary(u[valid]) | {"p90": float(np.quantile(u[valid], 0.9)) if valid.any() else None,
-                                       "max": float(u[valid].max()) if valid.any() else None,
-                                       "zero_share": float((u[valid] <= 0).mean()) if valid.any() else None,
-                                       # share of valid tokens within 5 % of the reading's largest u there
-                                       "u_at_ceiling": (float((valid & (ceiling > 0)
-                                                               & (u >= CEILING_FRACTION * ceiling)).sum() / valid.sum())
-                                                        if valid.any() else None)},
+            "u": _u_summary(u, valid, ceiling),
             "sorted_u": sorted_u_curve(u, valid),
             "u_by_position": by_position(u, valid),
             "adv_corr": _corr(mean_u[informative], adv[informative])
