@@ -471,7 +471,7 @@ def test_finished_run_resumed_is_a_no_op_and_changes_are_refused_first(tmp_path)
     assert rc == 2 and err.strip() == (
         "ict-jax train: error: --resume: rl.selector.method ('ict' -> 'grpo') would change how the run trains; a "
         "resumed run keeps those settings (may change: train.eval_every, train.save_every, train.keep, "
-        "train.sft_save_every, rl.reward.workers, logging.*, train.steps upward). Start a new run_dir for other settings")
+        "train.sft_save_every, train.memory_check, rl.reward.workers, logging.*, train.steps upward). Start a new run_dir for other settings")
     rc, _, err = run_cli("train", "--config", str(DEMO), *args, "train.steps=1", "--resume")
     assert rc == 2 and "train.steps (only upward)" in err
     assert snapshot(run) == before

@@ -321,7 +321,7 @@ def _gguf_extent(path: Path) -> int:
     """The bytes a GGUF file's header describes: the end of its last tensor's data."""
     from gguf import GGUFReader  # gguf: optional, only for GGUF files
 
-    try:
+    try:  # not open_gguf: a file being assembled is read once and never again under this name
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError) as e:
         raise ValueError(f"not a readable GGUF file ({e})") from None

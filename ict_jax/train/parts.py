@@ -30,11 +30,12 @@ from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.state import TrainState, init_train_state, reference_params
 from ict_jax.rl.train_step import check_batch_geometry
 from ict_jax.sharding import check_prompts_divide, make_mesh
-from ict_jax.train.checkpoints import Checkpointer
+from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, abstract_tree
 from ict_jax.train.logs import RunLogger
-from ict_jax.train.model_source import build_model_and_tokenizer
-from ict_jax.train.preflight import compile_and_check
-from ict_jax.train.programs import RunPrograms, TokenIds, build_programs, has_reference, reference_dtype
+from ict_jax.train.model_source import build_model_and_tokenizer, run_architecture
+from ict_jax.train.preflight import FitCheck, compile_and_check
+from ict_jax.train.programs import (RunPrograms, TokenIds, build_programs, has_reference, reference_dtype,
+                                   same_layout)
 from ict_jax.train.record import check_resume, read_config, record_resume
 from ict_jax.train.resume import (ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
                                   resume_point)
@@ -63,6 +64,7 @@ class RunParts:
     tracker: WandbTracker | None  # logging.wandb
     resume_point: ResumePoint | None  # where a resumed run continues; None for a new run
     resumed: bool  # an RL checkpoint was restored
+    memory: FitCheck | None = None  # the memory pre-flight's numbers (None: not checked)
 
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
         """What an RL checkpoint records beside the arrays: the data position, the run's settings."""
@@ -135,23 +137,39 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     custom = [ds.name for ds in datasets if ds.scorer == CUSTOM_KIND]
     if custom and cfg.rl.reward.fn is None:
         raise ConfigError(f"data.train: {custom[0]!r} is scored by reward=custom but rl.reward.fn is not set")
-    if model is None:
-        model, tokenizer, tok_spec = build_model_and_tokenizer(cfg, mesh)
+    if model is None:  # the architecture first: the programs compile and are checked before the weights load
+        mc, tokenizer, tok_spec = run_architecture(cfg)
     else:
-        tok_spec = "given"
-    prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=model.config.max_position_embeddings)
+        mc, tok_spec = model.config, "given"
+    prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=mc.max_position_embeddings)
     iterator = PromptIterator(prompts.encoded, cfg.train.prompts_per_step, seed=cfg.seed)
-    state = init_train_state(cfg, model)
-    programs = build_programs(cfg, mesh, model.config, state, TokenIds.of(tokenizer))
+    state = init_train_state(cfg, model) if model is not None else abstract_train_state(cfg, mc, mesh=mesh)
+    programs = build_programs(cfg, mesh, mc, state, TokenIds.of(tokenizer))
+    # the memory pre-flight: in seconds, before the reward workers start and the weights load (both counted)
+    fit = compile_and_check(cfg, programs) if preflight else None
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:
-        if preflight:  # after the model, the state and the reward workers hold their memory: what is left
-            compile_and_check(cfg, programs)
-        return _start_run(cfg, run_dir, resume, changes, progress, mesh, model, tokenizer, tok_spec, prompts,
-                          iterator, programs, pool, state)
+        if model is None:
+            model, state, programs = _load_weights(cfg, mesh, tokenizer, programs)
+        parts, state, ref = _start_run(cfg, run_dir, resume, changes, progress, mesh, model, tokenizer, tok_spec,
+                                       prompts, iterator, programs, pool, state)
+        return dataclasses.replace(parts, memory=fit), state, ref
     except BaseException:
         pool.close()
         raise
+
+
+def _load_weights(cfg: Config, mesh: Mesh, tokenizer: Tokenizer,
+                  programs: RunPrograms) -> tuple[Qwen2, TrainState, RunPrograms]:
+    """The model's weights and the train state, for programs built (and maybe compiled) from the abstract
+    state; programs built again from the real state if its structure, shapes or shardings differ (never
+    expected: a warning says so)."""
+    model, _, _ = build_model_and_tokenizer(cfg, mesh)
+    state = init_train_state(cfg, model)
+    if not same_layout(abstract_tree(state), programs.step.abstract()[0]):
+        log.warning("the loaded model's train state differs from the one compiled before loading; compiling again")
+        programs = build_programs(cfg, mesh, model.config, state, TokenIds.of(tokenizer))
+    return model, state, programs
 
 
 def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress: bool, mesh: Mesh, model: Qwen2,

@@ -206,6 +206,15 @@ def _itemsize(dtype: Any) -> int:
     return jnp.dtype(dtype).itemsize
 
 
+def same_layout(a: Any, b: Any) -> bool:
+    """Two trees of arrays / ShapeDtypeStructs with the same structure (static fields included) and, leaf
+    by leaf, the same shape, dtype and sharding: a program compiled for one runs the other."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(x.shape == y.shape and x.dtype == y.dtype and getattr(x, "sharding", None) == getattr(y, "sharding", None)
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def has_reference(config: Config, state: TrainState) -> bool:
     """Whether the step takes KL reference parameters: ``rl.loss.kl_coef > 0`` and not a LoRA state (whose
     reference is its own base with the adapters off)."""
