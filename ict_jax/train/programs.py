@@ -15,7 +15,7 @@ is in the model's compute dtype (:func:`reference_dtype`): written here once for
 
 Training builds them from its real train state, ``ict-jax compile`` (:mod:`ict_jax.aot.compile`) from an
 abstract one (``jax.ShapeDtypeStruct`` leaves carrying the run's shardings): the same function, so what
-compile checks is what training runs (tests/test_programs.py compares the lowered modules).
+compile checks is what training runs (tests/train/test_programs.py compares the lowered modules).
 
 Each :class:`Program` carries its abstract arguments for every shape it may be called at (a shape key:
 the rows and the lengths) and compiles each shape once, ahead of time, from them

@@ -311,7 +311,7 @@ def test_cli_train_with_lora_fails_loudly_until_the_trainer_builds_adapters(tmp_
 
     from pathlib import Path
 
-    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
     p = subprocess.run([sys.executable, "-m", "ict_jax.cli", "train", "--config", str(demo),
                         "model.lora.enabled=true", "train.steps=1", "train.sft_steps=1", f"run_dir={tmp_path / 'r'}"],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)

@@ -27,7 +27,7 @@ import pytest
 from ict_jax.cli.main import main as cli_main
 from ict_jax.train.logs import read_metrics, summary_table, truncate_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 BENCH = "split?digits=1&size=4&seed=5"
 TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",

@@ -20,7 +20,7 @@ from ict_jax.aot import hlo
 from ict_jax.aot.compile import PROGRAMS, Target, compile_run, get_target, per_device_bytes
 from ict_jax.aot.fit import candidate_settings, estimate_memory, estimate_seconds, search
 
-CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 RECIPE = str(CONFIGS / "qwen2p5_0p5b_ict.yaml")
 # The 0.5B recipe shrunk to the tiny preset: P = 16 prompts of G = 8, 32 + 40 tokens, 2 micro-batches
 # (the no-grad statistics pass and gradient accumulation), KL on (the reference parameters), FSDP.

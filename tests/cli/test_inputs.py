@@ -21,7 +21,7 @@ from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import init_model
 from ict_jax.model.weights import WeightError, load_hf, save_hf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 
 

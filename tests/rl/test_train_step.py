@@ -375,7 +375,7 @@ def test_random_control_draws_afresh_in_every_mini_batch(monkeypatch):
     assert not np.array_equal(first, second)
 
 
-@pytest.mark.e2e  # three more compiled steps (14 s); the default suite checks u_form in tests/test_group_stats.py
+@pytest.mark.e2e  # three more compiled steps (14 s); the default suite checks u_form in tests/rl/test_group_stats.py
 def test_u_form_reaches_the_step_and_micro_batching_keeps_it():
     """stats.u_form is the reading of u that ICT's mask uses in the step (old-policy pass included):
     `pooled` changes the mask and gradient, and 4 micro-batches (whole groups) or 8 (half a group each,

@@ -16,7 +16,7 @@ from ict_jax.train.preflight import (DoesNotFit, FitCheck, MachineBudget, Progra
                                      cpu_budget, programs_to_check, resident_bytes)
 
 GIB = 1024 ** 3
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 # the demo's tiny model, no SFT, one RL step, the KL reference on (the samplers then leave it resident)
 TINY = ["train.sft_steps=0", "train.steps=1", "rl.loss.kl_coef=0.01", "rl.reward.workers=1"]

@@ -204,7 +204,7 @@ def test_cli_bad_input_is_one_line_exit_2(args, msg, capsys, tmp_path):
 
 def test_aligned_ceiling():
     """The aligned ceiling diagnose reads (rl.saturation.u_ceiling, tested against every reading in
-    tests/test_saturation.py) in closed form is what u reaches: disjoint one-hot rows."""
+    tests/rl/test_saturation.py) in closed form is what u reaches: disjoint one-hot rows."""
     import jax.numpy as jnp
 
     from ict_jax.rl.token_stats import stats_from_logits
