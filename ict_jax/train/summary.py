@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from ict_jax.memory import peak_rss
 from ict_jax.train.record import read_resumes, read_summary, write_summary
 
 
@@ -63,5 +64,7 @@ class RunSummary:
         if self._clock is not None:
             self.stamp_wall()
             self._clock = None
+            if isinstance(self.data.get("memory"), dict):  # the pre-flight's prediction beside the peak so far
+                self.data["memory"]["peak_rss"] = peak_rss()
             with contextlib.suppress(OSError):  # a full disk: the error that stopped the run is the one shown
                 self.save(self.data.get("status", "running"))

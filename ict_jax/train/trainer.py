@@ -170,8 +170,9 @@ class Trainer:
             return self.finished
         cfg = self.cfg
         self.summary.start_clock()  # close() counts an interrupted invocation's time too
-        if self.summary.get("status") in (None, "finished"):  # until it finishes (again), it is not finished
-            self.summary.save("running")
+        if self.parts.memory is not None:  # the pre-flight's numbers, kept also by a run that dies (memory.md)
+            self.summary["memory"] = self.parts.memory.record()
+        self.summary.save("running")  # until it finishes (again), it is not finished
         sft_part = f"SFT {cfg.train.sft_steps} steps, then " if cfg.train.sft_steps > 0 else ""
         self.say(f"run {self.run_dir}: {sft_part}{cfg.train.steps} RL steps ({cfg.rl.selector.method})")
         self.compile()

@@ -66,6 +66,13 @@ def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
     assert (run / "metrics.png").is_file() and (run / "summary.json").is_file()
     assert list((run / "tb" / "rl").glob("events.out.tfevents.*")) and list((run / "tb" / "sft").glob("events.*"))
     assert summary["final"]["reward/mean"] == rows[-1]["reward/mean"]
+    # the pre-flight's numbers (docs/memory.md): each program a device, the budget, the predicted and the
+    # measured peak of this process
+    mem = summary["memory"]
+    assert set(mem["programs"]) == {"step", "generate"} and mem["budget"]["platform"] == "cpu"
+    assert mem["budget"]["devices"] == 8 and 0 < mem["budget"]["per_device"] < mem["budget"]["total"]
+    need = max(p["device_bytes"] for p in mem["programs"].values())
+    assert mem["predicted_peak"] == mem["budget"]["outside"] + 8 * need and mem["peak_rss"] > 0
 
 
 def _cli(args: list[str], capsys) -> tuple[int, str]:
