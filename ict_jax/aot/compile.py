@@ -39,8 +39,8 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ict_jax.buckets import make_buckets
 from ict_jax.config import Config, ConfigError, parse_topology
-from ict_jax.data.prompts import make_buckets
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import resolve_path
 from ict_jax.platform import accelerator_type, tpu_chips_present

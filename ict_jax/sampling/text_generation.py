@@ -26,9 +26,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ict_jax.buckets import bucket_for, make_buckets
 from ict_jax.config import eval_settings
-from ict_jax.data.prompts import (PromptRefused, PromptTooLong, bucket_for, encode_prompt, make_buckets, pad_left,
-                                  prompt_fits)
+from ict_jax.data.prompts import PromptRefused, PromptTooLong, encode_prompt, pad_left, prompt_fits
 from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES
 from ict_jax.model.tokenizers import UnknownCharacterError, decode_response
 from ict_jax.sampling.sampler import SampleSettings, make_generate_fn, state_mesh
