@@ -31,6 +31,8 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Bool, Float, Int
 
+from ict_jax.buckets import response_buckets
+from ict_jax.config import RolloutSection
 from ict_jax.model.qwen2 import KVCache, attend, attention_qkv, finish_layer, rms_norm, rope_tables
 from ict_jax.sharding import BATCH_AXES, check_prompts_divide, constrain
 
@@ -39,6 +41,7 @@ from ict_jax.sharding import BATCH_AXES, check_prompts_divide, constrain
 #: default is the model's ``lax.scan`` decode: the per-layer weights are a temporary copy of the layer
 #: weights for the duration of a call, memory an accelerator training run may not have.
 UNROLL_MAX_LAYERS = 32
+_ROLLOUT = RolloutSection()  # the config tree's defaults (one source per default)
 
 
 @struct.dataclass
@@ -164,6 +167,8 @@ class SampleSettings:
     kv_cache_dtype: str | None = None
     pad_id: int = 0
     unroll_layers: bool | None = None  # None: unroll on CPU when num_layers <= UNROLL_MAX_LAYERS
+    # decode phases of a growing KV cache (ict_jax.buckets.response_buckets); None: one phase, the whole cache
+    min_response_bucket: int | None = _ROLLOUT.min_response_bucket
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -176,6 +181,8 @@ class SampleSettings:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.min_response_bucket is not None and self.min_response_bucket < 1:
+            raise ValueError(f"min_response_bucket must be >= 1 (None = one decode phase), got {self.min_response_bucket}")
 
 
 def _cache_constrain(cache: KVCache) -> KVCache:
@@ -224,6 +231,69 @@ def _decode_unrolled(model: Any, layers: list[dict], tok: Int[Array, "B"], ks: l
     return model.logits_from_hidden(h), tuple(ks), tuple(vs), mask, pos + 1
 
 
+def _grow_cache(cache: Any, slots: int) -> Any:
+    """The decode cache widened to ``slots`` slots (the new ones empty: zeros, mask 0), either form: a
+    :class:`KVCache` (``[L, B, KV, S, hd]``) or the unrolled path's ``(ks, vs, mask, pos, index)`` with
+    per-layer ``[B, KV, S, hd]`` caches."""
+    def pad(x: jax.Array, axis: int) -> jax.Array:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, slots - x.shape[axis])
+        return jnp.pad(x, widths)
+
+    if isinstance(cache, KVCache):
+        return _cache_constrain(cache._replace(k=pad(cache.k, 3), v=pad(cache.v, 3), mask=pad(cache.mask, 1)))
+    ks, vs, mask, pos, index = cache
+    grow = lambda x: constrain(pad(x, 2), _CACHE_AXES)  # noqa: E731
+    return (tuple(map(grow, ks)), tuple(map(grow, vs)), constrain(pad(mask, 1), ("batch", "cache_seq")), pos, index)
+
+
+def _decode_phases(body: Any, carry: tuple, windows: tuple[int, ...], prompt_len: int) -> tuple:
+    """The decode loop in phases of growing cache (docs/sampler.md "How it runs"): phase j decodes the
+    steps ``t < windows[j]`` over a cache of ``prompt_len + windows[j] - 1`` slots, so a step attends
+    over the filled bucket of the cache, not over ``max_new_tokens``; a later phase runs (its cache
+    widened, :func:`_grow_cache`) only when a row is still generating (``lax.cond``). Static shapes in
+    every phase: one compiled body per phase. ``carry = (t, cache, tok, done, tokens, logps, valid)``;
+    returns ``(done, tokens, logps, valid)``."""
+    def outputs(c: tuple) -> tuple:
+        return c[3:]
+
+    def run(j: int, c: tuple) -> tuple:
+        w = windows[j]
+        c = jax.lax.while_loop(lambda c: (c[0] < w) & ~jnp.all(c[3]), body, c)
+        if j + 1 == len(windows):
+            return outputs(c)
+
+        def grow(c: tuple) -> tuple:
+            return run(j + 1, (c[0], _grow_cache(c[1], prompt_len + windows[j + 1] - 1), *c[2:]))
+
+        return jax.lax.cond((c[0] < windows[-1]) & ~jnp.all(c[3]), grow, outputs, c)
+
+    return run(0, carry)
+
+
+def _decode_step(model: Any, unroll: bool, cache: KVCache) -> tuple[Any, Any]:
+    """``(step, cache)``: ``step(tok, cache) -> (logits, cache)`` decodes one token; ``cache`` is the
+    prefilled cache in the form ``step`` takes (per-layer caches when ``unroll``)."""
+    c = model.config
+    if unroll:  # decode state: per-layer caches (split once) and per-layer weights (sliced once)
+        layers = _split_layers(model)
+        cache = (tuple(cache.k[i] for i in range(c.num_layers)), tuple(cache.v[i] for i in range(c.num_layers)),
+                 cache.mask, cache.pos, cache.index)
+
+        def step(tok, cache):
+            ks, vs, mask, pos, index = cache
+            logits, ks, vs, mask, pos = _decode_unrolled(model, layers, tok, ks, vs, mask, pos, index)
+            return logits, (ks, vs, constrain(mask, ("batch", "cache_seq")), constrain(pos, ("batch",)), index + 1)
+
+        return step, cache
+
+    def step(tok, cache):
+        logits, cache = model.decode(tok, cache)
+        return logits, _cache_constrain(cache)
+
+    return step, cache
+
+
 def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int[Array, "P Lp"],
                    prompt_mask: Int[Array, "P Lp"], key: jax.Array) -> Rollout:
     model = nnx.merge(graphdef, state)
@@ -234,6 +304,7 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
     G, N = s.num_samples, s.max_new_tokens
     P, Lp = prompt_ids.shape
     B = P * G
+    windows = response_buckets(N, s.min_response_bucket)  # the decode phases (docs/sampler.md)
     prompt_ids = constrain(prompt_ids.astype(jnp.int32), ("batch", "seq"))
     prompt_mask = constrain(prompt_mask.astype(jnp.int32), ("batch", "seq"))
     sample = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, greedy=s.greedy)
@@ -243,8 +314,9 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
         u = jax.random.uniform(jax.random.fold_in(key, step), (B,), jnp.float32)
         return sample_token(logits, constrain(u, ("batch",)), **sample)
 
-    # prefill the P prompts once; Lp + N - 1 slots: the last sampled token is never decoded
-    cache = _cache_constrain(model.init_cache(P, Lp + N - 1, s.kv_cache_dtype))
+    # prefill the P prompts once, into the first phase's Lp + w - 1 slots (the last sampled token is
+    # never decoded, so Lp + N - 1 slots hold a whole response)
+    cache = _cache_constrain(model.init_cache(P, Lp + windows[0] - 1, s.kv_cache_dtype))
     h, cache = model.extend(prompt_ids, prompt_mask, cache)
     logits = jnp.repeat(model.logits_from_hidden(h[:, -1]), G, axis=0)  # [B, V], prompt-major
     cache = _cache_constrain(_repeat_cache(cache, G))
@@ -254,24 +326,7 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
     tokens = jnp.full((B, N), s.pad_id, jnp.int32).at[:, 0].set(tok)
     logps = jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp)
     valid = jnp.zeros((B, N), bool).at[:, 0].set(True)
-
-    def cond(carry):
-        t, _, _, done, *_ = carry
-        return (t < N) & ~jnp.all(done)
-
-    if unroll:  # decode state: per-layer caches (split once) and per-layer weights (sliced once)
-        layers = _split_layers(model)
-        cache = (tuple(cache.k[i] for i in range(c.num_layers)), tuple(cache.v[i] for i in range(c.num_layers)),
-                 cache.mask, cache.pos, cache.index)
-
-        def step(tok, cache):
-            ks, vs, mask, pos, index = cache
-            logits, ks, vs, mask, pos = _decode_unrolled(model, layers, tok, ks, vs, mask, pos, index)
-            return logits, (ks, vs, constrain(mask, ("batch", "cache_seq")), constrain(pos, ("batch",)), index + 1)
-    else:
-        def step(tok, cache):
-            logits, cache = model.decode(tok, cache)
-            return logits, _cache_constrain(cache)
+    step, cache = _decode_step(model, unroll, cache)
 
     def body(carry):
         t, cache, tok, done, tokens, logps, valid = carry
@@ -286,7 +341,7 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
         return (t + 1, cache, new, constrain(done, ("batch",)), tokens, logps, valid)
 
     carry = (jnp.int32(1), cache, tok, done, tokens, logps, valid)
-    _, _, _, done, tokens, logps, valid = jax.lax.while_loop(cond, body, carry)
+    done, tokens, logps, valid = _decode_phases(body, carry, windows, Lp)
     row = ("batch", None)
     return Rollout(tokens=constrain(tokens, row), valid=constrain(valid, row), logp=constrain(logps, row),
                    lengths=constrain(valid.sum(axis=1, dtype=jnp.int32), ("batch",)),
@@ -323,14 +378,18 @@ class GenerateFn:
 def make_generate_fn(graphdef: Any, *, num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                      top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (), greedy: bool = False,
                      kv_cache_dtype: str | None = None, pad_id: int = 0, unroll_layers: bool | None = None,
-                     mesh: Mesh | None = None) -> GenerateFn:
+                     mesh: Mesh | None = None,
+                     min_response_bucket: int | None = _ROLLOUT.min_response_bucket) -> GenerateFn:
     """The pure jitted generate function for ``graphdef`` (from ``nnx.split(model)``), for callers that
-    hold the state themselves (the trainer calls it every step with the current policy state)."""
+    hold the state themselves (the trainer calls it every step with the current policy state).
+    ``min_response_bucket`` (``rollout.min_response_bucket``): the smallest decode phase of the growing
+    KV cache; None decodes over the whole cache in one phase."""
     settings = SampleSettings(num_samples=int(num_samples), max_new_tokens=int(max_new_tokens),
                               temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                               eos_ids=tuple(int(i) for i in eos_ids), greedy=bool(greedy),
                               kv_cache_dtype=None if kv_cache_dtype is None else str(jnp.dtype(kv_cache_dtype)),
-                              pad_id=int(pad_id), unroll_layers=unroll_layers)
+                              pad_id=int(pad_id), unroll_layers=unroll_layers,
+                              min_response_bucket=None if min_response_bucket is None else int(min_response_bucket))
     return GenerateFn(graphdef, settings, mesh)
 
 
@@ -348,7 +407,8 @@ def state_mesh(state: Any) -> Mesh | None:
 def generate(model: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array, "P Lp"] | None, key: jax.Array, *,
              num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = 0, eos_ids: Sequence[int] = (), greedy: bool = False, kv_cache_dtype: str | None = None,
-             pad_id: int = 0, unroll_layers: bool | None = None, mesh: Mesh | None = None) -> Rollout:
+             pad_id: int = 0, unroll_layers: bool | None = None, mesh: Mesh | None = None,
+             min_response_bucket: int | None = _ROLLOUT.min_response_bucket) -> Rollout:
     """Sample ``num_samples`` (G) responses for each of the P left-padded prompts -> :class:`Rollout`
     with ``P * G`` rows, prompt-major.
 
@@ -360,7 +420,8 @@ def generate(model: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array,
     mesh = mesh if mesh is not None else state_mesh(state)
     fn = make_generate_fn(graphdef, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, top_k=top_k, eos_ids=eos_ids, greedy=greedy, kv_cache_dtype=kv_cache_dtype,
-                          pad_id=pad_id, unroll_layers=unroll_layers, mesh=mesh)
+                          pad_id=pad_id, unroll_layers=unroll_layers, mesh=mesh,
+                          min_response_bucket=min_response_bucket)
     cache_key = (graphdef, fn.settings, mesh)
     fn = _FNS.setdefault(cache_key, fn)
     return fn(state, jnp.asarray(prompt_ids), None if prompt_mask is None else jnp.asarray(prompt_mask), key)
