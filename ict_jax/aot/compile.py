@@ -5,7 +5,8 @@ A run compiles three programs (``train.run.build_run``, ``train.run.run_eval``):
 
 - ``step``: :func:`ict_jax.rl.train_step.make_train_step` at the recipe's batch geometry
   (P x G rows, the largest prompt bucket + ``max_new_tokens``), with the reference parameters when
-  ``kl_coef > 0``;
+  ``kl_coef > 0``; by default its largest response bucket (``max_new_tokens``: the memory a run needs),
+  any other with ``response_len`` (a run compiles one step per bucket it meets, docs/loss.md);
 - ``generate``: the rollout sampler (:func:`ict_jax.sampling.sampler.make_generate_fn`) at P prompts x
   G samples with its KV cache (P / ``rollout.chunks`` prompts a call when the rollout is chunked);
 - ``eval``: the evaluation sampler (P prompts x ``data.eval_n`` samples, the evaluation temperature
@@ -263,14 +264,18 @@ class Program:
 
 
 def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platform: str,
-                   names: Sequence[str] = PROGRAMS) -> list[Program]:
-    """The named programs of a run of ``cfg`` on ``mesh``, with abstract arguments."""
+                   names: Sequence[str] = PROGRAMS, response_len: int | None = None) -> list[Program]:
+    """The named programs of a run of ``cfg`` on ``mesh``, with abstract arguments. ``response_len``: the
+    response bucket the step is built at (default ``rollout.max_new_tokens``, the largest)."""
     state = abstract_train_state(cfg, mc, mesh=mesh)
     ref = abstract_reference(state.params, mc.resolved_compute_dtype()) if cfg.rl.loss.kl_coef > 0 else None
     state_bytes = {"params": per_device_bytes(state.params), "opt_state": per_device_bytes(state.opt_state),
                    "ref": per_device_bytes(ref) if ref is not None else 0}
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     P, G, Lp, N = cfg.train.prompts_per_step, cfg.rollout.num_samples, prompt_len(cfg), cfg.rollout.max_new_tokens
+    n = N if response_len is None else int(response_len)  # the step's response bucket (issue 26)
+    if not 1 <= n <= N:
+        raise ValueError(f"response_len {n}: the step's response bucket is 1..rollout.max_new_tokens={N}")
     # rows a pass processes at once: a gradient micro-batch, or a chunk of the old-policy pass (whole groups)
     plan = StepPlan.from_config(cfg, make_optimizer(cfg), batch_shards=batch_shards)
     pass_rows = P * G // old_pass_chunks(plan, P)  # at least a micro-batch's rows
@@ -285,10 +290,10 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
         if name == "step":
             step = make_train_step(cfg, mesh)
             batch = abstract_batch(cfg, mesh)
-            out.append(Program("step", lambda step=step, batch=batch: step.lower(state, batch, ref), resident=0,
-                               expected_args=per_device_bytes((state, batch, ref)),
-                               info=dict(common, rows=pass_rows // batch_shards, positions=N,
-                                         block=stats_block(N, cfg.stats.chunk))))
+            out.append(Program("step", lambda step=step, batch=batch: step.lower(state, batch, ref, response_len=n),
+                               resident=0, expected_args=per_device_bytes((state, batch, ref)),
+                               info=dict(common, rows=pass_rows // batch_shards, positions=n,
+                                         block=stats_block(n, cfg.stats.chunk))))
         elif name in ("generate", "eval"):
             ev = name == "eval"
             d, r = cfg.data, cfg.rollout
@@ -299,7 +304,7 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
                                   temperature=d.eval_temperature if ev else r.temperature,
                                   top_p=d.eval_top_p if ev else r.top_p, top_k=0 if ev else r.top_k, eos_ids=(1,),
                                   kv_cache_dtype=kv, pad_id=0, unroll_layers=None if platform == "cpu" else False,
-                                  mesh=mesh)
+                                  mesh=mesh, min_response_bucket=r.min_response_bucket)
             rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
             ids = jax.ShapeDtypeStruct((prompts, Lp), jnp.int32, sharding=rows)
             key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(mesh))
@@ -349,6 +354,7 @@ class ProgramReport:
     code: int | None = None
     resident: int = 0
     expected_arguments: int = 0
+    positions: int | None = None  # response positions: the step's bucket, the samplers' max_new_tokens
     lower_s: float = 0.0
     compile_s: float = 0.0
     error: str | None = None
@@ -474,7 +480,7 @@ def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *
     ``dump_dir``: write the compiled HLO text to ``<dump_dir>/<program>.hlo.txt``."""
     rep = ProgramReport(program=program.name, target=target.name, mesh=dict(mesh.shape), compiled=False,
                         fits=False, hbm=target.hbm_bytes, resident=program.resident,
-                        expected_arguments=program.expected_args)
+                        expected_arguments=program.expected_args, positions=program.info.get("positions"))
     t0 = time.perf_counter()
     lowered = program.lower()
     rep.lower_s = time.perf_counter() - t0
@@ -513,14 +519,15 @@ def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *
 
 def compile_run(cfg: Config, target: Target, programs: Sequence[str] = PROGRAMS, *,
                 on_report: Callable[[ProgramReport], None] | None = None, analyse: bool = True,
-                dump_dir: str | Path | None = None,
-                on_start: Callable[[str], None] | None = None) -> tuple[list[ProgramReport], str]:
+                dump_dir: str | Path | None = None, on_start: Callable[[str], None] | None = None,
+                response_len: int | None = None) -> tuple[list[ProgramReport], str]:
     """Compile ``programs`` of a run of ``cfg`` for ``target`` -> (reports, the model's source).
-    ``on_start(name)`` is called as each program starts, ``on_report(report)`` as it ends (progress)."""
+    ``on_start(name)`` is called as each program starts, ``on_report(report)`` as it ends (progress).
+    ``response_len``: the step's response bucket (default the largest, ``rollout.max_new_tokens``)."""
     mc, source = target_model_config(cfg, target.platform)
     mesh = run_mesh(cfg, target)
     reports = []
-    for program in build_programs(cfg, mc, mesh, target.platform, programs):
+    for program in build_programs(cfg, mc, mesh, target.platform, programs, response_len):
         if on_start is not None:
             on_start(program.name)
         rep = compile_program(program, target, mesh, analyse=analyse, dump_dir=dump_dir)

@@ -302,9 +302,8 @@ def policy_loss(
     ``logp_ref`` may be None when ``config.kl_coef == 0`` (the KL metrics are then 0). ``denoms``: the
     mini-batch :class:`LossDenominators` when this call sees one micro-batch of it; None computes them
     from the given arrays. With denoms supplied the loss and every metric are additive over
-    micro-batches. ``max_new_tokens``: Dr.GRPO's T, ``rollout.max_new_tokens``; None = ``logp.shape[-1]``
-    (the response axis uncut). A step on a batch cut to a length bucket passes the uncut width, so
-    cutting trailing padding changes nothing.
+    micro-batches. ``max_new_tokens``: Dr.GRPO's T; None = ``logp.shape[-1]`` (a step on a batch cut to a
+    response bucket passes the uncut width, so cutting trailing padding changes nothing).
 
     Returns ``(loss, metrics)``; metrics (float32 device scalars, docs/method.md §5 names, stop-gradient):
     ``loss/policy`` (= -AGG(surr, ...)), ``loss/kl`` (= AGG(k3, ...), without kl_coef),

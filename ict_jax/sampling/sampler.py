@@ -243,8 +243,8 @@ def _grow_cache(cache: Any, slots: int) -> Any:
     if isinstance(cache, KVCache):
         return _cache_constrain(cache._replace(k=pad(cache.k, 3), v=pad(cache.v, 3), mask=pad(cache.mask, 1)))
     ks, vs, mask, pos, index = cache
-    grow = lambda x: constrain(pad(x, 2), _CACHE_AXES)  # noqa: E731
-    return (tuple(map(grow, ks)), tuple(map(grow, vs)), constrain(pad(mask, 1), ("batch", "cache_seq")), pos, index)
+    ks, vs = (tuple(constrain(pad(x, 2), _CACHE_AXES) for x in xs) for xs in (ks, vs))
+    return ks, vs, constrain(pad(mask, 1), ("batch", "cache_seq")), pos, index
 
 
 def _decode_phases(body: Any, carry: tuple, windows: tuple[int, ...], prompt_len: int) -> tuple:

@@ -230,7 +230,8 @@ def build_run(cfg: Config, *, resume: bool = False, model: Any = None, tokenizer
     kv = None if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
     generate = make_generate_fn(state.graphdef, num_samples=r.num_samples, max_new_tokens=r.max_new_tokens,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, eos_ids=tokenizer.eos_ids,
-                                kv_cache_dtype=kv, pad_id=tokenizer.pad_id, mesh=mesh if mesh.size > 1 else None)
+                                kv_cache_dtype=kv, pad_id=tokenizer.pad_id, mesh=mesh if mesh.size > 1 else None,
+                                min_response_bucket=r.min_response_bucket)  # decode over the filled cache (issue 26)
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:
         return _start_run(cfg, run_dir, resume, changes, mesh, model, tokenizer, tok_spec, state, train_step,
@@ -304,7 +305,8 @@ def run_eval(cfg: Config, run: Run, step: int) -> dict[str, float]:
                                            top_p=d.eval_top_p, template="none", overlong="skip",
                                            max_prompt_len=cfg.rollout.max_prompt_len,
                                            batch_size=max(1, cfg.train.prompts_per_step), seed=cfg.seed,
-                                           mesh=run.mesh if run.mesh.size > 1 else None)
+                                           mesh=run.mesh if run.mesh.size > 1 else None,
+                                           min_response_bucket=cfg.rollout.min_response_bucket)  # issue 26
     datasets, gen = run.eval_data, run.eval_gen
     gen.state = run.state.params  # the current policy weights, no copy
     # Every evaluation samples with the same keys (run i of it: fold_in(key(seed), i)), so its numbers
