@@ -319,7 +319,8 @@ class Trainer:
         per = -(-B // n_proc)
         mine = range(me * per, min(B, (me + 1) * per))
         eos = set(r.tokenizer.eos_ids)
-        texts = [r.tokenizer.decode([int(t) for t, v in zip(tokens[i], valid[i]) if v and int(t) not in eos])
+        # the valid tokens only (numpy mask): a loop over max_new_tokens per row grew with it (issue 26)
+        texts = [r.tokenizer.decode([int(t) for t in np.asarray(tokens[i])[np.asarray(valid[i]) > 0] if int(t) not in eos])
                  for i in mine]
         # rl.reward.fn scores every training response (the datasets' kinds still shape the SFT targets)
         kinds = [CUSTOM_KIND if self.cfg.rl.reward.fn else r.prompts.kinds[int(pb.indices[i // G])] for i in mine]
