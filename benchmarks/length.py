@@ -14,6 +14,9 @@ Parts:
   interleaved: for each seed, each N, before then after). Per run the median ``time/update_s`` and
   ``time/rollout_s`` over the steps after the first (the first compiles); per mode the ratio of the
   largest N to the smallest, mean +- sd over seeds. The SFT model answers in ~6 tokens whatever N.
+- ``isolated``: the rollout (the jitted sampler) and the update (the jitted step) alone, in process, on
+  the SFT model's answers to the demo's first training prompts; every (mode, N) variant is timed once per
+  round, ``--reps`` rounds (the load hits all alike), wall and process CPU time medians.
 - ``realistic``: the update alone (in process) on batches whose response lengths follow a real
   Qwen2.5-0.5B's on GSM8K-style problems (docs/benchmarks.md: mean ~180 tokens): lognormal with median
   ``--median-len`` and sigma ``--sigma``, capped at ``--max-new-tokens`` (a capped row is truncated).
@@ -68,6 +71,7 @@ def trainer_run(args, n: int, mode: str, seed: int, work: Path) -> dict:
     rows = [r for r in rows if r.get("phase", "rl") == "rl" and "time/update_s" in r]
     later = rows[1:]  # the first step compiles
     return {"max_new_tokens": n, "mode": mode, "seed": seed, "steps": len(rows),
+            "update_s": [r["time/update_s"] for r in rows], "rollout_s": [r["time/rollout_s"] for r in rows],
             "update_s_median": float(np.median([r["time/update_s"] for r in later])),
             "rollout_s_median": float(np.median([r["time/rollout_s"] for r in later])),
             "first_update_s": rows[0]["time/update_s"], "first_rollout_s": rows[0]["time/rollout_s"],
@@ -94,6 +98,8 @@ def part_trainer(args) -> dict:
         for n in args.lengths:
             sel = [r for r in runs if r["mode"] == mode and r["max_new_tokens"] == n]
             table[f"{mode} {n}"] = {k: _mean_sd([r[k] for r in sel]) for k in ("update_s_median", "rollout_s_median")}
+            for k in ("update_s", "rollout_s"):  # every step after the first of every seed, pooled
+                table[f"{mode} {n}"][f"{k}_pooled_median"] = float(np.median([x for r in sel for x in r[k][1:]]))
         ratio = {}
         for k in ("update_s_median", "rollout_s_median"):
             per_seed = []
@@ -102,6 +108,9 @@ def part_trainer(args) -> dict:
                         for m in (hi, lo))
                 per_seed.append(a / b)
             ratio[k] = _mean_sd(per_seed)
+        for k in ("update_s", "rollout_s"):
+            ratio[f"{k}_pooled_median"] = (table[f"{mode} {hi}"][f"{k}_pooled_median"]
+                                           / table[f"{mode} {lo}"][f"{k}_pooled_median"])
         table[f"{mode} ratio {hi}/{lo}"] = ratio
     return {"runs": runs, "summary": table}
 
@@ -181,6 +190,76 @@ def part_realistic(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
+# Part 2b: the rollout and the update alone, interleaved (robust to the machine's load)
+# ------------------------------------------------------------------------------------------------
+def part_isolated(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ict_jax.config import load_config
+    from ict_jax.data.datasets import load_dataset
+    from ict_jax.data.prompts import PromptIterator, encode_prompts
+    from ict_jax.model.loading import load_model_and_tokenizer
+    from ict_jax.rl.batch import build_rollout_batch
+    from ict_jax.rl.state import init_train_state
+    from ict_jax.rl.train_step import make_train_step
+    from ict_jax.sampling.sampler import make_generate_fn
+
+    model, tok = load_model_and_tokenizer(args.model, tokenizer="char")
+    gd, params = nnx.split(model)
+    base = load_config(args.config, [f"model.path={args.model}"])
+    r = base.rollout
+    enc = encode_prompts(load_dataset(base.data.train[0], seed=base.seed), tok, template=base.data.template,
+                         max_prompt_len=r.max_prompt_len, max_new_tokens=max(args.lengths))
+    pb = next(PromptIterator(enc, base.train.prompts_per_step, seed=base.seed))
+    ids, mask = jnp.asarray(pb.ids), jnp.asarray(pb.mask)
+    rng = np.random.default_rng(0)
+    variants = {}
+    for n in args.lengths:
+        for mode in args.modes:
+            cfg = load_config(args.config, [f"model.path={args.model}", f"rollout.max_new_tokens={n}", *MODES[mode]])
+            gen = make_generate_fn(gd, num_samples=r.num_samples, max_new_tokens=n, temperature=r.temperature,
+                                   eos_ids=tok.eos_ids, pad_id=tok.pad_id,
+                                   min_response_bucket=cfg.rollout.min_response_bucket)
+            own = nnx.merge(gd, jax.tree.map(jnp.copy, params))  # the step donates its state: a copy each
+            variants[(mode, n)] = {"cfg": cfg, "gen": gen, "step": make_train_step(cfg),
+                                   "state": init_train_state(cfg, own), "times": []}
+
+    def once(v: dict, i: int) -> list[float]:
+        w0, c0 = time.perf_counter(), time.process_time()
+        ro = jax.block_until_ready(v["gen"](params, ids, mask, jax.random.key(i)))
+        w1, c1 = time.perf_counter(), time.process_time()
+        rewards = rng.integers(0, 2, ro.tokens.shape[0]).astype(np.float32)
+        batch = build_rollout_batch(ids, mask, ro, rewards, config=v["cfg"])
+        w2, c2 = time.perf_counter(), time.process_time()
+        v["state"], m = v["step"](v["state"], batch)
+        jax.block_until_ready(m)
+        w3, c3 = time.perf_counter(), time.process_time()
+        return [w1 - w0, c1 - c0, w3 - w2, c3 - c2, float(m["response/length_mean"]), float(m["train/response_len"])]
+
+    for v in variants.values():  # compile
+        once(v, 0)
+    for i in range(args.reps):
+        for v in variants.values():
+            v["times"].append(once(v, i + 1))
+    rows = []
+    for (mode, n), v in variants.items():
+        t = np.asarray(v["times"])
+        rows.append({"mode": mode, "max_new_tokens": n, "rollout_wall_s": float(np.median(t[:, 0])),
+                     "rollout_cpu_s": float(np.median(t[:, 1])), "update_wall_s": float(np.median(t[:, 2])),
+                     "update_cpu_s": float(np.median(t[:, 3])), "answer_len_mean": float(t[:, 4].mean()),
+                     "update_response_len": sorted(set(t[:, 5].astype(int).tolist()))})
+    lo, hi = min(args.lengths), max(args.lengths)
+    ratios = {}
+    for mode in args.modes:
+        a, b = (next(x for x in rows if x["mode"] == mode and x["max_new_tokens"] == m) for m in (hi, lo))
+        ratios[f"{mode} {hi}/{lo}"] = {k: a[k] / b[k] for k in ("rollout_wall_s", "rollout_cpu_s", "update_wall_s",
+                                                                 "update_cpu_s")}
+    return {"prompts": int(ids.shape[0]), "samples": r.num_samples, "reps": args.reps, "rows": rows, "ratios": ratios}
+
+
+# ------------------------------------------------------------------------------------------------
 # Part 3: compile count and time per bucket
 # ------------------------------------------------------------------------------------------------
 def part_compile(args) -> dict:
@@ -243,19 +322,33 @@ def _print_trainer(res: dict) -> None:
     for k, v in res["summary"].items():
         if "ratio" in k:
             u, r = v["update_s_median"], v["rollout_s_median"]
-            print(f"{k}: update {u[0]:.2f}x +- {u[1]:.2f}, rollout {r[0]:.2f}x +- {r[1]:.2f}")
+            print(f"{k}: update {u[0]:.2f}x +- {u[1]:.2f}, rollout {r[0]:.2f}x +- {r[1]:.2f} (per-seed ratios); "
+                  f"pooled medians: update {v['update_s_pooled_median']:.2f}x, rollout {v['rollout_s_pooled_median']:.2f}x")
+
+
+def _print_isolated(res: dict) -> None:
+    print("\n| mode | max_new_tokens | rollout wall / CPU s | update wall / CPU s | answer length | update at |")
+    print("|---|---|---|---|---|---|")
+    for x in res["rows"]:
+        print(f"| {x['mode']} | {x['max_new_tokens']} | {x['rollout_wall_s']:.3f} / {x['rollout_cpu_s']:.3f} | "
+              f"{x['update_wall_s']:.3f} / {x['update_cpu_s']:.3f} | {x['answer_len_mean']:.2f} | "
+              f"{x['update_response_len']} |")
+    for k, v in res["ratios"].items():
+        print(f"{k}: rollout {v['rollout_wall_s']:.2f}x wall / {v['rollout_cpu_s']:.2f}x CPU, update "
+              f"{v['update_wall_s']:.2f}x wall / {v['update_cpu_s']:.2f}x CPU")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="the demo model after SFT (R/sft_model)")
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
-    ap.add_argument("--parts", nargs="+", default=["trainer", "realistic", "compile"],
-                    choices=["trainer", "realistic", "compile"])
+    ap.add_argument("--parts", nargs="+", default=["trainer", "isolated", "realistic", "compile"],
+                    choices=["trainer", "isolated", "realistic", "compile"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[16, 32, 64, 128], help="max_new_tokens values")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=10, help="RL steps a trainer run")
+    ap.add_argument("--reps", type=int, default=15, help="isolated: interleaved rounds")
     ap.add_argument("--preset", default="demo", help="realistic: the model preset (random weights)")
     ap.add_argument("--max-new-tokens", type=int, default=1024, help="realistic: the response width")
     ap.add_argument("--median-len", type=float, default=160.0, help="realistic: median response length")
@@ -279,11 +372,14 @@ def main() -> None:
     for part in args.parts:
         print(f"== {part} (load {_load()})", flush=True)
         load = _load()
-        res = {"trainer": part_trainer, "realistic": part_realistic, "compile": part_compile}[part](args)
+        res = {"trainer": part_trainer, "isolated": part_isolated, "realistic": part_realistic,
+               "compile": part_compile}[part](args)
         res["load_before_after"] = [load, _load()]
         result[part] = res
         if part == "trainer":
             _print_trainer(res)
+        elif part == "isolated":
+            _print_isolated(res)
         elif part == "realistic":
             d = res["distribution"]
             print(f"lengths: mean {d['mean']:.0f}, p50 {d['p50']:.0f}, p90 {d['p90']:.0f}, max {d['max']}; "
