@@ -15,8 +15,9 @@ Parts:
   ``time/rollout_s`` over the steps after the first (the first compiles); per mode the ratio of the
   largest N to the smallest, mean +- sd over seeds. The SFT model answers in ~6 tokens whatever N.
 - ``isolated``: the rollout (the jitted sampler) and the update (the jitted step) alone, in process, on
-  the SFT model's answers to the demo's first training prompts; every (mode, N) variant is timed once per
-  round, ``--reps`` rounds (the load hits all alike), wall and process CPU time medians.
+  the SFT model's answers to the demo's first training prompts; per mode, every N is timed once per
+  round, ``--reps`` rounds of rollouts, then ``--reps`` rounds of updates (the load hits all alike), wall
+  and process CPU time medians.
 - ``realistic``: the update alone (in process) on batches whose response lengths follow a real
   Qwen2.5-0.5B's on GSM8K-style problems (docs/benchmarks.md: mean ~180 tokens): lognormal with median
   ``--median-len`` and sigma ``--sigma``, capped at ``--max-new-tokens`` (a capped row is truncated).
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -224,32 +226,38 @@ def part_isolated(args) -> dict:
                                    min_response_bucket=cfg.rollout.min_response_bucket)
             own = nnx.merge(gd, jax.tree.map(jnp.copy, params))  # the step donates its state: a copy each
             variants[(mode, n)] = {"cfg": cfg, "gen": gen, "step": make_train_step(cfg),
-                                   "state": init_train_state(cfg, own), "times": []}
+                                   "state": init_train_state(cfg, own), "roll": [], "upd": []}
 
-    def once(v: dict, i: int) -> list[float]:
+    def timed(fn: Any) -> tuple[Any, float, float]:
         w0, c0 = time.perf_counter(), time.process_time()
-        ro = jax.block_until_ready(v["gen"](params, ids, mask, jax.random.key(i)))
-        w1, c1 = time.perf_counter(), time.process_time()
-        rewards = rng.integers(0, 2, ro.tokens.shape[0]).astype(np.float32)
-        batch = build_rollout_batch(ids, mask, ro, rewards, config=v["cfg"])
-        w2, c2 = time.perf_counter(), time.process_time()
-        v["state"], m = v["step"](v["state"], batch)
-        jax.block_until_ready(m)
-        w3, c3 = time.perf_counter(), time.process_time()
-        return [w1 - w0, c1 - c0, w3 - w2, c3 - c2, float(m["response/length_mean"]), float(m["train/response_len"])]
+        out = jax.block_until_ready(fn())
+        return out, time.perf_counter() - w0, time.process_time() - c0
 
-    for v in variants.values():  # compile
-        once(v, 0)
-    for i in range(args.reps):
-        for v in variants.values():
-            v["times"].append(once(v, i + 1))
+    for i, v in enumerate(variants.values()):  # compile both programs; each variant's batch for the update
+        ro = v["gen"](params, ids, mask, jax.random.key(i))
+        rewards = rng.integers(0, 2, ro.tokens.shape[0]).astype(np.float32)
+        v["batch"] = build_rollout_batch(ids, mask, ro, rewards, config=v["cfg"])
+        v["state"], _ = timed(lambda v=v: v["step"](v["state"], v["batch"]))[0]
+    # each mode's variants interleaved among themselves, rollouts and updates in separate rounds: timed
+    # right after a 4-s "before" update, a 40-ms rollout or a 0.5-s update of another variant took up to
+    # twice as long in a first version of this part (the machine settling after the big program)
+    for mode in args.modes:
+        group = [v for (m, _), v in variants.items() if m == mode]
+        for i in range(args.reps):
+            for v in group:
+                ro, w, c = timed(lambda v=v, i=i: v["gen"](params, ids, mask, jax.random.key(i + 1)))
+                v["roll"].append([w, c, float(ro.lengths.mean())])
+        for _ in range(args.reps):
+            for v in group:
+                (v["state"], m), w, c = timed(lambda v=v: v["step"](v["state"], v["batch"]))
+                v["upd"].append([w, c, float(m["train/response_len"])])
     rows = []
     for (mode, n), v in variants.items():
-        t = np.asarray(v["times"])
-        rows.append({"mode": mode, "max_new_tokens": n, "rollout_wall_s": float(np.median(t[:, 0])),
-                     "rollout_cpu_s": float(np.median(t[:, 1])), "update_wall_s": float(np.median(t[:, 2])),
-                     "update_cpu_s": float(np.median(t[:, 3])), "answer_len_mean": float(t[:, 4].mean()),
-                     "update_response_len": sorted(set(t[:, 5].astype(int).tolist()))})
+        ro, up = np.asarray(v["roll"]), np.asarray(v["upd"])
+        rows.append({"mode": mode, "max_new_tokens": n, "rollout_wall_s": float(np.median(ro[:, 0])),
+                     "rollout_cpu_s": float(np.median(ro[:, 1])), "update_wall_s": float(np.median(up[:, 0])),
+                     "update_cpu_s": float(np.median(up[:, 1])), "answer_len_mean": float(ro[:, 2].mean()),
+                     "update_response_len": sorted(set(up[:, 2].astype(int).tolist()))})
     lo, hi = min(args.lengths), max(args.lengths)
     ratios = {}
     for mode in args.modes:
