@@ -239,16 +239,19 @@ def _gen(model, prompts, min_bucket, **kw):
 @pytest.mark.e2e
 @pytest.mark.parametrize("kw", [{}, {"greedy": True, "eos_ids": ()}, {"unroll_layers": False}])
 def test_decode_phases_give_the_one_phase_rollout(sampler_model, sampler_prompts, kw):
-    """Phases of 2, 4, 8 and 12 decode steps (cache windows Lp + 1, 3, 7, 11) vs one phase over the
-    whole cache: the same tokens, validity and truncation, log-probs to float rounding. The greedy case
-    has no EOS: every phase runs; the sampled ones stop early in some rows."""
+    """Phases of 2, 4, 8 and 12 decode steps (cache windows Lp + 1, 3, 7, 11; the unrolled decode's
+    chunks, the scan decode's windows of one cache) vs one phase over the whole cache: the same tokens,
+    validity and truncation, log-probs to float rounding. The greedy case has no EOS: every phase runs;
+    the sampled ones stop early in some rows."""
     one = _gen(sampler_model, sampler_prompts, None, **kw)
     phased = _gen(sampler_model, sampler_prompts, 2, **kw)
     assert response_buckets(N, 2) == (2, 4, 8, 12)
     np.testing.assert_array_equal(phased.tokens, one.tokens)
     np.testing.assert_array_equal(phased.valid, one.valid)
     np.testing.assert_array_equal(phased.truncated, one.truncated)
-    np.testing.assert_allclose(phased.logp, one.logp, atol=1e-6, rtol=0)
+    # the chunked attention sums the weighted values chunk by chunk: float32 rounding (measured <= 2e-6),
+    # within the sampler tests' tolerance for another summation order (the scan path, 8 devices)
+    np.testing.assert_allclose(phased.logp, one.logp, atol=1e-5, rtol=0)
     if kw.get("greedy"):
         assert one.valid.all()  # ran through the last phase
     else:
