@@ -40,7 +40,7 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ict_jax.buckets import make_buckets
+from ict_jax.buckets import make_buckets, response_buckets
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import resolve_path
@@ -48,7 +48,7 @@ from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.train_step import StepPlan, make_train_step, old_pass_chunks
-from ict_jax.sampling.sampler import make_generate_fn
+from ict_jax.sampling.sampler import UNROLL_MAX_LAYERS, make_generate_fn
 from ict_jax.sharding import BATCH_AXES, batch_sharding, make_mesh, replicated
 from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state
@@ -314,10 +314,14 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
                     return fn.jitted.lower(state.params, ids, ids, key)
 
             kv_dtype = jnp.dtype(kv or mc.resolved_compute_dtype())
+            ends = [Lp + w - 1 for w in response_buckets(N, r.min_response_bucket)]
+            # the unrolled decode (CPU) keeps each layer's cache in chunks, one a decode phase (docs/sampler.md)
+            unrolled = platform == "cpu" and mc.num_layers <= UNROLL_MAX_LAYERS and len(ends) > 1
+            chunks = tuple(b - a for a, b in zip([0, *ends], ends)) if unrolled else None
             out.append(Program(name, lower, resident=state_bytes["opt_state"] + state_bytes["ref"],
                                expected_args=per_device_bytes((state.params, ids, ids, key)),
                                info=dict(common, rows=prompts * g // batch_shards, positions=N, block=1,
-                                         cache_slots=Lp + N - 1,
+                                         cache_slots=Lp + N - 1, cache_chunks=chunks,
                                          kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim,
                                          kv_bytes=kv_dtype.itemsize)))
         else:
@@ -435,13 +439,16 @@ def discipline_checks(program: Program, module: hlo.HloModule, items: list[hlo.C
         kv_local = heads // i["tensor"] if heads % i["tensor"] == 0 else heads
         want = (i["num_layers"], rows, kv_local, i["cache_slots"], i["head_dim"])
         dims = {a.dims for _, ins in module.instructions() for a in ins.arrays}
-        # the stacked cache, or one layer's (a compiler that unrolls the layer loop splits the stack)
-        found = want in dims or want[1:] in dims
+        # the stacked cache, or one layer's (a compiler that unrolls the layer loop splits the stack), or
+        # one layer's chunks (the unrolled decode phases)
+        chunks = [want[1:3] + (n, want[4]) for n in i.get("cache_chunks") or ()]
+        found = want in dims or want[1:] in dims or bool(chunks and all(c in dims for c in chunks))
         size = int(np.prod(want)) * i["kv_bytes"]
-        checks.append(Check("kv cache", found,
-                            f"[{', '.join(map(str, want))}] x 2 (k, v) = {fmt_bytes(2 * size)} a device"
-                            + ("" if want in dims else ": one layer's [rows, kv_heads, slots, head_dim] in the program"
-                               if found else ": no array of that shape in the program")))
+        where = ("" if want in dims else ": one layer's [rows, kv_heads, slots, head_dim] in the program"
+                 if want[1:] in dims else f": one layer's in chunks of {', '.join(str(c[2]) for c in chunks)} slots, "
+                 "one a decode phase" if found else ": no array of that shape in the program")
+        checks.append(Check("kv cache", found, f"[{', '.join(map(str, want))}] x 2 (k, v) = {fmt_bytes(2 * size)} "
+                            f"a device{where}"))
     return checks
 
 
