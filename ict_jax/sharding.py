@@ -138,19 +138,28 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
-def shard_batch(tree: Any, mesh: Mesh) -> Any:
-    """Place every leaf (a [B, ...] array) with its rows split over ('data', 'fsdp').
-
-    Host (NumPy) leaves become global arrays through ``jax.make_array_from_callback``: in a multi-process
-    run every process holds the same host batch and each provides the shards of its own devices."""
-    def one(a: Any) -> jax.Array:
-        sh = batch_sharding(mesh, np.ndim(a))
+def place(tree: Any, shardings: Any) -> Any:
+    """Every leaf of ``tree`` placed with the sharding at the same place in ``shardings`` (a tree of the
+    same structure, or a prefix of it). A device array already placed so is returned as it is (no
+    copy). Host (NumPy) leaves become global arrays through ``jax.make_array_from_callback``: in a
+    multi-process run every process holds the same host data and each provides its own devices' shards."""
+    def one(sh: Any, a: Any) -> jax.Array:
+        if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            if a.is_fully_addressable and not sh.is_fully_addressable:  # a process's own key, the same in each
+                return jax.random.wrap_key_data(one(sh, np.asarray(jax.random.key_data(a))),
+                                                impl=jax.random.key_impl(a))
+            return jax.device_put(a, sh)
         if isinstance(a, jax.Array):
             return jax.device_put(a, sh)
         a = np.asarray(a)
         return jax.make_array_from_callback(a.shape, sh, lambda idx: a[idx])
 
-    return jax.tree.map(one, tree)
+    return jax.tree.map(one, shardings, tree)
+
+
+def shard_batch(tree: Any, mesh: Mesh) -> Any:
+    """Place every leaf (a [B, ...] array) with its rows split over ('data', 'fsdp') (:func:`place`)."""
+    return place(tree, jax.tree.map(lambda a: batch_sharding(mesh, np.ndim(a)), tree))
 
 
 def to_host(tree: Any) -> Any:

@@ -1,7 +1,8 @@
 """Compile, without running, the programs a training run uses: for a TPU slice (through libtpu, on any
 machine) or for the local devices (docs/tpu.md).
 
-A run compiles three programs (``train.run.build_run``, ``train.run.run_eval``):
+A run compiles three programs, built by the run's own builder (:func:`ict_jax.train.programs.build_programs`,
+which training calls too: what compile checks is what training runs):
 
 - ``step``: :func:`ict_jax.rl.train_step.make_train_step` at the recipe's batch geometry
   (P x G rows, the largest prompt bucket + ``max_new_tokens``), with the reference parameters when
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -43,18 +45,24 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ict_jax.buckets import make_buckets, response_buckets
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.model.config import ModelConfig
-from ict_jax.model.loading import resolve_path
+from ict_jax.model.loading import load_model_config, resolve_path
+from ict_jax.memory import fmt_bytes
 from ict_jax.platform import accelerator_type, tpu_chips_present
-from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import make_optimizer
-from ict_jax.rl.train_step import StepPlan, make_train_step, old_pass_chunks
-from ict_jax.sampling.sampler import UNROLL_MAX_LAYERS, make_generate_fn
-from ict_jax.sharding import BATCH_AXES, batch_sharding, make_mesh, replicated
+from ict_jax.rl.train_step import StepPlan, old_pass_chunks
+from ict_jax.sampling.sampler import UNROLL_MAX_LAYERS
+from ict_jax.sharding import make_mesh
 from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state
+from ict_jax.train.model_source import preset_config, run_tokenizer
+from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
+from ict_jax.train.programs import per_device_bytes
+from ict_jax.train.programs import (PLACEHOLDER_IDS, PROGRAM_NAMES, TokenIds, abstract_batch,  # noqa: F401
+                                    abstract_reference, kv_cache_dtype, prompt_len, sampler_prompts)
+from ict_jax.train.programs import build_programs as build_run_programs
 
-#: The programs of a run, in the order they are compiled.
-PROGRAMS = ("step", "generate", "eval")
+#: The programs of a run, in the order they are compiled (``train.programs``).
+PROGRAMS = PROGRAM_NAMES
 TPU_EXTRA = "pip install 'ict_jax[tpu]'"
 GIB = 1024 ** 3
 
@@ -84,8 +92,9 @@ class Target:
     platform: str  # "tpu", "cpu", "gpu"
     devices: tuple[Any, ...]
     device_kind: str
-    hbm_bytes: int | None  # per device; None = unknown (CPU)
+    hbm_bytes: int | None  # per device: what a program may use (local CPU: the host's share); None = unknown
     generation: str | None = None  # "v5e", ... for TPU topologies
+    budget: MachineBudget | None = None  # local devices: how hbm_bytes was found (train.preflight)
 
     @property
     def chips(self) -> int:
@@ -137,7 +146,9 @@ def get_target(name: str | None) -> Target:
     topology and :class:`TpuUnavailable` without libtpu."""
     if name in (None, "local"):
         devs = tuple(jax.devices())
-        return Target("local", devs[0].platform, devs, devs[0].device_kind, hbm_bytes(devs))
+        machine = machine_budget(devs)  # the memory pre-flight's budget: the same numbers as training's
+        limit = machine.per_device if machine is not None else hbm_bytes(devs)
+        return Target("local", devs[0].platform, devs, devs[0].device_kind, limit, budget=machine)
     try:
         gen, dims = parse_topology(name)
     except ConfigError as e:
@@ -162,6 +173,15 @@ def get_target(name: str | None) -> Target:
     return Target(name, "tpu", devs, devs[0].device_kind, hbm_bytes(devs), gen)
 
 
+def with_run_budget(target: Target, cfg: Config) -> Target:
+    """A local CPU target's budget as the pre-flight of a run of ``cfg`` reads it: its reward worker
+    processes (``rl.reward.workers``) share the host's memory. Other targets unchanged."""
+    if target.budget is None or target.platform != "cpu":
+        return target
+    machine = machine_budget(target.devices, reward_workers=cfg.rl.reward.workers)
+    return dataclasses.replace(target, hbm_bytes=machine.per_device, budget=machine)
+
+
 # ------------------------------------------------------------------------------------------------
 # The run's shapes
 # ------------------------------------------------------------------------------------------------
@@ -169,26 +189,22 @@ def target_model_config(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
     """(the model's architecture for ``cfg`` compiled on ``platform``, where it came from).
 
     ``model.path``, when it is a local Hugging Face directory or a ``.gguf`` file, gives the
-    architecture; otherwise ``model.preset`` does (the recipes name a placeholder path). ``auto``
-    compute dtype resolves for the target platform."""
+    architecture; otherwise ``model.preset`` does (the recipes name a placeholder path), sized to the
+    run's tokenizer as training sizes it (``train.model_source.preset_config``). ``auto`` compute dtype
+    resolves for the target platform."""
     m = cfg.model
     compute = m.compute_dtype if m.compute_dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
-    kw = dict(param_dtype=m.param_dtype, compute_dtype=compute, remat=m.remat, scan_layers=m.scan_layers)
     if m.path:
-        try:
-            path = Path(resolve_path(m.path))
+        kw = dict(compute_dtype=compute, remat=m.remat, scan_layers=m.scan_layers)
+        try:  # the architecture as training reads it, without the weights
+            return load_model_config(m.path, dtype=m.param_dtype, **kw), f"checkpoint {resolve_path(m.path)}"
         except (FileNotFoundError, ValueError):
-            path = Path(str(m.path))
-        if (path / "config.json").is_file():
-            return ModelConfig.from_hf(path, **kw), f"checkpoint {path}"
-        if path.is_file() and path.suffix == ".gguf":
-            import gguf  # optional heavy reader: only for .gguf paths
-
-            from ict_jax.model.gguf import config_from_gguf
-
-            return config_from_gguf(gguf.GGUFReader(str(path)), str(path), **kw), f"checkpoint {path}"
-        return ModelConfig.preset(m.preset, **kw), f"preset {m.preset} (model.path {m.path!r} is not here)"
-    return ModelConfig.preset(m.preset, **kw), f"preset {m.preset}"
+            pass  # a recipe's placeholder path: its preset
+        return (preset_config(cfg, compute_dtype=compute),
+                f"preset {m.preset} (model.path {m.path!r} is not here)")
+    tok = run_tokenizer(cfg)
+    return preset_config(cfg, vocab_size=tok.vocab_size if tok is not None else None,
+                         compute_dtype=compute), f"preset {m.preset}"
 
 
 def run_mesh(cfg: Config, target: Target) -> jax.sharding.Mesh:
@@ -200,42 +216,6 @@ def run_mesh(cfg: Config, target: Target) -> jax.sharding.Mesh:
     except ValueError as e:
         raise ValueError(f"mesh data={m.data}, fsdp={m.fsdp}, tensor={m.tensor} on {target.name} "
                          f"({target.chips} devices): {e}") from None
-
-
-def prompt_len(cfg: Config) -> int:
-    """The largest prompt bucket: prompts are left-padded to a bucket of ``max_prompt_len``."""
-    return max(make_buckets(cfg.rollout.max_prompt_len))
-
-
-def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh) -> RolloutBatch:
-    """The rollout batch of one step (P x G rows, rows over ('data', 'fsdp')), abstract."""
-    B = cfg.train.prompts_per_step * cfg.rollout.num_samples
-    L, Lr = prompt_len(cfg) + cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens
-
-    def s(shape: tuple[int, ...], dt: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, len(shape)))
-
-    i32, f32 = jnp.int32, jnp.float32
-    return RolloutBatch(tokens=s((B, L), i32), attention_mask=s((B, L), i32), response_valid=s((B, Lr), f32),
-                        rewards=s((B,), f32), advantages=s((B,), f32), sampler_logp=s((B, Lr), f32),
-                        truncated=s((B,), f32), row_valid=s((B,), f32), correct=s((B,), f32))
-
-
-def abstract_reference(params: Any, dtype: str) -> Any:
-    """The KL reference parameters (``rl.state.reference_params``: the policy's in the compute dtype,
-    the same shardings), abstract."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype), sharding=a.sharding), params)
-
-
-def per_device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` s or arrays (its shard of each
-    leaf)."""
-    total = 0
-    for a in jax.tree.leaves(tree):
-        sh = getattr(a, "sharding", None)
-        shape = sh.shard_shape(a.shape) if sh is not None else a.shape
-        total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(a.dtype).itemsize
-    return total
 
 
 def stats_block(positions: int, chunk: int) -> int:
@@ -253,8 +233,9 @@ def _stacked_sizes(params: Any, num_layers: int, hidden: int) -> set[int]:
 
 
 @dataclasses.dataclass
-class Program:
-    """One program of a run, ready to lower: ``lower()`` -> ``jax.stages.Lowered``."""
+class CompileJob:
+    """One program of a run to compile and check: ``lower()`` -> ``jax.stages.Lowered`` (the run's own
+    program, ``train.programs``), with what the report and the discipline checks need."""
 
     name: str
     lower: Callable[[], Any]
@@ -263,19 +244,25 @@ class Program:
     info: dict[str, Any]  # shapes the discipline checks need
 
 
-def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platform: str,
-                   names: Sequence[str] = PROGRAMS, response_len: int | None = None) -> list[Program]:
-    """The named programs of a run of ``cfg`` on ``mesh``, with abstract arguments. ``response_len``: the
+def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
+                   names: Sequence[str] = PROGRAMS, response_len: int | None = None) -> list[CompileJob]:
+    """The named programs of a run of ``cfg`` on ``mesh``, built by the run's own builder
+    (:func:`ict_jax.train.programs.build_programs`) from an abstract train state. ``response_len``: the
     response bucket the step is built at (default ``rollout.max_new_tokens``, the largest)."""
+    unknown = [n for n in names if n not in PROGRAMS]
+    if unknown:
+        raise ValueError(f"unknown program {unknown[0]!r}; known: {', '.join(PROGRAMS)}")
     state = abstract_train_state(cfg, mc, mesh=mesh)
-    ref = abstract_reference(state.params, mc.resolved_compute_dtype()) if cfg.rl.loss.kl_coef > 0 else None
+    tok = run_tokenizer(cfg)
+    run = build_run_programs(cfg, mesh, mc, state, TokenIds.of(tok) if tok is not None else PLACEHOLDER_IDS)
+    ref = run.step.abstract()[2]
     state_bytes = {"params": per_device_bytes(state.params), "opt_state": per_device_bytes(state.opt_state),
                    "ref": per_device_bytes(ref) if ref is not None else 0}
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     P, G, Lp, N = cfg.train.prompts_per_step, cfg.rollout.num_samples, prompt_len(cfg), cfg.rollout.max_new_tokens
-    n = N if response_len is None else int(response_len)  # the step's response bucket (issue 26)
-    if not 1 <= n <= N:
-        raise ValueError(f"response_len {n}: the step's response bucket is 1..rollout.max_new_tokens={N}")
+    bucket = N if response_len is None else int(response_len)  # the step's response bucket (issue 26)
+    if not 1 <= bucket <= N:
+        raise ValueError(f"response_len {bucket}: the step's response bucket is 1..rollout.max_new_tokens={N}")
     # rows a pass processes at once: a gradient micro-batch, or a chunk of the old-policy pass (whole groups)
     plan = StepPlan.from_config(cfg, make_optimizer(cfg), batch_shards=batch_shards)
     pass_rows = P * G // old_pass_chunks(plan, P)  # at least a micro-batch's rows
@@ -285,48 +272,33 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh, platfo
     common = dict(num_layers=mc.num_layers, vocab=mc.vocab_size, hidden=mc.hidden_size, devices=mesh.size,
                   stacked=stacked, state_bytes=state_bytes,
                   batch_shards=batch_shards, tensor=mesh.shape["tensor"], prompt_len=Lp, new_tokens=N)
+    kv_bytes = jnp.dtype(kv_cache_dtype(cfg) or mc.resolved_compute_dtype()).itemsize
     out = []
     for name in names:
+        program = run.by_name()[name]
+        args = program.abstract()
         if name == "step":
-            step = make_train_step(cfg, mesh)
-            batch = abstract_batch(cfg, mesh)
-            out.append(Program("step", lambda step=step, batch=batch: step.lower(state, batch, ref, response_len=n),
-                               resident=0, expected_args=per_device_bytes((state, batch, ref)),
-                               info=dict(common, rows=pass_rows // batch_shards, positions=n,
-                                         block=stats_block(n, cfg.stats.chunk))))
-        elif name in ("generate", "eval"):
-            ev = name == "eval"
-            d, r = cfg.data, cfg.rollout
-            g = d.eval_n if ev else G
-            prompts = P if ev else P // r.chunks  # generate's row chunking: P / rollout.chunks prompts a call
-            kv = None if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
-            fn = make_generate_fn(state.graphdef, num_samples=g, max_new_tokens=N,
-                                  temperature=d.eval_temperature if ev else r.temperature,
-                                  top_p=d.eval_top_p if ev else r.top_p, top_k=0 if ev else r.top_k, eos_ids=(1,),
-                                  kv_cache_dtype=kv, pad_id=0, unroll_layers=None if platform == "cpu" else False,
-                                  mesh=mesh, min_response_bucket=r.min_response_bucket)
-            rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
-            ids = jax.ShapeDtypeStruct((prompts, Lp), jnp.int32, sharding=rows)
-            key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated(mesh))
-
-            def lower(fn=fn, ids=ids, key=key):
-                with jax.set_mesh(mesh):
-                    return fn.jitted.lower(state.params, ids, ids, key)
-
-            kv_dtype = jnp.dtype(kv or mc.resolved_compute_dtype())
-            ends = [Lp + w - 1 for w in response_buckets(N, r.min_response_bucket)]
-            # the unrolled decode (CPU) keeps each layer's cache in chunks, one a decode phase (docs/sampler.md)
-            unrolled = platform == "cpu" and mc.num_layers <= UNROLL_MAX_LAYERS and len(ends) > 1
-            chunks = tuple(b - a for a, b in zip([0, *ends], ends)) if unrolled else None
-            out.append(Program(name, lower, resident=state_bytes["opt_state"] + state_bytes["ref"],
-                               expected_args=per_device_bytes((state.params, ids, ids, key)),
-                               info=dict(common, rows=prompts * g // batch_shards, positions=N, block=1,
-                                         cache_slots=Lp + N - 1, cache_chunks=chunks,
-                                         kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim,
-                                         kv_bytes=kv_dtype.itemsize)))
-        else:
-            raise ValueError(f"unknown program {name!r}; known: {', '.join(PROGRAMS)}")
+            shape = run.step_shape(bucket)
+            info = dict(common, rows=pass_rows // batch_shards, positions=bucket,
+                        block=stats_block(bucket, cfg.stats.chunk))
+            out.append(CompileJob(name, functools.partial(program.lower, shape), 0, per_device_bytes(args), info))
+            continue
+        rows = sampler_prompts(name, cfg) * (cfg.data.eval_n if name == "eval" else G)
+        info = dict(common, rows=rows // batch_shards, positions=N, block=1, cache_slots=Lp + N - 1,
+                    cache_chunks=_cache_chunks(cfg, mc, mesh), kv_heads=mc.num_kv_heads,
+                    head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes)
+        out.append(CompileJob(name, program.lower, resident_bytes(run, name), per_device_bytes(args), info))
     return out
+
+
+def _cache_chunks(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh) -> tuple[int, ...] | None:
+    """The slots of each chunk of one layer's KV cache when the sampler's decode is unrolled (on a CPU,
+    a model of at most ``UNROLL_MAX_LAYERS`` layers, more than one response bucket: one chunk a decode
+    phase, docs/sampler.md); None when the cache is one array."""
+    r, Lp = cfg.rollout, prompt_len(cfg)
+    ends = [Lp + w - 1 for w in response_buckets(r.max_new_tokens, r.min_response_bucket)]
+    unrolled = mesh.devices.flat[0].platform == "cpu" and mc.num_layers <= UNROLL_MAX_LAYERS and len(ends) > 1
+    return tuple(b - a for a, b in zip([0, *ends], ends)) if unrolled else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,7 +356,7 @@ def _gathers(items: list[hlo.Collective], op: str = "all-gather") -> list[hlo.Co
     return [c for c in items if c.op == op]
 
 
-def discipline_checks(program: Program, module: hlo.HloModule, items: list[hlo.Collective],
+def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hlo.Collective],
                       arguments: int) -> list[Check]:
     """docs/tpu.md "Memory discipline" on one compiled program:
 
@@ -452,16 +424,6 @@ def discipline_checks(program: Program, module: hlo.HloModule, items: list[hlo.C
     return checks
 
 
-def fmt_bytes(n: int | None) -> str:
-    """``13.17 GiB``, ``812.4 MiB``, ``96.0 KiB``; ``-`` for None."""
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
 @contextlib.contextmanager
 def _without_persistent_cache(off: bool):
     """The persistent compilation cache cannot serve programs compiled for a topology's abstract devices
@@ -480,7 +442,7 @@ def _without_persistent_cache(off: bool):
         compilation_cache.reset_cache()
 
 
-def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *, analyse: bool = True,
+def compile_program(program: CompileJob, target: Target, mesh: jax.sharding.Mesh, *, analyse: bool = True,
                     dump_dir: str | Path | None = None) -> ProgramReport:
     """Lower and compile one program; a program that does not fit gives ``compiled=False`` with the
     compiler's message and numbers (``temporaries`` from RESOURCE_EXHAUSTED when it names them).
@@ -506,10 +468,9 @@ def compile_program(program: Program, target: Target, mesh: jax.sharding.Mesh, *
         return rep
     rep.compile_s = time.perf_counter() - t0
     rep.compiled = True
-    ma = compiled.memory_analysis()
-    rep.arguments, rep.temporaries = int(ma.argument_size_in_bytes), int(ma.temp_size_in_bytes)
-    rep.outputs, rep.aliased = int(ma.output_size_in_bytes), int(ma.alias_size_in_bytes)
-    rep.code = int(ma.generated_code_size_in_bytes)
+    mem = program_memory(program.name, compiled)
+    rep.arguments, rep.temporaries, rep.outputs = mem.arguments, mem.temporaries, mem.outputs
+    rep.aliased, rep.code = mem.aliased, mem.code
     rep.fits = rep.hbm is None or rep.live <= rep.hbm
     text = compiled.as_text() if (analyse or dump_dir) else ""
     if dump_dir is not None:
@@ -534,7 +495,7 @@ def compile_run(cfg: Config, target: Target, programs: Sequence[str] = PROGRAMS,
     mc, source = target_model_config(cfg, target.platform)
     mesh = run_mesh(cfg, target)
     reports = []
-    for program in build_programs(cfg, mc, mesh, target.platform, programs, response_len):
+    for program in build_programs(cfg, mc, mesh, programs, response_len):
         if on_start is not None:
             on_start(program.name)
         rep = compile_program(program, target, mesh, analyse=analyse, dump_dir=dump_dir)

@@ -12,8 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-#: Exit code when a program does not fit the target's memory.
-EXIT_DOES_NOT_FIT = 3
+from ict_jax.cli.errors import EXIT_DOES_NOT_FIT
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +43,7 @@ def compile_main(args: argparse.Namespace) -> int:
     from ict_jax.cli.errors import UserError
     from ict_jax.config import load_config
     from ict_jax.outputs import check_output_dir, check_output_file
-    from ict_jax.aot.compile import PROGRAMS, compile_run, get_target
+    from ict_jax.aot.compile import PROGRAMS, compile_run, get_target, with_run_budget
     from ict_jax.aot.report import not_fitting_line, render, to_json
     from ict_jax.aot.fit import format_fit, search
 
@@ -60,7 +59,7 @@ def compile_main(args: argparse.Namespace) -> int:
     if args.response_len is not None and not 1 <= args.response_len <= cfg.rollout.max_new_tokens:
         raise UserError(f"--response-len {args.response_len}: the step's response bucket is "
                         f"1..rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
-    target = get_target(args.topology if args.topology is not None else cfg.mesh.target)
+    target = with_run_budget(get_target(args.topology if args.topology is not None else cfg.mesh.target), cfg)
     programs = PROGRAMS if args.program == "all" else (args.program,)
     fit = None
     if args.fit:

@@ -22,6 +22,7 @@ from ict_jax.data.datasets import Dataset
 from ict_jax.data.example import DataError, Example
 from ict_jax.data.templates import BOXED_INSTRUCTION, format_prompt, instruction_for
 from ict_jax.model.tokenizers import UnknownCharacterError
+from ict_jax.rng import DATA_ORDER_STREAM, numpy_rng
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,8 @@ class PromptBatch:
 
 
 class PromptIterator:
-    """Batches of ``batch_size`` prompts, shuffled per epoch by ``default_rng([seed, epoch])``.
+    """Batches of ``batch_size`` prompts, shuffled per epoch by the data-order stream of ``seed``
+    (``ict_jax.rng.numpy_rng(seed, DATA_ORDER_STREAM, epoch)``: no draw depends on an earlier one).
 
     ``epochs=None`` repeats forever (training); ``drop_last=True`` skips an epoch's incomplete tail,
     ``False`` fills it with ``valid=False`` rows (evaluation: ``shuffle=False, epochs=1,
@@ -216,7 +218,7 @@ class PromptIterator:
     def _order(self, epoch: int) -> np.ndarray:
         if self._cached_order[0] != epoch:
             n = len(self.prompts)
-            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            order = numpy_rng(self.seed, DATA_ORDER_STREAM, epoch).permutation(n) if self.shuffle else np.arange(n)
             self._cached_order = (epoch, order)
         return self._cached_order[1]
 

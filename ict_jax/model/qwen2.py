@@ -375,9 +375,10 @@ class Qwen2(nnx.Module):
 # ------------------------------------------------------------------------------------------------
 # Construction
 # ------------------------------------------------------------------------------------------------
-def init_model(config: ModelConfig, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None) -> Qwen2:
-    """A randomly initialised :class:`Qwen2`, built by one jitted init. With ``mesh`` it is created
-    directly sharded by the rule table (``out_shardings``: no host copy, no per-device copy)."""
+def init_model(config: ModelConfig, *, seed: int | jax.Array = 0, mesh: jax.sharding.Mesh | None = None) -> Qwen2:
+    """A randomly initialised :class:`Qwen2`, built by one jitted init. ``seed``: an int or a key (a run
+    passes its init stream, ``ict_jax.rng``). With ``mesh`` it is created directly sharded by the rule
+    table (``out_shardings``: no host copy, no per-device copy)."""
     abstract = nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(seed)))
     graphdef, abs_state = nnx.split(abstract)
 

@@ -21,6 +21,10 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
+from ict_jax.model.gguf_reader import open_gguf
+
 QWEN2P5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 # ChatML as Qwen2.5 uses it (tool calls left out: RLVR prompts never carry tools).
@@ -209,12 +213,11 @@ def _gguf_field(reader, key: str, default: Any = None) -> Any:
 
 
 def _load_gguf(path: str) -> HFTokenizer:
-    from gguf import GGUFReader
     from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
     from tokenizers import Tokenizer as _Backend
     from tokenizers.models import BPE
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     kind = _gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"{path}: only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {kind!r}")
@@ -274,9 +277,13 @@ def decode_response(tokenizer: Any, tokens: Sequence[int], valid: Sequence[Any] 
     """The text of one sampled response: its tokens where ``valid`` is true (padding dropped; None = all),
     without the tokenizer's EOS ids (``tokenizer.eos_ids``), decoded with special tokens skipped. Used by
     training (rewards), evaluation, the inspector, diagnose and ``ict-jax sample``."""
-    eos = {int(e) for e in tokenizer.eos_ids}
-    keep = [True] * len(tokens) if valid is None else valid
-    return tokenizer.decode([int(t) for t, v in zip(tokens, keep) if v and int(t) not in eos])
+    ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if valid is not None:  # a numpy mask, not a Python loop over every position (issue 26: it grew with N)
+        keep = np.asarray(valid).reshape(-1).astype(bool)
+        n = min(ids.size, keep.size)  # as zip would pair them
+        ids = ids[:n][keep[:n]]
+    ids = ids[~np.isin(ids, np.asarray([int(e) for e in tokenizer.eos_ids], dtype=np.int64))]
+    return tokenizer.decode(ids.tolist())
 
 
 def decode_responses(tokenizer: Any, tokens: Sequence[Sequence[int]], valid: Sequence[Sequence[Any]]) -> list[str]:

@@ -25,10 +25,10 @@ from jaxtyping import Array, Bool, Float, Int, Key
 from ict_jax.config import SELECTOR_DEFAULTS, STAPO_TAU_H, SelectorSection, allow_method
 from ict_jax.rl.quantile import keep_count, rho_fraction, valid_quantile
 from ict_jax.rl.token_stats import ALL_STATS, DEFAULT_COMPUTE, TokenStats
+# RNG stream of the random selector (its id lives with every other stream's, ict_jax.rng): scores from
+# fold_in(fold_in(fold_in(root, RANDOM_MASK_STREAM), step), minibatch) (docs/method.md §2).
+from ict_jax.rng import RANDOM_MASK_STREAM, stream_key
 
-#: RNG stream of the random selector: scores from
-#: fold_in(fold_in(fold_in(root, RANDOM_MASK_STREAM), step), minibatch) (docs/method.md §2).
-RANDOM_MASK_STREAM = 0x4D41534B  # "MASK"
 #: ``selectable``: u at or below this is "never selectable" (u = 0 in exact arithmetic: the group has not
 #: diverged at t, or the rollout is alone there; float32 rounding leaves such u below 1e-7, tested).
 SELECTABLE_U_MIN = 1e-6
@@ -277,7 +277,7 @@ def _stapo(stats, adv, valid, *, key, step, config, group_size):
 def random_key(key: jax.Array, step: Any, minibatch: Any = 0) -> jax.Array:
     """The random control's key for rollout step ``step`` and mini-batch ``minibatch`` of it:
     fold_in(fold_in(fold_in(key, RANDOM_MASK_STREAM), step), minibatch) (docs/method.md §2)."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, RANDOM_MASK_STREAM), step), minibatch)
+    return stream_key(key, RANDOM_MASK_STREAM, step, minibatch)
 
 
 def _random(stats, adv, valid, *, key, step, config, group_size, minibatch=0):

@@ -226,6 +226,14 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
             sample_file.close()
         if own_pool:
             pool.close()
+    return _results(correct, extra, n, ks, settings, print_table, json_path)
+
+
+def _results(correct: Mapping[str, list[list[bool]]], extra: Mapping[str, dict[str, Any]], n: int,
+             ks: tuple[int, ...], settings: Mapping[str, Any] | None, print_table: bool,
+             json_path: str | os.PathLike | None) -> dict:
+    """:func:`evaluate`'s results: :func:`aggregate` with each benchmark's extra figures and the settings;
+    the table printed, the JSON written."""
     results = aggregate(correct, ks)
     for name, e in extra.items():
         results["benchmarks"][name].update(e)

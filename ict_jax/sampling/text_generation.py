@@ -19,7 +19,7 @@ with ``max_new_tokens`` after it would pass the model's ``max_position_embedding
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,6 +31,7 @@ from ict_jax.config import RolloutSection, eval_settings
 from ict_jax.data.prompts import PromptRefused, PromptTooLong, encode_prompt, pad_left, prompt_fits
 from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES
 from ict_jax.model.tokenizers import UnknownCharacterError, decode_response
+from ict_jax.rng import EVAL_STREAM, stream_key
 from ict_jax.sampling.sampler import SampleSettings, make_generate_fn, state_mesh
 from ict_jax.sharding import check_prompts_divide, to_host
 
@@ -48,6 +49,7 @@ class TextGenerator:
     def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int, template: str, max_prompt_len: int, batch_size: int, seed: int, mesh: Any,
                  overlong: str, instruction: str | None, kv_cache_dtype: str | None,
+                 generate_fns: Mapping[int, Callable[..., Any]] | None = None,
                  min_response_bucket: int | None = _ROLLOUT.min_response_bucket):
         if template not in TEMPLATES:
             raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
@@ -75,8 +77,8 @@ class TextGenerator:
                                   pad_id=int(tokenizer.pad_id), kv_cache_dtype=kv_cache_dtype,
                                   min_response_bucket=min_response_bucket)
         SampleSettings(**{k: v for k, v in self.sample_kwargs.items() if k != "kv_cache_dtype"})  # validate now
-        self.key = jax.random.key(seed)
-        self.fns: dict[int, Any] = {}
+        self.key = generator_key(seed)
+        self.fns: dict[int, Any] = dict(generate_fns or {})
         self.skipped = 0
         self.calls = 0
 
@@ -137,7 +139,8 @@ class TextGenerator:
 
     def compiled_programs(self) -> int:
         """Executables compiled so far over all n (one per bucket and n used)."""
-        return sum(fn.jitted._cache_size() for fn in self.fns.values())
+        return sum(len(fn.executables) if hasattr(fn, "executables") else fn.jitted._cache_size()
+                   for fn in self.fns.values())
 
 
 def _max_positions(model: Any, graphdef: Any, state: Any) -> int | None:
@@ -152,6 +155,12 @@ def _max_positions(model: Any, graphdef: Any, state: Any) -> int | None:
     return None if limit is None else int(limit)
 
 
+def generator_key(seed: int) -> jax.Array:
+    """The root key of a text generator's calls: ``key(seed)`` folded with the evaluation stream
+    (``ict_jax.rng.EVAL_STREAM``); call i samples with ``fold_in(generator_key(seed), i)``."""
+    return stream_key(jax.random.key(int(seed)), EVAL_STREAM)
+
+
 _EVAL = eval_settings()  # the defaults below are the config tree's (ict_jax.config.EVAL_KEYS)
 
 
@@ -160,6 +169,7 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
                         template: str = _EVAL["template"], max_prompt_len: int,
                         batch_size: int, seed: int = 0, mesh: Any = None, overlong: str = "error",
                         instruction: str | None = None, kv_cache_dtype: str | None = None,
+                        generate_fns: Mapping[int, Callable[..., Any]] | None = None,
                         min_response_bucket: int | None = _ROLLOUT.min_response_bucket) -> TextGenerator:
     """``generate_fn(prompts: list[str], n: int) -> list[list[str]]`` sampling from ``model``.
 
@@ -176,7 +186,10 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
     - responses: :func:`ict_jax.model.tokenizers.decode_response` of the valid tokens (EOS dropped,
       special tokens skipped);
     - ``overlong``: ``"error"`` (ValueError) or ``"skip"`` (n empty responses, counted in ``.skipped``);
-    - ``seed``: the same seed and the same sequence of calls give the same responses;
+    - ``seed``: the same seed and the same sequence of calls give the same responses (call i samples with
+      ``fold_in(generator_key(seed), i)``);
+    - ``generate_fns``: {n: the compiled generate function for n samples} to use instead of building one
+      (a run's evaluation program, ``ict_jax.train.programs``), called as ``fn(state, ids, mask, key)``;
     - ``min_response_bucket`` (``rollout.min_response_bucket``): the decode attends over a growing
       bucket of its KV cache (:func:`ict_jax.sampling.sampler.make_generate_fn`); None: the whole cache.
     ``mesh`` defaults to the mesh the model's parameters are sharded on (None: no mesh).
@@ -184,6 +197,7 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
     return TextGenerator(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                          top_k=top_k, template=template, max_prompt_len=max_prompt_len, batch_size=batch_size,
                          seed=seed, mesh=mesh, overlong=overlong, instruction=instruction,
-                         kv_cache_dtype=kv_cache_dtype, min_response_bucket=min_response_bucket)
+                         kv_cache_dtype=kv_cache_dtype, generate_fns=generate_fns,
+                         min_response_bucket=min_response_bucket)
 
 

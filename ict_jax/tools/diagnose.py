@@ -35,8 +35,10 @@ from ict_jax.model.tokenizers import UnknownCharacterError, decode_responses
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
+from ict_jax.rl.saturation import RANKED_BY, tie_decided
 from ict_jax.rl.selectors import select
 from ict_jax.rl.token_stats import ALL_STATS, U_FORMS, TokenStats
+from ict_jax.rng import DIAGNOSE_STREAM, stream_key
 from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.tools.diagnose_measures import diagnostics, marked_examples
 from ict_jax.tools.diagnose_report import format_markdown, plot_setting
@@ -52,7 +54,6 @@ PAPER = {
                "unselected"),
     "adv_corr": "high u goes with positive-advantage responses (A.3.4)",
 }
-_RANDOM_KEY = 0x44494147  # "DIAG": the random selector's root key (folded with the batch index)
 #: Every statistic, under every reading (logp, H1, H2, pmax once; js and pbar_tok per reading).
 _COMPUTE = ALL_STATS
 
@@ -150,14 +151,45 @@ def _score(pool: Any, dataset: Any, tokenizer: Any, idx: list[int], real: int, G
 
 
 def _select_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str, TokenStats], first: str,
-                adv: np.ndarray, valid: np.ndarray, step: int, G: int) -> dict[str, np.ndarray]:
+                adv: np.ndarray, valid: np.ndarray, step: int, G: int, key: jax.Array) -> dict[str, np.ndarray]:
     """Every selector's mask (bool) of one sampling batch, its mini-batch, through the train step's
-    :func:`~ict_jax.rl.selectors.select`, each reading its own reading of u."""
+    :func:`~ict_jax.rl.selectors.select`, each reading its own reading of u; ``key``: the root key (the
+    random control draws its stream from it at ``step``, the batch index, as in training)."""
     base, out = per[first], {}
     for name, (cfg, form) in specs.items():
         st = TokenStats(base.logp, base.H1, base.H2, per[form].js)
         out[name] = np.asarray(select(cfg.method, st, jnp.asarray(adv), jnp.asarray(valid), step=step, config=cfg,
-                                      key=jax.random.key(_RANDOM_KEY), group_size=G)) > 0
+                                      key=key, group_size=G)) > 0
+    return out
+
+
+def _checked_setting(setting: Setting, max_new_tokens: int) -> tuple[int, float, int]:
+    """(G, temperature, max new tokens) of a setting; ValueError (one line) for a G or temperature that
+    cannot be diagnosed."""
+    G, T = int(setting.group_size), float(setting.temperature)
+    if G < 2:
+        raise ValueError(f"G = {G}: the diagnostics compare a response with its group; use G >= 2")
+    if not T > 0:
+        raise ValueError(f"temperature {T}: must be > 0")
+    return G, T, int(max_new_tokens)
+
+
+#: :func:`~ict_jax.rl.saturation.tie_decided` compiled once per candidate-set shape (not op by op)
+_tie_decided = jax.jit(tie_decided, static_argnames=("scope", "group_size", "set_rows"))
+
+
+def _ties_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str, TokenStats], first: str,
+              masks: Mapping[str, np.ndarray], valid: np.ndarray, G: int) -> dict[str, np.ndarray]:
+    """The selected tokens the tie rule decided (:func:`~ict_jax.rl.saturation.tie_decided`) for every top-k
+    selector (:data:`~ict_jax.rl.saturation.RANKED_BY`: ict by u of its reading, entropy by H1), one
+    sampling batch being the mini-batch (its candidate set under scope ``batch``)."""
+    out = {}
+    for name, (cfg, form) in specs.items():
+        stat = RANKED_BY.get(cfg.canonical_method)
+        if stat is None:
+            continue
+        score = getattr(per[form] if stat == "js" else per[first], stat)
+        out[name] = np.asarray(_tie_decided(score, masks[name], valid, scope=cfg.resolved_scope, group_size=G))
     return out
 
 
@@ -169,17 +201,13 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     at least one, a program run: the mini-batch of the batch-scoped selectors), score them, and return the per-token
     arrays (NumPy, rows prompt-major): ``tokens``, ``valid`` ``[R, N]``; ``logp``, ``H1``, ``H2``,
     ``pmax``; ``js`` and ``pbar_tok`` dicts by reading; ``masks`` by selector name
-    (:func:`selector_specs`); per row ``reward`` (the data set's), ``correct``, ``advantage``
+    (:func:`selector_specs`); ``ties`` by top-k selector name (the selected tokens the tie rule decided); per row ``reward`` (the data set's), ``correct``, ``advantage``
     (:func:`outcome_advantages`), ``group``, ``truncated``; ``texts``; ``timing`` (sampling, statistics,
     scoring seconds). ``rho`` None: ICT's default
     (:func:`selector_specs`); ``chunk`` None: ``stats.chunk``'s default; the statistics go through
     :func:`ict_jax.rl.group_stats.group_stats`, the train step's statistics-of-a-group function."""
     u_forms = tuple(u_forms)
-    G, T, N = int(setting.group_size), float(setting.temperature), int(max_new_tokens)
-    if G < 2:
-        raise ValueError(f"G = {G}: the diagnostics compare a response with its group; use G >= 2")
-    if not T > 0:
-        raise ValueError(f"temperature {T}: must be > 0")
+    G, T, N = _checked_setting(setting, max_new_tokens)
     t_s = T if stats_temperature is None else float(stats_temperature)
     # every statistic under every reading (checked: stats.u_form), blocks of stats.chunk
     request = GroupStatsRequest(G, t_s, StatsSection().chunk if chunk is None else int(chunk), _COMPUTE, u_forms)
@@ -192,11 +220,13 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
                            eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
     stats_fn = compiled_group_stats(graphdef, request)
     specs = selector_specs(u_forms, rho)
-    key = jax.random.key(int(seed))
-    arrays: dict[str, list] = {k: [] for k in ("tokens", "valid", "logp", "H1", "H2", "pmax", "truncated")}
+    root = jax.random.key(int(seed))  # batch b samples on the diagnose stream at b (ict_jax.rng)
+    arrays: dict[str, list] = {k: [] for k in ("tokens", "valid", "logp", "H1", "H2", "pmax", "truncated", "reward",
+                                              "correct", "advantage", "group")}
     per_form: dict[str, dict[str, list]] = {f: {"js": [], "pbar_tok": []} for f in u_forms}
     masks: dict[str, list] = {name: [] for name in specs}
-    rewards, correct, advantages, texts, groups = [], [], [], [], []
+    ties: dict[str, list] = {}
+    texts: list[str] = []
     timing = {"sample_s": 0.0, "stats_s": 0.0, "score_s": 0.0}
     n_prompts = len(prompts)
     for b, start in enumerate(range(0, n_prompts, batch_prompts)):
@@ -207,7 +237,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         say(f"{setting.name}: sampling prompts {start + 1}-{start + real} of {n_prompts} ({G} responses each, up to "
             f"{N} tokens{', compiling first' if b == 0 else ''}) ...")
         t0 = time.perf_counter()
-        ro = gen(state, ids, mask, jax.random.fold_in(key, b))
+        ro = gen(state, ids, mask, stream_key(root, DIAGNOSE_STREAM, b))
         tokens, valid, trunc = (np.asarray(x) for x in jax.block_until_ready((ro.tokens, ro.valid, ro.truncated)))
         timing["sample_s"] += (t_sample := time.perf_counter() - t0)
         rows = real * G
@@ -220,29 +250,37 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         t0 = time.perf_counter()
         per = stats_fn(state, *group_rows(ids, mask, tokens, valid, G), jnp.asarray(vmask))
         base = per[u_forms[0]]  # logp, H1, H2, pmax: the same under every reading
-        for name, m in _select_all(specs, per, u_forms[0], adv, vmask, b, G).items():
+        batch_masks = _select_all(specs, per, u_forms[0], adv, vmask, b, G, root)
+        for name, m in batch_masks.items():
             masks[name].append(m[:rows])
+        for name, t in _ties_all(specs, per, u_forms[0], batch_masks, vmask, G).items():
+            ties.setdefault(name, []).append(t[:rows])
         jax.block_until_ready(base.logp)
         timing["stats_s"] += (t_stats := time.perf_counter() - t0)
         for k, x in (("tokens", tokens), ("valid", vmask), ("logp", base.logp), ("H1", base.H1), ("H2", base.H2),
-                     ("pmax", base.pmax), ("truncated", trunc)):
+                     ("pmax", base.pmax), ("truncated", trunc), ("reward", rew), ("correct", ok > 0),
+                     ("advantage", adv), ("group", np.repeat(np.asarray(idx), G))):
             arrays[k].append(np.asarray(x)[:rows])
         for form, k in itertools.product(u_forms, ("js", "pbar_tok")):
             per_form[form][k].append(np.asarray(getattr(per[form], k))[:rows])
-        rewards.append(rew[:rows])
-        correct.append(ok[:rows] > 0)
-        advantages.append(adv[:rows])
-        groups.append(np.repeat(np.asarray(idx[:real]), G))
         texts += batch_texts
         say(f"{setting.name}: prompts {start + 1}-{start + real} of {n_prompts} sampled in {t_sample:.0f} s, "
             f"statistics and masks in {t_stats:.0f} s ({int(ok[:rows].sum())}/{rows} correct)")
+    out = _concatenated(arrays, per_form, masks, ties)
+    out.update(texts=texts, timing=timing, u_forms=u_forms, group_size=G,
+               selector_forms={k: f for k, (_, f) in specs.items()})
+    return out
+
+
+def _concatenated(arrays: Mapping[str, list], per_form: Mapping[str, Mapping[str, list]],
+                  masks: Mapping[str, list], ties: Mapping[str, list]) -> dict[str, Any]:
+    """The batches' per-token and per-row arrays of :func:`collect`, each concatenated over the batches."""
     cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
-    out = {k: cat(v) for k, v in arrays.items()}
+    out: dict[str, Any] = {k: cat(v) for k, v in arrays.items()}
     out["valid"] = out["valid"].astype(bool)
     out.update({k: {f: cat(v[k]) for f, v in per_form.items()} for k in ("js", "pbar_tok")})
     out["masks"] = {k: cat(v) for k, v in masks.items()}
-    out.update(reward=cat(rewards), correct=cat(correct), advantage=cat(advantages), group=cat(groups), texts=texts,
-               timing=timing, u_forms=u_forms, group_size=G, selector_forms={k: f for k, (_, f) in specs.items()})
+    out["ties"] = {k: cat(v) for k, v in ties.items()}
     return out
 
 
@@ -250,8 +288,8 @@ def _save_arrays(data: Mapping[str, Any], path: Path) -> None:
     """The per-token arrays of a setting (to recompute the diagnostics without sampling again)."""
     flat = {k: np.asarray(v) for k, v in data.items()
             if isinstance(v, np.ndarray)}
-    for key in ("js", "pbar_tok", "masks"):
-        flat.update({f"{key}.{k}": np.asarray(v) for k, v in data[key].items()})
+    for key in ("js", "pbar_tok", "masks", "ties"):
+        flat.update({f"{key}.{k}": np.asarray(v) for k, v in data.get(key, {}).items()})
     np.savez_compressed(path, **flat)
 
 
@@ -260,7 +298,7 @@ def _load_arrays(path: Path, meta: Mapping[str, Any], u_forms: Sequence[str]) ->
     saved in ``diagnose.json``."""
     z = np.load(path)
     data: dict[str, Any] = {k: z[k] for k in z.files if "." not in k}
-    for key in ("js", "pbar_tok", "masks"):
+    for key in ("js", "pbar_tok", "masks", "ties"):  # ties: absent from arrays saved before they were
         data[key] = {k.split(".", 1)[1]: z[k] for k in z.files if k.startswith(key + ".")}
     data.update(u_forms=tuple(u_forms), group_size=int(meta["setting"]["group_size"]), timing=meta["timing"],
                 texts=[""] * len(data["tokens"]))

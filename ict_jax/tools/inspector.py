@@ -252,7 +252,6 @@ def token_report(
                                entropy_scope=entropy_scope, tau_p=tau_p, tau_h=tau_h)
     enc = encode_prompt(prompt, tokenizer, template=template, vocab_size=model.config.vocab_size, max_new_tokens=N,
                         max_positions=model.config.max_position_embeddings, where="the prompt (after templating)")
-
     ids = enc.ids[None]
     ro = generate(model, ids, np.ones_like(ids), jax.random.key(int(seed)), num_samples=G, max_new_tokens=N,
                   temperature=float(temperature), eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))

@@ -69,7 +69,7 @@ def _default_sharding() -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
-def _abstract(tree: Any) -> Any:
+def abstract_tree(tree: Any) -> Any:
     """Each leaf (a jax.Array or ShapeDtypeStruct) as a ShapeDtypeStruct carrying its sharding."""
     def one(a: Any) -> jax.ShapeDtypeStruct:
         sh = getattr(a, "sharding", None) or _default_sharding()
@@ -88,7 +88,7 @@ def abstract_train_state(config: Any, model_config: Any, *, mesh: jax.sharding.M
     opt_sh = opt_state_shardings(tx, params)
     opt_shapes = jax.eval_shape(tx.init, params)
     if opt_sh is None:
-        opt_state = _abstract(opt_shapes)
+        opt_state = abstract_tree(opt_shapes)
     else:
         opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                  opt_shapes, opt_sh)
@@ -284,8 +284,8 @@ class Checkpointer:
         self._check_fits(step, {"params": template.params, "opt": opt_t})
         try:
             r = self._mgr.restore(step, args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(_abstract(template.params)),
-                opt=ocp.args.StandardRestore(_abstract(opt_t)), meta=ocp.args.JsonRestore()))
+                params=ocp.args.StandardRestore(abstract_tree(template.params)),
+                opt=ocp.args.StandardRestore(abstract_tree(opt_t)), meta=ocp.args.JsonRestore()))
         except (ValueError, KeyError, TypeError) as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ValueError(f"checkpoint of step {step} in {self.directory} does not fit the restore template "
@@ -299,7 +299,7 @@ class Checkpointer:
         step = self.resolve_step(step)
         self._check_fits(step, {"params": template_params})
         r = self._mgr.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(template_params))))
+            params=ocp.args.StandardRestore(abstract_tree(template_params))))
         return r.params
 
     def _check_fits(self, step: int, items: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from ict_jax.config import Config, ConfigError, from_dict
 #: rounding). ``train.steps`` may only go up, and only when
 #: the learning-rate schedule does not depend on it. A trailing ``.*`` matches a whole section.
 RESUME_ALLOWED = ("run_dir", "train.eval_every", "train.save_every", "train.keep", "train.sft_save_every",
-                  "rl.reward.workers", "rollout.min_response_bucket", "logging.*")
+                  "train.memory_check", "rl.reward.workers", "rollout.min_response_bucket", "logging.*")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -221,8 +221,7 @@ def test_arith_scratchpad_works_each_column_then_the_sum():
 
 
 def test_split_is_seeded_and_its_solutions_score_one():
-    from ict_jax.rewards.checks import check_text
-    from ict_jax.train.trainer import sft_target
+    from ict_jax.rewards.checks import check_text, sft_target
 
     ds = load_dataset("split?digits=3&size=300", seed=2)
     assert ds.scorer == "sum" and len(ds) == 300

@@ -372,7 +372,7 @@ def test_rewards_doc_lists_the_final_statement_table():
     """docs/rewards.md shows every case of the table above, with the same outcome."""
     import pathlib
 
-    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "rewards.md").read_text()
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
     for response, expected in FINAL_STATEMENT:
         shown = response.replace("\n", "\\n")
         row = next((line for line in doc.splitlines() if f"`{shown}`" in line), None)

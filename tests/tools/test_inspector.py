@@ -292,6 +292,7 @@ def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tiny_hf_dir, tmp_path
     assert "--rewards" in capsys.readouterr().err
 
 
+@pytest.mark.e2e  # a run then the CLI (11 s)
 def test_cli_inspects_a_run_at_the_rho_it_trained_with(tmp_path, capsys):
     """A run trained at rl.selector.rho=0.05 is shown at 5 %, not at ICT's default 10 % (the page used to
     take temperature and STAPO's thresholds from the checkpoint, but not rho, scope or the method)."""

@@ -3,6 +3,7 @@ bad input; resume after SIGKILL (slow, subprocess)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from ict_jax.cli.main import main as cli_main
 from ict_jax.config import load_config
 from ict_jax.train.logs import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 TINY = [  # a few seconds per method on 2 cores
     "model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
@@ -37,7 +38,7 @@ SECTION5 = {"reward/mean", "reward/accuracy", "adv/zero_std_group_frac", "respon
 
 # ict stays in the default suite as the trainer's representative end-to-end run (SFT warm start, RL,
 # metrics, checkpoint, TensorBoard, plot, summary); the other methods differ only in the selector, which
-# tests/test_train_step.py and tests/test_selectors.py cover as units
+# tests/rl/test_train_step.py and tests/rl/test_selectors.py cover as units
 @pytest.mark.parametrize("method", ["ict", pytest.param("grpo", marks=pytest.mark.e2e),
                                     pytest.param("entropy", marks=pytest.mark.e2e),
                                     pytest.param("stapo", marks=pytest.mark.e2e),
@@ -50,6 +51,10 @@ def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
                                      "mesh.data=-1", "mesh.tensor=2"])  # 4 x 1 x 2 on the 8 test devices
     with Trainer(cfg, progress=False) as t:
         summary = t.train()
+        compiled = {name: list(p.executables) for name, p in t.parts.programs.by_name().items()}
+    # the programs compiled before the first step (the pre-flight point) are the ones the run executed:
+    # one shape each (the largest prompt bucket is the only one of rollout.max_prompt_len 16), nothing else
+    assert compiled == {"step": [(16, 16, 6)], "generate": [(4, 16)], "eval": []}, compiled
     run = tmp_path / "run"
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
@@ -160,19 +165,20 @@ def _rows(run: Path) -> list[dict]:
 
 def test_evaluation_depends_on_weights_and_seed_only(tmp_path):
     """Two evaluations of the same weights give the same samples (the generator's key stream restarts),
-    so a resumed run or an RL-only run evaluates a checkpoint exactly as one long run does."""
-    from ict_jax.train.run import run_eval
+    so a resumed run or an RL-only run evaluates a checkpoint exactly as one long run does; they sample
+    through the run's own evaluation program (train.programs)."""
     from ict_jax.train.trainer import Trainer
 
     cfg = load_config(DEMO, TINY + ["train.steps=1", "train.sft_steps=0", f"run_dir={tmp_path / 'run'}",
                                      "data.eval=[\"split?digits=1&size=6&seed=5\"]", "data.eval_n=2",
                                      "data.eval_k=[1,2]", "data.eval_temperature=1.0", "mesh.data=-1", "mesh.tensor=2"])
     with Trainer(cfg, progress=False) as t:
-        run_eval(cfg, t.run, 0)
+        t.evaluate(0)
         first = (tmp_path / "run" / "eval" / "step_000000.jsonl").read_text()
-        run_eval(cfg, t.run, 0)
+        t.evaluate(0)
         again = (tmp_path / "run" / "eval" / "step_000000.jsonl").read_text()
-    assert t.run.eval_gen.calls >= 1 and first == again
+        compiled = dict(t.parts.programs.eval.executables)
+    assert len(compiled) == 1 and first == again  # one executable of the eval program, run twice
     assert len(first.splitlines()) == 12
 
 
@@ -182,21 +188,24 @@ def test_three_non_finite_steps_in_a_row_stop_with_the_last_checkpoint_intact(tm
     cfg = load_config(DEMO, TINY + ["train.steps=6", "train.save_every=1", "train.sft_steps=0",
                                      f"run_dir={tmp_path / 'run'}", "mesh.data=-1", "mesh.tensor=2"])
     with Trainer(cfg, progress=False) as t:
-        real_step = t.run.train_step
+        real_step = t.parts.programs.step
         calls = {"n": 0}
 
-        def flaky(state, batch, ref):  # steps 2, 3, 4 come back non-finite (update skipped)
-            new, m = real_step(state, batch, ref)
-            calls["n"] += 1
-            if calls["n"] >= 3:
-                m = dict(m, **{"train/skipped": jax.numpy.ones(())})
-            return new, m
+        class Flaky:  # the run's step program, but steps 2, 3, 4 come back non-finite (update skipped)
+            compile = real_step.compile
 
-        t.run.train_step = flaky
+            def __call__(self, state, batch, ref):
+                new, m = real_step(state, batch, ref)
+                calls["n"] += 1
+                if calls["n"] >= 3:
+                    m = dict(m, **{"train/skipped": jax.numpy.ones(())})
+                return new, m
+
+        t.parts = dataclasses.replace(t.parts, programs=dataclasses.replace(t.parts.programs, step=Flaky()))
         with pytest.raises(TrainingDiverged, match="3 non-finite updates in a row"):
             t.train()
-        t.run.checkpointer.wait()
-        steps = t.run.checkpointer.all_steps()
+        t.parts.checkpointer.wait()
+        steps = t.parts.checkpointer.all_steps()
     # saved after steps 1 and 2 only; nothing saved once the updates went bad
     assert max(steps) == 2
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -204,6 +213,9 @@ def test_three_non_finite_steps_in_a_row_stop_with_the_last_checkpoint_intact(tm
 
 
 def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
+    """train.rollout.collect_rollout, without a trainer loop: a stand-in scorer makes groups
+    uninformative, and further prompt batches refill them in order."""
+    from ict_jax.train.rollout import collect_rollout
     from ict_jax.train.trainer import Trainer
 
     cfg = load_config(DEMO, TINY + ["train.steps=1", "train.sft_steps=0", f"run_dir={tmp_path / 'run'}",
@@ -212,16 +224,17 @@ def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
     G, P = cfg.rollout.num_samples, cfg.train.prompts_per_step
     with Trainer(cfg, progress=False) as t:
         batches = []
-        real_next = t.run.iterator.__next__
+        real = t.parts.iterator
 
-        def spy_next():
-            pb = real_next()
-            batches.append(pb)
-            return pb
+        class Spy:
+            def __next__(self):
+                pb = next(real)
+                batches.append(pb)
+                return pb
 
-        t.run.iterator = type("It", (), {"__next__": lambda self: spy_next(), "state_dict": lambda self: {}})()
+        parts = dataclasses.replace(t.parts, iterator=Spy())
 
-        def fake_score(pb, tokens, valid):
+        def fake_score(parts, pb, tokens, valid):
             r = np.zeros(P * G, np.float32)
             if len(batches) == 1:
                 r[G:G + 1] = 1.0  # only group 1 of the first batch is informative
@@ -229,24 +242,23 @@ def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
                 r[::2] = 1.0  # every group of a refill batch is informative
             return r
 
-        t._score = fake_score
-        batch, info = t._rollout_batch(0, t.run.state)
+        batch, info = collect_rollout(parts, t.state, 0, score=fake_score)
         first_batches = list(batches)
 
         # Issue 25 item 4: with a format penalty, group 0 is all wrong and differs only by format.
         # filter_on=correct (the default) drops and refills it; filter_on=reward keeps it.
-        def format_only(pb, tokens, valid):
+        def format_only(parts, pb, tokens, valid):
             r = np.zeros(P * G, np.float32)
             r[::G] = 1.0  # one right answer in every group ...
             r[:G] = [-0.2, 0.0] * (G // 2)  # ... but group 0: all wrong, half without an answer
             return r
 
-        t._score = format_only
         kept = {}
         for filter_on in ("correct", "reward"):
-            t.cfg = cfg.replace(**{"rl.reward.no_answer": -0.2, "rl.adv.filter_on": filter_on})
+            other = dataclasses.replace(parts, config=cfg.replace(**{"rl.reward.no_answer": -0.2,
+                                                                     "rl.adv.filter_on": filter_on}))
             batches.clear()
-            fb, finfo = t._rollout_batch(0, t.run.state)
+            fb, finfo = collect_rollout(other, t.state, 0, score=format_only)
             kept[filter_on] = (finfo["rollout/refills"], np.asarray(fb.rewards)[:G].astype(np.float32).tolist())
     assert kept["correct"][0] >= 1 and max(kept["correct"][1]) == 1.0  # refilled with an informative group
     assert kept["reward"] == (0, np.float32([-0.2, 0.0] * (G // 2)).tolist())  # kept: its rewards differ
@@ -276,8 +288,10 @@ def test_profile_steps_write_a_trace(tmp_path, capsys):
 
 
 def test_rollout_chunks_sample_the_prompts_in_sequential_calls(tmp_path):
-    """rollout.chunks = 2 (generate's row chunking, docs/tpu.md): two generate calls of P / 2 prompts,
-    the second with its own key, concatenated prompt-major into the step's P x G rows."""
+    """rollout.chunks = 2 (generate's row chunking, docs/tpu.md): the run's rollout makes two calls of its
+    generate program of P / 2 prompts, the second with its own key, concatenated prompt-major into the
+    step's P x G rows."""
+    from ict_jax.train.rollout import collect_rollout, generate_and_score
     from ict_jax.train.trainer import Trainer
 
     cfg = load_config(DEMO, TINY + ["train.steps=1", "train.sft_steps=0", f"run_dir={tmp_path / 'run'}",
@@ -285,16 +299,16 @@ def test_rollout_chunks_sample_the_prompts_in_sequential_calls(tmp_path):
                                      "mesh.tensor=2"])
     G, P = cfg.rollout.num_samples, cfg.train.prompts_per_step
     with Trainer(cfg, progress=False) as t:
-        calls, real = [], t.run.generate
+        calls, real = [], t.parts.programs.generate
 
         def spy(params, ids, mask, key):
             ro = real(params, ids, mask, key)
-            calls.append((np.asarray(ids), jax.random.key_data(key), jax.tree.map(np.asarray, ro)))
+            calls.append((np.asarray(ids), np.asarray(key), jax.tree.map(np.asarray, ro)))
             return ro
 
-        t.run.generate = spy
-        pb, ro, _ = t._generate_and_score(t.run.state, jax.random.key(7))
-        batch, _ = t._rollout_batch(0, t.run.state)
+        parts = dataclasses.replace(t.parts, programs=dataclasses.replace(t.parts.programs, generate=spy))
+        pb, ro, _ = generate_and_score(parts, t.state, jax.random.PRNGKey(7))
+        batch, _ = collect_rollout(parts, t.state, 0)
     (ids0, key0, ro0), (ids1, key1, ro1) = calls[:2]
     assert ids0.shape[0] == ids1.shape[0] == P // 2
     np.testing.assert_array_equal(np.concatenate([ids0, ids1]), pb.ids)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_train_step import LP, LR, MODEL, _batch, _config, _grad_recorder  # tests/ is on sys.path
+from rl.test_train_step import LP, LR, MODEL, _batch, _config, _grad_recorder  # tests/ is on sys.path (tests/rl: a namespace package)
 
 import ict_jax
 from ict_jax.buckets import bucket_for, make_buckets, response_buckets
@@ -216,7 +216,7 @@ N, G = 12, 2
 
 @pytest.fixture(scope="module")
 def sampler_model():
-    from test_sampler import _sharpen  # the sampler tests' peaked random model
+    from sampling.test_sampler import _sharpen  # the sampler tests' peaked random model (tests/sampling)
 
     return _sharpen(ict_jax.init_model(ict_jax.ModelConfig.tiny(compute_dtype="float32"), seed=0))
 

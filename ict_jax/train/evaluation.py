@@ -1,0 +1,88 @@
+"""A run's evaluation: pass@k on ``data.eval`` with a policy (docs/method.md §6), sampled by the run's
+evaluation program (``programs.eval``: ``data.eval_n`` samples a prompt, ``rollout.kv_cache_dtype``),
+written to ``<run_dir>/eval/step_<step>.json`` / ``.jsonl`` and logged as an ``eval`` row.
+
+Every evaluation samples with the same keys (call i of it: ``fold_in(generator_key(seed), i)``), so its
+numbers depend on the weights and the seed only: not on how many evaluations ran before in this process
+(a resumed run, or compare's RL-only runs, evaluate a checkpoint exactly as one long run does), and the
+warm start and the final policy are compared on common random numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ict_jax.data.datasets import load_dataset
+from ict_jax.data.templates import template_dataset
+from ict_jax.rl.state import TrainState
+from ict_jax.sampling.evaluation import evaluate
+from ict_jax.sampling.text_generation import TextGenerator, make_text_generator
+from ict_jax.train.logs import format_eval
+from ict_jax.train.parts import RunParts
+from ict_jax.train.programs import kv_cache_dtype, sampler_prompts
+
+
+def pass_at_k_metrics(results: Mapping[str, Any]) -> dict[str, float]:
+    """``{"eval/<benchmark>/pass@k": value}`` of :func:`ict_jax.sampling.evaluation.evaluate`'s results."""
+    flat: dict[str, float] = {}
+    for bench, vals in results.get("benchmarks", results).items():
+        if isinstance(vals, dict):
+            for k, v in vals.items():
+                if k.startswith("pass@") and isinstance(v, (int, float)):
+                    flat[f"eval/{bench}/{k}"] = float(v)
+    return flat
+
+
+class Evaluator:
+    """Evaluates a run's policies on ``data.eval``. ``last``: an evaluation already on record, ``(step,
+    metrics)``, reused instead of evaluating that step again."""
+
+    def __init__(self, parts: RunParts, last: tuple[int, dict[str, float]] | None = None):
+        self.parts = parts
+        self.last = last
+        self._datasets: dict[str, Any] | None = None
+
+    def datasets(self) -> dict[str, Any]:
+        """The benchmarks, loaded once per run and templated up front with each one's own instruction
+        (multiple choice vs \\boxed{})."""
+        if self._datasets is None:
+            d, tok, seed = self.parts.config.data, self.parts.tokenizer, self.parts.config.seed
+            self._datasets = {name: template_dataset(load_dataset(name, data_dir=d.data_dir, seed=seed), tok,
+                                                     d.template) for name in d.eval}
+        return self._datasets
+
+    def generator(self, state: TrainState) -> TextGenerator:
+        """A text generator over ``state``'s policy (no copy) through the run's evaluation program; its key
+        stream starts anew."""
+        cfg, parts = self.parts.config, self.parts
+        return make_text_generator((state.graphdef, state.model_state()), parts.tokenizer,
+                                   max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.data.eval_temperature,
+                                   top_p=cfg.data.eval_top_p, template="none", overlong="skip",
+                                   max_prompt_len=cfg.rollout.max_prompt_len, batch_size=sampler_prompts("eval", cfg),
+                                   seed=cfg.seed, mesh=parts.mesh, kv_cache_dtype=kv_cache_dtype(cfg),
+                                   generate_fns={cfg.data.eval_n: parts.programs.eval},
+                                   min_response_bucket=cfg.rollout.min_response_bucket)
+
+    def evaluate(self, state: TrainState, step: int) -> dict[str, float]:
+        """pass@k of ``state``'s policy after ``step`` rollout batches; {} when no eval set is named."""
+        d = self.parts.config.data
+        if not d.eval:
+            return {}
+        out_dir = self.parts.run_dir / "eval"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        res = evaluate(self.generator(state), self.datasets(), self.parts.pool, n=d.eval_n, ks=d.eval_k,
+                       limit=d.eval_limit, json_path=out_dir / f"step_{step:06d}.json",
+                       samples_path=out_dir / f"step_{step:06d}.jsonl", progress=False, print_table=False)
+        return pass_at_k_metrics(res)
+
+    def evaluate_and_log(self, state: TrainState, step: int, label: str | None = None) -> dict[str, float]:
+        """:meth:`evaluate`, logged as an ``eval`` row at ``step`` (one line on the console); an
+        evaluation of the same step in this invocation (or on record for the resumed step) is reused."""
+        if self.last is not None and self.last[0] == step:
+            return self.last[1]
+        ev = self.evaluate(state, step)
+        if ev:
+            self.parts.logger.log(step, ev, phase="eval")
+            self.parts.logger.message(f"{label or f'eval @ step {step}'}: {format_eval(ev)}")
+        self.last = (step, ev)
+        return ev

@@ -1,0 +1,207 @@
+"""A run's parts, built once from a :class:`Config` (:func:`build_parts`): the frozen, typed
+:class:`RunParts` (mesh, model config, tokenizer, training prompts and their iterator, the compiled
+programs, the reward workers, the checkpointer, the logger) beside the train state and the KL reference,
+which are passed and returned, never kept in the parts.
+
+Everything that reads user input (the run directory, the resume rules, the batch geometry, the data
+sets, the model, a custom reward function) is checked before anything is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from ict_jax.config import Config, ConfigError
+from ict_jax.data.datasets import load_dataset
+from ict_jax.data.prompts import PromptIterator
+from ict_jax.model.config import ModelConfig
+from ict_jax.model.qwen2 import Qwen2
+from ict_jax.model.tokenizers import Tokenizer
+from ict_jax.rewards.checks import CUSTOM_KIND, RewardSpec
+from ict_jax.rewards.pool import RewardPool
+from ict_jax.rl.state import TrainState, init_train_state, reference_params
+from ict_jax.rl.train_step import check_batch_geometry
+from ict_jax.sharding import check_prompts_divide, make_mesh
+from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, abstract_tree
+from ict_jax.train.logs import RunLogger
+from ict_jax.train.model_source import build_model_and_tokenizer, run_architecture
+from ict_jax.train.preflight import FitCheck, compile_and_check
+from ict_jax.train.programs import (RunPrograms, TokenIds, build_programs, has_reference, reference_dtype,
+                                   same_layout)
+from ict_jax.train.record import check_resume, read_config, record_resume
+from ict_jax.train.resume import (ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
+                                  resume_point)
+from ict_jax.train.tracking import WandbTracker, require_wandb
+from ict_jax.train.training_data import TrainingPrompts, encode_training_data
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What a run is made of, built once by :func:`build_parts`; the train state is not here."""
+
+    config: Config
+    run_dir: Path
+    mesh: Mesh
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    tokenizer_spec: str  # how to load the tokenizer again (recorded with each checkpoint)
+    prompts: TrainingPrompts
+    iterator: PromptIterator  # the training prompts' order; its position is saved with each checkpoint
+    programs: RunPrograms
+    pool: RewardPool
+    checkpointer: Checkpointer  # <run_dir>/checkpoints: the RL checkpoints
+    logger: RunLogger
+    tracker: WandbTracker | None  # logging.wandb
+    resume_point: ResumePoint | None  # where a resumed run continues; None for a new run
+    resumed: bool  # an RL checkpoint was restored
+    memory: FitCheck | None = None  # the memory pre-flight's numbers (None: not checked)
+
+    def checkpoint_meta(self, step: int) -> dict[str, Any]:
+        """What an RL checkpoint records beside the arrays: the data position, the run's settings."""
+        return {"data": self.iterator.state_dict(), "config": self.config.to_dict(),
+                "model_config": dataclasses.asdict(self.model_config), "tokenizer": self.tokenizer_spec,
+                "step": step}
+
+    def close(self) -> None:
+        """The logger, W&B, the pending checkpoint and the reward workers, in that order."""
+        try:
+            self.logger.close()
+        finally:
+            try:
+                if self.tracker is not None:
+                    self.tracker.close()
+            finally:
+                try:
+                    self.checkpointer.wait()
+                    self.checkpointer.close()
+                finally:
+                    self.pool.close()
+
+
+def make_reward_pool(cfg: Config) -> RewardPool:
+    """The run's reward worker pool (``rl.reward``). A custom reward function (``rl.reward.fn``) is
+    named, not imported: the workers import it, never this process."""
+    rw = cfg.rl.reward
+    return RewardPool(rw.workers, time_limit=rw.time_limit, checkers={CUSTOM_KIND: rw.fn} if rw.fn else None,
+                      spec=RewardSpec(correct=rw.correct, wrong=rw.wrong, no_answer=rw.no_answer,
+                                      max_response_chars=rw.max_response_chars))
+
+
+def run_mesh_checked(cfg: Config) -> Mesh:
+    """The run's mesh, with the batch geometry checked on it: the sampler splits P prompts (P / chunks a
+    call) over data x fsdp, the step its mini- and micro-batches."""
+    m, t = cfg.mesh, cfg.train
+    mesh = make_mesh(m.data, m.fsdp, m.tensor)
+    try:
+        check_prompts_divide(t.prompts_per_step, mesh)
+        check_batch_geometry(t.prompts_per_step * cfg.rollout.num_samples, cfg.rollout.num_samples, t.mini_batches,
+                             t.micro_batches, mesh)
+    except ValueError as e:
+        raise ConfigError(f"train.prompts_per_step: {e}") from None
+    try:
+        check_prompts_divide(t.prompts_per_step // cfg.rollout.chunks, mesh)
+    except ValueError as e:
+        raise ConfigError(f"rollout.chunks: {cfg.rollout.chunks} chunks of train.prompts_per_step: {e}") from None
+    return mesh
+
+
+def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, model: Qwen2 | None = None,
+                tokenizer: Tokenizer | None = None,
+                preflight: bool = True) -> tuple[RunParts, TrainState, nnx.State | None]:
+    """``(parts, train state, KL reference parameters or None)`` of a run of ``cfg``: a new run, or with
+    ``resume`` the one in ``run_dir`` continued (its last RL checkpoint restored into the state).
+    ``model``/``tokenizer``: use these instead of ``model.path`` / ``model.preset``. ``progress``: a
+    bar on a terminal (else compact lines). ``preflight``: compile the RL programs and check that they fit
+    the machine's memory (``train.preflight``, ``train.memory_check``) before anything is written; a run
+    that would not fit raises :class:`~ict_jax.train.preflight.DoesNotFit` with nothing written."""
+    run_dir = Path(cfg.run_dir)
+    check_run_dir(run_dir, resume)
+    previous = read_config(run_dir) if resume else None
+    changes = check_resume(previous, cfg) if previous is not None else {}
+    if cfg.logging.wandb:
+        require_wandb()
+    if jax.process_count() > 1:  # every process has checked before any process writes
+        multihost_utils.sync_global_devices("ict_jax: run_dir checked")
+    mesh = run_mesh_checked(cfg)
+    datasets = [load_dataset(name, data_dir=cfg.data.data_dir, seed=cfg.seed) for name in cfg.data.train]
+    custom = [ds.name for ds in datasets if ds.scorer == CUSTOM_KIND]
+    if custom and cfg.rl.reward.fn is None:
+        raise ConfigError(f"data.train: {custom[0]!r} is scored by reward=custom but rl.reward.fn is not set")
+    if model is None:  # the architecture first: the programs compile and are checked before the weights load
+        mc, tokenizer, tok_spec = run_architecture(cfg)
+    else:
+        mc, tok_spec = model.config, "given"
+    prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=mc.max_position_embeddings)
+    iterator = PromptIterator(prompts.encoded, cfg.train.prompts_per_step, seed=cfg.seed)
+    state = init_train_state(cfg, model) if model is not None else abstract_train_state(cfg, mc, mesh=mesh)
+    programs = build_programs(cfg, mesh, mc, state, TokenIds.of(tokenizer))
+    # the memory pre-flight: in seconds, before the reward workers start and the weights load (both counted)
+    fit = compile_and_check(cfg, programs) if preflight else None
+    pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
+    try:
+        if model is None:
+            model, state, programs = _load_weights(cfg, mesh, tokenizer, programs)
+        parts, state, ref = _start_run(cfg, run_dir, resume, changes, progress, mesh, model, tokenizer, tok_spec,
+                                       prompts, iterator, programs, pool, state)
+        return dataclasses.replace(parts, memory=fit), state, ref
+    except BaseException:
+        pool.close()
+        raise
+
+
+def _load_weights(cfg: Config, mesh: Mesh, tokenizer: Tokenizer,
+                  programs: RunPrograms) -> tuple[Qwen2, TrainState, RunPrograms]:
+    """The model's weights and the train state, for programs built (and maybe compiled) from the abstract
+    state; programs built again from the real state if its structure, shapes or shardings differ (never
+    expected: a warning says so)."""
+    model, _, _ = build_model_and_tokenizer(cfg, mesh)
+    state = init_train_state(cfg, model)
+    if not same_layout(abstract_tree(state), programs.step.abstract()[0]):
+        log.warning("the loaded model's train state differs from the one compiled before loading; compiling again")
+        programs = build_programs(cfg, mesh, model.config, state, TokenIds.of(tokenizer))
+    return model, state, programs
+
+
+def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress: bool, mesh: Mesh, model: Qwen2,
+               tokenizer: Tokenizer, tok_spec: str, prompts: TrainingPrompts, iterator: PromptIterator,
+               programs: RunPrograms, pool: RewardPool, state: TrainState
+               ) -> tuple[RunParts, TrainState, nnx.State | None]:
+    """The writing half of :func:`build_parts`: the run directory, checkpoints and resume, the record,
+    the logger."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep)
+    rl_step = checkpointer.latest_step() if resume else None
+    if rl_step is not None:
+        state, meta = checkpointer.restore(state)
+        iterator.load_state_dict(meta["data"])
+        log.info("resumed from step %d", int(jax.device_get(state.step)))
+    point = resume_point(cfg, run_dir, rl_step) if resume else None
+    ref = None
+    if has_reference(cfg, state):
+        ref = reference_params(reference_model(cfg, run_dir, model, rl_step is not None, mesh),
+                               reference_dtype(model.config))
+    if jax.process_index() == 0:
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if point is not None and point.phase != "start":
+            record_resume(run_dir, changes, phase=point.phase, step=point.step)
+    if point is not None:
+        drop_rows_logged_again(run_dir, point)
+    tracker = WandbTracker(cfg, run_dir, resume=resume) if cfg.logging.wandb and jax.process_index() == 0 else None
+    logger = RunLogger(run_dir, total_steps=cfg.train.steps, progress=progress, desc="rl",
+                       print_every=cfg.logging.print_every, tracker=tracker,
+                       purge=point.keep_below if point is not None else None)
+    parts = RunParts(config=cfg, run_dir=run_dir, mesh=mesh, model_config=model.config, tokenizer=tokenizer,
+                     tokenizer_spec=tok_spec, prompts=prompts, iterator=iterator, programs=programs, pool=pool,
+                     checkpointer=checkpointer, logger=logger, tracker=tracker, resume_point=point,
+                     resumed=rl_step is not None)
+    return parts, state, ref

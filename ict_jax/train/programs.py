@@ -1,0 +1,306 @@
+"""The one builder of a run's compiled programs (docs/architecture.md): :func:`build_programs`.
+
+A run executes three programs:
+
+- ``step``: the train step (:func:`ict_jax.rl.train_step.make_train_step`), ``(state, batch, ref_params)
+  -> (state, metrics)``, P x G rows; one executable per response bucket (issue 26, docs/loss.md): the
+  batch comes in at ``rollout.max_new_tokens`` response positions and the executable of its bucket
+  (:func:`ict_jax.rl.train_step.bucket_of`) cuts them inside the program;
+- ``generate``: the rollout sampler (:func:`ict_jax.sampling.sampler.make_generate_fn`), G samples a
+  prompt, P / ``rollout.chunks`` prompts a call: :meth:`RunPrograms.rollout` makes the step's P prompts
+  in ``rollout.chunks`` sequential calls (chunk c with ``fold_in(key, c)``), rows prompt-major;
+- ``eval``: the evaluation sampler, ``data.eval_n`` samples a prompt at the evaluation temperature and
+  top-p, ``train.prompts_per_step`` prompts a call (the trainer's evaluation; ``ict_jax.train.evaluation``).
+
+Both samplers hold their KV cache in ``rollout.kv_cache_dtype`` (:func:`kv_cache_dtype`), the KL reference
+is in the model's compute dtype (:func:`reference_dtype`): written here once for every caller.
+
+Training builds them from its real train state, ``ict-jax compile`` (:mod:`ict_jax.aot.compile`) from an
+abstract one (``jax.ShapeDtypeStruct`` leaves carrying the run's shardings): the same function, so what
+compile checks is what training runs (tests/train/test_programs.py compares the lowered modules).
+
+Each :class:`Program` carries its abstract arguments for every shape it may be called at (a shape key:
+the rows and the lengths) and compiles each shape once, ahead of time, from them
+(``jit.lower(*abstract).compile()``); calling the program runs that very executable. So the trainer can
+compile every program at its largest shapes before anything is sampled, read ``memory_analysis()`` of
+exactly what it will execute (the pre-flight, ``ict_jax.train.preflight``), and shapes met later (a
+shorter prompt bucket; response-length buckets) are compiled on first use. The largest shape is the
+largest of every bucket: the step's key ``(rows, prompt bucket, response width, response bucket)`` is
+largest at the uncut width (``max_new_tokens``, the program a bucket of ``max_new_tokens`` runs), and the
+samplers have one shape, their decode phases (the response buckets of the KV cache) inside the program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ict_jax.config import Config
+from ict_jax.buckets import make_buckets
+from ict_jax.model.config import ModelConfig
+from ict_jax.model.tokenizers import Tokenizer
+from ict_jax.rl.batch import RolloutBatch
+from ict_jax.rl.state import TrainState
+from ict_jax.rl.train_step import bucket_of, make_train_step
+from ict_jax.sampling.sampler import GenerateFn, Rollout, make_generate_fn
+from ict_jax.sampling.text_generation import generator_key
+from ict_jax.sharding import BATCH_AXES, batch_sharding, place, replicated, shard_batch, to_host
+from ict_jax.train.checkpoints import abstract_tree
+
+#: The programs of a run, in the order they are compiled.
+PROGRAM_NAMES = ("step", "generate", "eval")
+
+#: A program's shapes: (rows, lengths...) of its batch arguments (the step's last: its response bucket).
+ShapeKey = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenIds:
+    """The token ids a sampler compiles in: where a response ends (``eos_ids``) and the padding."""
+
+    eos_ids: tuple[int, ...]
+    pad_id: int
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> TokenIds:
+        return cls(tuple(int(i) for i in tokenizer.eos_ids), int(tokenizer.pad_id))
+
+
+#: ids for compiling without a tokenizer (a recipe whose ``model.path`` is not on this machine): they are
+#: constants of the program, its memory and collectives do not depend on them
+PLACEHOLDER_IDS = TokenIds((1,), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program of a run, compiled once per shape from abstract arguments.
+
+    ``abstract(shape)`` gives its arguments at ``shape`` as ``jax.ShapeDtypeStruct`` trees with the run's
+    shardings; ``lower(shape)`` / ``compile(shape)`` (default: ``largest``, the run's largest shapes, what
+    ``ict-jax compile`` and the pre-flight check). Calling the program with real arguments runs the
+    executable compiled for their shapes (compiled on first use), the arguments placed as it expects."""
+
+    name: str
+    lower_fn: Callable[..., jax.stages.Lowered]  # abstract arguments -> the lowered program
+    abstract_for: Callable[[ShapeKey], tuple[Any, ...]]  # shape -> abstract arguments
+    shape_of: Callable[[tuple[Any, ...]], ShapeKey]  # call arguments -> their shape
+    largest: ShapeKey
+    statics: Callable[[ShapeKey], dict[str, Any]] = lambda shape: {}  # shape -> lower_fn's static keywords
+    executables: dict[ShapeKey, jax.stages.Compiled] = dataclasses.field(default_factory=dict, compare=False,
+                                                                         repr=False)
+
+    def abstract(self, shape: ShapeKey | None = None) -> tuple[Any, ...]:
+        return self.abstract_for(self.largest if shape is None else tuple(shape))
+
+    def lower(self, shape: ShapeKey | None = None) -> jax.stages.Lowered:
+        shape = self.largest if shape is None else tuple(shape)
+        return self.lower_fn(*self.abstract(shape), **self.statics(shape))
+
+    def compile(self, shape: ShapeKey | None = None) -> jax.stages.Compiled:
+        """The executable for ``shape`` (default the largest), compiled the first time it is asked for."""
+        shape = self.largest if shape is None else tuple(shape)
+        if shape not in self.executables:
+            self.executables[shape] = self.lower(shape).compile()
+        return self.executables[shape]
+
+    def __call__(self, *args: Any) -> Any:
+        shape = self.shape_of(args)
+        executable = self.compile(shape)
+        return executable(*place(args, jax.tree.map(lambda a: a.sharding, self.abstract(shape))))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPrograms:
+    """The programs of one run (:func:`build_programs`) and how the loop calls them."""
+
+    step: Program
+    generate: Program
+    eval: Program
+    chunks: int  # rollout.chunks: generate calls a rollout batch takes
+    mesh: Mesh
+
+    def by_name(self) -> dict[str, Program]:
+        return {"step": self.step, "generate": self.generate, "eval": self.eval}
+
+    def compile(self, names: Sequence[str] = PROGRAM_NAMES) -> dict[str, jax.stages.Compiled]:
+        """Each named program compiled at its largest shapes (once: a later call of the program runs it)."""
+        return {name: self.by_name()[name].compile() for name in names}
+
+    def step_shape(self, response_len: int, prompt_len: int | None = None) -> ShapeKey:
+        """The train step's shape key at response bucket ``response_len`` (and ``prompt_len``, default the
+        largest prompt bucket) for a batch of ``rollout.max_new_tokens`` response positions."""
+        rows, lp, width, _ = self.step.largest
+        return rows, lp if prompt_len is None else prompt_len, width, response_len
+
+    def step_for(self, response_len: int, prompt_len: int | None = None) -> jax.stages.Compiled:
+        """The train step's executable for response bucket ``response_len`` (:meth:`step_shape`), compiled
+        on first use."""
+        return self.step.compile(self.step_shape(response_len, prompt_len))
+
+    def rollout(self, params: Any, ids: np.ndarray, mask: np.ndarray, key: jax.Array) -> Rollout:
+        """G responses to each of the P prompts ``ids``/``mask`` ``[P, Lp]`` as host arrays, sampled in
+        ``rollout.chunks`` sequential calls of P / chunks prompts (chunk c with ``fold_in(key, c)``; one
+        call: ``key`` itself), rows concatenated prompt-major as from one call. ``key``: a raw key like the
+        train state's root (a typed key is taken as its raw data)."""
+        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        parts = []
+        for c, (i, m) in enumerate(zip(np.split(ids, self.chunks), np.split(mask, self.chunks))):
+            i, m = shard_batch((i, m), self.mesh)
+            k = key if self.chunks == 1 else jax.random.fold_in(key, c)
+            parts.append(to_host(self.generate(params, i, m, k)))
+        return parts[0] if self.chunks == 1 else jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# Shapes, dtypes and abstract arguments: written once
+# ------------------------------------------------------------------------------------------------
+def prompt_len(config: Config) -> int:
+    """The largest prompt bucket: prompts are left-padded to a bucket of ``rollout.max_prompt_len``."""
+    return max(make_buckets(config.rollout.max_prompt_len))
+
+
+def kv_cache_dtype(config: Config) -> str | None:
+    """The samplers' KV-cache dtype: ``rollout.kv_cache_dtype``, None (``auto``) = the compute dtype."""
+    kv = config.rollout.kv_cache_dtype
+    return None if kv == "auto" else kv
+
+
+def reference_dtype(model_config: ModelConfig) -> str:
+    """The KL reference parameters' dtype: the model's compute dtype (``rl.state.reference_params``)."""
+    return model_config.resolved_compute_dtype()
+
+
+def abstract_batch(config: Config, mesh: Mesh, prompt_len_: int | None = None, response_len: int | None = None,
+                   rows: int | None = None) -> RolloutBatch:
+    """The rollout batch of one step (P x G rows over ('data', 'fsdp')), abstract; default lengths: the
+    largest prompt bucket and ``rollout.max_new_tokens``."""
+    B = config.train.prompts_per_step * config.rollout.num_samples if rows is None else rows
+    Lr = config.rollout.max_new_tokens if response_len is None else response_len
+    L = (prompt_len(config) if prompt_len_ is None else prompt_len_) + Lr
+
+    def s(shape: tuple[int, ...], dt: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, len(shape)))
+
+    i32, f32 = jnp.int32, jnp.float32
+    return RolloutBatch(tokens=s((B, L), i32), attention_mask=s((B, L), i32), response_valid=s((B, Lr), f32),
+                        rewards=s((B,), f32), advantages=s((B,), f32), sampler_logp=s((B, Lr), f32),
+                        truncated=s((B,), f32), row_valid=s((B,), f32), correct=s((B,), f32))
+
+
+def abstract_reference(params: Any, dtype: str) -> Any:
+    """The KL reference parameters (``rl.state.reference_params``: the policy's in the compute dtype,
+    the same shardings), abstract."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype), sharding=a.sharding), params)
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` s or arrays (its shard of each
+    leaf)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        sh = getattr(a, "sharding", None)
+        shape = sh.shard_shape(a.shape) if sh is not None else a.shape
+        total += int(np.prod(shape, dtype=np.int64)) * _itemsize(a.dtype)
+    return total
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes of one element; a typed PRNG key's are those of its key data (threefry: 2 x uint32)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+        return int(np.prod(data.shape, dtype=np.int64)) * jnp.dtype(data.dtype).itemsize
+    return jnp.dtype(dtype).itemsize
+
+
+def same_layout(a: Any, b: Any) -> bool:
+    """Two trees of arrays / ShapeDtypeStructs with the same structure (static fields included) and, leaf
+    by leaf, the same shape, dtype and sharding: a program compiled for one runs the other."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(x.shape == y.shape and x.dtype == y.dtype and getattr(x, "sharding", None) == getattr(y, "sharding", None)
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def has_reference(config: Config, state: TrainState) -> bool:
+    """Whether the step takes KL reference parameters: ``rl.loss.kl_coef > 0`` and not a LoRA state (whose
+    reference is its own base with the adapters off)."""
+    return config.rl.loss.kl_coef > 0 and state.frozen is None
+
+
+# ------------------------------------------------------------------------------------------------
+# The builder
+# ------------------------------------------------------------------------------------------------
+def build_programs(config: Config, mesh: Mesh, model_config: ModelConfig, state: TrainState,
+                   tokens: TokenIds = PLACEHOLDER_IDS) -> RunPrograms:
+    """The programs of a run of ``config`` on ``mesh``. ``state``: the run's train state, real (training)
+    or abstract (``ict-jax compile``: ``train.checkpoints.abstract_train_state``); only its structure,
+    shapes, shardings and graph are read. ``model_config`` gives the compute dtype of the KL reference;
+    ``tokens``: the tokenizer's EOS and pad ids. Nothing is compiled here."""
+    abstract_state = abstract_tree(state)
+    ref = abstract_reference(abstract_state.params, reference_dtype(model_config)) \
+        if has_reference(config, state) else None
+    platform = mesh.devices.flat[0].platform
+    return RunPrograms(step=_step_program(config, mesh, abstract_state, ref),
+                       generate=_sampler_program("generate", config, mesh, abstract_state, tokens, platform),
+                       eval=_sampler_program("eval", config, mesh, abstract_state, tokens, platform),
+                       chunks=config.rollout.chunks, mesh=mesh)
+
+
+def _step_program(config: Config, mesh: Mesh, state: TrainState, ref: Any) -> Program:
+    """The train step: shape key (rows, prompt bucket, response width, response bucket); a batch's bucket
+    is read from its valid tokens on the host (:func:`ict_jax.rl.train_step.bucket_of`, the same on every
+    process) and passed to ``step.lower`` as ``response_len``."""
+    step = make_train_step(config, mesh)
+    rows, N = config.train.prompts_per_step * config.rollout.num_samples, config.rollout.max_new_tokens
+
+    def shape_of(args: tuple[Any, ...]) -> ShapeKey:
+        batch = args[1]
+        n, lr = batch.tokens.shape[0], batch.response_valid.shape[1]
+        return (n, batch.tokens.shape[1] - lr, lr, bucket_of(step.plan, batch))
+
+    return Program("step", step.lower, lambda k: (state, abstract_batch(config, mesh, k[1], k[2], rows=k[0]), ref),
+                   shape_of, (rows, prompt_len(config), N, N), statics=lambda k: {"response_len": k[3]})
+
+
+def sampler_fn(name: str, config: Config, graphdef: Any, mesh: Mesh, tokens: TokenIds, platform: str) -> GenerateFn:
+    """The rollout (``generate``) or evaluation (``eval``) sampler's jitted function. On a CPU the decode
+    unrolls the layer loop of a shallow model; compiled for an accelerator it keeps the layer scan."""
+    ev, r, d = name == "eval", config.rollout, config.data
+    return make_generate_fn(graphdef, num_samples=d.eval_n if ev else r.num_samples, max_new_tokens=r.max_new_tokens,
+                            temperature=d.eval_temperature if ev else r.temperature,
+                            top_p=d.eval_top_p if ev else r.top_p, top_k=0 if ev else r.top_k,
+                            eos_ids=tokens.eos_ids, pad_id=tokens.pad_id, kv_cache_dtype=kv_cache_dtype(config),
+                            unroll_layers=None if platform == "cpu" else False, mesh=mesh,
+                            min_response_bucket=r.min_response_bucket)
+
+
+def sampler_prompts(name: str, config: Config) -> int:
+    """Prompts a call of the sampler takes: P / ``rollout.chunks`` (generate), P (eval)."""
+    P = config.train.prompts_per_step
+    return max(1, P) if name == "eval" else P // config.rollout.chunks
+
+
+def _sampler_program(name: str, config: Config, mesh: Mesh, state: TrainState, tokens: TokenIds,
+                     platform: str) -> Program:
+    fn = sampler_fn(name, config, state.graphdef, mesh, tokens, platform)
+    params = state.model_state()
+    rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
+    key = jax.eval_shape(lambda: generator_key(0) if name == "eval" else jax.random.PRNGKey(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated(mesh))
+
+    def abstract_for(k: ShapeKey) -> tuple[Any, ...]:
+        ids = jax.ShapeDtypeStruct(k, jnp.int32, sharding=rows)
+        return params, ids, ids, key
+
+    def lower(*args: Any) -> jax.stages.Lowered:
+        with jax.set_mesh(mesh):
+            return fn.jitted.lower(*args)
+
+    return Program(name, lower, abstract_for, lambda args: tuple(args[1].shape),
+                   (sampler_prompts(name, config), prompt_len(config)))

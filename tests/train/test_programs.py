@@ -1,0 +1,133 @@
+"""train/programs.py: the one builder of a run's programs. Training (real train state) and ``ict-jax
+compile`` (abstract train state, ``aot.compile``) build the same computations; a program compiles once
+per shape from its abstract arguments and calling it runs that executable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from ict_jax.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
+# the tiny trainer run of tests/train/test_trainer.py, with the KL reference and an evaluation set (every argument
+# of every program), on a 4 x 1 x 2 mesh of the 8 test devices
+TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
+        "rollout.max_prompt_len=16", "train.sft_steps=0", "rl.selector.warmup_steps=1", "train.steps=1",
+        "data.train=[\"arith?digits=1&size=64\"]", "data.eval=[\"split?digits=1&size=4&seed=5\"]", "data.eval_n=2",
+        "data.eval_k=[1,2]", "stats.chunk=8", "rl.reward.workers=1", "rl.loss.kl_coef=0.01", "mesh.data=-1",
+        "mesh.tensor=2"]
+
+
+@pytest.fixture(scope="module")
+def run_parts(tmp_path_factory, devices8):
+    from ict_jax.train.parts import build_parts
+
+    cfg = load_config(DEMO, TINY + [f"run_dir={tmp_path_factory.mktemp('programs') / 'run'}"])
+    parts, state, ref = build_parts(cfg, progress=False)
+    yield cfg, parts, state, ref
+    parts.close()
+
+
+@pytest.mark.e2e  # lowers the three programs twice (~10 s on 2 cores)
+def test_training_and_compile_build_the_same_programs(run_parts):
+    """The done-when of issue 24: the programs a run trains with (built from its real state) and those
+    ``ict-jax compile`` checks (built from the config alone) lower to the same modules."""
+    from ict_jax.aot.compile import build_programs, get_target, run_mesh, target_model_config
+
+    cfg, parts, _, _ = run_parts
+    target = get_target("local")
+    mc, source = target_model_config(cfg, target.platform)
+    assert source == "preset tiny" and mc.vocab_size == parts.model_config.vocab_size  # sized to the char tokenizer
+    jobs = build_programs(cfg, mc, run_mesh(cfg, target))
+    assert [j.name for j in jobs] == ["step", "generate", "eval"]
+    for job in jobs:
+        trained = parts.programs.by_name()[job.name].lower().as_text()
+        assert job.lower().as_text() == trained, f"{job.name}: compile and training lower different modules"
+    # the modules are not trivially equal: the rollout and evaluation samplers differ (G, temperature)
+    assert jobs[1].lower().as_text() != jobs[2].lower().as_text()
+
+
+@pytest.mark.e2e  # compiles and runs the tiny evaluation sampler twice (~10 s)
+def test_the_eval_program_runs_what_it_compiled_and_matches_the_jitted_sampler(run_parts):
+    """The run's evaluation program, compiled from its abstract arguments, gives the tokens of the same
+    sampler jitted and called directly."""
+    from ict_jax.train.programs import TokenIds, sampler_fn
+
+    cfg, parts, state, _ = run_parts
+    gen = parts.programs.eval
+    P, Lp = gen.largest
+    assert (P, Lp) == (4, 16)
+    ids = np.full((P, Lp), 5, np.int32)
+    key = jax.random.fold_in(jax.random.key(0), 1)
+    ro = gen(state.model_state(), ids, np.ones_like(ids), key)
+    assert np.asarray(ro.tokens).shape == (P * cfg.data.eval_n, cfg.rollout.max_new_tokens)
+    assert list(gen.executables) == [(P, Lp)]
+    direct = sampler_fn("eval", cfg, state.graphdef, parts.mesh, TokenIds.of(parts.tokenizer), "cpu")
+    np.testing.assert_array_equal(np.asarray(direct(state.model_state(), ids, np.ones_like(ids), key).tokens),
+                                  np.asarray(ro.tokens))
+
+
+def test_a_program_compiles_once_per_shape_and_runs_that_executable(devices8):
+    """compile() from the abstract arguments once; a call at those shapes runs that very executable
+    (the arguments placed as it expects: host arrays sharded, the jit's own cache never used), a call at
+    another shape compiles its own; the donated argument is consumed."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ict_jax.sharding import make_mesh
+    from ict_jax.train.programs import Program
+
+    mesh = make_mesh(4, 2, 1, devices=devices8)
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
+    jitted = jax.jit(lambda w, x: (w * 2, x @ w), donate_argnums=(0,))
+
+    def abstract_for(shape):
+        return (jax.ShapeDtypeStruct((shape[1], 3), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec())),
+                jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows))
+
+    prog = Program("toy", jitted.lower, abstract_for, lambda args: tuple(args[1].shape), (8, 4))
+    exe = prog.compile()
+    assert prog.compile() is exe and list(prog.executables) == [(8, 4)]
+    w = jax.device_put(jnp.ones((4, 3)), NamedSharding(mesh, PartitionSpec()))
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    w2, y = prog(w, x)
+    np.testing.assert_array_equal(np.asarray(y), x @ np.ones((4, 3), np.float32))
+    assert w.is_deleted() and y.sharding.is_equivalent_to(rows, 2)  # donated; rows split as compiled
+    assert list(prog.executables) == [(8, 4)] and jitted._cache_size() == 0
+    prog(w2, np.ones((16, 4), np.float32))  # another shape: its own executable
+    assert sorted(prog.executables) == [(8, 4), (16, 4)]
+
+
+def test_run_parts_are_frozen_and_typed():
+    """RunParts: frozen, and no field typed Any (issue 24); the train state is not among them."""
+    import dataclasses
+    import typing
+
+    from ict_jax.train.parts import RunParts
+
+    hints = typing.get_type_hints(RunParts)
+    fields = {f.name for f in dataclasses.fields(RunParts)}
+    assert fields == set(hints) and "state" not in fields and len(fields) >= 10
+    untyped = [name for name, t in hints.items() if t is typing.Any or typing.Any in typing.get_args(t)]
+    assert not untyped, untyped
+    assert RunParts.__dataclass_params__.frozen
+
+
+def test_former_train_run_names_resolve_with_a_warning_or_name_their_replacement():
+    import importlib
+
+    import ict_jax.train.resume
+    import ict_jax.train.run as run
+
+    with pytest.warns(DeprecationWarning, match="use ict_jax.train.resume.resume_point"):
+        assert run.resume_point is ict_jax.train.resume.resume_point
+    with pytest.warns(DeprecationWarning, match="ict_jax.train.distributed"):
+        assert run.maybe_initialize_distributed is importlib.import_module(
+            "ict_jax.train.distributed").maybe_initialize_distributed
+    with pytest.raises(AttributeError, match="build_parts"):
+        run.build_run  # noqa: B018
