@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ict_jax.buckets import make_buckets, response_buckets
+from ict_jax.buckets import response_buckets
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import load_model_config, resolve_path

@@ -41,7 +41,8 @@ def preset_config(cfg: Config, *, vocab_size: int | None = None, compute_dtype: 
 
 def build_model_and_tokenizer(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Qwen2, Tokenizer, str]:
     """(model, tokenizer, tokenizer spec). ``model.path``: an HF directory or a ``.gguf`` file (or
-    ``pkg:<package>/<file>``, or a real model split over packages, docs/models.md); otherwise a ``model.preset`` initialised from the run's init stream
+    ``pkg:<package>/<file>``, or a real model split over packages, docs/models.md); otherwise a
+    ``model.preset`` initialised from the run's init stream
     (``fold_in(PRNGKey(seed), INIT_STREAM)``), its vocabulary sized to the tokenizer for the small
     presets (``model.tokenizer``: ``char`` = the built-in CharTokenizer)."""
     m = cfg.model

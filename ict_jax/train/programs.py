@@ -223,7 +223,8 @@ def same_layout(a: Any, b: Any) -> bool:
     by leaf, the same shape, dtype and sharding: a program compiled for one runs the other."""
     if jax.tree.structure(a) != jax.tree.structure(b):
         return False
-    return all(x.shape == y.shape and x.dtype == y.dtype and getattr(x, "sharding", None) == getattr(y, "sharding", None)
+    return all(x.shape == y.shape and x.dtype == y.dtype
+               and getattr(x, "sharding", None) == getattr(y, "sharding", None)
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 

@@ -7,7 +7,6 @@ import math
 import shutil
 import subprocess
 from html.parser import HTMLParser
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -229,7 +228,7 @@ def test_html_holds_every_token_the_three_masks_and_hover_data(report):
     assert len(p.cols) == 3 * G
     # the colour encodes JS: the largest score gets the darkest colour of the legend's ramp
     best = max((t for r in report["responses"] for t in r["tokens"]), key=lambda t: t["js"])
-    assert f"background:#e34a33\" data-i" in page or best["js"] == 0
+    assert "background:#e34a33\" data-i" in page or best["js"] == 0
     # self-contained: no external resource of any kind
     for tag, a in p.tags:
         for k in ("src", "href"):
