@@ -124,7 +124,7 @@ _MOVED: dict[str, str] = {
     "encode_prompts": "data.prompts",
     "PromptBatch": "data.prompts",
     "PromptIterator": "data.prompts",
-    "make_buckets": "data.prompts",
+    "make_buckets": "buckets",
     "pad_left": "data.prompts",
     "GenerateFn": "sampling.sampler",
     "SampleSettings": "sampling.sampler",

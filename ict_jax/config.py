@@ -156,6 +156,10 @@ class RolloutSection:
     # generate's row chunking: the step's P prompts are sampled in this many sequential calls of P/chunks
     # prompts x G rows (a smaller KV cache and decode working set; docs/tpu.md); 1 = one call
     chunks: int = 1
+    # response-length buckets (ict_jax.buckets.response_buckets): the update runs at the longest response
+    # of the batch rounded up to a power of two from this one up to max_new_tokens, and the decode attends
+    # over the filled bucket of its KV cache; null = off (every update and decode step at max_new_tokens)
+    min_response_bucket: int | None = 16
 
 
 @dataclass(frozen=True)
@@ -484,7 +488,7 @@ _BETA = Range(0, 1, hi_open=True)
 #: of the tree is listed). Every float must also be finite. ``None`` (where a field allows it) is not checked.
 RANGES: dict[str, Range] = {
     "mesh.data": Range(-1), "mesh.fsdp": Range(-1), "mesh.tensor": Range(-1),  # -1 = the rest; 0 below
-    "rollout.chunks": Range(1),
+    "rollout.chunks": Range(1), "rollout.min_response_bucket": Range(1),
     "rollout.num_samples": Range(1), "rollout.max_prompt_len": Range(1), "rollout.max_new_tokens": Range(1),
     "rollout.temperature": _POS, "rollout.top_p": _UNIT_OPEN_CLOSED, "rollout.top_k": _NONNEG,
     "rl.selector.rho": _UNIT_OPEN_CLOSED, "rl.selector.warmup_steps": _NONNEG,

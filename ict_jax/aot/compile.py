@@ -6,7 +6,8 @@ which training calls too: what compile checks is what training runs):
 
 - ``step``: :func:`ict_jax.rl.train_step.make_train_step` at the recipe's batch geometry
   (P x G rows, the largest prompt bucket + ``max_new_tokens``), with the reference parameters when
-  ``kl_coef > 0``;
+  ``kl_coef > 0``; by default its largest response bucket (``max_new_tokens``: the memory a run needs),
+  any other with ``response_len`` (a run compiles one step per bucket it meets, docs/loss.md);
 - ``generate``: the rollout sampler (:func:`ict_jax.sampling.sampler.make_generate_fn`) at P prompts x
   G samples with its KV cache (P / ``rollout.chunks`` prompts a call when the rollout is chunked);
 - ``eval``: the evaluation sampler (P prompts x ``data.eval_n`` samples, the evaluation temperature
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -40,6 +42,7 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ict_jax.buckets import response_buckets
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import load_model_config, resolve_path
@@ -47,6 +50,7 @@ from ict_jax.memory import fmt_bytes
 from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.train_step import StepPlan, old_pass_chunks
+from ict_jax.sampling.sampler import UNROLL_MAX_LAYERS
 from ict_jax.sharding import make_mesh
 from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state
@@ -241,9 +245,10 @@ class CompileJob:
 
 
 def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
-                   names: Sequence[str] = PROGRAMS) -> list[CompileJob]:
+                   names: Sequence[str] = PROGRAMS, response_len: int | None = None) -> list[CompileJob]:
     """The named programs of a run of ``cfg`` on ``mesh``, built by the run's own builder
-    (:func:`ict_jax.train.programs.build_programs`) from an abstract train state."""
+    (:func:`ict_jax.train.programs.build_programs`) from an abstract train state. ``response_len``: the
+    response bucket the step is built at (default ``rollout.max_new_tokens``, the largest)."""
     unknown = [n for n in names if n not in PROGRAMS]
     if unknown:
         raise ValueError(f"unknown program {unknown[0]!r}; known: {', '.join(PROGRAMS)}")
@@ -255,6 +260,9 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
                    "ref": per_device_bytes(ref) if ref is not None else 0}
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     P, G, Lp, N = cfg.train.prompts_per_step, cfg.rollout.num_samples, prompt_len(cfg), cfg.rollout.max_new_tokens
+    bucket = N if response_len is None else int(response_len)  # the step's response bucket (issue 26)
+    if not 1 <= bucket <= N:
+        raise ValueError(f"response_len {bucket}: the step's response bucket is 1..rollout.max_new_tokens={N}")
     # rows a pass processes at once: a gradient micro-batch, or a chunk of the old-policy pass (whole groups)
     plan = StepPlan.from_config(cfg, make_optimizer(cfg), batch_shards=batch_shards)
     pass_rows = P * G // old_pass_chunks(plan, P)  # at least a micro-batch's rows
@@ -270,14 +278,27 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
         program = run.by_name()[name]
         args = program.abstract()
         if name == "step":
-            info = dict(common, rows=pass_rows // batch_shards, positions=N, block=stats_block(N, cfg.stats.chunk))
-            out.append(CompileJob(name, program.lower, 0, per_device_bytes(args), info))
+            shape = run.step_shape(bucket)
+            info = dict(common, rows=pass_rows // batch_shards, positions=bucket,
+                        block=stats_block(bucket, cfg.stats.chunk))
+            out.append(CompileJob(name, functools.partial(program.lower, shape), 0, per_device_bytes(args), info))
             continue
         rows = sampler_prompts(name, cfg) * (cfg.data.eval_n if name == "eval" else G)
         info = dict(common, rows=rows // batch_shards, positions=N, block=1, cache_slots=Lp + N - 1,
-                    kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes)
+                    cache_chunks=_cache_chunks(cfg, mc, mesh), kv_heads=mc.num_kv_heads,
+                    head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes)
         out.append(CompileJob(name, program.lower, resident_bytes(run, name), per_device_bytes(args), info))
     return out
+
+
+def _cache_chunks(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh) -> tuple[int, ...] | None:
+    """The slots of each chunk of one layer's KV cache when the sampler's decode is unrolled (on a CPU,
+    a model of at most ``UNROLL_MAX_LAYERS`` layers, more than one response bucket: one chunk a decode
+    phase, docs/sampler.md); None when the cache is one array."""
+    r, Lp = cfg.rollout, prompt_len(cfg)
+    ends = [Lp + w - 1 for w in response_buckets(r.max_new_tokens, r.min_response_bucket)]
+    unrolled = mesh.devices.flat[0].platform == "cpu" and mc.num_layers <= UNROLL_MAX_LAYERS and len(ends) > 1
+    return tuple(b - a for a, b in zip([0, *ends], ends)) if unrolled else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -309,6 +330,7 @@ class ProgramReport:
     code: int | None = None
     resident: int = 0
     expected_arguments: int = 0
+    positions: int | None = None  # response positions: the step's bucket, the samplers' max_new_tokens
     lower_s: float = 0.0
     compile_s: float = 0.0
     error: str | None = None
@@ -389,13 +411,16 @@ def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hl
         kv_local = heads // i["tensor"] if heads % i["tensor"] == 0 else heads
         want = (i["num_layers"], rows, kv_local, i["cache_slots"], i["head_dim"])
         dims = {a.dims for _, ins in module.instructions() for a in ins.arrays}
-        # the stacked cache, or one layer's (a compiler that unrolls the layer loop splits the stack)
-        found = want in dims or want[1:] in dims
+        # the stacked cache, or one layer's (a compiler that unrolls the layer loop splits the stack), or
+        # one layer's chunks (the unrolled decode phases)
+        chunks = [want[1:3] + (n, want[4]) for n in i.get("cache_chunks") or ()]
+        found = want in dims or want[1:] in dims or bool(chunks and all(c in dims for c in chunks))
         size = int(np.prod(want)) * i["kv_bytes"]
-        checks.append(Check("kv cache", found,
-                            f"[{', '.join(map(str, want))}] x 2 (k, v) = {fmt_bytes(2 * size)} a device"
-                            + ("" if want in dims else ": one layer's [rows, kv_heads, slots, head_dim] in the program"
-                               if found else ": no array of that shape in the program")))
+        where = ("" if want in dims else ": one layer's [rows, kv_heads, slots, head_dim] in the program"
+                 if want[1:] in dims else f": one layer's in chunks of {', '.join(str(c[2]) for c in chunks)} slots, "
+                 "one a decode phase" if found else ": no array of that shape in the program")
+        checks.append(Check("kv cache", found, f"[{', '.join(map(str, want))}] x 2 (k, v) = {fmt_bytes(2 * size)} "
+                            f"a device{where}"))
     return checks
 
 
@@ -424,7 +449,7 @@ def compile_program(program: CompileJob, target: Target, mesh: jax.sharding.Mesh
     ``dump_dir``: write the compiled HLO text to ``<dump_dir>/<program>.hlo.txt``."""
     rep = ProgramReport(program=program.name, target=target.name, mesh=dict(mesh.shape), compiled=False,
                         fits=False, hbm=target.hbm_bytes, resident=program.resident,
-                        expected_arguments=program.expected_args)
+                        expected_arguments=program.expected_args, positions=program.info.get("positions"))
     t0 = time.perf_counter()
     lowered = program.lower()
     rep.lower_s = time.perf_counter() - t0
@@ -462,14 +487,15 @@ def compile_program(program: CompileJob, target: Target, mesh: jax.sharding.Mesh
 
 def compile_run(cfg: Config, target: Target, programs: Sequence[str] = PROGRAMS, *,
                 on_report: Callable[[ProgramReport], None] | None = None, analyse: bool = True,
-                dump_dir: str | Path | None = None,
-                on_start: Callable[[str], None] | None = None) -> tuple[list[ProgramReport], str]:
+                dump_dir: str | Path | None = None, on_start: Callable[[str], None] | None = None,
+                response_len: int | None = None) -> tuple[list[ProgramReport], str]:
     """Compile ``programs`` of a run of ``cfg`` for ``target`` -> (reports, the model's source).
-    ``on_start(name)`` is called as each program starts, ``on_report(report)`` as it ends (progress)."""
+    ``on_start(name)`` is called as each program starts, ``on_report(report)`` as it ends (progress).
+    ``response_len``: the step's response bucket (default the largest, ``rollout.max_new_tokens``)."""
     mc, source = target_model_config(cfg, target.platform)
     mesh = run_mesh(cfg, target)
     reports = []
-    for program in build_programs(cfg, mc, mesh, programs):
+    for program in build_programs(cfg, mc, mesh, programs, response_len):
         if on_start is not None:
             on_start(program.name)
         rep = compile_program(program, target, mesh, analyse=analyse, dump_dir=dump_dir)

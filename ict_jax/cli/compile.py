@@ -24,6 +24,10 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--program", default="all", choices=("step", "generate", "eval", "all"),
                    help="which program to compile: the train step, the rollout sampler, the evaluation sampler, "
                         "or all three (default)")
+    p.add_argument("--response-len", type=int, default=None, metavar="N",
+                   help="build the train step at response bucket N (1..rollout.max_new_tokens); default: the "
+                        "largest, max_new_tokens, whose memory a run needs (a run compiles one step per "
+                        "response bucket it meets)")
     p.add_argument("--fit", action="store_true",
                    help="search the cheapest settings that fit (mesh, micro_batches, remat, stats.chunk, "
                         "rollout.chunks) and print them as KEY=VALUE overrides")
@@ -45,11 +49,16 @@ def compile_main(args: argparse.Namespace) -> int:
 
     if args.max_compiles < 1:
         raise UserError(f"--max-compiles {args.max_compiles}: must be at least 1")
+    if args.response_len is not None and args.fit:
+        raise UserError("--response-len and --fit: --fit sizes the largest response bucket; drop one")
     if args.json:  # the results are written after minutes of compiling: check the places first
         check_output_file(args.json, "--json")
     if args.dump_hlo:
         check_output_dir(args.dump_hlo, "--dump-hlo")
     cfg = load_config(args.config, args.overrides)
+    if args.response_len is not None and not 1 <= args.response_len <= cfg.rollout.max_new_tokens:
+        raise UserError(f"--response-len {args.response_len}: the step's response bucket is "
+                        f"1..rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
     target = with_run_budget(get_target(args.topology if args.topology is not None else cfg.mesh.target), cfg)
     programs = PROGRAMS if args.program == "all" else (args.program,)
     fit = None
@@ -65,7 +74,7 @@ def compile_main(args: argparse.Namespace) -> int:
         reports, mesh, source = result.reports, result.mesh, result.model_source
     else:
         t0 = time.perf_counter()
-        reports, source = compile_run(cfg, target, programs, dump_dir=args.dump_hlo,
+        reports, source = compile_run(cfg, target, programs, dump_dir=args.dump_hlo, response_len=args.response_len,
                                       on_start=lambda name: _progress(f"{name}: compiling for {target.name} ..."),
                                       on_report=lambda r: _progress(program_done_line(r, time.perf_counter() - t0)))
         mesh = reports[0].mesh

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ict_jax.buckets import bucket_for, make_buckets
 from ict_jax.data.datasets import Dataset
 from ict_jax.data.example import DataError, Example
 from ict_jax.data.templates import BOXED_INSTRUCTION, format_prompt, instruction_for
@@ -151,22 +152,6 @@ def encode_prompts(dataset: Dataset, tokenizer: Any, *, template: str = "qwen_ch
                     "max_position_embeddings=%d", dataset.name, no_room, len(dataset), max_new_tokens, max_positions)
     return EncodedPrompts(dataset.name, dataset.scorer, examples, ids, texts, int(tokenizer.pad_id),
                           max_prompt_len, len(dropped), dropped, no_room)
-
-
-def make_buckets(max_len: int, smallest: int = 32) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` below ``max_len``, then ``max_len``: one compiled shape each."""
-    buckets, b = [], smallest
-    while b < max_len:
-        buckets.append(b)
-        b *= 2
-    return (*buckets, max_len)
-
-
-def bucket_for(length: int, buckets: Sequence[int]) -> int:
-    for b in sorted(buckets):
-        if length <= b:
-            return b
-    raise ValueError(f"length {length} exceeds the largest bucket {max(buckets)}")
 
 
 def pad_left(seqs: Sequence[np.ndarray] | np.ndarray, length: int, pad_id: int,

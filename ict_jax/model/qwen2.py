@@ -26,7 +26,7 @@ from ict_jax.model.config import ModelConfig
 from ict_jax.model.lora import LoraStack, adapter_keys, lora_delta
 from ict_jax.sharding import constrain, state_shardings
 
-_MASKED = -1e9  # large finite negative: a fully masked (padding) query row stays NaN-free
+MASKED = -1e9  # large finite negative: a fully masked (padding) query row stays NaN-free
 
 
 class KVCache(NamedTuple):
@@ -148,7 +148,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dtype: 
     qg = q.reshape(B, T, KV, H // KV, hd)
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(hd)))
-    scores = jnp.where(allowed[:, None, None, :, :], scores, _MASKED)
+    scores = jnp.where(allowed[:, None, None, :, :], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32).astype(dtype)
     return out.reshape(B, T, H, hd)
@@ -321,13 +321,15 @@ class Qwen2(nnx.Module):
                        pos=jnp.zeros((batch,), jnp.int32), index=jnp.zeros((), jnp.int32))
 
     def extend(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"] | None,
-               cache: KVCache) -> tuple[Float[Array, "B T D"], KVCache]:
+               cache: KVCache, window: int | None = None) -> tuple[Float[Array, "B T D"], KVCache]:
         """Append ``T`` tokens to the cache (slots ``index .. index+T-1``) and return their post-norm
         hidden states. Prefill is ``extend`` on an empty cache; decode is ``extend`` with ``T = 1``.
-        Padding tokens (mask 0) occupy a slot that no later token attends to."""
+        Padding tokens (mask 0) occupy a slot that no later token attends to. ``window`` (static): the
+        new tokens attend over the cache's first ``window`` slots only (the caller keeps
+        ``index + T <= window``; the sampler's decode phases, docs/sampler.md); None = every slot."""
         c, dtype = self.config, self.compute_dtype
         B, T = input_ids.shape
-        S = cache.mask.shape[1]
+        S = cache.mask.shape[1] if window is None else window
         mask = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
         # a row continues from cache.pos: its first new real token gets position cache.pos
         pos = jnp.maximum(cache.pos[:, None] + jnp.cumsum(mask, axis=1) - 1, 0)
@@ -335,7 +337,8 @@ class Qwen2(nnx.Module):
         new_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (0, cache.index))
         slot = jnp.arange(S)
         qslot = cache.index + jnp.arange(T)
-        allowed = (slot[None, None, :] <= qslot[None, :, None]) & (new_mask[:, None, :] > 0)
+        seen = new_mask if window is None else new_mask[:, :window]
+        allowed = (slot[None, None, :] <= qslot[None, :, None]) & (seen[:, None, :] > 0)
         params = self.layers.arrays()
         kdt = cache.k.dtype
 
@@ -344,7 +347,8 @@ class Qwen2(nnx.Module):
             q, k, v = attention_qkv(p, x, c, cos, sin, dtype)
             k_l = jax.lax.dynamic_update_slice(k_l, k.astype(kdt), (0, 0, cache.index, 0))
             v_l = jax.lax.dynamic_update_slice(v_l, v.astype(kdt), (0, 0, cache.index, 0))
-            x = finish_layer(p, x, attend(q, k_l.astype(dtype), v_l.astype(dtype), allowed, dtype), c, dtype)
+            k_a, v_a = (k_l, v_l) if window is None else (k_l[:, :, :window], v_l[:, :, :window])
+            x = finish_layer(p, x, attend(q, k_a.astype(dtype), v_a.astype(dtype), allowed, dtype), c, dtype)
             return x, (k_l, v_l)
 
         x = self._embed(input_ids)
@@ -361,9 +365,11 @@ class Qwen2(nnx.Module):
         new_cache = KVCache(k=ks, v=vs, mask=new_mask, pos=cache.pos + mask.sum(axis=1), index=cache.index + T)
         return h, new_cache
 
-    def decode(self, tokens: Int[Array, " B"], cache: KVCache) -> tuple[Float[Array, "B V"], KVCache]:
-        """One decode step: float32 logits ``[B, V]`` for the next token, and the updated cache."""
-        h, cache = self.extend(tokens[:, None], None, cache)
+    def decode(self, tokens: Int[Array, " B"], cache: KVCache,
+               window: int | None = None) -> tuple[Float[Array, "B V"], KVCache]:
+        """One decode step: float32 logits ``[B, V]`` for the next token, and the updated cache
+        (``window``: as in :meth:`extend`)."""
+        h, cache = self.extend(tokens[:, None], None, cache, window)
         return self.logits_from_hidden(h[:, 0]), cache
 
 

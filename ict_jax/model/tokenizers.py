@@ -21,6 +21,8 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from ict_jax.model.gguf_reader import open_gguf
 
 QWEN2P5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -275,9 +277,13 @@ def decode_response(tokenizer: Any, tokens: Sequence[int], valid: Sequence[Any] 
     """The text of one sampled response: its tokens where ``valid`` is true (padding dropped; None = all),
     without the tokenizer's EOS ids (``tokenizer.eos_ids``), decoded with special tokens skipped. Used by
     training (rewards), evaluation, the inspector, diagnose and ``ict-jax sample``."""
-    eos = {int(e) for e in tokenizer.eos_ids}
-    keep = [True] * len(tokens) if valid is None else valid
-    return tokenizer.decode([int(t) for t, v in zip(tokens, keep) if v and int(t) not in eos])
+    ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if valid is not None:  # a numpy mask, not a Python loop over every position (issue 26: it grew with N)
+        keep = np.asarray(valid).reshape(-1).astype(bool)
+        n = min(ids.size, keep.size)  # as zip would pair them
+        ids = ids[:n][keep[:n]]
+    ids = ids[~np.isin(ids, np.asarray([int(e) for e in tokenizer.eos_ids], dtype=np.int64))]
+    return tokenizer.decode(ids.tolist())
 
 
 def decode_responses(tokenizer: Any, tokens: Sequence[Sequence[int]], valid: Sequence[Sequence[Any]]) -> list[str]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import flax.struct
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ict_jax.config import Config
@@ -37,6 +39,45 @@ class RolloutBatch:
     @property
     def response_len(self) -> int:
         return self.response_valid.shape[1]
+
+
+@jax.jit
+def _extent_on_device(response_valid: jax.Array, row_valid: jax.Array) -> jax.Array:
+    pos = jnp.arange(1, response_valid.shape[1] + 1, dtype=jnp.int32)
+    counted = (response_valid > 0) & (row_valid[:, None] > 0)
+    return jnp.max(jnp.where(counted, pos[None, :], 0), initial=0)
+
+
+def response_extent(batch: RolloutBatch) -> int:
+    """The longest response that counts: 1 + the last response position valid in a real row
+    (``response_valid`` and ``row_valid``), 0 when there is none. Responses are right-padded, so every
+    column from there on is padding in every row that counts (the filler rows of dynamic sampling,
+    ``row_valid = 0``, count nowhere: not in the loss, the statistics or the metrics).
+
+    Host arrays are read directly; device arrays are reduced on their devices and one scalar comes
+    back, replicated: with a batch sharded over several processes every process gets the extent of the
+    global batch (the same bucket everywhere)."""
+    if isinstance(batch.response_valid, jax.Array):
+        return int(_extent_on_device(batch.response_valid, batch.row_valid))
+    counted = (np.asarray(batch.response_valid) > 0) & (np.asarray(batch.row_valid)[:, None] > 0)
+    cols = np.flatnonzero(counted.any(axis=0))
+    return int(cols[-1]) + 1 if cols.size else 0
+
+
+def trim_response(batch: RolloutBatch, length: int) -> RolloutBatch:
+    """``batch`` with its response axis cut to the first ``length`` positions (Lr -> ``length``): the
+    response columns of ``tokens`` and ``attention_mask``, ``response_valid`` and ``sampler_logp``.
+    Only trailing columns go, so the position alignment of a group (docs/method.md §1) is kept; cut at
+    :func:`response_extent` or later and nothing that counts is lost. Static slicing: works on host
+    arrays, device arrays and inside ``jit``."""
+    Lr = batch.response_len
+    if not 1 <= length <= Lr:
+        raise ValueError(f"response length {length}: a batch of {Lr} response positions keeps 1..{Lr}")
+    if length == Lr:
+        return batch
+    keep = batch.tokens.shape[1] - (Lr - length)  # prompt + the first `length` response positions
+    return batch.replace(tokens=batch.tokens[:, :keep], attention_mask=batch.attention_mask[:, :keep],
+                         response_valid=batch.response_valid[:, :length], sampler_logp=batch.sampler_logp[:, :length])
 
 
 def build_rollout_batch(prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array, "P Lp"], rollout: Any,

@@ -5,7 +5,7 @@ alone. The method (dense, ict, entropy, stapo, random) only changes the token ma
 never looks at which method made it.
 
 Shapes: ``B`` rows (responses, prompt-major: row = p*G + j), ``T`` response positions
-(``max_new_tokens``), ``P`` prompts, ``G`` rollouts per prompt.
+(``max_new_tokens``, or the length bucket a step cut the batch to), ``P`` prompts, ``G`` rollouts per prompt.
 
 Micro-batching. Every denominator the loss divides by (the number of real responses ``R`` and the
 mini-batch token counts) is gathered in a :class:`LossDenominators` pytree of float32 scalars. Computed
@@ -230,9 +230,10 @@ def loss_denominators(valid: Mask, mask: Mask, config: LossSection) -> LossDenom
 
 
 def _aggregate(x: Array, w_b: Array, d_b: Array, tokens: Array, num_responses: Array, rows: Array,
-               loss_agg: str) -> Array:
+               loss_agg: str, max_new_tokens: int) -> Array:
     """AGG(x, w, d) of docs/method.md §4 with mini-batch-wide ``tokens`` = sum d, ``rows`` = the rows
-    with sum_t d > 0 (R of seq-mean-token-mean) and ``num_responses`` (R of seq-mean-token-sum-norm)."""
+    with sum_t d > 0 (R of seq-mean-token-mean), ``num_responses`` (R of seq-mean-token-sum-norm) and
+    ``max_new_tokens`` (its T)."""
     xw = jnp.where(w_b, x, 0.0)  # never w * x: an inf or NaN times 0 would poison the gradient
     if loss_agg == "seq-mean-token-mean":
         per_row = xw.sum(-1) / jnp.maximum(d_b.sum(-1).astype(F32), 1.0)
@@ -240,12 +241,12 @@ def _aggregate(x: Array, w_b: Array, d_b: Array, tokens: Array, num_responses: A
     if loss_agg == "token-mean":
         return xw.sum() / jnp.maximum(tokens, 1.0)
     if loss_agg == "seq-mean-token-sum-norm":
-        return xw.sum() / (jnp.maximum(num_responses, 1.0) * x.shape[-1])
+        return xw.sum() / (jnp.maximum(num_responses, 1.0) * max_new_tokens)
     raise ValueError(f"loss_agg: {loss_agg!r} is not a known aggregation")
 
 
 def _kl_term(logp: Array, logp_ref: Array | None, valid_b: Array, wkl_b: Array, dkl_b: Array,
-             denoms: LossDenominators, agg: str) -> tuple[Array, Array]:
+             denoms: LossDenominators, agg: str, max_new_tokens: int) -> tuple[Array, Array]:
     """``(AGG(k3, w_kl, d_kl), sum of k3 over valid tokens)``, both 0 without ``logp_ref``. The k3 inputs
     of tokens outside ``w_kl`` are zeroed first (their gradient is exactly 0); the valid-token sum is
     stop-gradient in ``logp`` (a diagnostic)."""
@@ -253,7 +254,7 @@ def _kl_term(logp: Array, logp_ref: Array | None, valid_b: Array, wkl_b: Array, 
         return jnp.zeros((), F32), jnp.zeros((), F32)
     logp_ref = logp_ref.astype(F32)
     k3 = k3_kl(jnp.where(wkl_b, logp, 0.0), jnp.where(wkl_b, logp_ref, 0.0))
-    kl = _aggregate(k3, wkl_b, dkl_b, denoms.kl_tokens, denoms.num_responses, denoms.kl_rows, agg)
+    kl = _aggregate(k3, wkl_b, dkl_b, denoms.kl_tokens, denoms.num_responses, denoms.kl_rows, agg, max_new_tokens)
     k3_valid = k3_kl(jnp.where(valid_b, jax.lax.stop_gradient(logp), 0.0), jnp.where(valid_b, logp_ref, 0.0))
     return kl, jnp.where(valid_b, k3_valid, 0.0).sum()
 
@@ -278,6 +279,7 @@ def policy_loss(
     *,
     config: LossSection,
     denoms: LossDenominators | None = None,
+    max_new_tokens: int | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """The loss of docs/method.md §4, one for every method (the method only changes ``mask`` = M)::
 
@@ -290,7 +292,7 @@ def policy_loss(
 
         seq-mean-token-mean       (1/R) sum_i [ sum_t w x / max(1, sum_t d) ]     (default, ICT Eq. 11)
         token-mean                sum w x / max(1, sum d)                          (DAPO, STAPO)
-        seq-mean-token-sum-norm   sum w x / (R * T)        T = max_new_tokens = logp.shape[-1] (Dr.GRPO)
+        seq-mean-token-sum-norm   sum w x / (R * T)        T = max_new_tokens (Dr.GRPO)
 
     (1/R reads 1/max(1, R).) Weights are applied as ``where(w > 0, x, 0)`` and the inputs of every
     masked-out token are replaced by 0 before use, so NaN or inf log-probs at padding never reach the
@@ -300,7 +302,8 @@ def policy_loss(
     ``logp_ref`` may be None when ``config.kl_coef == 0`` (the KL metrics are then 0). ``denoms``: the
     mini-batch :class:`LossDenominators` when this call sees one micro-batch of it; None computes them
     from the given arrays. With denoms supplied the loss and every metric are additive over
-    micro-batches.
+    micro-batches. ``max_new_tokens``: Dr.GRPO's T; None = ``logp.shape[-1]`` (a step on a batch cut to a
+    response bucket passes the uncut width, so cutting trailing padding changes nothing).
 
     Returns ``(loss, metrics)``; metrics (float32 device scalars, docs/method.md §5 names, stop-gradient):
     ``loss/policy`` (= -AGG(surr, ...)), ``loss/kl`` (= AGG(k3, ...), without kl_coef),
@@ -317,15 +320,16 @@ def policy_loss(
     adv_BT = jnp.broadcast_to(adv.astype(F32)[:, None], logp.shape)
     clip_kw = dict(eps_low=config.eps_low, eps_high=config.eps_high, dual_clip_c=config.dual_clip_c)
     agg = config.loss_agg
+    T = logp.shape[-1] if max_new_tokens is None else max_new_tokens
 
     # Policy term: every input of an unselected token is zeroed first (double where), so its
     # gradient is exactly 0 whatever logp holds there.
     surr, _ = clipped_surrogate(jnp.where(sel_b, logp, 0.0), jnp.where(sel_b, logp_old, 0.0),
                                 jnp.where(sel_b, adv_BT, 0.0), **clip_kw)
-    pg = -_aggregate(surr, sel_b, dpg_b, denoms.pg_tokens, denoms.num_responses, denoms.pg_rows, agg)
+    pg = -_aggregate(surr, sel_b, dpg_b, denoms.pg_tokens, denoms.num_responses, denoms.pg_rows, agg, T)
     loss = pg
 
-    kl, kl_valid_sum = _kl_term(logp, logp_ref, valid_b, wkl_b, dkl_b, denoms, agg)
+    kl, kl_valid_sum = _kl_term(logp, logp_ref, valid_b, wkl_b, dkl_b, denoms, agg, T)
     if logp_ref is not None and config.kl_coef != 0:
         loss = loss + config.kl_coef * kl
 

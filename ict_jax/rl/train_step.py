@@ -35,6 +35,11 @@ One-pass head: when d loss / d logp is known before the forward pass (fused sche
 each block's softmax while the block is in memory (three vocabulary matmuls per token instead of four).
 Same gradient to float32 rounding; the other methods keep the two-pass form (:func:`loss_and_aux`).
 
+Response buckets (issue 26, docs/loss.md): :func:`make_train_step` runs a batch at its longest response
+rounded up to a bucket of ``rollout.max_new_tokens`` (:func:`bucket_of`), one program per bucket; the
+program cuts the response axis first (:func:`step_fn`), keeps the uncut width for Dr.GRPO's T and
+chooses the mask at it (:func:`plan_select`), so gradients and metrics are the uncut step's.
+
 The static choices (method, schedule, which statistics each pass computes) are read from the config
 once into a :class:`StepPlan`; what the mask reads comes from the selector registry
 (:func:`ict_jax.rl.selectors.selector_needs`), so a selector a user registers trains like a built-in one.
@@ -52,8 +57,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ict_jax.buckets import bucket_for, response_buckets
 from ict_jax.config import Config, LossSection, SelectorSection
-from ict_jax.rl.batch import RolloutBatch
+from ict_jax.rl.batch import RolloutBatch, response_extent, trim_response
 from ict_jax.rl.group_stats import GroupStatsRequest, group_stats, head_inputs
 from ict_jax.rl.losses import LossDenominators, loss_denominators, policy_loss
 from ict_jax.rl.metrics import step_metrics
@@ -88,6 +94,11 @@ class StepPlan:
     u_form: str = "aligned"  # the reading of u (docs/method.md §1, stats.u_form)
     batch_shards: int = 1  # data x fsdp of the mesh the step runs on
     needs: tuple[str, ...] = ("js",)  # what the mask reads (the selector registry's ``needs``)
+    min_response_bucket: int | None = None  # rollout.min_response_bucket: None = no response buckets
+    # set per compiled program (make_train_step, step_fn): the response bucket the batch is cut to (None =
+    # uncut) and the batch's uncut response width (rollout.max_new_tokens: Dr.GRPO's T, the masks' width)
+    response_len: int | None = None
+    response_width: int | None = None
 
     @classmethod
     def from_config(cls, config: Config, tx: optax.GradientTransformation, batch_shards: int = 1) -> StepPlan:
@@ -97,7 +108,8 @@ class StepPlan:
                    loss=config.rl.loss, mini_batches=config.train.mini_batches,
                    micro_batches=config.train.micro_batches, temperature=config.stats_temperature,
                    chunk=config.stats.chunk, need_js="js" in needs or config.stats.js_metrics, tx=tx,
-                   u_form=config.stats.u_form, batch_shards=batch_shards, needs=needs)
+                   u_form=config.stats.u_form, batch_shards=batch_shards, needs=needs,
+                   min_response_bucket=config.rollout.min_response_bucket)
 
     @property
     def fused(self) -> bool:
@@ -157,6 +169,21 @@ def _valid(batch: RolloutBatch, mask_truncated: bool) -> jax.Array:
     return v.astype(F32)
 
 
+def plan_select(plan: StepPlan, stats: TokenStats, adv: jax.Array, valid: jax.Array, key: jax.Array,
+                step: jax.Array, minibatch: jax.Array | int) -> jax.Array:
+    """The mask of the plan's selector (:func:`ict_jax.rl.selectors.select`), chosen at the batch's uncut
+    response width (``plan.response_width``): on a batch cut to a response bucket the cut columns come
+    back as padding (valid 0, statistics 0, as they were) for the selector and go again after it, so
+    every selector, a registered one included, gives the uncut batch's mask (``random`` draws its
+    uniforms at ``[B, max_new_tokens]``; the counts and ties of top-k read valid positions only)."""
+    T = valid.shape[1]
+    extra = 0 if plan.response_width is None else plan.response_width - T
+    widen = (lambda x: x) if extra <= 0 else (lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, extra))))
+    mask = select(plan.method, TokenStats(*map(widen, stats)), adv, widen(valid), key=key, step=step,
+                  config=plan.selector, group_size=plan.group_size, minibatch=minibatch)
+    return mask[:, :T]
+
+
 def batch_stats(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
                 compute: tuple[str, ...]) -> TokenStats:
     """The docs/method.md §1 statistics ``compute`` of ``mb`` under ``params`` (blocks of positions):
@@ -192,11 +219,10 @@ def loss_and_aux(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, v
     if logp_old is None:  # fused: the old policy is the current one
         logp_old = jax.lax.stop_gradient(stats.logp)
     if mask is None:  # fused: select from this forward's (stop-gradient) statistics
-        mask = select(plan.method, _stop(stats), mb.advantages, valid, key=key, step=step,
-                      config=plan.selector, group_size=plan.group_size, minibatch=minibatch)
+        mask = plan_select(plan, _stop(stats), mb.advantages, valid, key, step, minibatch)
         denoms = loss_denominators(valid, mask, plan.loss)
     loss, metrics = policy_loss(stats.logp, logp_old, logp_ref, mb.advantages, valid, mask,
-                                config=plan.loss, denoms=denoms)
+                                config=plan.loss, denoms=denoms, max_new_tokens=plan.response_width)
     return loss, (metrics, mask, _stop(stats), logp_old)
 
 
@@ -207,12 +233,13 @@ def one_pass_surrogate(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBa
     metrics, mask, statistics, logp_old)."""
     sg = jax.lax.stop_gradient
     no_stats = TokenStats(None, None, None, None)
-    mask = select(plan.method, no_stats, mb.advantages, valid, key=key, step=step, config=plan.selector,
-                  group_size=plan.group_size, minibatch=minibatch)
+    mask = plan_select(plan, no_stats, mb.advantages, valid, key, step, minibatch)
     denoms = loss_denominators(valid, mask, plan.loss)
+    width = plan.response_width
 
     def loss_at(lp):  # r = exp(lp - sg(lp)) = 1 at any lp: the gradient does not depend on lp
-        return policy_loss(lp, sg(lp), None, mb.advantages, valid, mask, config=plan.loss, denoms=denoms)[0]
+        return policy_loss(lp, sg(lp), None, mb.advantages, valid, mask, config=plan.loss, denoms=denoms,
+                           max_new_tokens=width)[0]
 
     g_logp = jax.grad(loss_at)(jnp.zeros(valid.shape, F32))
     head = head_inputs(params, graphdef, mb.tokens, mb.attention_mask, mb.response_len)
@@ -221,7 +248,7 @@ def one_pass_surrogate(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBa
                                            chunk=plan.chunk, compute=plan.current_compute, u_form=plan.u_form)
     logp_old = stats.logp  # already stop-gradient
     loss, metrics = policy_loss(stats.logp, logp_old, None, mb.advantages, valid, mask, config=plan.loss,
-                                denoms=denoms)
+                                denoms=denoms, max_new_tokens=width)
     return surrogate, (loss, metrics, mask, stats, logp_old)
 
 
@@ -302,8 +329,7 @@ def micro_batched_grads(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutB
     n = plan.micro_batches
     cur = nograd_stats(plan, params, graphdef, mb, valid, plan.current_compute, n)
     cur = cur._replace(**group_old)  # ICT's u comes from the old policy (docs/method.md §2)
-    mask = select(plan.method, cur, mb.advantages, valid, key=key, step=step, config=plan.selector,
-                  group_size=plan.group_size, minibatch=minibatch)
+    mask = plan_select(plan, cur, mb.advantages, valid, key, step, minibatch)
     denoms = loss_denominators(valid, mask, plan.loss)
     micro = functools.partial(_micro_batch_grads, plan, params, graphdef, denoms, key, step)
     xs = tuple(_split_or_none(a, n) for a in (mb, valid, logp_old, logp_ref, mask))
@@ -347,7 +373,14 @@ def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: 
     """One rollout batch, unjitted: the old-policy and reference passes, the scan over mini-batches,
     the §5 metrics (loss metrics averaged over mini-batches, ``train/skipped`` counted). Only
     ``state.params`` is differentiated and updated (with LoRA: the adapters; ``state.frozen`` passes
-    through, and the KL reference is the base with the adapters off)."""
+    through, and the KL reference is the base with the adapters off).
+
+    ``plan.response_len``: the response axis is first cut to that bucket (:func:`trim_response`; only
+    trailing padding goes) and every pass runs at its length; the uncut width is kept as
+    ``plan.response_width`` for the loss's Dr.GRPO T and the masks (:func:`plan_select`)."""
+    plan = dataclasses.replace(plan, response_width=batch.response_len)
+    if plan.response_len is not None:
+        batch = trim_response(batch, plan.response_len)
     graphdef = state.model_def()
     valid = _valid(batch, plan.loss.mask_truncated)
     ref_params, ref_def = kl_reference(state, ref_params)
@@ -364,6 +397,7 @@ def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: 
     metrics["train/skipped"] = lms["train/skipped"].sum()
     metrics.update(step_metrics(batch, valid, masks, stats, lp_old_used, plan.group_size, u_form=plan.u_form,
                                 selector=plan.selector, mini_batches=plan.mini_batches))
+    metrics["train/response_len"] = jnp.float32(batch.response_len)  # the response bucket the update ran at
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
     return new_state, metrics
 
@@ -429,7 +463,18 @@ def _on_mesh(mesh: jax.sharding.Mesh | None) -> Any:
 
 def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
                     tx: optax.GradientTransformation | None = None) -> Callable[..., tuple[TrainState, dict]]:
-    """``step(state, batch, ref_params=None) -> (state, metrics)``: ONE jitted program per shape.
+    """``step(state, batch, ref_params=None) -> (state, metrics)``: ONE jitted program per shape and
+    response bucket.
+
+    Response buckets (``rollout.min_response_bucket``, on by default): the step reads the batch's
+    longest response that counts (:func:`bucket_of`) and runs at that length rounded up to a bucket of
+    :func:`ict_jax.buckets.response_buckets` (powers of two up to the batch's width, max_new_tokens):
+    the batch goes in whole and the program cuts its response axis first (:func:`step_fn`), so the
+    old-policy pass, the statistics, the masks and the loss cost the tokens generated, not
+    max_new_tokens. Gradients and metrics are the uncut step's (only trailing padding goes; Dr.GRPO's T
+    and the masks keep the uncut width). One program per bucket, compiled on first use: at most
+    ``len(response_buckets(...))`` per batch shape. ``response_len=`` picks a bucket explicitly
+    (the batch's width = the uncut step).
 
     ``mesh``: rows of the batch are split over ('data', 'fsdp'); the state keeps the shardings it
     has (from :func:`ict_jax.init_model` / :func:`ict_jax.load_hf` with the same mesh). The state is
@@ -438,34 +483,58 @@ def make_train_step(config: Config, mesh: jax.sharding.Mesh | None = None, *,
     The warm-up switch (``step < warmup_steps``) is traced data: no recompilation.
     ``step.lower(state, batch, ref_params=None)`` gives the ``jax.stages.Lowered`` program (arguments
     may be abstract ``jax.ShapeDtypeStruct`` trees) for ``.compile().memory_analysis()`` and cost
-    estimates without running it. ``step.jitted`` maps argument structures to their ``jax.jit``.
+    estimates without running it (the largest bucket unless ``response_len=`` says otherwise).
+    ``step.jitted`` maps (argument structures, response bucket) to their ``jax.jit``.
     """
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     plan = StepPlan.from_config(config, tx or make_optimizer(config), batch_shards=shards)
     compiled: dict[Any, Callable] = {}
 
-    def jitted_for(state: TrainState, batch: RolloutBatch, ref_params: Any) -> Callable:
-        """The jax.jit object for these argument structures (built once, with the shape checks)."""
+    def jitted_for(state: TrainState, batch: RolloutBatch, ref_params: Any, response_len: int | None) -> Callable:
+        """The jax.jit object for these argument structures and response bucket (built once, with the
+        shape checks)."""
         check_lora_state(config, state)
         check_step_inputs(plan, mesh, batch, ref_params, lora=state.frozen is not None)
-        key = (jax.tree.structure(state), jax.tree.structure(batch), ref_params is None)
+        n = batch.response_len if response_len is None else response_len
+        if not 1 <= n <= batch.response_len:
+            raise ValueError(f"response_len={n}: a batch of {batch.response_len} response positions keeps "
+                             f"1..{batch.response_len}")
+        key = (jax.tree.structure(state), jax.tree.structure(batch), ref_params is None, n)
         if key not in compiled:
-            compiled[key] = jit_step(plan, mesh, state, batch, ref_params)
+            cut = None if n == batch.response_len else n
+            compiled[key] = jit_step(dataclasses.replace(plan, response_len=cut), mesh, state, batch, ref_params)
         return compiled[key]
 
-    def step(state: TrainState, batch: RolloutBatch, ref_params: Any = None) -> tuple[TrainState, dict]:
-        fn = jitted_for(state, batch, ref_params)
+    def step(state: TrainState, batch: RolloutBatch, ref_params: Any = None, *,
+             response_len: int | None = None) -> tuple[TrainState, dict]:
+        if response_len is None:
+            response_len = bucket_of(plan, batch)
+        fn = jitted_for(state, batch, ref_params, response_len)
         with _on_mesh(mesh):
             return fn(state, batch, ref_params)
 
-    def lower(state: TrainState, batch: RolloutBatch, ref_params: Any = None) -> Any:
+    def lower(state: TrainState, batch: RolloutBatch, ref_params: Any = None, *,
+              response_len: int | None = None) -> Any:
         """``jax.stages.Lowered`` of the step for these arguments, which may be abstract
         (``jax.ShapeDtypeStruct`` leaves with shardings): ``step.lower(...).compile().memory_analysis()``
-        sizes a step without running or allocating it."""
-        fn = jitted_for(state, batch, ref_params)
+        sizes a step without running or allocating it. ``response_len``: the response bucket to build
+        (default: the largest, the batch's own width, which sets the memory a run needs)."""
+        fn = jitted_for(state, batch, ref_params, response_len)
         with _on_mesh(mesh):
             return fn.lower(state, batch, ref_params)
 
-    step.jitted = compiled  # for tests and benchmarks (compile counts)
+    step.jitted = compiled  # for tests and benchmarks (compile counts: one program per response bucket)
     step.lower = lower
+    step.plan = plan
     return step
+
+
+def bucket_of(plan: StepPlan, batch: RolloutBatch) -> int:
+    """The response bucket the step runs ``batch`` at: its longest response that counts
+    (:func:`ict_jax.rl.batch.response_extent`, the same on every process) rounded up to
+    :func:`ict_jax.buckets.response_buckets` of its width and ``plan.min_response_bucket``; the width
+    itself when response buckets are off (``rollout.min_response_bucket: null``)."""
+    buckets = response_buckets(batch.response_len, plan.min_response_bucket)
+    if len(buckets) == 1:
+        return batch.response_len
+    return bucket_for(max(1, response_extent(batch)), buckets)

@@ -22,6 +22,7 @@ same tokens for the same key.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,7 +32,9 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Bool, Float, Int
 
-from ict_jax.model.qwen2 import KVCache, attend, attention_qkv, finish_layer, rms_norm, rope_tables
+from ict_jax.buckets import response_buckets
+from ict_jax.config import RolloutSection
+from ict_jax.model.qwen2 import MASKED, KVCache, attend, attention_qkv, finish_layer, rms_norm, rope_tables
 from ict_jax.sharding import BATCH_AXES, check_prompts_divide, constrain
 
 #: On CPU, decode unrolls the layer loop over per-layer weights by default up to this depth (no
@@ -39,6 +42,7 @@ from ict_jax.sharding import BATCH_AXES, check_prompts_divide, constrain
 #: default is the model's ``lax.scan`` decode: the per-layer weights are a temporary copy of the layer
 #: weights for the duration of a call, memory an accelerator training run may not have.
 UNROLL_MAX_LAYERS = 32
+_ROLLOUT = RolloutSection()  # the config tree's defaults (one source per default)
 
 
 @struct.dataclass
@@ -164,6 +168,8 @@ class SampleSettings:
     kv_cache_dtype: str | None = None
     pad_id: int = 0
     unroll_layers: bool | None = None  # None: unroll on CPU when num_layers <= UNROLL_MAX_LAYERS
+    # decode phases of a growing KV cache (ict_jax.buckets.response_buckets); None: one phase, the whole cache
+    min_response_bucket: int | None = _ROLLOUT.min_response_bucket
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -176,6 +182,9 @@ class SampleSettings:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.min_response_bucket is not None and self.min_response_bucket < 1:
+            raise ValueError("min_response_bucket must be >= 1 (None = one decode phase), "
+                             f"got {self.min_response_bucket}")
 
 
 def _cache_constrain(cache: KVCache) -> KVCache:
@@ -203,25 +212,160 @@ def _split_layers(model: Any) -> list[dict[str, jax.Array]]:
     return [{k: v[i] for k, v in params.items()} for i in range(model.config.num_layers)]
 
 
+def _attend_chunks(q: jax.Array, ks: Sequence[jax.Array], vs: Sequence[jax.Array], allowed: jax.Array,
+                   dtype: Any) -> jax.Array:
+    """:func:`ict_jax.model.qwen2.attend` over a cache held in chunks along the slots (``ks[c], vs[c]:
+    [B, KV, S_c, hd]``, ``allowed [B, T, sum S_c]``): one softmax over every chunk's scores, the
+    weighted values summed chunk by chunk (float32). One chunk is ``attend`` itself."""
+    if len(ks) == 1:
+        return attend(q, ks[0], vs[0], allowed, dtype)
+    B, T, H, hd = q.shape
+    KV = ks[0].shape[1]
+    qg = q.reshape(B, T, KV, H // KV, hd)
+    scores = jnp.concatenate([jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+                              for k in ks], axis=-1) * (1.0 / jnp.sqrt(jnp.float32(hd)))
+    probs = jax.nn.softmax(jnp.where(allowed[:, None, None, :, :], scores, MASKED), axis=-1).astype(dtype)
+    out, start = None, 0
+    for v in vs:
+        part = jnp.einsum("bkgts,bksd->btkgd", probs[..., start:start + v.shape[2]], v,
+                          preferred_element_type=jnp.float32)
+        out, start = part if out is None else out + part, start + v.shape[2]
+    return out.astype(dtype).reshape(B, T, H, hd)
+
+
 def _decode_unrolled(model: Any, layers: list[dict], tok: Int[Array, " B"], ks: list, vs: list,
-                     mask: Int[Array, "B S"], pos: Int[Array, " B"], index: jax.Array):
+                     mask: Int[Array, "B S"], pos: Int[Array, " B"], index: jax.Array,
+                     bounds: tuple[int, ...] | None = None, phase: int = 0):
     """One decode step over per-layer weights and per-layer caches ``ks[i], vs[i]: [B, KV, S, hd]``
     (updated in place in the while loop; no restacking). The same computation as
     ``Qwen2.extend(tok[:, None], None, cache)`` + ``logits_from_hidden`` (tests compare with the
-    full forward)."""
+    full forward).
+
+    Decode phases (``bounds``: the slots where the cache's chunks end, static): ``ks[i], vs[i]`` are
+    tuples of chunks, slots ``[bounds[c-1], bounds[c])`` in chunk c; step ``index`` of ``phase`` writes
+    chunk ``phase`` and attends over chunks ``0..phase`` (:func:`_attend_chunks`). The written chunk is
+    read after its in-place write and the others only read: no copy of the cache (a window cut from a
+    whole cache made XLA CPU copy the cache at every step)."""
     c, dtype = model.config, model.compute_dtype
     cos, sin = rope_tables(pos[:, None], c.resolved_head_dim, c.rope_theta)
     mask = jax.lax.dynamic_update_slice(mask, jnp.ones((mask.shape[0], 1), mask.dtype), (0, index))
-    allowed = ((jnp.arange(mask.shape[1]) <= index)[None, :] & (mask > 0))[:, None, :]  # [B, 1, S]
+    seen = mask if bounds is None else mask[:, :bounds[phase]]
+    allowed = ((jnp.arange(seen.shape[1]) <= index)[None, :] & (seen > 0))[:, None, :]  # [B, 1, S or window]
     x = model._embed(tok[:, None])
     ks, vs = list(ks), list(vs)
+
+    def write(cache: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
+        return constrain(jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, 0, at, 0)), _CACHE_AXES)
+
     for i, p in enumerate(layers):
         q, k, v = attention_qkv(p, x, c, cos, sin, dtype)
-        ks[i] = constrain(jax.lax.dynamic_update_slice(ks[i], k.astype(ks[i].dtype), (0, 0, index, 0)), _CACHE_AXES)
-        vs[i] = constrain(jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype), (0, 0, index, 0)), _CACHE_AXES)
-        x = finish_layer(p, x, attend(q, ks[i].astype(dtype), vs[i].astype(dtype), allowed, dtype), c, dtype)
+        if bounds is None:
+            ks[i], vs[i] = write(ks[i], k, index), write(vs[i], v, index)
+            att = attend(q, ks[i].astype(dtype), vs[i].astype(dtype), allowed, dtype)
+        else:
+            at = index - (bounds[phase - 1] if phase else 0)  # the slot within the phase's chunk
+            kc, vc = list(ks[i]), list(vs[i])
+            kc[phase], vc[phase] = write(kc[phase], k, at), write(vc[phase], v, at)
+            ks[i], vs[i] = tuple(kc), tuple(vc)
+            att = _attend_chunks(q, [a.astype(dtype) for a in kc[:phase + 1]],
+                                 [a.astype(dtype) for a in vc[:phase + 1]], allowed, dtype)
+        x = finish_layer(p, x, att, c, dtype)
     h = rms_norm(x[:, 0], model.final_norm[...], c.rms_norm_eps, dtype)
     return model.logits_from_hidden(h), tuple(ks), tuple(vs), mask, pos + 1
+
+
+def _phase_cache(cache: Any, bounds: tuple[int, ...]) -> Any:
+    """The prefilled cache (prompt slots only) laid out for the decode phases ending at slots ``bounds``:
+    a :class:`KVCache` (``[L, B, KV, S, hd]``, the scan decode, which attends over a window of it) is
+    widened to ``bounds[-1]`` slots; the unrolled path's ``(ks, vs, mask, pos, index)`` keeps each
+    layer's cache as a tuple of chunks, slots ``[bounds[c-1], bounds[c])`` in chunk c, of which only
+    chunk 0 exists yet (:func:`_add_chunk` adds the next when a phase starts). New slots are empty
+    (zeros, mask 0): allocated, never copied."""
+    def pad(x: jax.Array, axis: int, to: int) -> jax.Array:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, to - x.shape[axis])
+        return jnp.pad(x, widths)
+
+    if isinstance(cache, KVCache):
+        return _cache_constrain(cache._replace(k=pad(cache.k, 3, bounds[-1]), v=pad(cache.v, 3, bounds[-1]),
+                                               mask=pad(cache.mask, 1, bounds[-1])))
+    ks, vs, mask, pos, index = cache
+
+    def first(x: jax.Array) -> tuple[jax.Array]:
+        return (constrain(pad(x, 2, bounds[0]), _CACHE_AXES),)
+
+    return (tuple(map(first, ks)), tuple(map(first, vs)), constrain(pad(mask, 1, bounds[-1]), ("batch", "cache_seq")),
+            pos, index)
+
+
+def _add_chunk(cache: tuple, phase: int, bounds: tuple[int, ...]) -> tuple:
+    """The unrolled path's chunked cache with chunk ``phase`` (slots ``[bounds[phase-1], bounds[phase])``,
+    empty) appended to every layer's k and v."""
+    ks, vs, mask, pos, index = cache
+
+    def add(chunks: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        x = chunks[0]
+        size = bounds[phase] - bounds[phase - 1]
+        return (*chunks, constrain(jnp.zeros(x.shape[:2] + (size, x.shape[3]), x.dtype), _CACHE_AXES))
+
+    return tuple(map(add, ks)), tuple(map(add, vs)), mask, pos, index
+
+
+def _decode_phases(body_for: Any, carry: tuple, windows: tuple[int, ...], grow: Any = None) -> tuple:
+    """The decode loop in phases (docs/sampler.md "How it runs"): phase j decodes the steps
+    ``t < windows[j]``, attending over the cache's first ``prompt_len + windows[j] - 1`` slots, so a
+    step reads the filled bucket of the cache, not ``max_new_tokens``. One compiled body per phase,
+    ``body_for(j)``. ``carry = (t, cache, tok, done, tokens, logps, valid)``; returns ``(done, tokens,
+    logps, valid)``.
+
+    ``grow`` None (one full-size cache, the scan decode): the phases follow one another at the top
+    level over the same carry, nothing copied between them; a phase whose rows are all done runs no step.
+    ``grow(cache, j)`` (the unrolled decode's chunks, :func:`_add_chunk`): phase j + 1 runs under a
+    ``lax.cond``, only when a row is still generating, with its chunk added: a batch whose answers end
+    early never allocates the rest of the cache, and no chunk is ever copied."""
+    def cond(w: int) -> Any:
+        return lambda c: (c[0] < w) & ~jnp.all(c[3])
+
+    if grow is None:
+        for j, w in enumerate(windows):
+            carry = jax.lax.while_loop(cond(w), body_for(j), carry)
+        return carry[3:]
+
+    def run(j: int, c: tuple) -> tuple:
+        c = jax.lax.while_loop(cond(windows[j]), body_for(j), c)
+        if j + 1 == len(windows):
+            return c[3:]
+        more = (c[0] < windows[-1]) & ~jnp.all(c[3])
+        return jax.lax.cond(more, lambda c: run(j + 1, (c[0], grow(c[1], j + 1), *c[2:])), lambda c: c[3:], c)
+
+    return run(0, carry)
+
+
+def _decode_step(model: Any, unroll: bool, cache: KVCache, bounds: tuple[int, ...] | None) -> tuple[Any, Any, Any]:
+    """``(step, cache, grow)``: ``step(tok, cache, phase) -> (logits, cache)`` decodes one token;
+    ``cache`` is the prefilled cache in the form ``step`` takes (per-layer caches when ``unroll``; laid
+    out for the decode phases ending at ``bounds`` by :func:`_phase_cache`); ``grow`` is
+    :func:`_decode_phases`'s (the unrolled path's chunks) or None. Phase j attends over ``bounds[j]``
+    slots."""
+    c = model.config
+    if unroll:  # decode state: per-layer caches (split once) and per-layer weights (sliced once)
+        layers = _split_layers(model)
+        cache = (tuple(cache.k[i] for i in range(c.num_layers)), tuple(cache.v[i] for i in range(c.num_layers)),
+                 cache.mask, cache.pos, cache.index)
+
+        def step(tok, cache, phase):
+            ks, vs, mask, pos, index = cache
+            logits, ks, vs, mask, pos = _decode_unrolled(model, layers, tok, ks, vs, mask, pos, index, bounds, phase)
+            return logits, (ks, vs, constrain(mask, ("batch", "cache_seq")), constrain(pos, ("batch",)), index + 1)
+    else:
+        def step(tok, cache, phase):
+            logits, cache = model.decode(tok, cache, None if bounds is None else bounds[phase])
+            return logits, _cache_constrain(cache)
+
+    if bounds is None:
+        return step, cache, None
+    grow = functools.partial(_add_chunk, bounds=bounds) if unroll else None
+    return step, _phase_cache(cache, bounds), grow
 
 
 def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int[Array, "P Lp"],
@@ -234,6 +378,7 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
     G, N = s.num_samples, s.max_new_tokens
     P, Lp = prompt_ids.shape
     B = P * G
+    windows = response_buckets(N, s.min_response_bucket)  # the decode phases (docs/sampler.md)
     prompt_ids = constrain(prompt_ids.astype(jnp.int32), ("batch", "seq"))
     prompt_mask = constrain(prompt_mask.astype(jnp.int32), ("batch", "seq"))
     sample = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, greedy=s.greedy)
@@ -243,8 +388,12 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
         u = jax.random.uniform(jax.random.fold_in(key, step), (B,), jnp.float32)
         return sample_token(logits, constrain(u, ("batch",)), **sample)
 
-    # prefill the P prompts once; Lp + N - 1 slots: the last sampled token is never decoded
-    cache = _cache_constrain(model.init_cache(P, Lp + N - 1, s.kv_cache_dtype))
+    # prefill the P prompts once; Lp + N - 1 slots: the last sampled token is never decoded. With decode
+    # phases the prompts fill Lp slots, repeated G times, then widened with empty slots: nothing of size
+    # max_new_tokens is copied, only allocated
+    phased = len(windows) > 1
+    bounds = tuple(Lp + w - 1 for w in windows) if phased else None  # where each phase's slots end
+    cache = _cache_constrain(model.init_cache(P, Lp if phased else Lp + N - 1, s.kv_cache_dtype))
     h, cache = model.extend(prompt_ids, prompt_mask, cache)
     logits = jnp.repeat(model.logits_from_hidden(h[:, -1]), G, axis=0)  # [B, V], prompt-major
     cache = _cache_constrain(_repeat_cache(cache, G))
@@ -254,28 +403,14 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
     tokens = jnp.full((B, N), s.pad_id, jnp.int32).at[:, 0].set(tok)
     logps = jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp)
     valid = jnp.zeros((B, N), bool).at[:, 0].set(True)
+    step, cache, grow = _decode_step(model, unroll, cache, bounds)
 
-    def cond(carry):
-        t, _, _, done, *_ = carry
-        return (t < N) & ~jnp.all(done)
+    def body_for(phase):
+        return lambda carry: body(carry, phase)
 
-    if unroll:  # decode state: per-layer caches (split once) and per-layer weights (sliced once)
-        layers = _split_layers(model)
-        cache = (tuple(cache.k[i] for i in range(c.num_layers)), tuple(cache.v[i] for i in range(c.num_layers)),
-                 cache.mask, cache.pos, cache.index)
-
-        def step(tok, cache):
-            ks, vs, mask, pos, index = cache
-            logits, ks, vs, mask, pos = _decode_unrolled(model, layers, tok, ks, vs, mask, pos, index)
-            return logits, (ks, vs, constrain(mask, ("batch", "cache_seq")), constrain(pos, ("batch",)), index + 1)
-    else:
-        def step(tok, cache):
-            logits, cache = model.decode(tok, cache)
-            return logits, _cache_constrain(cache)
-
-    def body(carry):
+    def body(carry, phase):
         t, cache, tok, done, tokens, logps, valid = carry
-        logits, cache = step(tok, cache)
+        logits, cache = step(tok, cache, phase)
         new, lp = draw(logits, t)
         live = ~done
         new = jnp.where(live, new, s.pad_id)
@@ -286,7 +421,7 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
         return (t + 1, cache, new, constrain(done, ("batch",)), tokens, logps, valid)
 
     carry = (jnp.int32(1), cache, tok, done, tokens, logps, valid)
-    _, _, _, done, tokens, logps, valid = jax.lax.while_loop(cond, body, carry)
+    done, tokens, logps, valid = _decode_phases(body_for, carry, windows, grow)
     row = ("batch", None)
     return Rollout(tokens=constrain(tokens, row), valid=constrain(valid, row), logp=constrain(logps, row),
                    lengths=constrain(valid.sum(axis=1, dtype=jnp.int32), ("batch",)),
@@ -323,14 +458,18 @@ class GenerateFn:
 def make_generate_fn(graphdef: Any, *, num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
                      top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (), greedy: bool = False,
                      kv_cache_dtype: str | None = None, pad_id: int = 0, unroll_layers: bool | None = None,
-                     mesh: Mesh | None = None) -> GenerateFn:
+                     mesh: Mesh | None = None,
+                     min_response_bucket: int | None = _ROLLOUT.min_response_bucket) -> GenerateFn:
     """The pure jitted generate function for ``graphdef`` (from ``nnx.split(model)``), for callers that
-    hold the state themselves (the trainer calls it every step with the current policy state)."""
+    hold the state themselves (the trainer calls it every step with the current policy state).
+    ``min_response_bucket`` (``rollout.min_response_bucket``): the smallest decode phase of the growing
+    KV cache; None decodes over the whole cache in one phase."""
     settings = SampleSettings(num_samples=int(num_samples), max_new_tokens=int(max_new_tokens),
                               temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                               eos_ids=tuple(int(i) for i in eos_ids), greedy=bool(greedy),
                               kv_cache_dtype=None if kv_cache_dtype is None else str(jnp.dtype(kv_cache_dtype)),
-                              pad_id=int(pad_id), unroll_layers=unroll_layers)
+                              pad_id=int(pad_id), unroll_layers=unroll_layers,
+                              min_response_bucket=None if min_response_bucket is None else int(min_response_bucket))
     return GenerateFn(graphdef, settings, mesh)
 
 
@@ -348,7 +487,8 @@ def state_mesh(state: Any) -> Mesh | None:
 def generate(model: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array, "P Lp"] | None, key: jax.Array, *,
              num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = 0, eos_ids: Sequence[int] = (), greedy: bool = False, kv_cache_dtype: str | None = None,
-             pad_id: int = 0, unroll_layers: bool | None = None, mesh: Mesh | None = None) -> Rollout:
+             pad_id: int = 0, unroll_layers: bool | None = None, mesh: Mesh | None = None,
+             min_response_bucket: int | None = _ROLLOUT.min_response_bucket) -> Rollout:
     """Sample ``num_samples`` (G) responses for each of the P left-padded prompts -> :class:`Rollout`
     with ``P * G`` rows, prompt-major.
 
@@ -360,7 +500,8 @@ def generate(model: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array,
     mesh = mesh if mesh is not None else state_mesh(state)
     fn = make_generate_fn(graphdef, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, top_k=top_k, eos_ids=eos_ids, greedy=greedy, kv_cache_dtype=kv_cache_dtype,
-                          pad_id=pad_id, unroll_layers=unroll_layers, mesh=mesh)
+                          pad_id=pad_id, unroll_layers=unroll_layers, mesh=mesh,
+                          min_response_bucket=min_response_bucket)
     cache_key = (graphdef, fn.settings, mesh)
     fn = _FNS.setdefault(cache_key, fn)
     return fn(state, jnp.asarray(prompt_ids), None if prompt_mask is None else jnp.asarray(prompt_mask), key)

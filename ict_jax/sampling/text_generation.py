@@ -26,9 +26,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ict_jax.config import eval_settings
-from ict_jax.data.prompts import (PromptRefused, PromptTooLong, bucket_for, encode_prompt, make_buckets, pad_left,
-                                  prompt_fits)
+from ict_jax.buckets import bucket_for, make_buckets
+from ict_jax.config import RolloutSection, eval_settings
+from ict_jax.data.prompts import PromptRefused, PromptTooLong, encode_prompt, pad_left, prompt_fits
 from ict_jax.data.templates import BOXED_INSTRUCTION, TEMPLATES
 from ict_jax.model.tokenizers import UnknownCharacterError, decode_response
 from ict_jax.rng import EVAL_STREAM, stream_key
@@ -36,6 +36,7 @@ from ict_jax.sampling.sampler import SampleSettings, make_generate_fn, state_mes
 from ict_jax.sharding import check_prompts_divide, to_host
 
 __all__ = ["TextGenerator", "make_text_generator"]
+_ROLLOUT = RolloutSection()  # the config tree's defaults (one source per default)
 
 
 class TextGenerator:
@@ -48,7 +49,8 @@ class TextGenerator:
     def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int, template: str, max_prompt_len: int, batch_size: int, seed: int, mesh: Any,
                  overlong: str, instruction: str | None, kv_cache_dtype: str | None,
-                 generate_fns: Mapping[int, Callable[..., Any]] | None = None):
+                 generate_fns: Mapping[int, Callable[..., Any]] | None = None,
+                 min_response_bucket: int | None = _ROLLOUT.min_response_bucket):
         if template not in TEMPLATES:
             raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
         if overlong not in ("error", "skip"):
@@ -72,7 +74,8 @@ class TextGenerator:
         self.buckets = make_buckets(self.max_prompt_len)
         self.sample_kwargs = dict(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                                   top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(tokenizer.eos_ids),
-                                  pad_id=int(tokenizer.pad_id), kv_cache_dtype=kv_cache_dtype)
+                                  pad_id=int(tokenizer.pad_id), kv_cache_dtype=kv_cache_dtype,
+                                  min_response_bucket=min_response_bucket)
         SampleSettings(**{k: v for k, v in self.sample_kwargs.items() if k != "kv_cache_dtype"})  # validate now
         self.key = generator_key(seed)
         self.fns: dict[int, Any] = dict(generate_fns or {})
@@ -166,7 +169,8 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
                         template: str = _EVAL["template"], max_prompt_len: int,
                         batch_size: int, seed: int = 0, mesh: Any = None, overlong: str = "error",
                         instruction: str | None = None, kv_cache_dtype: str | None = None,
-                        generate_fns: Mapping[int, Callable[..., Any]] | None = None) -> TextGenerator:
+                        generate_fns: Mapping[int, Callable[..., Any]] | None = None,
+                        min_response_bucket: int | None = _ROLLOUT.min_response_bucket) -> TextGenerator:
     """``generate_fn(prompts: list[str], n: int) -> list[list[str]]`` sampling from ``model``.
 
     - ``model``: a :class:`ict_jax.Qwen2`, or ``(graphdef, state)`` from ``nnx.split`` (the returned
@@ -185,12 +189,15 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
     - ``seed``: the same seed and the same sequence of calls give the same responses (call i samples with
       ``fold_in(generator_key(seed), i)``);
     - ``generate_fns``: {n: the compiled generate function for n samples} to use instead of building one
-      (a run's evaluation program, ``ict_jax.train.programs``), called as ``fn(state, ids, mask, key)``.
+      (a run's evaluation program, ``ict_jax.train.programs``), called as ``fn(state, ids, mask, key)``;
+    - ``min_response_bucket`` (``rollout.min_response_bucket``): the decode attends over a growing
+      bucket of its KV cache (:func:`ict_jax.sampling.sampler.make_generate_fn`); None: the whole cache.
     ``mesh`` defaults to the mesh the model's parameters are sharded on (None: no mesh).
     """
     return TextGenerator(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                          top_k=top_k, template=template, max_prompt_len=max_prompt_len, batch_size=batch_size,
                          seed=seed, mesh=mesh, overlong=overlong, instruction=instruction,
-                         kv_cache_dtype=kv_cache_dtype, generate_fns=generate_fns)
+                         kv_cache_dtype=kv_cache_dtype, generate_fns=generate_fns,
+                         min_response_bucket=min_response_bucket)
 
 

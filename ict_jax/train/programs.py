@@ -3,7 +3,9 @@
 A run executes three programs:
 
 - ``step``: the train step (:func:`ict_jax.rl.train_step.make_train_step`), ``(state, batch, ref_params)
-  -> (state, metrics)``, P x G rows;
+  -> (state, metrics)``, P x G rows; one executable per response bucket (issue 26, docs/loss.md): the
+  batch comes in at ``rollout.max_new_tokens`` response positions and the executable of its bucket
+  (:func:`ict_jax.rl.train_step.bucket_of`) cuts them inside the program;
 - ``generate``: the rollout sampler (:func:`ict_jax.sampling.sampler.make_generate_fn`), G samples a
   prompt, P / ``rollout.chunks`` prompts a call: :meth:`RunPrograms.rollout` makes the step's P prompts
   in ``rollout.chunks`` sequential calls (chunk c with ``fold_in(key, c)``), rows prompt-major;
@@ -22,7 +24,10 @@ the rows and the lengths) and compiles each shape once, ahead of time, from them
 (``jit.lower(*abstract).compile()``); calling the program runs that very executable. So the trainer can
 compile every program at its largest shapes before anything is sampled, read ``memory_analysis()`` of
 exactly what it will execute (the pre-flight, ``ict_jax.train.preflight``), and shapes met later (a
-shorter prompt bucket; response-length buckets) are compiled on first use.
+shorter prompt bucket; response-length buckets) are compiled on first use. The largest shape is the
+largest of every bucket: the step's key ``(rows, prompt bucket, response width, response bucket)`` is
+largest at the uncut width (``max_new_tokens``, the program a bucket of ``max_new_tokens`` runs), and the
+samplers have one shape, their decode phases (the response buckets of the KV cache) inside the program.
 """
 
 from __future__ import annotations
@@ -36,12 +41,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ict_jax.config import Config
-from ict_jax.data.prompts import make_buckets
+from ict_jax.buckets import make_buckets
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.tokenizers import Tokenizer
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import TrainState
-from ict_jax.rl.train_step import make_train_step
+from ict_jax.rl.train_step import bucket_of, make_train_step
 from ict_jax.sampling.sampler import GenerateFn, Rollout, make_generate_fn
 from ict_jax.sampling.text_generation import generator_key
 from ict_jax.sharding import BATCH_AXES, batch_sharding, place, replicated, shard_batch, to_host
@@ -50,7 +55,7 @@ from ict_jax.train.checkpoints import abstract_tree
 #: The programs of a run, in the order they are compiled.
 PROGRAM_NAMES = ("step", "generate", "eval")
 
-#: A program's shapes: (rows, lengths...) of its batch arguments.
+#: A program's shapes: (rows, lengths...) of its batch arguments (the step's last: its response bucket).
 ShapeKey = tuple[int, ...]
 
 
@@ -85,6 +90,7 @@ class Program:
     abstract_for: Callable[[ShapeKey], tuple[Any, ...]]  # shape -> abstract arguments
     shape_of: Callable[[tuple[Any, ...]], ShapeKey]  # call arguments -> their shape
     largest: ShapeKey
+    statics: Callable[[ShapeKey], dict[str, Any]] = lambda shape: {}  # shape -> lower_fn's static keywords
     executables: dict[ShapeKey, jax.stages.Compiled] = dataclasses.field(default_factory=dict, compare=False,
                                                                          repr=False)
 
@@ -92,7 +98,8 @@ class Program:
         return self.abstract_for(self.largest if shape is None else tuple(shape))
 
     def lower(self, shape: ShapeKey | None = None) -> jax.stages.Lowered:
-        return self.lower_fn(*self.abstract(shape))
+        shape = self.largest if shape is None else tuple(shape)
+        return self.lower_fn(*self.abstract(shape), **self.statics(shape))
 
     def compile(self, shape: ShapeKey | None = None) -> jax.stages.Compiled:
         """The executable for ``shape`` (default the largest), compiled the first time it is asked for."""
@@ -124,11 +131,16 @@ class RunPrograms:
         """Each named program compiled at its largest shapes (once: a later call of the program runs it)."""
         return {name: self.by_name()[name].compile() for name in names}
 
+    def step_shape(self, response_len: int, prompt_len: int | None = None) -> ShapeKey:
+        """The train step's shape key at response bucket ``response_len`` (and ``prompt_len``, default the
+        largest prompt bucket) for a batch of ``rollout.max_new_tokens`` response positions."""
+        rows, lp, width, _ = self.step.largest
+        return rows, lp if prompt_len is None else prompt_len, width, response_len
+
     def step_for(self, response_len: int, prompt_len: int | None = None) -> jax.stages.Compiled:
-        """The train step's executable for ``response_len`` response positions (and ``prompt_len``, default
-        the largest prompt bucket), compiled on first use."""
-        rows, lp, _ = self.step.largest
-        return self.step.compile((rows, lp if prompt_len is None else prompt_len, response_len))
+        """The train step's executable for response bucket ``response_len`` (:meth:`step_shape`), compiled
+        on first use."""
+        return self.step.compile(self.step_shape(response_len, prompt_len))
 
     def rollout(self, params: Any, ids: np.ndarray, mask: np.ndarray, key: jax.Array) -> Rollout:
         """G responses to each of the P prompts ``ids``/``mask`` ``[P, Lp]`` as host arrays, sampled in
@@ -242,16 +254,19 @@ def build_programs(config: Config, mesh: Mesh, model_config: ModelConfig, state:
 
 
 def _step_program(config: Config, mesh: Mesh, state: TrainState, ref: Any) -> Program:
+    """The train step: shape key (rows, prompt bucket, response width, response bucket); a batch's bucket
+    is read from its valid tokens on the host (:func:`ict_jax.rl.train_step.bucket_of`, the same on every
+    process) and passed to ``step.lower`` as ``response_len``."""
     step = make_train_step(config, mesh)
-    rows = config.train.prompts_per_step * config.rollout.num_samples
+    rows, N = config.train.prompts_per_step * config.rollout.num_samples, config.rollout.max_new_tokens
 
     def shape_of(args: tuple[Any, ...]) -> ShapeKey:
         batch = args[1]
         n, lr = batch.tokens.shape[0], batch.response_valid.shape[1]
-        return (n, batch.tokens.shape[1] - lr, lr)
+        return (n, batch.tokens.shape[1] - lr, lr, bucket_of(step.plan, batch))
 
     return Program("step", step.lower, lambda k: (state, abstract_batch(config, mesh, k[1], k[2], rows=k[0]), ref),
-                   shape_of, (rows, prompt_len(config), config.rollout.max_new_tokens))
+                   shape_of, (rows, prompt_len(config), N, N), statics=lambda k: {"response_len": k[3]})
 
 
 def sampler_fn(name: str, config: Config, graphdef: Any, mesh: Mesh, tokens: TokenIds, platform: str) -> GenerateFn:
@@ -262,7 +277,8 @@ def sampler_fn(name: str, config: Config, graphdef: Any, mesh: Mesh, tokens: Tok
                             temperature=d.eval_temperature if ev else r.temperature,
                             top_p=d.eval_top_p if ev else r.top_p, top_k=0 if ev else r.top_k,
                             eos_ids=tokens.eos_ids, pad_id=tokens.pad_id, kv_cache_dtype=kv_cache_dtype(config),
-                            unroll_layers=None if platform == "cpu" else False, mesh=mesh)
+                            unroll_layers=None if platform == "cpu" else False, mesh=mesh,
+                            min_response_bucket=r.min_response_bucket)
 
 
 def sampler_prompts(name: str, config: Config) -> int:

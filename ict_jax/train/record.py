@@ -22,10 +22,11 @@ from typing import Any
 from ict_jax.config import Config, ConfigError, from_dict
 
 #: Keys that may differ on --resume: they cannot change what is trained (logging, evaluation and
-#: checkpoint cadence, the number of reward processes). ``train.steps`` may only go up, and only when
+#: checkpoint cadence, the number of reward processes, the response buckets: cost, not values beyond float
+#: rounding). ``train.steps`` may only go up, and only when
 #: the learning-rate schedule does not depend on it. A trailing ``.*`` matches a whole section.
 RESUME_ALLOWED = ("run_dir", "train.eval_every", "train.save_every", "train.keep", "train.sft_save_every",
-                  "train.memory_check", "rl.reward.workers", "logging.*")
+                  "train.memory_check", "rl.reward.workers", "rollout.min_response_bucket", "logging.*")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

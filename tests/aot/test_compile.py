@@ -273,6 +273,20 @@ def test_local_compile_reports_every_program(local_reports):
     assert step.collectives["all-gather"]["count"] > 0  # FSDP gathers the weights
 
 
+@pytest.mark.e2e
+def test_step_at_a_smaller_response_bucket(local_reports):
+    """Issue 26: the step is built at the largest response bucket by default (max_new_tokens = 40: the
+    run's memory); ``response_len`` builds another, which needs less."""
+    full = local_reports[0][0]
+    assert full.positions == 40
+    cfg = load_config(RECIPE, TINY + ["mesh.data=2", "mesh.fsdp=4"])
+    (small,), _ = compile_run(cfg, get_target("local"), ("step",), response_len=16)
+    assert small.positions == 16 and small.compiled and all(c.ok for c in small.checks)
+    assert small.temporaries < full.temporaries
+    with pytest.raises(ValueError, match="response_len 41: the step's response bucket is 1..rollout.max_new_tokens=40"):
+        compile_run(cfg, get_target("local"), ("step",), response_len=41)
+
+
 # ------------------------------------------------------------------------------------------------
 # --fit on the local devices with an artificial memory limit
 # ------------------------------------------------------------------------------------------------
@@ -308,6 +322,8 @@ def _cli(argv, capsys):
     (["--topology", "v9:2x2"], "'v9:2x2' is not a TPU topology name"),
     (["mesh.data=-1", "mesh.fsdp=3"], "does not divide the 8 devices"),
     (["--program", "step", "train.micro_batches=3"], "train.micro_batches: 3 does not divide"),
+    (["--response-len", "41"], "--response-len 41: the step's response bucket is 1..rollout.max_new_tokens=40"),
+    (["--response-len", "16", "--fit"], "--response-len and --fit"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
     rc, _, err = _cli(["compile", "--config", RECIPE, "--topology", "local"] + TINY + argv, capsys)

@@ -53,8 +53,10 @@ def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
         summary = t.train()
         compiled = {name: list(p.executables) for name, p in t.parts.programs.by_name().items()}
     # the programs compiled before the first step (the pre-flight point) are the ones the run executed:
-    # one shape each (the largest prompt bucket is the only one of rollout.max_prompt_len 16), nothing else
-    assert compiled == {"step": [(16, 16, 6)], "generate": [(4, 16)], "eval": []}, compiled
+    # one shape each (the largest prompt bucket is the only one of rollout.max_prompt_len 16; the step's
+    # (rows, prompt bucket, response width, response bucket): max_new_tokens 6 is its only response bucket,
+    # below rollout.min_response_bucket 16), nothing else
+    assert compiled == {"step": [(16, 16, 6, 6)], "generate": [(4, 16)], "eval": []}, compiled
     run = tmp_path / "run"
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
@@ -323,3 +325,33 @@ def test_rollout_chunks_sample_the_prompts_in_sequential_calls(tmp_path):
     np.testing.assert_array_equal(ro.tokens, np.concatenate([ro0.tokens, ro1.tokens]))
     np.testing.assert_array_equal(ro.logp, np.concatenate([ro0.logp, ro1.logp]))
     assert ro.tokens.shape[0] == P * G and np.asarray(batch.tokens).shape[0] == P * G
+
+
+@pytest.mark.e2e
+def test_the_step_runs_each_batch_at_its_response_bucket(tmp_path):
+    """Issue 26 through the run's step program: response buckets (2, 4, 6) of max_new_tokens 6. The
+    pre-flight compiles the largest (the uncut step, bucket 6); each step runs at the bucket of its
+    batch's longest response (``train/response_len``), the others compiled on first use, one executable
+    per bucket met and nothing else. The spy ends every response after 1, 3, then 6 tokens (its validity
+    cut; an untrained model rarely stops by itself), so the three steps meet the buckets 2, 4 and 6."""
+    from ict_jax.train.trainer import Trainer
+
+    cfg = load_config(DEMO, TINY + ["train.steps=3", "train.sft_steps=0", f"run_dir={tmp_path / 'run'}",
+                                     "rollout.min_response_bucket=2", "mesh.data=-1", "mesh.tensor=2"])
+    with Trainer(cfg, progress=False) as t:
+        real, ends = t.parts.programs.step, iter([1, 3, 6])
+
+        class Spy:  # the run's step program, on the batch with its responses ended early
+            compile = real.compile
+
+            def __call__(self, state, batch, ref):
+                valid = np.asarray(batch.response_valid)
+                valid = np.where(np.arange(valid.shape[1])[None, :] < next(ends), valid, 0).astype(valid.dtype)
+                return real(state, batch.replace(response_valid=valid), ref)
+
+        t.parts = dataclasses.replace(t.parts, programs=dataclasses.replace(t.parts.programs, step=Spy()))
+        t.train()
+        compiled = sorted(real.executables)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["train/response_len"] for r in rows] == [2, 4, 6]
+    assert compiled == [(16, 16, 6, 2), (16, 16, 6, 4), (16, 16, 6, 6)]
