@@ -19,6 +19,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Implicit rank promotion ([B, T] + [B] broadcasting on the trailing axis) is an error, here and in the
 # subprocess tests: the package broadcasts explicitly (adv[:, None]), so a silent shape bug cannot pass.
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
+# The memory pre-flight (docs/memory.md) reads a fixed budget in the tests: their runs are tiny, and what
+# other processes hold must not decide whether they run (with a real model training beside the suite,
+# MemAvailable left the 8 test devices 0 B each and tiny runs were refused). tests/test_memory.py and
+# tests/train/test_preflight.py set and remove it to test the detection itself. Export it to override.
+os.environ.setdefault("ICT_JAX_MEMORY_BUDGET", "20GiB")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

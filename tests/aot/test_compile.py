@@ -256,7 +256,7 @@ def test_local_compile_reports_every_program(local_reports):
     reports, source = local_reports
     assert source.startswith("preset tiny")
     assert [r.program for r in reports] == list(PROGRAMS)
-    budget = get_target("local").budget  # the memory pre-flight's budget of this machine (docs/memory.md)
+    budget = get_target("local").budget  # the pre-flight's budget (docs/memory.md; the tests fix it: conftest)
     assert budget is not None and budget.devices == 8
     for r in reports:  # CPU: each device's share of the host's memory (read live: it moves between reads)
         assert r.compiled and r.fits and 0 < r.hbm <= budget.budget.total // 8
