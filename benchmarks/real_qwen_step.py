@@ -12,9 +12,11 @@ the answers), ``time/update_s`` (the one compiled train step: the old-policy and
 token statistics and the selector's mask, the loss, its gradient and AdamW) as mean +- sd over the run's
 steps, the response tokens, and ``summary.json``'s ``memory`` block (each program's ``device_bytes``, the
 pre-flight's ``predicted_peak`` and the process's measured ``peak_rss``). For each compile JSON: every
-program's arguments / temporaries / outputs / aliased / resident / live bytes. The statistics are not
-timed apart from the update (they run inside the same compiled program): the ICT-minus-GRPO update time
-is what ICT's statistics and mask cost. Prints a table; writes benchmarks/results/real_qwen_step.json.
+program's arguments / temporaries / outputs / aliased / resident / live bytes. The token statistics are
+not timed apart from the update: they run inside the same compiled program, for every method (GRPO's
+step computes them too, for its metrics), so the ICT and GRPO update times do not isolate them either;
+benchmarks/token_stats.py times the statistics alone. Prints a table; writes
+benchmarks/results/real_qwen_step.json.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def table(runs: dict, compiles: dict) -> str:
         cells = []
         for k in ("time/sample_s", "time/rewards_s", "time/update_s"):
             m, s = mean_sd(r[k]) if r[k] else (float("nan"), 0.0)
-            cells.append(f"{m:.1f} +- {s:.1f}")
+            cells.append(f"{m:.2f} +- {s:.2f}" if m < 1 else f"{m:.1f} +- {s:.1f}")
         tot = [a + b for a, b in zip(r["time/rollout_s"], r["time/update_s"])]
         m, s = mean_sd(tot)
         lines.append(f"| {name} | {r['steps']} | " + " | ".join(cells) + f" | {m:.1f} +- {s:.1f} | "
