@@ -27,7 +27,9 @@ CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 SIZES = ("0p5b", "1p5b", "7b")
 METHODS = ("grpo", "ict", "entropy", "stapo", "random")
 EXPECTED = {f"qwen2p5_{s}_{m}.yaml" for s in SIZES for m in METHODS} | {"smollm2_135m_ict.yaml",
-                                                                         "smollm2_135m_grpo.yaml"}
+                                                                         "smollm2_135m_grpo.yaml"} | {
+    "qwen2p5_coder_0p5b_cpu_ict.yaml", "qwen2p5_coder_0p5b_cpu_grpo.yaml"}
+CPU_RECIPES = {"qwen2p5_coder_0p5b_cpu_ict.yaml", "qwen2p5_coder_0p5b_cpu_grpo.yaml"}  # the real 0.5B on one CPU device (issue 23)
 OTHERS_ALLOWED = {"demo.yaml", "demo_arith.yaml", "demo_scratchpad.yaml", "demo_controls.yaml"}  # the built-in demo task: loaded and traced here too
 RECIPES = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 BASES = sorted(p.name for p in (CONFIGS / "base").glob("*.yaml"))
@@ -100,7 +102,7 @@ METHOD_KEYS = {"rl.selector.method", "rl.selector.rho", "rl.selector.scope", "rl
                "rl.loss.loss_agg", "run_dir"}
 
 
-@pytest.mark.parametrize("family", [f"qwen2p5_{s}" for s in SIZES] + ["smollm2_135m"])
+@pytest.mark.parametrize("family", [f"qwen2p5_{s}" for s in SIZES] + ["smollm2_135m", "qwen2p5_coder_0p5b_cpu"])
 def test_recipes_of_one_model_differ_only_in_the_method(family):
     """A fair comparison: same data, lengths, batch, optimizer, seed; only the selector (and the
     baselines' own aggregation / clip-higher) change."""
@@ -112,7 +114,7 @@ def test_recipes_of_one_model_differ_only_in_the_method(family):
         assert diff <= METHOD_KEYS, f"{name} differs from its twins in {sorted(diff - METHOD_KEYS)}"
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", sorted(EXPECTED - CPU_RECIPES))
 def test_geometry_fits_eight_devices(name, devices8):
     """The recipe's mesh builds on 8 devices, its mini-batches hold whole groups per shard and its
     micro-batches as many rows on every shard, as the train step checks before running
@@ -186,6 +188,24 @@ def test_smollm2_recipe_points_at_the_packaged_gguf():
     assert expected.is_file()
     loading = pytest.importorskip("ict_jax.model.loading")
     assert pathlib.Path(loading.resolve_path(cfg.model.path)) == expected
+
+
+def test_real_qwen_cpu_recipes_name_the_packaged_model_and_an_offline_task():
+    """configs/qwen2p5_coder_0p5b_cpu_*.yaml: the real 0.5B by its package name (docs/models.md), gym data,
+    one CPU device, and the memory settings the pre-flight was sized with (docs/benchmarks.md)."""
+    from ict_jax.model.packaged import KNOWN_MODELS
+
+    specs = set()
+    for name in sorted(CPU_RECIPES):
+        cfg = _load(name)
+        assert cfg.model.path in KNOWN_MODELS and cfg.model.path == "qwen2.5-coder-0.5b-instruct"
+        assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.model.remat) == (1, 1, 1, "full")
+        assert (cfg.train.prompts_per_step, cfg.rollout.num_samples, cfg.rollout.max_new_tokens) == (2, 8, 256)
+        assert cfg.train.micro_batches == 1 and cfg.rl.loss.kl_coef == 0.0
+        specs.update(cfg.data.train + cfg.data.eval)
+    assert specs == {"gym:chain_sum", "gym:chain_sum?size=32&seed=1000"}  # generated offline (the gym test below loads gym specs)
+    assert _load("qwen2p5_coder_0p5b_cpu_ict.yaml").rl.selector.method == "ict"
+    assert _load("qwen2p5_coder_0p5b_cpu_grpo.yaml").rl.selector.method == "grpo"
 
 
 def test_smollm2_gym_datasets_load():

@@ -104,6 +104,21 @@ def refill(parts: RunParts, state: TrainState, key: jax.Array, pb: PromptBatch, 
     return ids, mask, ro.replace(**fields), rewards, group_ok, refills
 
 
+class TimedScorer:
+    """A :data:`Scorer` that adds the seconds spent in the wrapped scorer (decoding the responses and
+    checking their answers) to :attr:`seconds`, so a step's rollout time splits into sampling and rewards."""
+
+    def __init__(self, score: Scorer):
+        self.score, self.seconds = score, 0.0
+
+    def __call__(self, parts: RunParts, pb: PromptBatch, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
+        try:
+            return self.score(parts, pb, tokens, valid)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
 def collect_rollout(parts: RunParts, state: TrainState, step: int, *, score: Scorer = score_rollout
                     ) -> tuple[RolloutBatch, dict[str, float]]:
     """Prompts -> G responses -> rewards -> a :class:`RolloutBatch` placed on the mesh, for RL step
@@ -118,15 +133,17 @@ def collect_rollout(parts: RunParts, state: TrainState, step: int, *, score: Sco
     G = cfg.rollout.num_samples
     t0 = time.perf_counter()
     key = stream_key(state.rng, SAMPLER_STREAM, step)
-    pb, ro, rewards = generate_and_score(parts, state, key, score)
+    timed = TimedScorer(score)
+    pb, ro, rewards = generate_and_score(parts, state, key, timed)
     ids, mask, group_ok, refills = pb.ids, pb.mask, pb.valid.astype(bool), 0
     if cfg.rl.adv.drop_zero_std_groups:
-        ids, mask, ro, rewards, group_ok, refills = refill(parts, state, key, pb, ro, rewards, score)
+        ids, mask, ro, rewards, group_ok, refills = refill(parts, state, key, pb, ro, rewards, timed)
     t_roll = time.perf_counter() - t0
     correct = (rewards >= cfg.rl.reward.correct).astype(np.float32)
     row_valid = np.repeat(group_ok.astype(np.float32), G)
     batch = to_host(build_rollout_batch(ids, mask, ro, rewards, config=cfg, correct=correct, row_valid=row_valid))
     n_tokens = float(np.asarray(batch.response_valid).sum())  # on the host copy (multi-process safe)
     batch = shard_batch(batch, parts.mesh) if parts.mesh.size > 1 else jax.tree.map(jnp.asarray, batch)
-    return batch, {"time/rollout_s": t_roll, "rollout/kept_row_frac": float(row_valid.mean()),
+    return batch, {"time/rollout_s": t_roll, "time/sample_s": t_roll - timed.seconds,
+                   "time/rewards_s": timed.seconds, "rollout/kept_row_frac": float(row_valid.mean()),
                    "rollout/refills": float(refills), "_tokens": n_tokens}

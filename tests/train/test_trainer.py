@@ -33,7 +33,8 @@ SECTION5 = {"reward/mean", "reward/accuracy", "adv/zero_std_group_frac", "respon
             "mask/high_low_entropy_ratio", "stats/H1_mean", "stats/H2_mean", "stats/H1_selected_mean",
             "stats/H2_selected_mean", "stats/js_mean", "stats/js_p90", "stats/js_selected_mean", "loss/policy",
             "loss/kl", "kl/valid_mean", "clip/frac_selected", "clip/frac_unselected", "grad/norm",
-            "rollout/logp_abs_diff_mean", "time/rollout_s", "time/update_s", "throughput/tokens_per_s"}
+            "rollout/logp_abs_diff_mean", "time/rollout_s", "time/sample_s", "time/rewards_s", "time/update_s",
+            "throughput/tokens_per_s"}
 
 
 # ict stays in the default suite as the trainer's representative end-to-end run (SFT warm start, RL,
@@ -272,6 +273,9 @@ def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
     assert kept["correct"][0] >= 1 and max(kept["correct"][1]) == 1.0  # refilled with an informative group
     assert kept["reward"] == (0, np.float32([-0.2, 0.0] * (G // 2)).tolist())  # kept: its rewards differ
     assert info["rollout/refills"] == 1 and info["rollout/kept_row_frac"] == 1.0
+    # the rollout's time splits into sampling and rewards (the two scorer calls: the batch and its refill)
+    assert info["time/rewards_s"] > 0 and info["time/sample_s"] > 0
+    assert info["time/sample_s"] + info["time/rewards_s"] == pytest.approx(info["time/rollout_s"])
     first, refill = first_batches
     Lr = cfg.rollout.max_new_tokens
     prompts = np.asarray(batch.tokens)[::G, :-Lr]
@@ -355,3 +359,28 @@ def test_the_step_runs_each_batch_at_its_response_bucket(tmp_path):
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["train/response_len"] for r in rows] == [2, 4, 6]
     assert compiled == [(16, 16, 6, 2), (16, 16, 6, 4), (16, 16, 6, 6)]
+
+
+def test_timed_scorer_adds_the_seconds_of_every_call_and_returns_the_rewards():
+    """train.rollout.TimedScorer: what splits a step's rollout time into sampling and rewards."""
+    import time
+
+    from ict_jax.train.rollout import TimedScorer
+
+    def slow(parts, pb, tokens, valid):
+        time.sleep(0.02)
+        return np.asarray(tokens, np.float32)[:, 0]
+
+    timed = TimedScorer(slow)
+    out = [timed(None, None, np.full((3, 2), k), None) for k in (1, 2)]
+    np.testing.assert_array_equal(out[1], [2.0, 2.0, 2.0])
+    assert 0.04 <= timed.seconds < 1.0
+
+    def broken(parts, pb, tokens, valid):
+        time.sleep(0.02)
+        raise RuntimeError("reward worker died")
+
+    timed = TimedScorer(broken)
+    with pytest.raises(RuntimeError, match="reward worker died"):
+        timed(None, None, None, None)
+    assert timed.seconds >= 0.02  # counted even when the scorer fails
