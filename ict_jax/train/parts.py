@@ -32,9 +32,10 @@ from ict_jax.rl.train_step import check_batch_geometry
 from ict_jax.sharding import check_prompts_divide, make_mesh
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.logs import RunLogger
-from ict_jax.train.model_source import build_model_and_tokenizer
+from ict_jax.train.lora_base import META_KEY as BASE_META_KEY, LoraBase, loaded_identity
+from ict_jax.train.model_source import build_model_and_tokenizer, with_adapters
 from ict_jax.train.programs import RunPrograms, TokenIds, build_programs, has_reference, reference_dtype
-from ict_jax.train.record import check_resume, read_config, record_resume
+from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
 from ict_jax.train.resume import (ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
                                   resume_point)
 from ict_jax.train.tracking import WandbTracker, require_wandb
@@ -62,12 +63,27 @@ class RunParts:
     tracker: WandbTracker | None  # logging.wandb
     resume_point: ResumePoint | None  # where a resumed run continues; None for a new run
     resumed: bool  # an RL checkpoint was restored
+    lora_base: LoraBase | None = None  # the base under a LoRA run's adapters (model.lora); None otherwise
 
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
-        """What an RL checkpoint records beside the arrays: the data position, the run's settings."""
+        """What an RL checkpoint records beside the arrays: the data position, the run's settings (and a
+        LoRA run's base model, :meth:`base_meta`)."""
         return {"data": self.iterator.state_dict(), "config": self.config.to_dict(),
                 "model_config": dataclasses.asdict(self.model_config), "tokenizer": self.tokenizer_spec,
-                "step": step}
+                "step": step, **self.base_meta("rl")}
+
+    def base_meta(self, phase: str) -> dict[str, Any]:
+        """``{"base_model": identity}`` of a LoRA run's base in ``phase`` ("sft" or "rl"; ``train.lora_base``),
+        on the process that writes the metadata; {} otherwise."""
+        if self.lora_base is None or jax.process_index() != 0:
+            return {}
+        return {BASE_META_KEY: self.lora_base.identity(phase)}
+
+    def check_base(self, checkpointer: Checkpointer, step: int, phase: str) -> None:
+        """A LoRA run resumed from checkpoint ``step`` of ``phase``: ConfigError (one line) unless its adapters
+        were trained on this run's base (:meth:`ict_jax.train.lora_base.LoraBase.check`)."""
+        if self.lora_base is not None:
+            self.lora_base.check(checkpointer, step, phase)
 
     def close(self) -> None:
         """The logger, W&B, the pending checkpoint and the reward workers, in that order."""
@@ -131,10 +147,15 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     custom = [ds.name for ds in datasets if ds.scorer == CUSTOM_KIND]
     if custom and cfg.rl.reward.fn is None:
         raise ConfigError(f"data.train: {custom[0]!r} is scored by reward=custom but rl.reward.fn is not set")
-    if model is None:
-        model, tokenizer, tok_spec = build_model_and_tokenizer(cfg, mesh)
+    # a LoRA run resumed after its warm start trains adapters on the warm start: load it as the base
+    weights = run_dir / SFT_MODEL if resume and cfg.model.lora.enabled and cfg.train.sft_steps > 0 \
+        and (run_dir / SFT_MODEL).is_dir() else None
+    if model is None or weights is not None:
+        model, tokenizer, tok_spec = build_model_and_tokenizer(cfg, mesh, weights=weights)
     else:
-        tok_spec = "given"
+        model, tok_spec = with_adapters(cfg, model), "given"
+    lora_base = None if model.config.lora is None else LoraBase(
+        loaded_identity(cfg, model, weights=weights, given=tok_spec == "given"), run_dir, cfg.train.sft_steps > 0)
     prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=model.config.max_position_embeddings)
     iterator = PromptIterator(prompts.encoded, cfg.train.prompts_per_step, seed=cfg.seed)
     state = init_train_state(cfg, model)
@@ -142,7 +163,7 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:
         return _start_run(cfg, run_dir, resume, changes, progress, mesh, model, tokenizer, tok_spec, prompts,
-                          iterator, programs, pool, state)
+                          iterator, programs, pool, state, lora_base)
     except BaseException:
         pool.close()
         raise
@@ -150,7 +171,7 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
 
 def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress: bool, mesh: Mesh, model: Qwen2,
                tokenizer: Tokenizer, tok_spec: str, prompts: TrainingPrompts, iterator: PromptIterator,
-               programs: RunPrograms, pool: RewardPool, state: TrainState
+               programs: RunPrograms, pool: RewardPool, state: TrainState, lora_base: LoraBase | None
                ) -> tuple[RunParts, TrainState, nnx.State | None]:
     """The writing half of :func:`build_parts`: the run directory, checkpoints and resume, the record,
     the logger."""
@@ -158,6 +179,8 @@ def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep)
     rl_step = checkpointer.latest_step() if resume else None
     if rl_step is not None:
+        if lora_base is not None:
+            lora_base.check(checkpointer, rl_step, "rl")
         state, meta = checkpointer.restore(state)
         iterator.load_state_dict(meta["data"])
         log.info("resumed from step %d", int(jax.device_get(state.step)))
@@ -179,5 +202,5 @@ def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress
     parts = RunParts(config=cfg, run_dir=run_dir, mesh=mesh, model_config=model.config, tokenizer=tokenizer,
                      tokenizer_spec=tok_spec, prompts=prompts, iterator=iterator, programs=programs, pool=pool,
                      checkpointer=checkpointer, logger=logger, tracker=tracker, resume_point=point,
-                     resumed=rl_step is not None)
+                     resumed=rl_step is not None, lora_base=lora_base)
     return parts, state, ref
