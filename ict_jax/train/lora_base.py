@@ -99,7 +99,13 @@ class LoraBase:
 
     @functools.cached_property
     def warm_start_base(self) -> dict[str, Any]:
-        return self.loaded if self.loaded["kind"] == "warm_start" else warm_start_identity(self.run_dir)
+        if self.loaded["kind"] == "warm_start":
+            return self.loaded
+        try:
+            return warm_start_identity(self.run_dir)
+        except FileNotFoundError:
+            raise ConfigError(f"--resume: the run's SFT warm start {self.run_dir / SFT_MODEL} is missing: it is the "
+                              "base of the run's LoRA adapters after the warm start; start a new run_dir") from None
 
 
 def describe(identity: dict[str, Any]) -> str:
