@@ -271,6 +271,9 @@ class TrainSection:
     sft_lr: float = 1e-3
     sft_batch_size: int = 32
     sft_save_every: int = 200  # SFT checkpoint every N SFT steps (<run_dir>/checkpoints_sft); 0 = none
+    # the memory pre-flight (docs/memory.md): a run whose compiled programs would not fit the machine's
+    # memory stops before anything is sampled or written (error, exit 3), only says so (warn), or is not checked
+    memory_check: Literal["error", "warn", "off"] = "error"
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,16 @@ class Budget:
         return self.total - self.held
 
 
+def fmt_bytes(n: int | None) -> str:
+    """``13.17 GiB``, ``812.4 MiB``, ``96.0 KiB``; ``-`` for None."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def parse_size(text: str, *, what: str = BUDGET_ENV) -> int:
     """``"20GiB"`` -> 21474836480; ``"512MB"``, ``"1.5e10"``, ``"123"`` (bytes). ValueError (one line) otherwise."""
     m = _SIZE.match(str(text))

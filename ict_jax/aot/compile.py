@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import resolve_path
+from ict_jax.memory import fmt_bytes
 from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.train_step import StepPlan, old_pass_chunks
@@ -50,7 +51,8 @@ from ict_jax.sharding import make_mesh
 from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state
 from ict_jax.train.model_source import preset_config, run_tokenizer, with_lora
-from ict_jax.train.preflight import program_memory
+from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
+from ict_jax.train.programs import per_device_bytes
 from ict_jax.train.programs import (PLACEHOLDER_IDS, PROGRAM_NAMES, TokenIds, abstract_batch,  # noqa: F401
                                     abstract_reference, kv_cache_dtype, prompt_len, sampler_prompts)
 from ict_jax.train.programs import build_programs as build_run_programs
@@ -86,8 +88,9 @@ class Target:
     platform: str  # "tpu", "cpu", "gpu"
     devices: tuple[Any, ...]
     device_kind: str
-    hbm_bytes: int | None  # per device; None = unknown (CPU)
+    hbm_bytes: int | None  # per device: what a program may use (local CPU: the host's share); None = unknown
     generation: str | None = None  # "v5e", ... for TPU topologies
+    budget: MachineBudget | None = None  # local devices: how hbm_bytes was found (train.preflight)
 
     @property
     def chips(self) -> int:
@@ -139,7 +142,9 @@ def get_target(name: str | None) -> Target:
     topology and :class:`TpuUnavailable` without libtpu."""
     if name in (None, "local"):
         devs = tuple(jax.devices())
-        return Target("local", devs[0].platform, devs, devs[0].device_kind, hbm_bytes(devs))
+        machine = machine_budget(devs)  # the memory pre-flight's budget: the same numbers as training's
+        limit = machine.per_device if machine is not None else hbm_bytes(devs)
+        return Target("local", devs[0].platform, devs, devs[0].device_kind, limit, budget=machine)
     try:
         gen, dims = parse_topology(name)
     except ConfigError as e:
@@ -218,25 +223,6 @@ def run_mesh(cfg: Config, target: Target) -> jax.sharding.Mesh:
                          f"({target.chips} devices): {e}") from None
 
 
-def per_device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` s or arrays (its shard of each
-    leaf)."""
-    total = 0
-    for a in jax.tree.leaves(tree):
-        sh = getattr(a, "sharding", None)
-        shape = sh.shard_shape(a.shape) if sh is not None else a.shape
-        total += int(np.prod(shape, dtype=np.int64)) * _itemsize(a.dtype)
-    return total
-
-
-def _itemsize(dtype: Any) -> int:
-    """Bytes of one element; a typed PRNG key's are those of its key data (threefry: 2 x uint32)."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
-        return int(np.prod(data.shape, dtype=np.int64)) * jnp.dtype(data.dtype).itemsize
-    return jnp.dtype(dtype).itemsize
-
-
 def stats_block(positions: int, chunk: int) -> int:
     """Positions in one block of the vocabulary statistics (``rl.token_stats``: blocks of at most
     ``chunk`` positions, evened out: 96 positions at chunk 64 run 2 blocks of 48)."""
@@ -300,8 +286,7 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
         rows = sampler_prompts(name, cfg) * (cfg.data.eval_n if name == "eval" else G)
         info = dict(common, rows=rows // batch_shards, positions=N, block=1, cache_slots=Lp + N - 1,
                     kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes)
-        out.append(CompileJob(name, program.lower, state_bytes["opt_state"] + state_bytes["ref"],
-                              per_device_bytes(args), info))
+        out.append(CompileJob(name, program.lower, resident_bytes(run, name), per_device_bytes(args), info))
     return out
 
 
@@ -422,16 +407,6 @@ def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hl
                             + ("" if want in dims else ": one layer's [rows, kv_heads, slots, head_dim] in the program"
                                if found else ": no array of that shape in the program")))
     return checks
-
-
-def fmt_bytes(n: int | None) -> str:
-    """``13.17 GiB``, ``812.4 MiB``, ``96.0 KiB``; ``-`` for None."""
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 @contextlib.contextmanager

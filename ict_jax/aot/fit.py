@@ -282,3 +282,42 @@ def format_fit(result: FitResult) -> str:
             f"{fmt_bytes(live)} live a device at most (estimated step {b.seconds:.1f} s at {MFU:.0%} of peak)\n"
             f"  {b.line()}")
 
+
+
+def current_overrides(cfg: Config, mesh: dict[str, int]) -> dict[str, Any]:
+    """The run's own values of the knobs :func:`candidate_settings` varies (``mesh``: its resolved shape)."""
+    return {"mesh.data": mesh["data"], "mesh.fsdp": mesh["fsdp"], "mesh.tensor": mesh["tensor"],
+            "train.micro_batches": cfg.train.micro_batches, "model.remat": cfg.model.remat,
+            "stats.chunk": cfg.stats.chunk, "rollout.chunks": cfg.rollout.chunks}
+
+
+def estimated_fit(cfg: Config, target: Target, mesh: dict[str, int], measured: dict[str, int],
+                  allowance: int) -> Candidate | None:
+    """Without compiling: the cheapest setting (:func:`candidate_settings`, by estimated step time) whose
+    estimated memory fits ``allowance`` bytes a device, the estimates scaled by how far they were from
+    ``measured`` (program -> compiled bytes a device at the run's own settings) so that the run's own
+    setting is estimated at what it measured. None when no candidate is estimated to fit. The answer
+    the memory pre-flight gives in seconds; ``ict-jax compile --fit`` confirms by compiling."""
+    mc0, _ = target_model_config(cfg, target.platform)
+    own = current_overrides(cfg, mesh)
+    est = estimate_memory(cfg, mc0.replace(remat=cfg.model.remat), own)
+    scale = max((measured[p] / est[p] for p in measured if est.get(p)), default=1.0)
+    best = None
+    for ov in candidate_settings(cfg, mc0, target.chips):
+        if ov == own:
+            continue
+        mc = mc0.replace(remat=ov["model.remat"])
+        mem = estimate_memory(cfg.replace(**{"stats.chunk": ov["stats.chunk"]}), mc, ov)
+        need = max(mem[p] for p in measured) * scale
+        if need > allowance:
+            continue
+        cand = Candidate(ov, int(need), estimate_seconds(cfg, mc, ov, target))
+        if best is None or (cand.seconds, cand.memory) < (best.seconds, best.memory):
+            best = cand
+    return best
+
+
+def changed(candidate: Candidate, cfg: Config, mesh: dict[str, int]) -> str:
+    """The candidate's settings that differ from the run's: ``train.micro_batches=4 model.remat=full``."""
+    own = current_overrides(cfg, mesh)
+    return " ".join(f"{k}={v}" for k, v in candidate.overrides.items() if own.get(k) != v)

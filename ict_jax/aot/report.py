@@ -9,9 +9,12 @@ from ict_jax.aot.hlo import COLLECTIVES
 
 
 def header(config_name: str, target: Target, mesh: dict[str, int], model_source: str) -> str:
-    hbm = f", {fmt_bytes(target.hbm_bytes)} HBM each" if target.hbm_bytes else ""
-    return (f"{config_name} on {target.name} ({target.chips} x {target.device_kind}{hbm}); mesh "
+    hbm = f", {fmt_bytes(target.hbm_bytes)} HBM each" if target.hbm_bytes and target.budget is None else ""
+    line = (f"{config_name} on {target.name} ({target.chips} x {target.device_kind}{hbm}); mesh "
             + " ".join(f"{k}={v}" for k, v in mesh.items()) + f"; model: {model_source}")
+    if target.budget is not None:  # the local machine: the memory pre-flight's budget (docs/memory.md)
+        line += f"\nbudget: {target.budget.describe()}"
+    return line
 
 
 def memory_table(reports: Sequence[ProgramReport]) -> str:
@@ -55,8 +58,9 @@ def checks_lines(reports: Sequence[ProgramReport]) -> list[str]:
 def not_fitting_line(r: ProgramReport) -> str:
     """The one line of exit code 3: the program, its bytes and the HBM."""
     if r.compiled:
+        memory = "HBM" if r.target != "local" else "the budget"
         return (f"{r.program} does not fit {r.target}: {fmt_bytes(r.live)} live a device "
-                f"({fmt_bytes(r.temporaries)} temporaries) > {fmt_bytes(r.hbm)} HBM")
+                f"({fmt_bytes(r.temporaries)} temporaries) > {fmt_bytes(r.hbm)} {memory}")
     temps = f"{fmt_bytes(r.temporaries)} of temporaries" if r.temporaries else "out of memory"
     return f"{r.program} does not fit {r.target}: {temps} > {fmt_bytes(r.hbm)} HBM (compiler: {r.error})"
 

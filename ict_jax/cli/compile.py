@@ -12,8 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-#: Exit code when a program does not fit the target's memory.
-EXIT_DOES_NOT_FIT = 3
+from ict_jax.cli.errors import EXIT_DOES_NOT_FIT
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,8 @@ def add_diagnose_args(p: argparse.ArgumentParser) -> None:
 
     forms = ",".join(typing.get_args(UForm))
     p.add_argument("--model", required=True, metavar="PATH",
-                   help="a Hugging Face directory, a .gguf file or pkg:<package>/<file>")
+                   help="a Hugging Face directory, a .gguf file, pkg:<package>/<file>, or a real model split over "
+                        "packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>; docs/models.md)")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH", help="tokenizer instead of the model's own")
     p.add_argument("--prompts", default=None, metavar="SRC",
                    help="the prompts (required unless --reanalyse): a data set spec, e.g. "

@@ -62,7 +62,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     from ict_jax.data.templates import TEMPLATES
 
     p.add_argument("--model", required=True, metavar="PATH",
-                   help="Hugging Face checkpoint directory, .gguf file, pkg:<package>/<file>, or a training run "
+                   help="Hugging Face checkpoint directory, .gguf file, pkg:<package>/<file>, a real model split over "
+                        "packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>; docs/models.md), or a training run "
                         "directory (its last checkpoint); a run directory (or a model `ict-jax export` wrote from "
                         "one) brings its own settings (template, lengths, evaluation settings), flags override them")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH",

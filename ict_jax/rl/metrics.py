@@ -1,7 +1,9 @@
 """The diagnostics of docs/method.md §5.
 
 :func:`step_metrics` turns a rollout batch, its mask and token statistics into the §5 device scalars
-the train step returns (stable names: plots and tables read them). Their quantiles (the lower median
+the train step returns (stable names: plots and tables read them), and two measures of how saturated
+ICT's cut is (docs/statistics.md): ``stats/u_at_ceiling`` and ``mask/tie_selected_frac``
+(:mod:`ict_jax.rl.saturation`). Their quantiles (the lower median
 of H1, ``stats/js_p90``) are :func:`ict_jax.rl.quantile.valid_quantile`, the one quantile over valid
 entries, which STAPO's entropy quantile (:func:`ict_jax.rl.selectors.stapo_quantile`) also takes.
 """
@@ -14,7 +16,9 @@ from jaxtyping import Array, Float
 
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.losses import zero_std_groups
+from ict_jax.config import SelectorSection
 from ict_jax.rl.quantile import valid_quantile
+from ict_jax.rl.saturation import RANKED_BY, tie_selected_frac, u_at_ceiling
 from ict_jax.rl.token_stats import TokenStats
 
 F32 = jnp.float32
@@ -25,13 +29,19 @@ def _masked_mean(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def step_metrics(batch: RolloutBatch, valid: Float[Array, "B T"], mask: Float[Array, "B T"], stats: TokenStats,
-                 logp_old: Float[Array, "B T"], group_size: int) -> dict[str, jax.Array]:
+                 logp_old: Float[Array, "B T"], group_size: int, *, u_form: str | None = None,
+                 selector: SelectorSection | None = None, mini_batches: int = 1) -> dict[str, jax.Array]:
     """docs/method.md §5 metrics of the rollout batch, masks and statistics (device scalars).
 
     The train step adds the loss metrics (``loss/*``, ``kl/*``, ``clip/*``) and ``grad/norm``; the
     statistics a pass did not compute (a ``None`` field of ``stats``) give no metric.
     ``mask/high_low_entropy_ratio`` = #(M and H1 > med) / max(1, #(M and H1 <= med)), med the lower
     median of H1 over valid tokens; ``stats/js_p90`` the linear 0.9 quantile of u over valid tokens.
+    With ``u_form`` (the reading u was computed under): ``stats/u_at_ceiling``, the share of valid tokens
+    whose u is within 5 % of its ceiling. With ``selector`` a top-k selector whose statistic is in
+    ``stats`` (ict: u, entropy: H1): ``mask/tie_selected_frac``, the share of selected tokens its cut took
+    by the tie rule, candidate sets as the selector forms them (``batch``: one per mini-batch of
+    ``mini_batches``) (:mod:`ict_jax.rl.saturation`).
     """
     rv = batch.row_valid > 0
     sel = mask * valid
@@ -61,4 +71,11 @@ def step_metrics(batch: RolloutBatch, valid: Float[Array, "B T"], mask: Float[Ar
         m["stats/js_mean"] = _masked_mean(stats.js, valid)
         m["stats/js_p90"] = valid_quantile(stats.js, valid, (9, 10))
         m["stats/js_selected_mean"] = _masked_mean(stats.js, sel)
+        if u_form is not None:
+            m["stats/u_at_ceiling"] = u_at_ceiling(stats.js, valid, group_size, u_form)
+    score = getattr(stats, RANKED_BY.get(selector.canonical_method, ""), None) if selector is not None else None
+    if score is not None:
+        m["mask/tie_selected_frac"] = tie_selected_frac(score, mask, valid, scope=selector.resolved_scope,
+                                                        group_size=group_size,
+                                                        set_rows=valid.shape[0] // max(mini_batches, 1))
     return m

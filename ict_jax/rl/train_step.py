@@ -362,7 +362,8 @@ def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: 
         stats = stats._replace(**group_old)
     metrics = {k: v.mean() for k, v in lms.items()}
     metrics["train/skipped"] = lms["train/skipped"].sum()
-    metrics.update(step_metrics(batch, valid, masks, stats, lp_old_used, plan.group_size))
+    metrics.update(step_metrics(batch, valid, masks, stats, lp_old_used, plan.group_size, u_form=plan.u_form,
+                                selector=plan.selector, mini_batches=plan.mini_batches))
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
     return new_state, metrics
 

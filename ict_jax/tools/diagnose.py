@@ -35,6 +35,7 @@ from ict_jax.model.tokenizers import UnknownCharacterError, decode_responses
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
+from ict_jax.rl.saturation import RANKED_BY, tie_decided
 from ict_jax.rl.selectors import select
 from ict_jax.rl.token_stats import ALL_STATS, U_FORMS, TokenStats
 from ict_jax.rng import DIAGNOSE_STREAM, stream_key
@@ -173,6 +174,25 @@ def _checked_setting(setting: Setting, max_new_tokens: int) -> tuple[int, float,
     return G, T, int(max_new_tokens)
 
 
+#: :func:`~ict_jax.rl.saturation.tie_decided` compiled once per candidate-set shape (not op by op)
+_tie_decided = jax.jit(tie_decided, static_argnames=("scope", "group_size", "set_rows"))
+
+
+def _ties_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str, TokenStats], first: str,
+              masks: Mapping[str, np.ndarray], valid: np.ndarray, G: int) -> dict[str, np.ndarray]:
+    """The selected tokens the tie rule decided (:func:`~ict_jax.rl.saturation.tie_decided`) for every top-k
+    selector (:data:`~ict_jax.rl.saturation.RANKED_BY`: ict by u of its reading, entropy by H1), one
+    sampling batch being the mini-batch (its candidate set under scope ``batch``)."""
+    out = {}
+    for name, (cfg, form) in specs.items():
+        stat = RANKED_BY.get(cfg.canonical_method)
+        if stat is None:
+            continue
+        score = getattr(per[form] if stat == "js" else per[first], stat)
+        out[name] = np.asarray(_tie_decided(score, masks[name], valid, scope=cfg.resolved_scope, group_size=G))
+    return out
+
+
 def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_forms: Sequence[str] = U_FORMS,
             max_new_tokens: int = 256, batch_rows: int = 64, template: str = "qwen_chat", seed: int = 0,
             rho: float | None = None, chunk: int | None = None, pool: Any = None,
@@ -181,7 +201,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     at least one, a program run: the mini-batch of the batch-scoped selectors), score them, and return the per-token
     arrays (NumPy, rows prompt-major): ``tokens``, ``valid`` ``[R, N]``; ``logp``, ``H1``, ``H2``,
     ``pmax``; ``js`` and ``pbar_tok`` dicts by reading; ``masks`` by selector name
-    (:func:`selector_specs`); per row ``reward`` (the data set's), ``correct``, ``advantage``
+    (:func:`selector_specs`); ``ties`` by top-k selector name (the selected tokens the tie rule decided); per row ``reward`` (the data set's), ``correct``, ``advantage``
     (:func:`outcome_advantages`), ``group``, ``truncated``; ``texts``; ``timing`` (sampling, statistics,
     scoring seconds). ``rho`` None: ICT's default
     (:func:`selector_specs`); ``chunk`` None: ``stats.chunk``'s default; the statistics go through
@@ -201,10 +221,12 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     stats_fn = compiled_group_stats(graphdef, request)
     specs = selector_specs(u_forms, rho)
     root = jax.random.key(int(seed))  # batch b samples on the diagnose stream at b (ict_jax.rng)
-    arrays: dict[str, list] = {k: [] for k in ("tokens", "valid", "logp", "H1", "H2", "pmax", "truncated")}
+    arrays: dict[str, list] = {k: [] for k in ("tokens", "valid", "logp", "H1", "H2", "pmax", "truncated", "reward",
+                                              "correct", "advantage", "group")}
     per_form: dict[str, dict[str, list]] = {f: {"js": [], "pbar_tok": []} for f in u_forms}
     masks: dict[str, list] = {name: [] for name in specs}
-    rewards, correct, advantages, texts, groups = [], [], [], [], []
+    ties: dict[str, list] = {}
+    texts: list[str] = []
     timing = {"sample_s": 0.0, "stats_s": 0.0, "score_s": 0.0}
     n_prompts = len(prompts)
     for b, start in enumerate(range(0, n_prompts, batch_prompts)):
@@ -228,29 +250,37 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         t0 = time.perf_counter()
         per = stats_fn(state, *group_rows(ids, mask, tokens, valid, G), jnp.asarray(vmask))
         base = per[u_forms[0]]  # logp, H1, H2, pmax: the same under every reading
-        for name, m in _select_all(specs, per, u_forms[0], adv, vmask, b, G, root).items():
+        batch_masks = _select_all(specs, per, u_forms[0], adv, vmask, b, G, root)
+        for name, m in batch_masks.items():
             masks[name].append(m[:rows])
+        for name, t in _ties_all(specs, per, u_forms[0], batch_masks, vmask, G).items():
+            ties.setdefault(name, []).append(t[:rows])
         jax.block_until_ready(base.logp)
         timing["stats_s"] += (t_stats := time.perf_counter() - t0)
         for k, x in (("tokens", tokens), ("valid", vmask), ("logp", base.logp), ("H1", base.H1), ("H2", base.H2),
-                     ("pmax", base.pmax), ("truncated", trunc)):
+                     ("pmax", base.pmax), ("truncated", trunc), ("reward", rew), ("correct", ok > 0),
+                     ("advantage", adv), ("group", np.repeat(np.asarray(idx), G))):
             arrays[k].append(np.asarray(x)[:rows])
         for form, k in itertools.product(u_forms, ("js", "pbar_tok")):
             per_form[form][k].append(np.asarray(getattr(per[form], k))[:rows])
-        rewards.append(rew[:rows])
-        correct.append(ok[:rows] > 0)
-        advantages.append(adv[:rows])
-        groups.append(np.repeat(np.asarray(idx[:real]), G))
         texts += batch_texts
         say(f"{setting.name}: prompts {start + 1}-{start + real} of {n_prompts} sampled in {t_sample:.0f} s, "
             f"statistics and masks in {t_stats:.0f} s ({int(ok[:rows].sum())}/{rows} correct)")
+    out = _concatenated(arrays, per_form, masks, ties)
+    out.update(texts=texts, timing=timing, u_forms=u_forms, group_size=G,
+               selector_forms={k: f for k, (_, f) in specs.items()})
+    return out
+
+
+def _concatenated(arrays: Mapping[str, list], per_form: Mapping[str, Mapping[str, list]],
+                  masks: Mapping[str, list], ties: Mapping[str, list]) -> dict[str, Any]:
+    """The batches' per-token and per-row arrays of :func:`collect`, each concatenated over the batches."""
     cat = lambda xs: np.concatenate(xs, axis=0)  # noqa: E731
-    out = {k: cat(v) for k, v in arrays.items()}
+    out: dict[str, Any] = {k: cat(v) for k, v in arrays.items()}
     out["valid"] = out["valid"].astype(bool)
     out.update({k: {f: cat(v[k]) for f, v in per_form.items()} for k in ("js", "pbar_tok")})
     out["masks"] = {k: cat(v) for k, v in masks.items()}
-    out.update(reward=cat(rewards), correct=cat(correct), advantage=cat(advantages), group=cat(groups), texts=texts,
-               timing=timing, u_forms=u_forms, group_size=G, selector_forms={k: f for k, (_, f) in specs.items()})
+    out["ties"] = {k: cat(v) for k, v in ties.items()}
     return out
 
 
@@ -258,8 +288,8 @@ def _save_arrays(data: Mapping[str, Any], path: Path) -> None:
     """The per-token arrays of a setting (to recompute the diagnostics without sampling again)."""
     flat = {k: np.asarray(v) for k, v in data.items()
             if isinstance(v, np.ndarray)}
-    for key in ("js", "pbar_tok", "masks"):
-        flat.update({f"{key}.{k}": np.asarray(v) for k, v in data[key].items()})
+    for key in ("js", "pbar_tok", "masks", "ties"):
+        flat.update({f"{key}.{k}": np.asarray(v) for k, v in data.get(key, {}).items()})
     np.savez_compressed(path, **flat)
 
 
@@ -268,7 +298,7 @@ def _load_arrays(path: Path, meta: Mapping[str, Any], u_forms: Sequence[str]) ->
     saved in ``diagnose.json``."""
     z = np.load(path)
     data: dict[str, Any] = {k: z[k] for k in z.files if "." not in k}
-    for key in ("js", "pbar_tok", "masks"):
+    for key in ("js", "pbar_tok", "masks", "ties"):  # ties: absent from arrays saved before they were
         data[key] = {k.split(".", 1)[1]: z[k] for k in z.files if k.startswith(key + ".")}
     data.update(u_forms=tuple(u_forms), group_size=int(meta["setting"]["group_size"]), timing=meta["timing"],
                 texts=[""] * len(data["tokens"]))

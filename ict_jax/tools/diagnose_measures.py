@@ -16,7 +16,13 @@ import math
 from collections import Counter
 from typing import Any, Mapping
 
+import jax
 import numpy as np
+
+from ict_jax.rl.saturation import CEILING_FRACTION, u_ceiling
+
+#: :func:`~ict_jax.rl.saturation.u_ceiling` compiled once per shape and reading (not op by op)
+_u_ceiling = jax.jit(u_ceiling, static_argnames=("group_size", "u_form"))
 
 #: Rank fractions of the sorted-u curves.
 GRID = np.linspace(0.0, 1.0, 101)
@@ -109,16 +115,6 @@ def fork_positions(tokens: np.ndarray, valid: np.ndarray, group: np.ndarray) -> 
     return out
 
 
-def aligned_ceiling(n: np.ndarray) -> np.ndarray:
-    """The largest u of the ``aligned`` reading with n rollouts active at t (itself included): p disjoint
-    from the n - 1 others, u = 1/2 [ln(2n/(n+1)) + (1/n) ln(2/(n+1)) + (1 - 1/n) ln 2]; 0 for n <= 1
-    (0.380 at n = 4, 0.497 at n = 8, 0.585 at n = 16)."""
-    n = np.asarray(n, np.float64)
-    safe = np.maximum(n, 1.0)
-    c = 0.5 * (np.log(2 * safe / (safe + 1)) + np.log(2 / (safe + 1)) / safe + (1 - 1 / safe) * np.log(2.0))
-    return np.where(n > 1, c, 0.0)
-
-
 def token_text(tokenizer: Any, token_id: int) -> str:
     try:
         return tokenizer.decode([int(token_id)], skip_special_tokens=False)
@@ -152,6 +148,17 @@ def _corr(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
             "n": n}
 
 
+def _u_summary(u: np.ndarray, valid: np.ndarray, ceiling: np.ndarray) -> dict[str, Any]:
+    """u over the valid tokens: its summary, p90, max, the share at 0, and ``u_at_ceiling``: the share of
+    valid tokens within 5 % of the reading's largest u there (``rl.saturation``)."""
+    if not valid.any():
+        return _summary(u[valid]) | {"p90": None, "max": None, "zero_share": None, "u_at_ceiling": None}
+    at_ceiling = valid & (ceiling > 0) & (u >= CEILING_FRACTION * ceiling)
+    return _summary(u[valid]) | {"p90": float(np.quantile(u[valid], 0.9)), "max": float(u[valid].max()),
+                                 "zero_share": float((u[valid] <= 0).mean()),
+                                 "u_at_ceiling": float(at_ceiling.sum() / valid.sum())}
+
+
 def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
     """The docs/method.md §5 diagnostics of one setting's :func:`collect` output (module docstring)."""
     valid = np.asarray(data["valid"], bool)
@@ -177,24 +184,16 @@ def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
         return out
 
     groups = np.asarray(data["group"])
-    active = np.zeros(valid.shape)  # rollouts of the row's group active at t
-    for g in np.unique(groups):
-        active[groups == g] = valid[groups == g].sum(0)
-    ceilings = {"aligned": aligned_ceiling(active), "loo": np.where(active > 1, np.log(2.0), 0.0)}
-    shared = valid & (active > 1)  # positions where the ceiling is above 0
     readings = {}
     for form in data["u_forms"]:
         u = np.asarray(data["js"][form], np.float64)
+        # the largest u the reading allows at each token (rows prompt-major, G a prompt: rl.saturation)
+        ceiling = np.asarray(_u_ceiling(valid, int(data["group_size"]), form), np.float64)
         rows = valid.any(1)
         mean_u = np.where(rows, (u * valid).sum(1) / np.maximum(valid.sum(1), 1), 0.0)
         informative = rows & (adv != 0)  # groups whose rewards differ: A != 0
         readings[form] = {
-            "u": _summary(u[valid]) | {"p90": float(np.quantile(u[valid], 0.9)) if valid.any() else None,
-                                       "max": float(u[valid].max()) if valid.any() else None,
-                                       "zero_share": float((u[valid] <= 0).mean()) if valid.any() else None,
-                                       # share of tokens within 5 % of the reading's largest possible u
-                                       "ceiling_share": (float((u >= 0.95 * ceilings[form])[shared].mean())
-                                                         if form in ceilings and shared.any() else None)},
+            "u": _u_summary(u, valid, ceiling),
             "sorted_u": sorted_u_curve(u, valid),
             "u_by_position": by_position(u, valid),
             "adv_corr": _corr(mean_u[informative], adv[informative])
@@ -210,8 +209,12 @@ def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
         hi20, lo20 = int((sel & (H1 > q80)).sum()), int((sel & (H1 <= q80)).sum())
         top_sel, top_unsel = _top_tokens(tokens, sel, valid, tokenizer)
         rows_sel = sel.any(1)
+        ties = data.get("ties", {}).get(name)
         selectors[name] = {
             "reading": form, "selected": int(sel.sum()), "selected_frac": float(sel.sum() / max(valid.sum(), 1)),
+            # the share of the selected tokens that the tie rule decided (rl.saturation.tie_decided)
+            "tie_share": float((np.asarray(ties, bool) & sel).sum() / sel.sum()) if ties is not None and sel.any()
+            else None,
             "rows_without_selected": int((valid.any(1) & ~rows_sel).sum()),
             "p": _summary(p[sel]), "beta": _summary(beta[sel]), "pmax": _summary(pmax[sel]), "qtok": _summary(q[sel]),
             "H1": _summary(H1[sel]),

@@ -59,10 +59,12 @@ def _ict_table(d: Mapping[str, Any], paper: Mapping[str, Any], forms: list[str])
         + [f"{_num(sel[c]['h_ratio_top20'], '.2f')}; {sel[c]['top20_share']:.2f}" for c in cols],
         ["sorted u: elbow E (slope 2-10 % / 10-30 %; 1 = straight) · knee", paper["elbow"]]
         + [_elbow(rd[f]["sorted_u"]) for f in forms] + ["", ""],
-        ["u: mean · p90 · max · share u = 0 · share at its ceiling", ""]
+        ["u: mean · p90 · max · share u = 0 · share at its ceiling (u_at_ceiling)", ""]
         + [f"{_num(rd[f]['u']['mean'])} · {_num(rd[f]['u']['p90'])} · {_num(rd[f]['u']['max'])} · "
-           f"{_num(rd[f]['u']['zero_share'], '.2f')} · {_num(rd[f]['u'].get('ceiling_share'), '.2f')}" for f in forms]
+           f"{_num(rd[f]['u']['zero_share'], '.2f')} · {_num(rd[f]['u'].get('u_at_ceiling'), '.2f')}" for f in forms]
         + ["", ""],
+        ["selected tokens decided by the tie rule (share)", "n/a"]
+        + [_num(sel[c].get("tie_share"), ".2f") if c.startswith("ict[") else "" for c in cols],
         ["mean u by position (bins of 16 tokens, every other bin)", ""]
         + [" ".join(_num(x, ".2f") for x in rd[f]["u_by_position"][::2]) for f in forms] + ["", ""],
         ["selected share by position (same bins)", "n/a"]
@@ -99,12 +101,13 @@ def _others_table(d: Mapping[str, Any], forms: list[str]) -> list[str]:
     sel = d["selectors"]
     names = [n for n in sel if not n.startswith("ict[")]
     head = ["selector", "selected (% of valid)", "responses left with none", "p(o_t) mean ± sd (median)", "β mean",
-            "Q(o_t) mean", "H-ratio (median; high:low counts)", "top-20 % share", "forks selected",
+            "Q(o_t) mean", "H-ratio (median; high:low counts)", "top-20 % share", "forks selected", "tie share",
             "most frequent selected"]
     rows = [[n, f"{s['selected']} ({100 * s['selected_frac']:.1f} %)", str(s["rows_without_selected"]), _msd(s["p"]),
              _num(s["beta"]["mean"]), _num(s["qtok"]["mean"]),
              f"{_num(s['h_ratio_median'], '.2f')} ({s['h_counts_median'][0]}:{s['h_counts_median'][1]})",
-             f"{s['top20_share']:.2f}", f"{s['forks_selected']} of {s['forks']}", _tokens(s["top_selected"], 6)]
+             f"{s['top20_share']:.2f}", f"{s['forks_selected']} of {s['forks']}",
+             _num(s.get("tie_share"), ".2f") if s.get("tie_share") is not None else "", _tokens(s["top_selected"], 6)]
             for n, s in ((n, sel[n]) for n in names)]
     return _table(head, rows)
 
@@ -121,9 +124,9 @@ def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
     forms = list(results["u_forms"])
     paper = results["paper"]
     head = ["setting", "selection", "p(o_t)", "β = Σ p²", "max p", "Q(o_t)", "H-ratio (median)", "top-20 % share",
-            "elbow E · knee", "forks selected", "corr(mean u, A)", "most frequent selected"]
+            "elbow E · knee", "u at ceiling · tie share", "forks selected", "corr(mean u, A)", "most frequent selected"]
     rows = [[label or "paper", "ICT (Qwen2.5, GSM8K / MATH)", f"{paper['p_mean']} ± {paper['p_sd']}", "?", "?", "?",
-             " / ".join(map(str, paper["h_ratio_median"])), "", "sharp, near 10 %", "", "positive",
+             " / ".join(map(str, paper["h_ratio_median"])), "", "sharp, near 10 %", "?", "", "positive",
              "content words"]]
     for name, d in results["settings"].items():
         sel, rd = d["selectors"], d["readings"]
@@ -137,6 +140,7 @@ def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
                 _ms(s["p"]), _ms(s["beta"]), _ms(s["pmax"]), _ms(s["qtok"]),
                 _num(s["h_ratio_median"], ".2f"), f"{s['top20_share']:.2f}",
                 (f"{_num(el['E'], '.2f')} · {_num(el['knee'], '.2f')}" if el else ""),
+                (f"{_num(rd[form]['u'].get('u_at_ceiling'), '.2f')} · {_num(s.get('tie_share'), '.2f')}" if form else ""),
                 f"{s['forks_selected']}/{s['forks']}",
                 ("n/a" if not corr or corr.get("pearson") is None else f"{corr['pearson']:+.2f}"),
                 _tokens(s["top_selected"], 5)])

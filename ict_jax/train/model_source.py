@@ -69,11 +69,12 @@ def with_adapters(cfg: Config, model: Qwen2) -> Qwen2:
 def build_model_and_tokenizer(cfg: Config, mesh: jax.sharding.Mesh, *, weights: str | os.PathLike | None = None
                               ) -> tuple[Qwen2, Tokenizer, str]:
     """(model, tokenizer, tokenizer spec). ``model.path``: an HF directory or a ``.gguf`` file (or
-    ``pkg:<package>/<file>``); otherwise a ``model.preset`` initialised from the run's init stream
-    (:func:`init_key`), its vocabulary sized to the tokenizer for the small presets (``model.tokenizer``:
-    ``char`` = the built-in CharTokenizer). ``weights``: a Hugging Face directory whose parameters are
-    loaded instead (a resumed LoRA run's warm start, its base); the tokenizer stays the run's. With
-    ``model.lora.enabled`` the model carries fresh adapters (:func:`with_adapters`)."""
+    ``pkg:<package>/<file>``, or a real model split over packages, docs/models.md); otherwise a
+    ``model.preset`` initialised from the run's init stream (:func:`init_key`), its vocabulary sized to the
+    tokenizer for the small presets (``model.tokenizer``: ``char`` = the built-in CharTokenizer).
+    ``weights``: a Hugging Face directory whose parameters are loaded instead (a resumed LoRA run's warm
+    start, its base); the tokenizer stays the run's. With ``model.lora.enabled`` the model carries fresh
+    adapters (:func:`with_adapters`)."""
     m = cfg.model
     if weights is not None:
         spec = m.tokenizer or m.path or "char"

@@ -34,6 +34,7 @@ from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.logs import RunLogger
 from ict_jax.train.lora_base import META_KEY as BASE_META_KEY, LoraBase, loaded_identity
 from ict_jax.train.model_source import build_model_and_tokenizer, with_adapters
+from ict_jax.train.preflight import compile_and_check
 from ict_jax.train.programs import RunPrograms, TokenIds, build_programs, has_reference, reference_dtype
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
 from ict_jax.train.resume import (ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
@@ -129,11 +130,14 @@ def run_mesh_checked(cfg: Config) -> Mesh:
 
 
 def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, model: Qwen2 | None = None,
-                tokenizer: Tokenizer | None = None) -> tuple[RunParts, TrainState, nnx.State | None]:
+                tokenizer: Tokenizer | None = None,
+                preflight: bool = True) -> tuple[RunParts, TrainState, nnx.State | None]:
     """``(parts, train state, KL reference parameters or None)`` of a run of ``cfg``: a new run, or with
     ``resume`` the one in ``run_dir`` continued (its last RL checkpoint restored into the state).
     ``model``/``tokenizer``: use these instead of ``model.path`` / ``model.preset``. ``progress``: a
-    bar on a terminal (else compact lines)."""
+    bar on a terminal (else compact lines). ``preflight``: compile the RL programs and check that they fit
+    the machine's memory (``train.preflight``, ``train.memory_check``) before anything is written; a run
+    that would not fit raises :class:`~ict_jax.train.preflight.DoesNotFit` with nothing written."""
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, resume)
     previous = read_config(run_dir) if resume else None
@@ -162,6 +166,8 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     programs = build_programs(cfg, mesh, model.config, state, TokenIds.of(tokenizer))
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:
+        if preflight:  # after the model, the state and the reward workers hold their memory: what is left
+            compile_and_check(cfg, programs)
         return _start_run(cfg, run_dir, resume, changes, progress, mesh, model, tokenizer, tok_spec, prompts,
                           iterator, programs, pool, state, lora_base)
     except BaseException:

@@ -1,24 +1,47 @@
-"""The pre-flight point: every program of a run compiled, nothing sampled yet (``Trainer.compile``).
+"""The memory pre-flight (docs/memory.md): every program of a run compiled, nothing sampled or written yet,
+and what they will need compared with what the machine gives the run.
 
-The trainer compiles each program at its largest shapes from its abstract arguments
-(``train.programs``) before the first step, and the run then executes exactly those executables. Here
-the compiler's own accounting of each one is read (:func:`program_memory`: ``memory_analysis()``);
-:func:`check_fits` is where a run that would not fit its machine is refused before it starts (issue 23:
-the budget of the machine and what the compiler does not count, exit 3). Today it records the numbers
-in the details log and refuses nothing.
+``train.parts.build_parts`` compiles each program at its largest shapes from its abstract arguments
+(``train.programs``; the run then executes exactly those executables) and calls :func:`check_fits`
+before it writes anything. Per device, a program needs what the compiler counts
+(``memory_analysis()``: arguments + outputs - aliased + temporaries + code) plus the run's long-lived
+arrays that are not its arguments (:func:`resident_bytes`: while a sampler runs, the optimizer state and
+the KL reference stay in memory). The machine gives (:func:`machine_budget`):
+
+- CPU: the host's budget (``ict_jax.memory.host_budget``: this process's resident set + MemAvailable,
+  bounded by a cgroup or ``ulimit -v``), shared by the mesh's local devices (each holds its shard; a
+  replicated array once per device), less what the process holds outside JAX arrays when it checks
+  (Python, libraries, the tokenizer, compiled code: resident set - live arrays), less a reserve and a
+  margin for what no compiler counts (host copies of rollouts, allocator slack) calibrated on the real
+  Qwen2.5-0.5B (:data:`CPU_RESERVE`, :data:`CPU_MARGIN`, docs/memory.md);
+- GPU / TPU: the device allocator's ``bytes_limit``.
+
+``train.memory_check``: ``error`` (default) raises :class:`DoesNotFit` (one line; ``ict-jax`` exits 3 and
+adds the settings estimated to fit), ``warn`` logs the line and goes on, ``off`` checks nothing.
+``ICT_JAX_MEMORY_BUDGET`` replaces the detected budget (``ict_jax.memory``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 
-from ict_jax.train.parts import RunParts
+from ict_jax.config import Config
+from ict_jax.memory import Budget, device_budget, fmt_bytes, host_budget, process_rss
+from ict_jax.train.programs import RunPrograms, per_device_bytes
 
 log = logging.getLogger(__name__)
+
+GIB = 1024 ** 3
+#: CPU: bytes kept free beyond what the process holds outside JAX arrays when it checks: the rollouts'
+#: host copies, decoded texts, the evaluation's data, the allocator's slack. Calibrated (docs/memory.md).
+CPU_RESERVE = int(1.0 * GIB)
+#: CPU: fraction of the host budget kept free (XLA CPU's own allocations around an execution, page-cache
+#: pressure). Calibrated on the real Qwen2.5-0.5B (docs/memory.md).
+CPU_MARGIN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +69,178 @@ def program_memory(name: str, compiled: jax.stages.Compiled) -> ProgramMemory:
                          int(ma.generated_code_size_in_bytes))
 
 
-def check_fits(parts: RunParts, compiled: Mapping[str, jax.stages.Compiled]) -> list[ProgramMemory]:
-    """The programs' memory, read before anything is sampled (logged at INFO level); the check against
-    the machine's budget belongs here (issue 23)."""
-    memory = [program_memory(name, c) for name, c in compiled.items()]
-    for m in memory:
-        log.info("%s: %d bytes live a device (arguments %d, temporaries %d, outputs %d, aliased %d, code %d)",
-                 m.name, m.live, m.arguments, m.temporaries, m.outputs, m.aliased, m.code)
-    return memory
+@dataclasses.dataclass(frozen=True)
+class ProgramNeed:
+    """What one program needs on a device at its peak: its own bytes and the run's other arrays."""
+
+    memory: ProgramMemory
+    resident: int  # the run's long-lived arrays alive during it that are not its arguments
+
+    @property
+    def name(self) -> str:
+        return self.memory.name
+
+    @property
+    def device_bytes(self) -> int:
+        return self.memory.live + self.resident
+
+
+def resident_bytes(programs: RunPrograms, name: str) -> int:
+    """Per-device bytes of the run's long-lived arrays (the train state and the KL reference: the step's
+    arguments but its batch) that program ``name`` does not take as arguments: 0 for the step; the
+    optimizer state and the reference for a sampler (which takes the model's weights only)."""
+    state, _, ref = programs.step.abstract()
+    run = per_device_bytes((state, ref))
+    if name == "step":
+        return 0
+    return max(0, run - per_device_bytes(programs.by_name()[name].abstract()[0]))
+
+
+def program_needs(programs: RunPrograms, compiled: Mapping[str, jax.stages.Compiled]) -> list[ProgramNeed]:
+    return [ProgramNeed(program_memory(name, c), resident_bytes(programs, name)) for name, c in compiled.items()]
+
+
+def live_array_bytes() -> int:
+    """Bytes of every JAX array this process holds now, each device's shard counted (on CPU all of them
+    are host memory)."""
+    total = 0
+    for a in jax.live_arrays():
+        try:
+            total += sum(s.data.nbytes for s in a.addressable_shards)
+        except Exception:  # noqa: BLE001 - an array deleted (donated) while we count
+            continue
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineBudget:
+    """What the programs of a run may use on each device: ``(budget.total x (1 - margin) - outside) /
+    devices``."""
+
+    platform: str
+    budget: Budget
+    devices: int  # devices sharing the budget (CPU: the mesh's local devices; else 1)
+    outside: int  # bytes the budget must keep for things outside the compiled programs
+    margin: float
+
+    @property
+    def per_device(self) -> int:
+        return max(0, int((self.budget.total * (1 - self.margin) - self.outside) // self.devices))
+
+    def describe(self) -> str:
+        """``16.01 GiB of cpu memory (MemAvailable + ..., 17.35 GiB, less 1.09 GiB outside the compiled
+        programs and a 5 % margin)``"""
+        parts = []
+        if self.outside:
+            parts.append(f"{fmt_bytes(self.outside)} outside the compiled programs")
+        if self.margin:
+            parts.append(f"a {self.margin:.0%} margin")
+        less = f", less {' and '.join(parts)}" if parts else ""
+        shared = f", shared by {self.devices} devices" if self.devices > 1 else ""
+        each = " a device" if self.devices > 1 else ""
+        return (f"{fmt_bytes(self.per_device)}{each} of {self.platform} memory ({self.budget.source}: "
+                f"{fmt_bytes(self.budget.total)}{less}{shared})")
+
+
+def cpu_budget(devices: int, *, outside: int | None = None, budget: Budget | None = None) -> MachineBudget:
+    """The host's budget for ``devices`` CPU devices. ``outside``: bytes held outside the programs; default
+    what this process holds outside JAX arrays now (resident set - live arrays) + :data:`CPU_RESERVE`."""
+    if outside is None:
+        outside = max(0, process_rss() - live_array_bytes()) + CPU_RESERVE
+    return MachineBudget("cpu", budget or host_budget(), max(1, devices), outside, CPU_MARGIN)
+
+
+def machine_budget(devices: Sequence[jax.Device]) -> MachineBudget | None:
+    """The budget of this process's ``devices`` (a mesh's: ``mesh.devices.flat``); None where the devices
+    report none."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    platform = local[0].platform
+    if platform == "cpu":
+        return cpu_budget(len(local))
+    found = device_budget(local[0])
+    return None if found is None else MachineBudget(platform, found, 1, 0, 0.0)
+
+
+_TITLES = {"step": "the train step", "generate": "the rollout sampler", "eval": "the evaluation sampler"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FitCheck:
+    """The pre-flight's result: each program's need and the machine's budget."""
+
+    needs: tuple[ProgramNeed, ...]
+    machine: MachineBudget | None
+
+    @property
+    def worst(self) -> ProgramNeed:
+        return max(self.needs, key=lambda n: n.device_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.machine is None or all(n.device_bytes <= self.machine.per_device for n in self.needs)
+
+    def line(self) -> str:
+        """One line: the program that does not fit (the largest), its bytes, the budget."""
+        w, m = self.worst, self.machine
+        mem = w.memory
+        what = (f"{fmt_bytes(mem.arguments)} arguments + {fmt_bytes(mem.temporaries)} temporaries"
+                + (f" + {fmt_bytes(mem.outputs - mem.aliased)} outputs" if mem.outputs > mem.aliased else "")
+                + (f" + {fmt_bytes(w.resident)} of the run's other arrays" if w.resident else ""))
+        verdict = "fits in" if self.fits else "more than"
+        budget = m.describe() if m is not None else "an unknown budget"
+        return f"{_TITLES.get(w.name, w.name)} needs {fmt_bytes(w.device_bytes)} ({what}), {verdict} {budget}"
+
+
+class DoesNotFit(RuntimeError):
+    """A run whose programs would not fit the machine's memory (``train.memory_check: error``): one line;
+    ``check`` holds the numbers, ``config`` and ``mesh`` (its resolved shape) the run's settings.
+    ``ict-jax`` exits 3 and adds the settings estimated to fit."""
+
+    def __init__(self, check: FitCheck, config: Config, mesh: Mapping[str, int]):
+        super().__init__(check.line())
+        self.check, self.config, self.mesh = check, config, dict(mesh)
+
+
+def check_fits(config: Config, programs: RunPrograms, compiled: Mapping[str, jax.stages.Compiled], *,
+               machine: MachineBudget | None = None) -> FitCheck:
+    """The pre-flight of ``compiled`` (program name -> executable) against ``machine`` (default: this
+    machine's budget for the run's mesh). Logs every program's numbers; by ``train.memory_check`` raises
+    :class:`DoesNotFit`, warns, or (``off``) only reports."""
+    mode = config.train.memory_check
+    if machine is None and mode != "off":
+        machine = machine_budget(list(programs.mesh.devices.flat))
+    check = FitCheck(tuple(program_needs(programs, compiled)), machine)
+    for n in check.needs:
+        m = n.memory
+        log.info("%s: %d bytes a device (arguments %d, temporaries %d, outputs %d, aliased %d, code %d, other "
+                 "arrays %d)", n.name, n.device_bytes, m.arguments, m.temporaries, m.outputs, m.aliased, m.code,
+                 n.resident)
+    if mode == "off" or check.fits:
+        return check
+    if mode == "warn":
+        log.warning("train.memory_check=warn: %s", check.line())
+        return check
+    raise DoesNotFit(check, config, programs.mesh.shape)
+
+
+def programs_to_check(config: Config) -> Sequence[str]:
+    """The programs a run executes, the step first: the evaluation sampler only with ``data.eval``."""
+    return ("step", "generate", "eval") if config.data.eval else ("step", "generate")
+
+
+def compile_and_check(config: Config, programs: RunPrograms, *,
+                      machine: MachineBudget | None = None) -> FitCheck | None:
+    """Compile the run's programs (:func:`programs_to_check`) at their largest shapes, one at a time, each
+    checked as it compiles (:func:`check_fits`): a step that does not fit stops the run before the
+    samplers compile. The budget is read before the first compile (the compiler's own working memory is
+    freed for the programs). Returns the last check (None without programs)."""
+    if machine is None and config.train.memory_check != "off":
+        machine = machine_budget(list(programs.mesh.devices.flat))
+    compiled: dict[str, jax.stages.Compiled] = {}
+    check = None
+    for name in programs_to_check(config):
+        compiled[name] = programs.by_name()[name].compile()
+        check = check_fits(config, programs, {name: compiled[name]}, machine=machine)
+    if check is not None and len(compiled) > 1:
+        check = FitCheck(tuple(program_needs(programs, compiled)), machine)
+    return check

@@ -187,6 +187,25 @@ def abstract_reference(params: Any, dtype: str) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype), sharding=a.sharding), params)
 
 
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` s or arrays (its shard of each
+    leaf)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        sh = getattr(a, "sharding", None)
+        shape = sh.shard_shape(a.shape) if sh is not None else a.shape
+        total += int(np.prod(shape, dtype=np.int64)) * _itemsize(a.dtype)
+    return total
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes of one element; a typed PRNG key's are those of its key data (threefry: 2 x uint32)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+        return int(np.prod(data.shape, dtype=np.int64)) * jnp.dtype(data.dtype).itemsize
+    return jnp.dtype(dtype).itemsize
+
+
 def has_reference(config: Config, state: TrainState) -> bool:
     """Whether the step takes KL reference parameters: ``rl.loss.kl_coef > 0`` and not a LoRA state (whose
     reference is its own base with the adapters off)."""

@@ -27,7 +27,7 @@ SFT_MODEL = "sft_model"  # <run_dir>/sft_model: the finished SFT warm start (a H
 #: checkpoint cadence, the number of reward processes). ``train.steps`` may only go up, and only when
 #: the learning-rate schedule does not depend on it. A trailing ``.*`` matches a whole section.
 RESUME_ALLOWED = ("run_dir", "train.eval_every", "train.save_every", "train.keep", "train.sft_save_every",
-                  "rl.reward.workers", "logging.*")
+                  "train.memory_check", "rl.reward.workers", "logging.*")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

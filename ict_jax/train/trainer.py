@@ -36,7 +36,7 @@ from ict_jax.train.hooks import (MAX_NONFINITE_IN_A_ROW, Hook, Hooks, ProfileHoo
                                  nonfinite_guard, save_checkpoint)
 from ict_jax.train.logs import RunLogger, metrics_to_floats
 from ict_jax.train.parts import build_parts
-from ict_jax.train.preflight import check_fits
+from ict_jax.train.preflight import programs_to_check
 from ict_jax.train.resume import SFT_MODEL, eval_on_record, finished_run
 from ict_jax.train.rollout import collect_rollout
 from ict_jax.train.stopping import Interrupted, TrainingDiverged, stop_after_step  # noqa: F401 - public here
@@ -50,11 +50,13 @@ class Trainer:
     ``resume``: continue the run in ``run_dir`` (docs/checkpoints.md "Resume"): from its last RL
     checkpoint, else its finished SFT warm start, else its last SFT checkpoint. A finished run whose
     ``train.steps`` was not raised is not built at all: :attr:`finished` holds its summary and
-    :meth:`train` returns it unchanged. ``profile_steps``: ``(first, stop)`` RL steps traced."""
+    :meth:`train` returns it unchanged. ``profile_steps``: ``(first, stop)`` RL steps traced.
+    ``preflight``: compile the RL programs and check their memory before anything is written
+    (``train.preflight``; :class:`~ict_jax.train.preflight.DoesNotFit` when they would not fit)."""
 
     def __init__(self, config: Config, *, resume: bool = False, progress: bool = True,
                  profile_steps: tuple[int, int] | None = None, model: Qwen2 | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, preflight: bool = True):
         self.cfg, self.resume, self.run_dir = config, resume, Path(config.run_dir)
         self.parts, self.summary, self.hooks = None, None, Hooks()
         self.state = self.ref_params = None
@@ -62,7 +64,7 @@ class Trainer:
         if self.finished is not None:
             return
         self.parts, self.state, self.ref_params = build_parts(config, resume=resume, progress=progress, model=model,
-                                                              tokenizer=tokenizer)
+                                                              tokenizer=tokenizer, preflight=preflight)
         self.summary = RunSummary(self.run_dir, resume=resume)
         self.evaluator = Evaluator(self.parts, eval_on_record(self.run_dir, self.parts.resume_point))
         self.add_default_hooks(profile_steps)
@@ -93,10 +95,9 @@ class Trainer:
         self.parts.logger.message(text)
 
     def compile(self) -> None:
-        """Every program of the run compiled at its largest shapes, nothing sampled yet: the pre-flight
-        (``train.preflight.check_fits``) reads what the run will execute."""
-        names = ("step", "generate", "eval") if self.cfg.data.eval else ("step", "generate")
-        check_fits(self.parts, self.parts.programs.compile(names))
+        """Every program of the run compiled at its largest shapes before anything is sampled (the memory
+        pre-flight in ``build_parts`` compiled and checked them already: then this reuses them)."""
+        self.parts.programs.compile(programs_to_check(self.cfg))
 
     def sft(self) -> dict[str, float]:
         """The SFT warm start (``train.warm_start``), or a finished one loaded; RL then starts from it.
