@@ -29,7 +29,8 @@ TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4"
         "rollout.max_prompt_len=16", "train.sft_steps=2", "train.sft_batch_size=8", "rl.selector.warmup_steps=1",
         "data.train=[\"arith?digits=1&size=64\"]", "data.eval=[]", "stats.chunk=8", "rl.reward.workers=1",
         "rl.reward.no_answer=-1", "rl.loss.kl_coef=0.01", "optim.lr=0.01", "optim.lr_warmup_steps=0",
-        "train.save_every=2", "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]
+        "train.save_every=2", "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8",
+        "mesh.data=-1", "mesh.tensor=2"]  # 4 x 1 x 2 on the 8 test devices (4 prompts split over data = 4)
 
 
 def _adapters(run: Path) -> dict:
@@ -264,7 +265,7 @@ def test_compile_builds_the_lora_run_training_builds(tmp_path, devices8):
     from ict_jax.aot.compile import build_programs, get_target, per_device_bytes, run_mesh, target_model_config
     from ict_jax.train.parts import build_parts
 
-    cfg = load_config(DEMO, TINY + ["train.sft_steps=0", "train.steps=1", "mesh.data=-1", "mesh.tensor=2",
+    cfg = load_config(DEMO, TINY + ["train.sft_steps=0", "train.steps=1",
                                     f"run_dir={tmp_path / 'run'}"])
     parts, state, ref = build_parts(cfg, progress=False)
     try:

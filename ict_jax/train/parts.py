@@ -37,7 +37,7 @@ from ict_jax.train.model_source import build_model_and_tokenizer, with_adapters
 from ict_jax.train.preflight import compile_and_check
 from ict_jax.train.programs import RunPrograms, TokenIds, build_programs, has_reference, reference_dtype
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
-from ict_jax.train.resume import (ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
+from ict_jax.train.resume import (SFT_CHECKPOINTS, ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
                                   resume_point)
 from ict_jax.train.tracking import WandbTracker, require_wandb
 from ict_jax.train.training_data import TrainingPrompts, encode_training_data
@@ -79,12 +79,6 @@ class RunParts:
         if self.lora_base is None or jax.process_index() != 0:
             return {}
         return {BASE_META_KEY: self.lora_base.identity(phase)}
-
-    def check_base(self, checkpointer: Checkpointer, step: int, phase: str) -> None:
-        """A LoRA run resumed from checkpoint ``step`` of ``phase``: ConfigError (one line) unless its adapters
-        were trained on this run's base (:meth:`ict_jax.train.lora_base.LoraBase.check`)."""
-        if self.lora_base is not None:
-            self.lora_base.check(checkpointer, step, phase)
 
     def close(self) -> None:
         """The logger, W&B, the pending checkpoint and the reward workers, in that order."""
@@ -129,6 +123,21 @@ def run_mesh_checked(cfg: Config) -> Mesh:
     return mesh
 
 
+def check_resumed_base(lora_base: LoraBase, run_dir: Path) -> None:
+    """A LoRA run resumed: ConfigError (one line), before anything is compiled or written, unless the
+    checkpoint it continues from (its last RL checkpoint, else the last SFT checkpoint of an unfinished
+    warm start) holds adapters trained on this run's base (:meth:`ict_jax.train.lora_base.LoraBase.check`)."""
+    for folder, phase in ((run_dir / "checkpoints", "rl"), (run_dir / SFT_CHECKPOINTS, "sft")):
+        if phase == "sft" and (run_dir / SFT_MODEL).is_dir():
+            return
+        if folder.is_dir():
+            with Checkpointer(folder, read_only=True) as ckpt:
+                step = ckpt.latest_step()
+                if step is not None:
+                    lora_base.check(ckpt, step, phase)
+                    return
+
+
 def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, model: Qwen2 | None = None,
                 tokenizer: Tokenizer | None = None,
                 preflight: bool = True) -> tuple[RunParts, TrainState, nnx.State | None]:
@@ -160,6 +169,8 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
         model, tok_spec = with_adapters(cfg, model), "given"
     lora_base = None if model.config.lora is None else LoraBase(
         loaded_identity(cfg, model, weights=weights, given=tok_spec == "given"), run_dir, cfg.train.sft_steps > 0)
+    if resume and lora_base is not None:
+        check_resumed_base(lora_base, run_dir)
     prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=model.config.max_position_embeddings)
     iterator = PromptIterator(prompts.encoded, cfg.train.prompts_per_step, seed=cfg.seed)
     state = init_train_state(cfg, model)
@@ -185,8 +196,6 @@ def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep)
     rl_step = checkpointer.latest_step() if resume else None
     if rl_step is not None:
-        if lora_base is not None:
-            lora_base.check(checkpointer, rl_step, "rl")
         state, meta = checkpointer.restore(state)
         iterator.load_state_dict(meta["data"])
         log.info("resumed from step %d", int(jax.device_get(state.step)))

@@ -103,8 +103,7 @@ def run_sft(parts: RunParts, state: TrainState, start_logger: StartLogger, *, re
     directory = parts.run_dir / SFT_CHECKPOINTS
     with Checkpointer(directory, keep=cfg.train.keep) as ckpt:
         start = ckpt.latest_step() if resume else None
-        if start is not None:
-            parts.check_base(ckpt, start, "sft")
+        if start is not None:  # a LoRA run's base was checked against this checkpoint's (train.parts)
             sft_state, _ = ckpt.restore(sft_state)
         start = start or 0
         logger = start_logger("sft", steps, start)
