@@ -264,3 +264,45 @@ def test_the_trainer_keeps_the_loop_only():
     tree = ast.parse(MODULES["train.trainer"].read_text())
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
     assert trainer.end_lineno - trainer.lineno + 1 < 200
+
+
+# ------------------------------------------------------------------------------------------------
+# The tests mirror the package: tests/<subpackage>/test_<module>.py
+# ------------------------------------------------------------------------------------------------
+TESTS = ROOT.parent / "tests"
+#: test files of a subpackage's folder that test more than one of its modules (or a real model), each with why
+ACROSS_MODULES = {
+    "cli/test_inputs.py": "bad input to every command: one line and the exit code (cli.main and each command)",
+    "model/test_real_qwen.py": "the real Qwen2.5 weights through loading, the model and the tokenizer",
+    "rewards/test_rewards.py": "the answer checks and the worker pool that runs them",
+    "rl/test_lora_train_step.py": "rl.train_step on a model with LoRA adapters (model.lora)",
+    "train/test_lora_run.py": "a LoRA run end to end: the trainer, its checkpoints and base (train.lora_base), "
+                              "resume, compile and the commands that read it",
+    "train/test_lora_real.py": "the real Qwen2.5-0.5B through a LoRA run, its resume and its PEFT export (slow)",
+}
+#: test files at the top of tests/: the project as a whole, or a top-level module of ict_jax
+TOP_LEVEL = {"test_architecture.py", "test_docs.py", "test_notebooks.py", "test_configs.py", "test_demo.py",
+             "test_foundation.py"}
+DATA_FOLDERS = {"rl/golden"}  # reference data, not tests
+
+
+def test_the_tests_mirror_the_package():
+    """Every test folder is a subpackage of ict_jax and every test file in it is named after one of its
+    modules (or listed in ACROSS_MODULES with why); the top holds the project-wide tests and those of
+    ict_jax's top-level modules."""
+    files = sorted(p.relative_to(TESTS).as_posix() for p in TESTS.rglob("test_*.py")
+                   if not any(p.relative_to(TESTS).as_posix().startswith(d + "/") for d in DATA_FOLDERS))
+    assert len(files) >= 35, files  # the glob found the tests (an empty glob would pass everything below)
+    wrong = []
+    for rel in files:
+        folder, _, name = rel.rpartition("/")
+        module = name[len("test_"):-len(".py")]
+        if not folder:
+            ok = name in TOP_LEVEL or (ROOT / f"{module}.py").is_file()
+        else:
+            ok = (ROOT / folder / "__init__.py").is_file() and (
+                (ROOT / folder / f"{module}.py").is_file() or rel in ACROSS_MODULES)
+        if not ok:
+            wrong.append(rel)
+    assert not wrong, f"test files that name no module of their folder's subpackage: {wrong}"
+    assert set(ACROSS_MODULES) <= set(files), set(ACROSS_MODULES) - set(files)

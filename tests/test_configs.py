@@ -116,7 +116,7 @@ def test_recipes_of_one_model_differ_only_in_the_method(family):
 def test_geometry_fits_eight_devices(name, devices8):
     """The recipe's mesh builds on 8 devices, its mini-batches hold whole groups per shard and its
     micro-batches as many rows on every shard, as the train step checks before running
-    (rl.train_step.check_batch_geometry; on the recipe's own TPU slice: tests/test_compile.py)."""
+    (rl.train_step.check_batch_geometry; on the recipe's own TPU slice: tests/aot/test_compile.py)."""
     cfg = _load(name)
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices8)
     t, G = cfg.train, cfg.rollout.num_samples

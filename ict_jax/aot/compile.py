@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.model.config import ModelConfig
-from ict_jax.model.loading import resolve_path
+from ict_jax.model.loading import load_model_config, resolve_path
 from ict_jax.memory import fmt_bytes
 from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.state import make_optimizer
@@ -169,6 +169,15 @@ def get_target(name: str | None) -> Target:
     return Target(name, "tpu", devs, devs[0].device_kind, hbm_bytes(devs), gen)
 
 
+def with_run_budget(target: Target, cfg: Config) -> Target:
+    """A local CPU target's budget as the pre-flight of a run of ``cfg`` reads it: its reward worker
+    processes (``rl.reward.workers``) share the host's memory. Other targets unchanged."""
+    if target.budget is None or target.platform != "cpu":
+        return target
+    machine = machine_budget(target.devices, reward_workers=cfg.rl.reward.workers)
+    return dataclasses.replace(target, hbm_bytes=machine.per_device, budget=machine)
+
+
 # ------------------------------------------------------------------------------------------------
 # The run's shapes
 # ------------------------------------------------------------------------------------------------
@@ -192,19 +201,11 @@ def _architecture(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
     m = cfg.model
     compute = m.compute_dtype if m.compute_dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
     if m.path:
-        kw = dict(param_dtype=m.param_dtype, compute_dtype=compute, remat=m.remat, scan_layers=m.scan_layers)
-        try:
-            path = Path(resolve_path(m.path))
+        kw = dict(compute_dtype=compute, remat=m.remat, scan_layers=m.scan_layers)
+        try:  # the architecture as training reads it, without the weights
+            return load_model_config(m.path, dtype=m.param_dtype, **kw), f"checkpoint {resolve_path(m.path)}"
         except (FileNotFoundError, ValueError):
-            path = Path(str(m.path))
-        if (path / "config.json").is_file():
-            return ModelConfig.from_hf(path, **kw), f"checkpoint {path}"
-        if path.is_file() and path.suffix == ".gguf":
-            import gguf  # optional heavy reader: only for .gguf paths
-
-            from ict_jax.model.gguf import config_from_gguf
-
-            return config_from_gguf(gguf.GGUFReader(str(path)), str(path), **kw), f"checkpoint {path}"
+            pass  # a recipe's placeholder path: its preset
         return (preset_config(cfg, compute_dtype=compute),
                 f"preset {m.preset} (model.path {m.path!r} is not here)")
     tok = run_tokenizer(cfg)

@@ -58,7 +58,7 @@ def checks_lines(reports: Sequence[ProgramReport]) -> list[str]:
 def not_fitting_line(r: ProgramReport) -> str:
     """The one line of exit code 3: the program, its bytes and the HBM."""
     if r.compiled:
-        memory = "HBM" if r.target != "local" else "the budget"
+        memory = "HBM" if r.target != "local" else "available a device (the budget line above)"
         return (f"{r.program} does not fit {r.target}: {fmt_bytes(r.live)} live a device "
                 f"({fmt_bytes(r.temporaries)} temporaries) > {fmt_bytes(r.hbm)} {memory}")
     temps = f"{fmt_bytes(r.temporaries)} of temporaries" if r.temporaries else "out of memory"

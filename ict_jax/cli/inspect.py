@@ -21,8 +21,8 @@ def add_inspect_args(p: argparse.ArgumentParser) -> None:
                      help="a run directory, its checkpoints/ folder or one <step>/ directory (the tokenizer and "
                           "defaults come from the checkpoint's metadata)")
     src.add_argument("--model", metavar="PATH",
-                     help="instead of a checkpoint: a Hugging Face directory, a .gguf file, pkg:<package>/<file>, a real "
-                          "model split over packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>) or "
+                     help="instead of a checkpoint: a Hugging Face directory, a .gguf file, pkg:<package>/<file>, "
+                          "a real model split over packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>) or "
                           "a training run directory (its last checkpoint, else its sft_model)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest finished one)")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH",

@@ -27,12 +27,15 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "train": ("ict_jax.cli.train", "add_train_args", "train_main", "RL training (SFT warm start first if configured)"),
     "sample": ("ict_jax.cli.sample", "add_sample_args", "sample_main", "sample G responses to a prompt"),
     "sft": ("ict_jax.cli.train", "add_sft_args", "sft_main", "supervised warm start only; writes <run_dir>/sft_model"),
-    "compare": ("ict_jax.cli.compare", "add_compare_args", "compare_main", "every method x seed from one warm start: table + plots"),
-    "inspect": ("ict_jax.cli.inspect", "add_inspect_args", "inspect_main", "HTML page of a group's tokens: JS/H1/H2, ICT/entropy/STAPO masks"),
+    "compare": ("ict_jax.cli.compare", "add_compare_args", "compare_main",
+                "every method x seed from one warm start: table + plots"),
+    "inspect": ("ict_jax.cli.inspect", "add_inspect_args", "inspect_main",
+                "HTML page of a group's tokens: JS/H1/H2, ICT/entropy/STAPO masks"),
     "diagnose": ("ict_jax.cli.diagnose", "add_diagnose_args", "diagnose_main",
                  "the paper's token diagnostics of every reading of u and every selector on a real model"),
     "compile": ("ict_jax.cli.compile", "add_compile_args", "compile_main",
-                "compile a run's programs for a TPU slice (or the local devices) without running: memory, fit, collectives"),
+                "compile a run's programs for a TPU slice (or the local devices) without running: memory, fit, "
+                "collectives"),
 }
 
 

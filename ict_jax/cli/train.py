@@ -14,7 +14,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML config (see configs/ and docs/config.md)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
     p.add_argument("--resume", action="store_true",
-                   help="continue the run in run_dir from its last checkpoint (SFT or RL); a finished run is left as it is")
+                   help="continue the run in run_dir from its last checkpoint (SFT or RL); a finished run is left "
+                        "as it is")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (every key, defaults included) as YAML and exit")
     p.add_argument("--no-progress", action="store_true",

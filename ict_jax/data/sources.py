@@ -286,7 +286,8 @@ def tfds_examples(builder_name: str, *, data_dir: str | None, split: str, source
                           f"'tfds:{builder_name}'; local JSONL/Parquet files need nothing more)") from None
 
     prepare = (f"prepare it once on a machine with network access: python -c \"import tensorflow_datasets as tfds, "
-               f"tensorflow_datasets.text.gsm8k; tfds.builder('{builder_name}', data_dir='{data_dir or '~/tensorflow_datasets'}', "
+               f"tensorflow_datasets.text.gsm8k; tfds.builder('{builder_name}', "
+               f"data_dir='{data_dir or '~/tensorflow_datasets'}', "
                f"file_format='array_record').download_and_prepare()\"")
     try:
         builder = tfds.builder(builder_name, data_dir=data_dir)
@@ -328,7 +329,8 @@ def _reasoning_gym():
 
 def gym_examples(name: str, *, size: int, seed: int, source: str, **config: Any) -> list[Example]:
     """``reasoning_gym.create_dataset(name, size=size, seed=seed, **config)`` entries as Examples; the
-    entry itself is ``meta['gym_entry']`` so that :func:`ict_jax.rewards.checks.gym_answer_score` can score a response against it."""
+    entry itself is ``meta['gym_entry']`` so that :func:`ict_jax.rewards.checks.gym_answer_score` can score a
+    response against it."""
     rg = _reasoning_gym()
     try:
         ds = rg.create_dataset(name, size=size, seed=seed, **config)

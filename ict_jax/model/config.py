@@ -217,7 +217,8 @@ class ModelConfig:
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
         if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"{where}: unsupported architecture {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(f"{where}: unsupported architecture {archs}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if not archs and model_type not in (None, "qwen2", "llama", "mistral"):
             raise ValueError(f"{where}: unsupported model_type {model_type!r}; supported: qwen2, llama, mistral")
         rope_theta = d.get("rope_theta")

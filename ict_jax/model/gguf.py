@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from ict_jax.model.tokenizers import load_tokenizer
+from ict_jax.model.gguf_reader import open_gguf
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.weights import WeightError, load_from_source
@@ -84,14 +85,9 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def _open(path: Path) -> Any:
-    from gguf import GGUFReader  # gguf: optional, only for .gguf files
-
     if not path.is_file():
         raise FileNotFoundError(f"load_gguf: {str(path)!r} is not a file")
-    try:
-        return GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+    return open_gguf(path)
 
 
 def _architecture(reader: Any, where: str) -> str:

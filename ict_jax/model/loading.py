@@ -21,13 +21,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ict_jax.model.gguf import load_gguf
+from ict_jax.model.config import ModelConfig
+from ict_jax.model.gguf import config_from_gguf, load_gguf
+from ict_jax.model.gguf_reader import open_gguf, release_gguf
 from ict_jax.model.packaged import is_split_spec, package_roots, packaged_model_path
 from ict_jax.model.tokenizers import CharTokenizer, load_tokenizer
 from ict_jax.model.weights import load_hf
 
 __all__ = ["resolve_path", "load_model_and_tokenizer", "load_tokenizer_spec", "load_model_tokenizer",
-           "load_model_weights", "training_run_hint"]
+           "load_model_weights", "training_run_hint", "load_model_config"]
 
 
 def resolve_path(spec: str | os.PathLike) -> str:
@@ -147,8 +149,25 @@ def load_model_and_tokenizer(path: str | os.PathLike, *, mesh: Any = None, dtype
     else:
         tok = load_model_tokenizer(shown, tokenizer)  # checks the path; fails before the weights load
         model = load_hf(path, mesh=mesh, dtype=dtype, **config_overrides)
+    release_gguf()  # model and tokenizer built: the parsed header is not needed any more
     vocab = model.config.vocab_size
     if tok.vocab_size > vocab:
         raise ValueError(f"{shown}: the tokenizer has {tok.vocab_size} ids but the model's vocabulary only "
                          f"{vocab}: wrong tokenizer for this model?")
     return model, tok
+
+
+def load_model_config(path: str | os.PathLike, *, dtype: str | None = None, **config_overrides: Any) -> ModelConfig:
+    """The :class:`~ict_jax.model.config.ModelConfig` that :func:`load_model_and_tokenizer` would build for
+    ``path`` with the same ``dtype`` and overrides, read without the weights (``config.json``, or the GGUF's
+    metadata and tensor list): what the memory pre-flight and ``ict-jax compile`` compile against.
+    ``FileNotFoundError`` when no model is there."""
+    shown, path = os.fspath(path), resolve_path(path)
+    if dtype is not None:
+        config_overrides["param_dtype"] = dtype
+    if _is_gguf(path):
+        return config_from_gguf(open_gguf(path), path, **config_overrides)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return ModelConfig.from_hf(path).replace(**config_overrides)
+    raise FileNotFoundError(f"no model at {shown!r}: expected a Hugging Face checkpoint directory, a .gguf file, "
+                            "or pkg:<package>/<file>")

@@ -135,7 +135,8 @@ def package_roots(package: str) -> list[str]:
         except (ImportError, ValueError):
             spec = None
         if spec is not None:
-            roots = list(spec.submodule_search_locations or []) or ([os.path.dirname(spec.origin)] if spec.origin else [])
+            roots = (list(spec.submodule_search_locations or [])
+                     or ([os.path.dirname(spec.origin)] if spec.origin else []))
             if roots:
                 return roots
     return []
@@ -279,7 +280,8 @@ def cache_status(model: PackagedModel, parts: list[Part] | None = None) -> str |
     if not isinstance(meta, dict):
         return f"{_sidecar(path).name} is not a record"
     if st.st_size != meta.get("size") or (model.size is not None and st.st_size != model.size):
-        return f"its size {st.st_size:,} is not the {meta.get('size') if model.size is None else model.size:,} bytes assembled"
+        expected = meta.get("size") if model.size is None else model.size
+        return f"its size {st.st_size:,} is not the {expected:,} bytes assembled"
     if st.st_mtime_ns != meta.get("mtime_ns") or st.st_ino != meta.get("inode"):
         return "the file changed since it was assembled"
     if model.sha256 is not None and meta.get("sha256") != model.sha256:
@@ -321,7 +323,7 @@ def _gguf_extent(path: Path) -> int:
     """The bytes a GGUF file's header describes: the end of its last tensor's data."""
     from gguf import GGUFReader  # gguf: optional, only for GGUF files
 
-    try:
+    try:  # not open_gguf: a file being assembled is read once and never again under this name
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError) as e:
         raise ValueError(f"not a readable GGUF file ({e})") from None

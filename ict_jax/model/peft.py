@@ -10,7 +10,7 @@ model (``[out, in]`` weights, ``y = x W^T``)::
 and ``y = base(x) + (lora_alpha / r) lora_B(lora_A(x))``. Ours are ``A [in.., r]`` and ``B [r, out..]`` per
 layer (``model.lora``), so ``lora_A = A.reshape(-1, r).T`` and ``lora_B = B.reshape(r, -1).T``.
 ``peft.PeftModel.from_pretrained(Qwen2ForCausalLM(...), dir)`` loads what :func:`save_peft_adapter`
-writes and gives our model's logits (tests/test_lora.py).
+writes and gives our model's logits (tests/model/test_lora.py).
 """
 
 from __future__ import annotations

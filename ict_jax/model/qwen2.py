@@ -45,7 +45,8 @@ def _dtype(name: str) -> Any:
     return jnp.dtype(name)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any, init: str = "normal") -> nnx.Param:
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype: Any,
+           init: str = "normal") -> nnx.Param:
     if init == "ones":
         value = jnp.ones(shape, dtype)
     elif init == "zeros":
@@ -360,7 +361,7 @@ class Qwen2(nnx.Module):
         new_cache = KVCache(k=ks, v=vs, mask=new_mask, pos=cache.pos + mask.sum(axis=1), index=cache.index + T)
         return h, new_cache
 
-    def decode(self, tokens: Int[Array, "B"], cache: KVCache) -> tuple[Float[Array, "B V"], KVCache]:
+    def decode(self, tokens: Int[Array, " B"], cache: KVCache) -> tuple[Float[Array, "B V"], KVCache]:
         """One decode step: float32 logits ``[B, V]`` for the next token, and the updated cache."""
         h, cache = self.extend(tokens[:, None], None, cache)
         return self.logits_from_hidden(h[:, 0]), cache

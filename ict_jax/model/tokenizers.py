@@ -21,6 +21,8 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from ict_jax.model.gguf_reader import open_gguf
+
 QWEN2P5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 # ChatML as Qwen2.5 uses it (tool calls left out: RLVR prompts never carry tools).
@@ -209,12 +211,11 @@ def _gguf_field(reader, key: str, default: Any = None) -> Any:
 
 
 def _load_gguf(path: str) -> HFTokenizer:
-    from gguf import GGUFReader
     from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
     from tokenizers import Tokenizer as _Backend
     from tokenizers.models import BPE
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     kind = _gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"{path}: only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {kind!r}")

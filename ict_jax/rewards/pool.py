@@ -190,7 +190,8 @@ class RewardPool:
         if context == "forkserver":  # workers fork from a server that has these imported already
             import importlib.util
 
-            mods = ["ict_jax.rewards.pool", "math_verify"] + (["reasoning_gym"] if importlib.util.find_spec("reasoning_gym") else [])
+            gym = ["reasoning_gym"] if importlib.util.find_spec("reasoning_gym") else []
+            mods = ["ict_jax.rewards.pool", "math_verify", *gym]
             self._ctx.set_forkserver_preload(mods)
         # a checker is a picklable top-level function, or "package.module:function", imported in the
         # workers only (from the caller's working directory first)
@@ -224,7 +225,8 @@ class RewardPool:
         kinds = [kind] * n if isinstance(kind, str) else list(kind)
         metas = [None] * n if metas is None else list(metas)
         if not (len(kinds) == len(golds) == len(metas) == n):
-            raise ValueError(f"RewardPool: {n} responses but {len(golds)} golds, {len(metas)} metas, {len(kinds)} kinds")
+            raise ValueError(f"RewardPool: {n} responses but {len(golds)} golds, {len(metas)} metas, "
+                             f"{len(kinds)} kinds")
         for k in set(kinds):
             if k not in KINDS and k not in self._args[1]:
                 raise ValueError(f"unknown reward kind {k!r}; expected one of {KINDS + tuple(self._args[1])}")

@@ -27,12 +27,12 @@ class RolloutBatch:
     tokens: Int[Array, "B L"]
     attention_mask: Int[Array, "B L"]
     response_valid: Float[Array, "B Lr"]
-    rewards: Float[Array, "B"]
-    advantages: Float[Array, "B"]
+    rewards: Float[Array, " B"]
+    advantages: Float[Array, " B"]
     sampler_logp: Float[Array, "B Lr"]
-    truncated: Float[Array, "B"]
-    row_valid: Float[Array, "B"]
-    correct: Float[Array, "B"]
+    truncated: Float[Array, " B"]
+    row_valid: Float[Array, " B"]
+    correct: Float[Array, " B"]
 
     @property
     def response_len(self) -> int:
@@ -40,8 +40,8 @@ class RolloutBatch:
 
 
 def build_rollout_batch(prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array, "P Lp"], rollout: Any,
-                        rewards: Float[Array, "B"], *, config: Config, correct: Float[Array, "B"] | None = None,
-                        row_valid: Float[Array, "B"] | None = None) -> RolloutBatch:
+                        rewards: Float[Array, " B"], *, config: Config, correct: Float[Array, " B"] | None = None,
+                        row_valid: Float[Array, " B"] | None = None) -> RolloutBatch:
     """A :class:`RolloutBatch` from left-padded prompts, an :class:`~ict_jax.sampling.sampler.Rollout` of G samples per
     prompt and per-row rewards; advantages by docs/method.md §3 (``config.rl.adv``)."""
     G = config.rollout.num_samples

@@ -66,8 +66,8 @@ def _all_equal(r_PG: Array, v_PG: Array) -> Array:
 
 
 def zero_std_groups(
-    rewards: Float[Array, "B"], group_size: int, row_valid: Bool[Array, "B"] | None = None
-) -> Bool[Array, "P"]:
+    rewards: Float[Array, " B"], group_size: int, row_valid: Bool[Array, " B"] | None = None
+) -> Bool[Array, " P"]:
     """True for groups with at least two real rows whose rewards are all equal (max == min).
 
     Their advantages are exactly 0 (docs/method.md §3). ``mean`` of this is docs/method.md §5's
@@ -78,12 +78,12 @@ def zero_std_groups(
 
 
 def group_advantages(
-    rewards: Float[Array, "B"],
+    rewards: Float[Array, " B"],
     group_size: int,
     scale_rewards: str = "group",
     eps: float = 1e-6,
-    row_valid: Bool[Array, "B"] | None = None,
-) -> Float[Array, "B"]:
+    row_valid: Bool[Array, " B"] | None = None,
+) -> Float[Array, " B"]:
     """Outcome advantages A_i, one per response, float32 (docs/method.md §3).
 
     Rows are prompt-major: ``rewards.reshape(P, group_size)``. With ``n_g`` real rows in group g::
@@ -148,7 +148,7 @@ def k3_kl(logp: Float[Array, "*S"], logp_ref: Float[Array, "*S"]) -> Float[Array
 def clipped_surrogate(
     logp: Float[Array, "B T"],
     logp_old: Float[Array, "B T"],
-    adv: Float[Array, "B"] | Float[Array, "B T"],
+    adv: Float[Array, " B"] | Float[Array, "B T"],
     *,
     eps_low: float,
     eps_high: float,
@@ -272,7 +272,7 @@ def policy_loss(
     logp: Float[Array, "B T"],
     logp_old: Float[Array, "B T"],
     logp_ref: Float[Array, "B T"] | None,
-    adv: Float[Array, "B"],
+    adv: Float[Array, " B"],
     valid: Mask,
     mask: Mask,
     *,

@@ -146,7 +146,7 @@ def stapo_quantile(H1: Float[Array, "B T"], valid: Valid, tau_h: float) -> Float
 
 
 def stapo_candidates(
-    logp: Float[Array, "B T"], adv: Float[Array, "B"] | Float[Array, "B T"], valid: Valid, *, tau_p: float,
+    logp: Float[Array, "B T"], adv: Float[Array, " B"] | Float[Array, "B T"], valid: Valid, *, tau_p: float,
     quantile_over: str,
 ) -> tuple[jax.Array, jax.Array]:
     """``(low, over)``: the tokens with A > 0 and p(o_t) < tau_p (``low``), and the set STAPO's entropy
@@ -162,7 +162,7 @@ def stapo_candidates(
 
 
 def stapo_mask(
-    logp: Float[Array, "B T"], H1: Float[Array, "B T"], adv: Float[Array, "B"] | Float[Array, "B T"],
+    logp: Float[Array, "B T"], H1: Float[Array, "B T"], adv: Float[Array, " B"] | Float[Array, "B T"],
     valid: Valid, *, tau_p: float = _STAPO.tau_p, tau_h: float | None = None,
     quantile_over: str = _STAPO.stapo_quantile_over,
 ) -> Mask:
@@ -306,7 +306,7 @@ register_selector("selectable", _selectable, warmup=True, needs=("js",))
 def select(
     method: str,
     stats: TokenStats,
-    adv: Float[Array, "B"] | Float[Array, "B T"],
+    adv: Float[Array, " B"] | Float[Array, "B T"],
     valid: Valid,
     *,
     key: jax.Array,

@@ -32,8 +32,8 @@ One-pass head: when d loss / d logp is known before the forward pass (fused sche
 ``kl_coef = 0``, logp_old not from the sampler, and a selector registered as reading no statistics,
 ``needs=()``: ``dense`` and ``random``), the gradient is taken through
 :func:`ict_jax.rl.token_stats.stats_and_surrogate` (:func:`one_pass_surrogate`), which applies it to
-each block's softmax while the block is in memory (three vocabulary matmuls per token instead of four). Same gradient to float32 rounding; the other
-methods keep the two-pass form (:func:`loss_and_aux`).
+each block's softmax while the block is in memory (three vocabulary matmuls per token instead of four).
+Same gradient to float32 rounding; the other methods keep the two-pass form (:func:`loss_and_aux`).
 
 The static choices (method, schedule, which statistics each pass computes) are read from the config
 once into a :class:`StepPlan`; what the mask reads comes from the selector registry

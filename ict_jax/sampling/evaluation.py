@@ -137,7 +137,8 @@ def _as_benchmarks(datasets: Any) -> list[tuple[str, str, Sequence[Any]]]:
         else:
             scorer, examples = getattr(ds, "scorer", None), ds
         if name is None or scorer is None:
-            raise ValueError("evaluate: each dataset needs a name and a scorer (a Dataset, or name -> (scorer, examples))")
+            raise ValueError("evaluate: each dataset needs a name and a scorer "
+                             "(a Dataset, or name -> (scorer, examples))")
         out.append((str(name), str(scorer), examples))
     return out
 

@@ -56,8 +56,8 @@ class Rollout:
     tokens: Int[Array, "B N"]
     valid: Bool[Array, "B N"]
     logp: Float[Array, "B N"]
-    lengths: Int[Array, "B"]
-    truncated: Bool[Array, "B"]
+    lengths: Int[Array, " B"]
+    truncated: Bool[Array, " B"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,13 +66,13 @@ class Rollout:
 _BLOCK = 1024  # vocabulary block of the two-level inverse CDF
 
 
-def _pick(cdf: Float[Array, "B K"], t: Float[Array, "B"]) -> Int[Array, "B"]:
+def _pick(cdf: Float[Array, "B K"], t: Float[Array, " B"]) -> Int[Array, " B"]:
     """First index with ``cdf >= t`` (clamped to the last index)."""
     return jnp.minimum(jnp.sum(cdf < t[:, None], axis=-1, dtype=jnp.int32), cdf.shape[-1] - 1)
 
 
-def _inverse_cdf(logw: Float[Array, "B K"], u: Float[Array, "B"]
-                 ) -> tuple[Int[Array, "B"], Float[Array, "B"], Float[Array, "B"]]:
+def _inverse_cdf(logw: Float[Array, "B K"], u: Float[Array, " B"]
+                 ) -> tuple[Int[Array, " B"], Float[Array, " B"], Float[Array, " B"]]:
     """Exact inverse-CDF draw from the unnormalised weights ``exp(logw)`` (``-inf``: weight 0; keep
     ``max(logw)`` near 0) with one uniform per row:
     index i with ``cdf[i-1] < (1 - u) * total <= cdf[i]``. ``1 - u`` lies in (0, 1], so a zero-weight
@@ -106,9 +106,9 @@ def _inverse_cdf(logw: Float[Array, "B K"], u: Float[Array, "B"]
     return b * _BLOCK + j, total, jnp.take_along_axis(blk, j[:, None], axis=-1)[:, 0]
 
 
-def sample_token(logits: Float[Array, "B V"], u: Float[Array, "B"], *, temperature: float = 1.0,
+def sample_token(logits: Float[Array, "B V"], u: Float[Array, " B"], *, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, greedy: bool = False
-                 ) -> tuple[Int[Array, "B"], Float[Array, "B"]]:
+                 ) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
     """Draw one token per row from ``softmax(logits / temperature)`` truncated by top-k then top-p.
 
     - top-k (``top_k > 0``): keep the k largest logits (ties: lower id first).
@@ -203,8 +203,8 @@ def _split_layers(model: Any) -> list[dict[str, jax.Array]]:
     return [{k: v[i] for k, v in params.items()} for i in range(model.config.num_layers)]
 
 
-def _decode_unrolled(model: Any, layers: list[dict], tok: Int[Array, "B"], ks: list, vs: list,
-                     mask: Int[Array, "B S"], pos: Int[Array, "B"], index: jax.Array):
+def _decode_unrolled(model: Any, layers: list[dict], tok: Int[Array, " B"], ks: list, vs: list,
+                     mask: Int[Array, "B S"], pos: Int[Array, " B"], index: jax.Array):
     """One decode step over per-layer weights and per-layer caches ``ks[i], vs[i]: [B, KV, S, hd]``
     (updated in place in the while loop; no restacking). The same computation as
     ``Qwen2.extend(tok[:, None], None, cache)`` + ``logits_from_hidden`` (tests compare with the

@@ -1,4 +1,5 @@
-"""The method comparison (``ict-jax compare``): every selector method x seed from one shared warm start, then a table and plots.
+"""The method comparison (``ict-jax compare``): every selector method x seed from one shared warm start,
+then a table and plots.
 
 Layout under ``out`` (``--out``)::
 

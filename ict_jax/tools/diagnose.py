@@ -201,7 +201,8 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     at least one, a program run: the mini-batch of the batch-scoped selectors), score them, and return the per-token
     arrays (NumPy, rows prompt-major): ``tokens``, ``valid`` ``[R, N]``; ``logp``, ``H1``, ``H2``,
     ``pmax``; ``js`` and ``pbar_tok`` dicts by reading; ``masks`` by selector name
-    (:func:`selector_specs`); ``ties`` by top-k selector name (the selected tokens the tie rule decided); per row ``reward`` (the data set's), ``correct``, ``advantage``
+    (:func:`selector_specs`); ``ties`` by top-k selector name (the selected tokens the tie rule decided);
+    per row ``reward`` (the data set's), ``correct``, ``advantage``
     (:func:`outcome_advantages`), ``group``, ``truncated``; ``texts``; ``timing`` (sampling, statistics,
     scoring seconds). ``rho`` None: ICT's default
     (:func:`selector_specs`); ``chunk`` None: ``stats.chunk``'s default; the statistics go through

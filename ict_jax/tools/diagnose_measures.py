@@ -103,7 +103,7 @@ def fork_positions(tokens: np.ndarray, valid: np.ndarray, group: np.ndarray) -> 
     out = np.zeros((R, N), bool)
     for g in np.unique(group):
         rows = np.flatnonzero(group == g)
-        for k, i in enumerate(rows):
+        for i in rows:
             same = np.ones(len(rows), bool)  # siblings (and i itself) sharing i's prefix so far
             for t in range(int(valid[i].sum())):
                 peers = same & valid[rows, t]

@@ -140,7 +140,8 @@ def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
                 _ms(s["p"]), _ms(s["beta"]), _ms(s["pmax"]), _ms(s["qtok"]),
                 _num(s["h_ratio_median"], ".2f"), f"{s['top20_share']:.2f}",
                 (f"{_num(el['E'], '.2f')} · {_num(el['knee'], '.2f')}" if el else ""),
-                (f"{_num(rd[form]['u'].get('u_at_ceiling'), '.2f')} · {_num(s.get('tie_share'), '.2f')}" if form else ""),
+                (f"{_num(rd[form]['u'].get('u_at_ceiling'), '.2f')} · {_num(s.get('tie_share'), '.2f')}"
+                 if form else ""),
                 f"{s['forks_selected']}/{s['forks']}",
                 ("n/a" if not corr or corr.get("pearson") is None else f"{corr['pearson']:+.2f}"),
                 _tokens(s["top_selected"], 5)])

@@ -16,6 +16,8 @@ from typing import Callable, Mapping
 
 import jax
 
+from ict_jax.memory import peak_rss
+
 from ict_jax.rl.state import TrainState
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.evaluation import Evaluator
@@ -141,6 +143,8 @@ def finish_summary(parts: RunParts, summary: RunSummary) -> Hook:
     def finish(info: StepInfo) -> None:
         summary["steps"] = parts.config.train.steps
         summary.stamp_wall()
+        if parts.memory is not None:  # predicted by the pre-flight vs this process's peak (docs/memory.md)
+            summary["memory"] = dict(parts.memory.record(), peak_rss=peak_rss())
         metrics = parts.run_dir / "metrics.jsonl"
         if jax.process_index() == 0 and metrics.exists():
             summary["plot"] = str(plot_metrics(metrics, parts.run_dir / "metrics.png"))

@@ -13,7 +13,8 @@ import jax
 from ict_jax.config import Config, ConfigError
 from ict_jax.model.adapters import add_adapters
 from ict_jax.model.config import ModelConfig
-from ict_jax.model.loading import load_model_and_tokenizer, load_model_tokenizer, load_tokenizer_spec
+from ict_jax.model.loading import (load_model_and_tokenizer, load_model_config, load_model_tokenizer,
+                                   load_tokenizer_spec)
 from ict_jax.model.lora import lora_spec
 from ict_jax.model.qwen2 import Qwen2, init_model
 from ict_jax.model.weights import load_hf
@@ -92,6 +93,30 @@ def build_model_and_tokenizer(cfg: Config, mesh: jax.sharding.Mesh, *, weights: 
         raise ConfigError(f"model.preset: {m.preset} has {mc.vocab_size} token ids but the tokenizer needs "
                           f"{tok.vocab_size}")
     return with_adapters(cfg, init_model(mc, seed=init_key(cfg), mesh=mesh)), tok, spec
+
+
+def run_architecture(cfg: Config) -> tuple[ModelConfig, Tokenizer, str]:
+    """(model config, tokenizer, tokenizer spec) of a run, without the weights: the architecture
+    :func:`build_model_and_tokenizer` will build (``model.path``'s config.json or GGUF metadata, or the
+    preset sized to the tokenizer), so that the run's programs can be compiled and checked (the memory
+    pre-flight) before the weights load; with ``model.lora.enabled`` it carries the adapters
+    (:func:`with_lora`), so that the pre-flight counts the LoRA train state. Raises as loading would (a
+    missing path, a tokenizer with more ids than the model)."""
+    m = cfg.model
+    if not m.path:
+        spec = m.tokenizer or "char"
+        tok = load_tokenizer_spec(spec)
+        mc = preset_config(cfg, vocab_size=tok.vocab_size)
+        if tok.vocab_size > mc.vocab_size:
+            raise ConfigError(f"model.preset: {m.preset} has {mc.vocab_size} token ids but the tokenizer needs "
+                              f"{tok.vocab_size}")
+        return with_lora(cfg, mc), tok, spec
+    tok = load_model_tokenizer(m.path, m.tokenizer)
+    mc = load_model_config(m.path, dtype=m.param_dtype, **model_overrides(cfg))
+    if tok.vocab_size > mc.vocab_size:
+        raise ValueError(f"{m.path}: the tokenizer has {tok.vocab_size} ids but the model's vocabulary only "
+                         f"{mc.vocab_size}: wrong tokenizer for this model?")
+    return with_lora(cfg, mc), tok, m.tokenizer or m.path
 
 
 def run_tokenizer(cfg: Config) -> Tokenizer | None:

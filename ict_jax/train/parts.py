@@ -30,12 +30,13 @@ from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.state import TrainState, init_train_state, reference_params
 from ict_jax.rl.train_step import check_batch_geometry
 from ict_jax.sharding import check_prompts_divide, make_mesh
-from ict_jax.train.checkpoints import Checkpointer
+from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, abstract_tree
 from ict_jax.train.logs import RunLogger
 from ict_jax.train.lora_base import META_KEY as BASE_META_KEY, LoraBase, loaded_identity
-from ict_jax.train.model_source import build_model_and_tokenizer, with_adapters
-from ict_jax.train.preflight import compile_and_check
-from ict_jax.train.programs import RunPrograms, TokenIds, build_programs, has_reference, reference_dtype
+from ict_jax.train.model_source import build_model_and_tokenizer, run_architecture, with_adapters
+from ict_jax.train.preflight import FitCheck, compile_and_check
+from ict_jax.train.programs import (RunPrograms, TokenIds, build_programs, has_reference, reference_dtype,
+                                    same_layout)
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
 from ict_jax.train.resume import (SFT_CHECKPOINTS, ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
                                   resume_point)
@@ -65,6 +66,7 @@ class RunParts:
     resume_point: ResumePoint | None  # where a resumed run continues; None for a new run
     resumed: bool  # an RL checkpoint was restored
     lora_base: LoraBase | None = None  # the base under a LoRA run's adapters (model.lora); None otherwise
+    memory: FitCheck | None = None  # the memory pre-flight's numbers (None: not checked)
 
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
         """What an RL checkpoint records beside the arrays: the data position, the run's settings (and a
@@ -163,27 +165,46 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     # a LoRA run resumed after its warm start trains adapters on the warm start: load it as the base
     weights = run_dir / SFT_MODEL if resume and cfg.model.lora.enabled and cfg.train.sft_steps > 0 \
         and (run_dir / SFT_MODEL).is_dir() else None
-    if model is None or weights is not None:
-        model, tokenizer, tok_spec = build_model_and_tokenizer(cfg, mesh, weights=weights)
+    if weights is not None:
+        model = None  # a given model is not the warm start: build from the weights
+    if model is None:  # the architecture first: the programs compile and are checked before the weights load
+        mc, tokenizer, tok_spec = run_architecture(cfg)
     else:
         model, tok_spec = with_adapters(cfg, model), "given"
-    lora_base = None if model.config.lora is None else LoraBase(
-        loaded_identity(cfg, model, weights=weights, given=tok_spec == "given"), run_dir, cfg.train.sft_steps > 0)
-    if resume and lora_base is not None:
-        check_resumed_base(lora_base, run_dir)
-    prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=model.config.max_position_embeddings)
+        mc = model.config
+    prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=mc.max_position_embeddings)
     iterator = PromptIterator(prompts.encoded, cfg.train.prompts_per_step, seed=cfg.seed)
-    state = init_train_state(cfg, model)
-    programs = build_programs(cfg, mesh, model.config, state, TokenIds.of(tokenizer))
+    state = init_train_state(cfg, model) if model is not None else abstract_train_state(cfg, mc, mesh=mesh)
+    programs = build_programs(cfg, mesh, mc, state, TokenIds.of(tokenizer))
+    # the memory pre-flight: in seconds, before the reward workers start and the weights load (both counted)
+    fit = compile_and_check(cfg, programs) if preflight else None
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:
-        if preflight:  # after the model, the state and the reward workers hold their memory: what is left
-            compile_and_check(cfg, programs)
-        return _start_run(cfg, run_dir, resume, changes, progress, mesh, model, tokenizer, tok_spec, prompts,
-                          iterator, programs, pool, state, lora_base)
+        if model is None:
+            model, state, programs = _load_weights(cfg, mesh, tokenizer, programs, weights)
+        lora_base = None if model.config.lora is None else LoraBase(
+            loaded_identity(cfg, model, weights=weights, given=tok_spec == "given"), run_dir, cfg.train.sft_steps > 0)
+        if resume and lora_base is not None:  # before anything is written
+            check_resumed_base(lora_base, run_dir)
+        parts, state, ref = _start_run(cfg, run_dir, resume, changes, progress, mesh, model, tokenizer, tok_spec,
+                                       prompts, iterator, programs, pool, state, lora_base)
+        return dataclasses.replace(parts, memory=fit), state, ref
     except BaseException:
         pool.close()
         raise
+
+
+def _load_weights(cfg: Config, mesh: Mesh, tokenizer: Tokenizer, programs: RunPrograms,
+                  weights: Path | None = None) -> tuple[Qwen2, TrainState, RunPrograms]:
+    """The model's weights (``weights``: a resumed LoRA run's warm start, its base) and the train state, for
+    programs built (and maybe compiled) from the abstract state; programs built again from the real state if
+    its structure, shapes or shardings differ (never expected: a warning says so)."""
+    model, _, _ = build_model_and_tokenizer(cfg, mesh, weights=weights)
+    state = init_train_state(cfg, model)
+    if not same_layout(abstract_tree(state), programs.step.abstract()[0]):
+        log.warning("the loaded model's train state differs from the one compiled before loading; compiling again")
+        programs = build_programs(cfg, mesh, model.config, state, TokenIds.of(tokenizer))
+    return model, state, programs
 
 
 def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress: bool, mesh: Mesh, model: Qwen2,

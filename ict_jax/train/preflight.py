@@ -39,6 +39,9 @@ GIB = 1024 ** 3
 #: CPU: bytes kept free beyond what the process holds outside JAX arrays when it checks: the rollouts'
 #: host copies, decoded texts, the evaluation's data, the allocator's slack. Calibrated (docs/memory.md).
 CPU_RESERVE = int(1.0 * GIB)
+#: CPU: host memory of one reward worker process (``rl.reward.workers``; math-verify and reasoning-gym
+#: imported: ~340 MB resident each, measured on the project's machine). They start after the pre-flight.
+REWARD_WORKER_BYTES = int(0.35 * GIB)
 #: CPU: fraction of the host budget kept free (XLA CPU's own allocations around an execution, page-cache
 #: pressure). Calibrated on the real Qwen2.5-0.5B (docs/memory.md).
 CPU_MARGIN = 0.05
@@ -142,21 +145,24 @@ class MachineBudget:
                 f"{fmt_bytes(self.budget.total)}{less}{shared})")
 
 
-def cpu_budget(devices: int, *, outside: int | None = None, budget: Budget | None = None) -> MachineBudget:
+def cpu_budget(devices: int, *, outside: int | None = None, budget: Budget | None = None,
+               reward_workers: int = 0) -> MachineBudget:
     """The host's budget for ``devices`` CPU devices. ``outside``: bytes held outside the programs; default
-    what this process holds outside JAX arrays now (resident set - live arrays) + :data:`CPU_RESERVE`."""
+    what this process holds outside JAX arrays now (resident set - live arrays) + :data:`CPU_RESERVE` +
+    ``reward_workers`` x :data:`REWARD_WORKER_BYTES` (worker processes still to start)."""
     if outside is None:
-        outside = max(0, process_rss() - live_array_bytes()) + CPU_RESERVE
+        outside = (max(0, process_rss() - live_array_bytes()) + CPU_RESERVE
+                   + max(0, int(reward_workers)) * REWARD_WORKER_BYTES)
     return MachineBudget("cpu", budget or host_budget(), max(1, devices), outside, CPU_MARGIN)
 
 
-def machine_budget(devices: Sequence[jax.Device]) -> MachineBudget | None:
+def machine_budget(devices: Sequence[jax.Device], *, reward_workers: int = 0) -> MachineBudget | None:
     """The budget of this process's ``devices`` (a mesh's: ``mesh.devices.flat``); None where the devices
-    report none."""
+    report none. ``reward_workers``: worker processes that will share a CPU host's memory."""
     local = [d for d in devices if d.process_index == jax.process_index()]
     platform = local[0].platform
     if platform == "cpu":
-        return cpu_budget(len(local))
+        return cpu_budget(len(local), reward_workers=reward_workers)
     found = device_budget(local[0])
     return None if found is None else MachineBudget(platform, found, 1, 0, 0.0)
 
@@ -178,6 +184,21 @@ class FitCheck:
     @property
     def fits(self) -> bool:
         return self.machine is None or all(n.device_bytes <= self.machine.per_device for n in self.needs)
+
+    def record(self) -> dict:
+        """What ``summary.json`` keeps (``memory``): each program's bytes a device, the budget, and on a CPU
+        the predicted peak of this process (bytes outside the programs + the largest program on every
+        device) to set beside the measured one (docs/memory.md, calibration)."""
+        out: dict = {"programs": {n.name: {"device_bytes": n.device_bytes, "compiled_live": n.memory.live,
+                                           "resident": n.resident} for n in self.needs}}
+        m = self.machine
+        if m is not None:
+            out["budget"] = {"platform": m.platform, "total": m.budget.total, "source": m.budget.source,
+                             "devices": m.devices, "outside": m.outside, "margin": m.margin,
+                             "per_device": m.per_device, "held_at_check": m.budget.held}
+            if m.platform == "cpu":
+                out["predicted_peak"] = m.outside + self.worst.device_bytes * m.devices
+        return out
 
     def line(self) -> str:
         """One line: the program that does not fit (the largest), its bytes, the budget."""
@@ -208,7 +229,7 @@ def check_fits(config: Config, programs: RunPrograms, compiled: Mapping[str, jax
     :class:`DoesNotFit`, warns, or (``off``) only reports."""
     mode = config.train.memory_check
     if machine is None and mode != "off":
-        machine = machine_budget(list(programs.mesh.devices.flat))
+        machine = machine_budget(list(programs.mesh.devices.flat), reward_workers=config.rl.reward.workers)
     check = FitCheck(tuple(program_needs(programs, compiled)), machine)
     for n in check.needs:
         m = n.memory
@@ -235,7 +256,7 @@ def compile_and_check(config: Config, programs: RunPrograms, *,
     samplers compile. The budget is read before the first compile (the compiler's own working memory is
     freed for the programs). Returns the last check (None without programs)."""
     if machine is None and config.train.memory_check != "off":
-        machine = machine_budget(list(programs.mesh.devices.flat))
+        machine = machine_budget(list(programs.mesh.devices.flat), reward_workers=config.rl.reward.workers)
     compiled: dict[str, jax.stages.Compiled] = {}
     check = None
     for name in programs_to_check(config):

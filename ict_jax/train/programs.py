@@ -15,7 +15,7 @@ is in the model's compute dtype (:func:`reference_dtype`): written here once for
 
 Training builds them from its real train state, ``ict-jax compile`` (:mod:`ict_jax.aot.compile`) from an
 abstract one (``jax.ShapeDtypeStruct`` leaves carrying the run's shardings): the same function, so what
-compile checks is what training runs (tests/test_programs.py compares the lowered modules).
+compile checks is what training runs (tests/train/test_programs.py compares the lowered modules).
 
 Each :class:`Program` carries its abstract arguments for every shape it may be called at (a shape key:
 the rows and the lengths) and compiles each shape once, ahead of time, from them
@@ -204,6 +204,16 @@ def _itemsize(dtype: Any) -> int:
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
         return int(np.prod(data.shape, dtype=np.int64)) * jnp.dtype(data.dtype).itemsize
     return jnp.dtype(dtype).itemsize
+
+
+def same_layout(a: Any, b: Any) -> bool:
+    """Two trees of arrays / ShapeDtypeStructs with the same structure (static fields included) and, leaf
+    by leaf, the same shape, dtype and sharding: a program compiled for one runs the other."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(x.shape == y.shape and x.dtype == y.dtype
+               and getattr(x, "sharding", None) == getattr(y, "sharding", None)
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def has_reference(config: Config, state: TrainState) -> bool:

@@ -239,7 +239,9 @@ def test_no_nan_all_padding_all_neginf_rows():
     logits[G, :2] = np.arange(V)  # one active rollout in the second group
     valid[G, :2] = 1
     tokens = np.zeros((P * G, T), np.int32)
-    f = lambda lg: jnp.sum(stats_from_logits(lg, tokens, valid, group_size=G).logp)
+    def f(lg):
+        return jnp.sum(stats_from_logits(lg, tokens, valid, group_size=G).logp)
+
     got = stats_from_logits(jnp.asarray(logits), tokens, valid, group_size=G, compute=ALL_STATS)
     for x in got:
         assert np.all(np.isfinite(np.asarray(x)))
@@ -268,7 +270,9 @@ def test_logits_path_gradient_matches_float64():
     P, G, T, V, temp = 2, 2, 4, 11, 0.8
     logits, tokens, valid = make_case(rng, P, G, T, V, "neginf")
     wts = rng.standard_normal((P * G, T)).astype(np.float32)
-    f = lambda lg: jnp.sum(stats_from_logits(lg, tokens, valid, group_size=G, temperature=temp).logp * wts)
+    def f(lg):
+        return jnp.sum(stats_from_logits(lg, tokens, valid, group_size=G, temperature=temp).logp * wts)
+
     g = np.asarray(jax.jit(jax.grad(f))(jnp.asarray(logits)))
     _, p = ref_stats(logits, tokens, valid, G, temp)
     onehot = np.eye(V)[tokens]

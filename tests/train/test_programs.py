@@ -12,9 +12,9 @@ import pytest
 
 from ict_jax.config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
-# the tiny trainer run of tests/test_trainer.py, with the KL reference and an evaluation set (every argument
+# the tiny trainer run of tests/train/test_trainer.py, with the KL reference and an evaluation set (every argument
 # of every program), on a 4 x 1 x 2 mesh of the 8 test devices
 TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
         "rollout.max_prompt_len=16", "train.sft_steps=0", "rl.selector.warmup_steps=1", "train.steps=1",

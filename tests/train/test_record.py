@@ -27,7 +27,7 @@ import pytest
 from ict_jax.cli.main import main as cli_main
 from ict_jax.train.logs import read_metrics, summary_table, truncate_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 BENCH = "split?digits=1&size=4&seed=5"
 TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
@@ -475,7 +475,7 @@ def test_finished_run_resumed_is_a_no_op_and_changes_are_refused_first(tmp_path)
     assert rc == 2 and err.strip() == (
         "ict-jax train: error: --resume: rl.selector.method ('ict' -> 'grpo') would change how the run trains; a "
         "resumed run keeps those settings (may change: train.eval_every, train.save_every, train.keep, "
-        "train.sft_save_every, rl.reward.workers, logging.*, train.steps upward). Start a new run_dir for other settings")
+        "train.sft_save_every, train.memory_check, rl.reward.workers, logging.*, train.steps upward). Start a new run_dir for other settings")
     rc, _, err = run_cli("train", "--config", str(DEMO), *args, "train.steps=1", "--resume")
     assert rc == 2 and "train.steps (only upward)" in err
     assert snapshot(run) == before

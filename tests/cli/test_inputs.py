@@ -21,7 +21,7 @@ from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import init_model
 from ict_jax.model.weights import WeightError, load_hf, save_hf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 
 
@@ -152,6 +152,7 @@ def test_pkg_spec_accepts_distribution_and_import_names():
 # ------------------------------------------------------------------------------------------------
 # Item 16: export and inspect print no absl WARNING lines (errors included)
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.e2e  # CLI subprocesses (13 s)
 def test_export_and_inspect_print_no_library_noise(run_dir, tmp_path):
     p = _cli("export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "hf"))
     assert p.returncode == 0, p.stderr

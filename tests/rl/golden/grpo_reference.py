@@ -13,7 +13,7 @@ grpo_golden.json next to this file (or to the path given as the first argument):
 Inputs are float32-representable (generated in float32) so the float32 JAX code sees the same numbers.
 Padding tokens hold -inf / NaN / +inf log-probs on purpose (NaN/inf safety).
 
-Run: python tests/data/grpo_reference.py [out.json]
+Run: python tests/rl/golden/grpo_reference.py [out.json]
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def main(out_path: Path) -> None:
                           "dual_clip_c": dual_c, "loss": loss, "metrics": metrics,
                           "grad_logp": tolist(grad)})
     golden = {
-        "about": "written by tests/data/grpo_reference.py (PyTorch, float64); do not edit",
+        "about": "written by tests/rl/golden/grpo_reference.py (PyTorch, float64); do not edit",
         "config": {"eps_low": EPS_LOW, "eps_high": EPS_HIGH, "eps_adv": EPS_ADV},
         "advantages": adv_golden,
         "inputs": {"logp": tolist(logp), "logp_old": tolist(logp_old), "logp_ref": tolist(logp_ref),

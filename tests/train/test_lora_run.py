@@ -2,7 +2,7 @@
 checkpoints hold the adapters and the base model's identity, a resume is bitwise like an uninterrupted
 run and refuses another base, and every command that reads a run (sample, eval, inspect, export) reads
 a LoRA run; ``ict-jax compile`` builds the LoRA train state (base frozen, adapters and their moments, no
-reference copy). The real Qwen2.5-0.5B version is tests/test_lora_real.py (slow)."""
+reference copy). The real Qwen2.5-0.5B version is tests/train/test_lora_real.py (slow)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,13 @@ from ict_jax.config import ConfigError, load_config
 from ict_jax.model.identity import arrays_sha256, weights_sha256
 from ict_jax.train.lora_base import LoraBase, check_base, describe, file_identity
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
-# tests/test_trainer.py's tiny run with LoRA: rank 4 on every projection; a format penalty for responses
-# with no extractable answer gives the random model's groups nonzero advantages, so RL moves the adapters
+# tests/train/test_trainer.py's tiny run with LoRA: rank 4 on every projection
 TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
         "rollout.max_prompt_len=16", "train.sft_steps=2", "train.sft_batch_size=8", "rl.selector.warmup_steps=1",
         "data.train=[\"arith?digits=1&size=64\"]", "data.eval=[]", "stats.chunk=8", "rl.reward.workers=1",
-        "rl.reward.no_answer=-1", "rl.loss.kl_coef=0.01", "optim.lr=0.01", "optim.lr_warmup_steps=0",
+        "rl.loss.kl_coef=0.01", "optim.lr=0.01", "optim.lr_warmup_steps=0",
         "train.save_every=2", "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8",
         "mesh.data=-1", "mesh.tensor=2"]  # 4 x 1 x 2 on the 8 test devices (4 prompts split over data = 4)
 
@@ -124,21 +123,41 @@ def test_the_abstract_lora_state_is_what_init_train_state_builds(tiny_config, ti
 # ------------------------------------------------------------------------------------------------
 # A tiny LoRA run end to end: SFT 2 steps, RL 4 steps; and the same cut after 2 RL steps and resumed
 # ------------------------------------------------------------------------------------------------
+# the random model answers nothing right, so every group's rewards would be equal and RL would not move the
+# adapters (B = 0, the KL check empty): a custom reward that varies with the response gives its groups
+# nonzero advantages. The reward workers import the function from the caller's working directory.
+REWARD_MODULE = "def score(response, gold, meta):\n    return float(len(set(response)) % 2)\n"
+
+
 @pytest.fixture(scope="module")
-def lora_runs(tmp_path_factory):
+def reward_dir(tmp_path_factory):
+    """(folder to run in, overrides): the file task scored by the custom reward above."""
+    folder = tmp_path_factory.mktemp("lora_reward")
+    (folder / "lora_t27_reward.py").write_text(REWARD_MODULE)
+    rows = [{"q": f"{a}+{b}=", "a": str(a + b)} for a in range(1, 9) for b in range(1, 9)]
+    (folder / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = f"file:{folder / 'tasks.jsonl'}?prompt=q&answer=a&reward=custom"
+    return folder, [f"data.train=[\"{task}\"]", "rl.reward.fn=lora_t27_reward:score"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, reward_dir):
     """(full, cut): the same tiny LoRA run, uninterrupted (4 RL steps) and stopped after 2 then resumed."""
     from ict_jax.train.trainer import Trainer
 
     root = tmp_path_factory.mktemp("lora_runs")
+    folder, reward = reward_dir
 
     def train(run: str, steps: int, resume: bool = False) -> None:
-        cfg = load_config(DEMO, TINY + [f"train.steps={steps}", f"run_dir={root / run}"])
+        cfg = load_config(DEMO, TINY + reward + [f"train.steps={steps}", f"run_dir={root / run}"])
         with Trainer(cfg, resume=resume, progress=False) as t:
             t.train()
 
-    train("full", 4)
-    train("cut", 2)
-    train("cut", 4, resume=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        train("full", 4)
+        train("cut", 2)
+        train("cut", 4, resume=True)
     return root / "full", root / "cut"
 
 
@@ -155,6 +174,7 @@ def test_a_lora_run_resumes_bitwise_like_an_uninterrupted_run(lora_runs):
     assert [keep(r) for r in ra] == [keep(r) for r in rb]
     rl = read_metrics(full / "metrics.jsonl")
     assert [r["step"] for r in rl] == [0, 1, 2, 3] and all(r["kl/valid_mean"] >= 0 for r in rl)
+    assert any(r["adv/zero_std_group_frac"] < 1 for r in rl)  # the custom reward gave some group a signal
     assert any(r["kl/valid_mean"] > 0 for r in rl[1:])  # the adapters moved the policy off its reference
 
 
@@ -185,7 +205,8 @@ def test_checkpoints_hold_the_adapters_and_the_identity_of_their_base(lora_runs)
     assert jax.tree.structure(jax.tree.map(np.asarray, want)) == jax.tree.structure(jax.tree.map(np.asarray, base))
     for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    b = [np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(adapters)[0] if "lora_b" in str(k[-1])]
+    b = [np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(adapters)[0]
+         if "lora_b" in jax.tree_util.keystr(k)]
     assert b and all(np.abs(x).max() > 0 for x in b)  # trained: B = 0 only for fresh adapters
 
 
@@ -233,7 +254,7 @@ def test_commands_read_a_lora_run_and_its_peft_export_loads_in_peft(lora_runs, t
 
 
 @pytest.mark.e2e
-def test_a_changed_base_is_refused_on_resume_and_on_load(lora_runs, tmp_path, capsys):
+def test_a_changed_base_is_refused_on_resume_and_on_load(lora_runs, reward_dir, tmp_path, capsys, monkeypatch):
     """The run's warm start rewritten with other weights: --resume stops with one line (exit 2) before
     anything is written; loading the checkpoint (sample, export, ...) is refused with one line too."""
     from ict_jax.cli.main import main
@@ -246,7 +267,9 @@ def test_a_changed_base_is_refused_on_resume_and_on_load(lora_runs, tmp_path, ca
     shutil.copy(other / "model.safetensors", run / "sft_model" / "model.safetensors")
     before = (run / "metrics.jsonl").read_text()
     capsys.readouterr()
-    rc = main(["train", "--config", str(DEMO), *TINY, "train.steps=6", f"run_dir={run}", "--resume", "--no-progress"])
+    monkeypatch.chdir(reward_dir[0])
+    rc = main(["train", "--config", str(DEMO), *TINY, *reward_dir[1], "train.steps=6", f"run_dir={run}", "--resume",
+               "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert "holds LoRA adapters trained on the run's SFT warm start sft_model" in err and "Traceback" not in err
@@ -272,7 +295,8 @@ def test_compile_builds_the_lora_run_training_builds(tmp_path, devices8):
         assert ref is None and state.frozen is not None
         target = get_target("local")
         mc, source = target_model_config(cfg, target.platform)
-        assert mc == parts.model_config and "LoRA rank 4" in source
+        # compile resolves compute_dtype "auto" for the target (float32 on CPU); training resolves it at use
+        assert mc == parts.model_config.replace(compute_dtype="float32") and "LoRA rank 4" in source
         jobs = build_programs(cfg, mc, run_mesh(cfg, target))
         for job in jobs:
             assert job.lower().as_text() == parts.programs.by_name()[job.name].lower().as_text(), job.name

@@ -7,7 +7,6 @@ import math
 import shutil
 import subprocess
 from html.parser import HTMLParser
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -229,7 +228,7 @@ def test_html_holds_every_token_the_three_masks_and_hover_data(report):
     assert len(p.cols) == 3 * G
     # the colour encodes JS: the largest score gets the darkest colour of the legend's ramp
     best = max((t for r in report["responses"] for t in r["tokens"]), key=lambda t: t["js"])
-    assert f"background:#e34a33\" data-i" in page or best["js"] == 0
+    assert "background:#e34a33\" data-i" in page or best["js"] == 0
     # self-contained: no external resource of any kind
     for tag, a in p.tags:
         for k in ("src", "href"):
@@ -292,6 +291,7 @@ def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tiny_hf_dir, tmp_path
     assert "--rewards" in capsys.readouterr().err
 
 
+@pytest.mark.e2e  # a run then the CLI (11 s)
 def test_cli_inspects_a_run_at_the_rho_it_trained_with(tmp_path, capsys):
     """A run trained at rl.selector.rho=0.05 is shown at 5 %, not at ICT's default 10 % (the page used to
     take temperature and STAPO's thresholds from the checkpoint, but not rho, scope or the method)."""

@@ -241,7 +241,7 @@ for s in range(2, 10_000):
 @pytest.mark.slow
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path):
     d = tmp_path / "ckpt"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(d)], stdout=subprocess.PIPE, env=env)
     try:
         assert proc.stdout.readline().strip() == b"saved"
@@ -391,7 +391,7 @@ def test_the_command_line_prints_a_full_disk_as_one_line(tmp_path, enospc_on_sav
     from ict_jax.cli.main import main
 
     run = tmp_path / "run"
-    args = ["train", "--config", str(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"),
+    args = ["train", "--config", str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"),
             "model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=4",
             "rollout.max_prompt_len=8", "train.sft_steps=0", 'data.train=["arith?digits=1&size=16"]', "data.eval=[]",
             "stats.chunk=4", "rl.reward.workers=1", "train.steps=40", "train.save_every=2", f"run_dir={run}",

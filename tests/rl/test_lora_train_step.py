@@ -197,8 +197,9 @@ def _check_chain_rule(method: str, *extra: str):
         assert m_lora["loss/kl"] > 0  # the reference differs from the policy
 
 
-@pytest.mark.parametrize("method,extra", [("ict", ()), ("entropy", ("train.micro_batches=2",)),
-                                          ("dense", ("rl.loss.kl_coef=0",))])  # the last: the one-pass head
+# the default suite: ict fused; micro-batches and the one-pass head (the last) in the e2e stage (8-11 s each)
+@pytest.mark.parametrize("method,extra", [("ict", ()), pytest.param("entropy", ("train.micro_batches=2",), marks=pytest.mark.e2e),
+                                          pytest.param("dense", ("rl.loss.kl_coef=0",), marks=pytest.mark.e2e)])
 def test_the_adapter_gradient_is_the_chain_rule_of_the_full_gradient(method, extra):
     _check_chain_rule(method, *extra)
 
@@ -214,11 +215,13 @@ def test_chain_rule_full_matrix(method, extra):
 # Every method and schedule
 # ------------------------------------------------------------------------------------------------
 SCHEDULES = {"fused": (), "micro": ("train.micro_batches=2",), "mini": ("train.mini_batches=2", "train.micro_batches=2")}
-# the default suite: three methods fused (dense and entropy run in the chain-rule test) and two other
-# schedules; every method x schedule in the slow suite
-_DEFAULT = (("ict", "fused"), ("stapo", "fused"), ("random", "fused"), ("ict", "micro"), ("stapo", "mini"))
-CASES = list(_DEFAULT) + [pytest.param(m, s, marks=pytest.mark.slow) for m in METHODS for s in SCHEDULES
-                          if (m, s) not in _DEFAULT]
+# the default suite: three methods fused (dense and entropy: the chain-rule test, e2e); two other
+# schedules in the e2e stage; every method x schedule in the slow suite
+_DEFAULT = (("ict", "fused"), ("stapo", "fused"), ("random", "fused"))
+_E2E = (("ict", "micro"), ("stapo", "mini"))
+CASES = (list(_DEFAULT) + [pytest.param(m, s, marks=pytest.mark.e2e) for m, s in _E2E]
+         + [pytest.param(m, s, marks=pytest.mark.slow) for m in METHODS for s in SCHEDULES
+            if (m, s) not in _DEFAULT + _E2E])
 
 
 @pytest.mark.parametrize("method,schedule", CASES)
@@ -233,6 +236,7 @@ def test_every_method_and_schedule_steps_with_lora(method, schedule):
     jax.tree.map(np.testing.assert_array_equal, _host(new.frozen), base)
 
 
+@pytest.mark.e2e  # two meshes compiled (15 s); the full-parameter one stays in the default suite
 def test_eight_devices_give_the_adapter_gradients_of_one(devices8):
     cfg = _config("ict", "train.micro_batches=2")
     one, m1 = _lora_grads(cfg)

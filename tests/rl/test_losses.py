@@ -1,4 +1,4 @@
-"""ict_jax.rl.losses against golden values of an independent PyTorch reference (tests/data/grpo_reference.py),
+"""ict_jax.rl.losses against golden values of an independent PyTorch reference (tests/rl/golden/grpo_reference.py),
 plus the semantic properties of docs/method.md §3-§4: zero gradient where M = 0, advantages that sum to zero,
 all-equal groups that do not learn, micro-batch denominators that add up to the mini-batch."""
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from ict_jax.config import LossSection
 from ict_jax.rl.losses import (clipped_surrogate, group_advantages, k3_kl, loss_denominators, policy_loss, zero_std_groups)
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent / "golden"
 GOLDEN = json.loads((DATA / "grpo_golden.json").read_text())
 TOL = dict(rtol=1e-6, atol=1e-6)  # float32 JAX vs float64 PyTorch
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")

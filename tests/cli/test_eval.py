@@ -167,7 +167,7 @@ def test_resolve_pkg_paths():
     with pytest.raises(FileNotFoundError, match="has no file"):
         resolve_path("pkg:ict_jax/no_such_file.gguf")
     with pytest.raises(FileNotFoundError, match="no part packages ict-jax-part1.*pkg:<package>/<file>"):
-        resolve_path("pkg:ict_jax")  # pkg:<prefix> names a model split over packages (tests/test_packaged.py)
+        resolve_path("pkg:ict_jax")  # pkg:<prefix> names a model split over packages (tests/model/test_packaged.py)
     assert resolve_path("pkg:ict_jax/config.py") == os.path.join(os.path.dirname(
         __import__("ict_jax").__file__), "config.py")
     assert resolve_path("plain/path") == "plain/path"

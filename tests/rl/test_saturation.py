@@ -1,5 +1,5 @@
 """u's ceiling and the tie share (ict_jax.rl.saturation) against hand-computed values, u itself (the
-float64 reference of every reading, tests/test_token_stats.py, which the JAX statistics match: the ceiling
+float64 reference of every reading, tests/rl/test_token_stats.py, which the JAX statistics match: the ceiling
 is attained by disjoint point masses and never exceeded), and a float64 NumPy reference of the tie rule."""
 
 import math
@@ -15,7 +15,7 @@ from ict_jax.rl.metrics import step_metrics
 from ict_jax.rl.saturation import tie_decided, tie_selected_frac, u_at_ceiling, u_ceiling
 from ict_jax.rl.selectors import topk_mask
 from ict_jax.rl.token_stats import U_FORMS, TokenStats
-from test_token_stats import ref_readings  # tests/ is on sys.path (pytest rootdir conftest)
+from test_token_stats import ref_readings  # the same folder (pytest puts a test file's folder on sys.path)
 
 LN2 = math.log(2.0)
 # jitted once per reading: one compile instead of every primitive's eager compile (the default suite's budget)

@@ -16,7 +16,7 @@ from ict_jax.tools.compare import plan_runs, run_config
 from ict_jax.tools.compare_report import (aggregate_group, format_markdown, mean_sd, pass_at_k, run_result,
                                           steps_to_target, tail_mean)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 TINY = [  # the demo config shrunk to seconds per run: 5 SFT steps, 3 RL steps, 8 eval problems
     "model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",

@@ -113,6 +113,7 @@ def test_diagnostics_hand_computed():
     assert "0.18 ± 0.09" in md and "1.03 / 0.99" in md and "ICT, u aligned" in md
 
 
+@pytest.mark.e2e  # a whole diagnose run (12 s)
 def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch):
     """A tiny random model on the split task: every reading and selector is reported, the counts follow
     docs/method.md §2, and the JSON, Markdown and plot are written; progress lines as each setting and
@@ -203,7 +204,7 @@ def test_cli_bad_input_is_one_line_exit_2(args, msg, capsys, tmp_path):
 
 def test_aligned_ceiling():
     """The aligned ceiling diagnose reads (rl.saturation.u_ceiling, tested against every reading in
-    tests/test_saturation.py) in closed form is what u reaches: disjoint one-hot rows."""
+    tests/rl/test_saturation.py) in closed form is what u reaches: disjoint one-hot rows."""
     import jax.numpy as jnp
 
     from ict_jax.rl.token_stats import stats_from_logits

@@ -3,6 +3,7 @@
 The table runs through the session pool in one batch call (math-verify costs ~10-50 ms a check)."""
 
 import os
+import pickle
 import threading
 import time
 
@@ -332,7 +333,8 @@ def test_spawn_context():
 
 
 def test_unpicklable_meta_fails_the_caller_only(pool):
-    with pytest.raises(Exception):
+    # what pickle raises for an unpicklable object (a local lambda: AttributeError), in this process
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
         pool.score("gym", ["<answer>1</answer>"], ["1"], [{"gym_entry": lambda: 0}])
     assert pool.score("math", [r"\boxed{1}"], ["1"]).tolist() == [1.0]
 
@@ -372,7 +374,7 @@ def test_rewards_doc_lists_the_final_statement_table():
     """docs/rewards.md shows every case of the table above, with the same outcome."""
     import pathlib
 
-    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "rewards.md").read_text()
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
     for response, expected in FINAL_STATEMENT:
         shown = response.replace("\n", "\\n")
         row = next((line for line in doc.splitlines() if f"`{shown}`" in line), None)

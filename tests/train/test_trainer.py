@@ -21,7 +21,7 @@ from ict_jax.cli.main import main as cli_main
 from ict_jax.config import load_config
 from ict_jax.train.logs import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 TINY = [  # a few seconds per method on 2 cores
     "model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
@@ -38,7 +38,7 @@ SECTION5 = {"reward/mean", "reward/accuracy", "adv/zero_std_group_frac", "respon
 
 # ict stays in the default suite as the trainer's representative end-to-end run (SFT warm start, RL,
 # metrics, checkpoint, TensorBoard, plot, summary); the other methods differ only in the selector, which
-# tests/test_train_step.py and tests/test_selectors.py cover as units
+# tests/rl/test_train_step.py and tests/rl/test_selectors.py cover as units
 @pytest.mark.parametrize("method", ["ict", pytest.param("grpo", marks=pytest.mark.e2e),
                                     pytest.param("entropy", marks=pytest.mark.e2e),
                                     pytest.param("stapo", marks=pytest.mark.e2e),

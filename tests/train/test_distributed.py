@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from test_trainer import DEMO, TINY  # tests/ is on sys.path (pytest rootdir conftest)
+from test_trainer import DEMO, TINY  # the same folder (pytest puts a test file's folder on sys.path)
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,140 @@
+"""train/preflight.py: the memory pre-flight. Hand-made numbers for the arithmetic and the line; the
+run's own programs (abstract, nothing compiled) for what a program holds besides its arguments; one tiny
+run refused end to end (the CLI: exit 3, one line, nothing written) and ``ict-jax compile --topology local``
+reporting the same budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ict_jax.config import load_config
+from ict_jax.memory import BUDGET_ENV, Budget
+from ict_jax.train.preflight import (DoesNotFit, FitCheck, MachineBudget, ProgramMemory, ProgramNeed, check_fits,
+                                     cpu_budget, programs_to_check, resident_bytes)
+
+GIB = 1024 ** 3
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
+# the demo's tiny model, no SFT, one RL step, the KL reference on (the samplers then leave it resident)
+TINY = ["train.sft_steps=0", "train.steps=1", "rl.loss.kl_coef=0.01", "rl.reward.workers=1"]
+
+
+def _machine(total_gib: float, outside_gib: float = 1.0, devices: int = 1, margin: float = 0.05) -> MachineBudget:
+    return MachineBudget("cpu", Budget(int(total_gib * GIB), "test budget"), devices, int(outside_gib * GIB), margin)
+
+
+def test_the_budget_a_device_gets():
+    # (20 GiB x 0.95 - 1 GiB) / 1 = 18 GiB; over 8 devices 2.25 GiB each
+    assert _machine(20).per_device == 18 * GIB
+    assert _machine(20, devices=8).per_device == 18 * GIB // 8
+    assert _machine(1, outside_gib=2).per_device == 0  # never negative
+    assert "18.00 GiB of cpu memory (test budget: 20.00 GiB, less 1.00 GiB outside the compiled programs and a " \
+           "5% margin)" == _machine(20).describe()
+
+
+def test_a_program_needs_its_compiled_bytes_and_the_runs_other_arrays():
+    mem = ProgramMemory("generate", arguments=2 * GIB, temporaries=GIB, outputs=GIB // 2, aliased=GIB // 4, code=0)
+    need = ProgramNeed(mem, resident=4 * GIB)
+    assert mem.live == 2 * GIB + GIB + GIB // 2 - GIB // 4
+    assert need.device_bytes == mem.live + 4 * GIB
+    check = FitCheck((ProgramNeed(ProgramMemory("step", 3 * GIB, 5 * GIB, 0, 0, 0), 0), need), _machine(8))
+    assert check.worst.name == "step" and not check.fits  # 8 GiB > 8 x 0.95 - 1 = 6.6 GiB
+    assert check.line() == ("the train step needs 8.00 GiB (3.00 GiB arguments + 5.00 GiB temporaries), more than "
+                            "6.60 GiB of cpu memory (test budget: 8.00 GiB, less 1.00 GiB outside the compiled "
+                            "programs and a 5% margin)")
+    assert FitCheck(check.needs, _machine(20)).fits and FitCheck(check.needs, None).fits  # no budget: not refused
+
+
+@pytest.fixture(scope="module")
+def tiny_programs(devices8):
+    """The demo run's programs built from its abstract state (nothing compiled, nothing loaded)."""
+    import jax
+
+    from ict_jax.train.checkpoints import abstract_train_state
+    from ict_jax.train.model_source import run_architecture
+    from ict_jax.train.programs import build_programs, per_device_bytes
+    from ict_jax.sharding import make_mesh
+
+    cfg = load_config(DEMO, TINY)
+    mc, tok, _ = run_architecture(cfg)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state = abstract_train_state(cfg, mc, mesh=mesh)
+    return cfg, build_programs(cfg, mesh, mc, state), state, per_device_bytes
+
+
+def test_the_samplers_leave_the_optimizer_state_and_the_reference_resident(tiny_programs):
+    cfg, programs, state, per_device_bytes = tiny_programs
+    ref = programs.step.abstract()[2]
+    assert ref is not None
+    assert resident_bytes(programs, "step") == 0
+    others = per_device_bytes((state.opt_state, state.step, state.rng)) + per_device_bytes(ref)  # not the weights
+    for name in ("generate", "eval"):
+        assert resident_bytes(programs, name) == others > per_device_bytes(ref) > 0
+
+
+class _Compiled:
+    """A compiled program's memory analysis, by hand."""
+
+    def __init__(self, temp: int, args: int = 0):
+        self.ma = SimpleNamespace(argument_size_in_bytes=args, temp_size_in_bytes=temp, output_size_in_bytes=0,
+                                  alias_size_in_bytes=0, generated_code_size_in_bytes=0)
+
+    def memory_analysis(self):
+        return self.ma
+
+
+@pytest.mark.parametrize("mode", ["error", "warn", "off"])
+def test_memory_check_error_warn_off(tiny_programs, mode, caplog):
+    cfg, programs, _, _ = tiny_programs
+    cfg = cfg.replace(**{"train.memory_check": mode})
+    small, big = {"step": _Compiled(GIB)}, {"step": _Compiled(30 * GIB)}
+    assert check_fits(cfg, programs, small, machine=_machine(20)).fits
+    if mode == "error":
+        with pytest.raises(DoesNotFit, match=r"^the train step needs 30\.00 GiB \(0 B arguments \+ 30\.00 GiB "
+                                             r"temporaries\), more than 18\.00 GiB") as e:
+            check_fits(cfg, programs, big, machine=_machine(20))
+        assert e.value.config is cfg and e.value.mesh == {"data": 1, "fsdp": 1, "tensor": 1}
+    else:
+        assert not check_fits(cfg, programs, big, machine=_machine(20)).fits
+        assert ("more than 18.00 GiB" in caplog.text) == (mode == "warn")
+
+
+def test_the_programs_checked_are_the_ones_a_run_executes():
+    cfg = load_config(DEMO, TINY)
+    assert programs_to_check(cfg) == ("step", "generate", "eval")  # the demo evaluates
+    assert programs_to_check(cfg.replace(**{"data.eval": ()})) == ("step", "generate")
+
+
+def test_the_cpu_budget_keeps_what_the_process_holds_outside_jax_arrays(monkeypatch):
+    monkeypatch.setenv(BUDGET_ENV, "10GiB")
+    m = cpu_budget(2)
+    assert m.budget.total == 10 * GIB and m.budget.source == BUDGET_ENV and m.devices == 2
+    assert m.outside >= GIB  # the reserve at least (train.preflight.CPU_RESERVE)
+
+
+def test_an_oversized_run_stops_with_one_line_exit_3_and_writes_nothing(tmp_path, monkeypatch, capsys, devices8):
+    """Issue 23's pre-flight on a tiny model with a tiny budget: the refusal comes before the weights load
+    and before anything is written (a corrected rerun needs no --resume)."""
+    from ict_jax.cli.main import main
+
+    monkeypatch.setenv(BUDGET_ENV, "1200MiB")  # less than the process holds outside JAX arrays + the reserve
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", str(DEMO), *TINY, f"run_dir={run_dir}", "--no-progress"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ict-jax train: error: the train step needs ")
+    assert "of cpu memory (ICT_JAX_MEMORY_BUDGET: 1.17 GiB, less " in err and "estimated to fit" in err
+    assert not run_dir.exists()
+
+
+def test_compile_for_the_local_machine_reports_the_same_budget(tmp_path, monkeypatch, capsys, devices8):
+    from ict_jax.cli.main import main
+
+    monkeypatch.setenv(BUDGET_ENV, "1200MiB")
+    assert main(["compile", "--config", str(DEMO), *TINY, "--topology", "local", "--program", "step"]) == 3
+    out, err = capsys.readouterr()
+    assert "budget: " in out and "(ICT_JAX_MEMORY_BUDGET: 1.17 GiB, less " in out
+    last = err.splitlines()[-1]  # after the progress lines
+    assert last.startswith("ict-jax compile: step does not fit local: ") and "available a device" in last
