@@ -63,14 +63,14 @@ def pass_at(evaluation: dict, k: int) -> float:
     return statistics.mean(vals)
 
 
-def one_seed(seed: int, out: Path) -> dict:
-    warm, lora = out / f"s{seed}" / "warm", out / f"s{seed}" / "lora"
+def one_seed(seed: int, out: Path, lora_args: list[str], warm_from: Path | None = None) -> dict:
+    warm, lora = (warm_from or out) / f"s{seed}" / "warm", out / f"s{seed}" / "lora"
     rec = {"seed": seed, "load_before": os.getloadavg()}
     if not (warm / "sft_model").is_dir():
         rec["warm_s"] = cli("sft", "--config", str(DEMO), f"seed={seed}", f"run_dir={warm}", "--no-progress")
     if not finished(lora):
         rec["lora_s"] = cli("train", "--config", str(DEMO), f"seed={seed}", f"model.path={warm / 'sft_model'}",
-                            "model.tokenizer=char", "train.sft_steps=0", *LORA, f"run_dir={lora}", "--no-progress",
+                            "model.tokenizer=char", "train.sft_steps=0", *lora_args, f"run_dir={lora}", "--no-progress",
                             *(["--resume"] if lora.exists() else []))
     before = json.loads((warm / "summary.json").read_text())["eval_after_sft"]
     summary = json.loads((lora / "summary.json").read_text())
@@ -93,8 +93,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out-dir", default=str(ROOT / "runs" / "demo_lora"))
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "demo_lora.json"))
+    ap.add_argument("--lr", type=float, default=None,
+                    help="another optim.lr than the pre-chosen 2e-3 (a comparison after the fact; say so)")
+    ap.add_argument("--warm-from", default=None, help="reuse the warm starts of an earlier --out-dir")
     args = ap.parse_args()
-    recs = [one_seed(s, Path(args.out_dir)) for s in args.seeds]
+    lora_args = LORA if args.lr is None else [*LORA[:-1], f"optim.lr={args.lr}"]
+    warm_from = Path(args.warm_from) if args.warm_from else None
+    recs = [one_seed(s, Path(args.out_dir), lora_args, warm_from) for s in args.seeds]
 
     def ms(key: str) -> str:
         xs = [r[key] for r in recs]
@@ -109,7 +114,7 @@ def main() -> None:
     print(f"mean ± sd  P@1 {ms('p1_before')} -> {ms('p1_after')} ({ms('gain_p1')}), P@4 {ms('p4_before')} -> "
           f"{ms('p4_after')}")
     record = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-              "lora": LORA, "config": "configs/demo.yaml", "seeds": recs}
+              "lora": lora_args, "config": "configs/demo.yaml", "seeds": recs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2))
     print(f"wrote {args.out}")
