@@ -69,7 +69,7 @@ def compiled_memory(config: list[str], work: Path, name: str) -> dict:
     argv = ["compile", *config, "--topology", "local", "--program", "all", "--json", str(out)]
     before = load()
     rc, wall, rss, tail = run_child(argv)
-    if rc != 0:
+    if rc not in (0, 3):  # 3: does not fit this machine's memory now; the report is written all the same
         raise SystemExit(f"compile of {name} failed (exit {rc}):\n{tail}")
     report = json.loads(out.read_text())
     programs = {r["program"]: {k: r.get(k) for k in ("arguments", "temporaries", "outputs", "aliased", "code", "live",

@@ -53,12 +53,13 @@ def real_gguf() -> Path:
     return path
 
 
-def _cli(*argv: str) -> str:
-    """``ict-jax ARGV`` in a child process on one CPU device (the tests' 8 fake devices would not divide P = 4)."""
+def _cli(*argv: str, ok: tuple[int, ...] = (0,)) -> str:
+    """``ict-jax ARGV`` in a child process on one CPU device (the tests' 8 fake devices would not divide P = 4);
+    its exit status must be one of ``ok``."""
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, "-m", "ict_jax.cli", *argv], env=env, capture_output=True, text=True,
                        timeout=3600)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert p.returncode in ok, (p.stdout + p.stderr)[-3000:]
     return p.stdout
 
 
@@ -75,7 +76,9 @@ def test_a_lora_run_of_the_real_model_trains_resumes_and_exports_what_peft_loads
     # compiled memory, nothing allocated: the LoRA run's step at most 60 % of the full-parameter run's
     live = {}
     for name, extra in (("full", []), ("lora", LORA)):
-        _cli("compile", *setting, *extra, "--topology", "local", "--program", "step", "--json", str(tmp_path / name))
+        # exit 3 = does not fit this machine's memory now (the full run may not): the report is written all the same
+        _cli("compile", *setting, *extra, "--topology", "local", "--program", "step", "--json", str(tmp_path / name),
+             ok=(0, 3))
         live[name] = json.loads((tmp_path / name).read_text())["programs"][0]["live"]
     assert live["lora"] <= 0.6 * live["full"], live
 
