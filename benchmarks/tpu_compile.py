@@ -55,6 +55,11 @@ JOBS: dict[str, list[str]] = {
                          "model.remat=full", "stats.chunk=64"],
     "7b_v5e32_m2_full": ["--config", _7B, "--topology", "v5e:4x8", "--program", "step", "train.micro_batches=2",
                          "model.remat=full", "stats.chunk=64"],
+    # LoRA (issue 27): the 7B on one v5e-8 host, base frozen in bfloat16, rank 16 on the seven projections;
+    # every program (the full-parameter step does not fit here: 7b_v5e8_m8_full)
+    "7b_lora_v5e8": ["--config", _7B, "--topology", "v5e:2x4", "model.lora.enabled=true",
+                     "model.lora.base_dtype=bfloat16", "mesh.data=1", "mesh.fsdp=8", "train.micro_batches=8",
+                     "model.remat=full", "stats.chunk=128", "rollout.chunks=2"],
 }
 
 

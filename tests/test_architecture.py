@@ -278,6 +278,9 @@ ACROSS_MODULES = {
     "model/test_real_qwen.py": "the real Qwen2.5 weights through loading, the model and the tokenizer",
     "rewards/test_rewards.py": "the answer checks and the worker pool that runs them",
     "rl/test_lora_train_step.py": "rl.train_step on a model with LoRA adapters (model.lora)",
+    "train/test_lora_run.py": "a LoRA run end to end: the trainer, its checkpoints and base (train.lora_base), "
+                              "resume, compile and the commands that read it",
+    "train/test_lora_real.py": "the real Qwen2.5-0.5B through a LoRA run, its resume and its PEFT export (slow)",
 }
 #: test files at the top of tests/: the project as a whole, or a top-level module of ict_jax
 TOP_LEVEL = {"test_architecture.py", "test_docs.py", "test_notebooks.py", "test_configs.py", "test_demo.py",

@@ -54,7 +54,7 @@ from ict_jax.sampling.sampler import UNROLL_MAX_LAYERS
 from ict_jax.sharding import make_mesh
 from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state
-from ict_jax.train.model_source import preset_config, run_tokenizer
+from ict_jax.train.model_source import preset_config, run_tokenizer, with_lora
 from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
 from ict_jax.train.programs import per_device_bytes
 from ict_jax.train.programs import (PLACEHOLDER_IDS, PROGRAM_NAMES, TokenIds, abstract_batch,  # noqa: F401
@@ -191,7 +191,17 @@ def target_model_config(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
     ``model.path``, when it is a local Hugging Face directory or a ``.gguf`` file, gives the
     architecture; otherwise ``model.preset`` does (the recipes name a placeholder path), sized to the
     run's tokenizer as training sizes it (``train.model_source.preset_config``). ``auto`` compute dtype
-    resolves for the target platform."""
+    resolves for the target platform. With ``model.lora.enabled`` it carries the adapters
+    (``train.model_source.with_lora``): the train state is then the adapters and the frozen base."""
+    mc, source = _architecture(cfg, platform)
+    mc = with_lora(cfg, mc)
+    if mc.lora is not None:
+        source += (f"; LoRA rank {mc.lora.rank} on {', '.join(mc.lora.targets)} ({mc.num_adapter_params():,} "
+                   "adapter parameters train, the base is frozen)")
+    return mc, source
+
+
+def _architecture(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
     m = cfg.model
     compute = m.compute_dtype if m.compute_dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
     if m.path:
@@ -257,7 +267,8 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
     run = build_run_programs(cfg, mesh, mc, state, TokenIds.of(tok) if tok is not None else PLACEHOLDER_IDS)
     ref = run.step.abstract()[2]
     state_bytes = {"params": per_device_bytes(state.params), "opt_state": per_device_bytes(state.opt_state),
-                   "ref": per_device_bytes(ref) if ref is not None else 0}
+                   "ref": per_device_bytes(ref) if ref is not None else 0,
+                   "frozen": per_device_bytes(state.frozen) if state.frozen is not None else 0}  # a LoRA base
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     P, G, Lp, N = cfg.train.prompts_per_step, cfg.rollout.num_samples, prompt_len(cfg), cfg.rollout.max_new_tokens
     bucket = N if response_len is None else int(response_len)  # the step's response bucket (issue 26)
@@ -267,7 +278,7 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
     plan = StepPlan.from_config(cfg, make_optimizer(cfg), batch_shards=batch_shards)
     pass_rows = P * G // old_pass_chunks(plan, P)  # at least a micro-batch's rows
     # element counts of the stacked [layers, ...] weights, whole or with the tensor axis still split
-    stacked = {n // d for n in _stacked_sizes(state.params, mc.num_layers, mc.hidden_size)
+    stacked = {n // d for n in _stacked_sizes(state.model_state(), mc.num_layers, mc.hidden_size)
                for d in (1, mesh.shape["tensor"])}
     common = dict(num_layers=mc.num_layers, vocab=mc.vocab_size, hidden=mc.hidden_size, devices=mesh.size,
                   stacked=stacked, state_bytes=state_bytes,

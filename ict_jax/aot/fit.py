@@ -101,8 +101,12 @@ def estimate_memory(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> dict[st
     L, D, F, V = mc.num_layers, mc.hidden_size, mc.intermediate_size, mc.vocab_size
     H, KV, hd = mc.num_heads, mc.num_kv_heads, mc.resolved_head_dim
     weight_shard = n / (fsdp * tensor)
-    params, opt = weight_shard * pb, weight_shard * 8
-    ref = weight_shard * cb if cfg.rl.loss.kl_coef > 0 else 0
+    # what trains: every weight, or with LoRA the adapters (the base frozen, in its own dtype; no reference copy)
+    trained = mc.num_adapter_params() / (fsdp * tensor) if mc.lora is not None else weight_shard
+    base_b = 4 if mc.base_param_dtype == "float32" else 2
+    params = weight_shard * base_b + trained * pb if mc.lora is not None else weight_shard * pb
+    opt = trained * 8
+    ref = weight_shard * cb if cfg.rl.loss.kl_coef > 0 and mc.lora is None else 0
     t = cfg.train
     P, G, Lp, N = t.prompts_per_step, cfg.rollout.num_samples, prompt_len(cfg), cfg.rollout.max_new_tokens
     T = Lp + N
@@ -119,7 +123,7 @@ def estimate_memory(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> dict[st
     layer_work = max(rows * (heads * T * T * (8 + cb) + T * f_loc * cb * 4 + T * D * 4 * 4),  # a backward
                      old_rows * (heads * T * T * (4 + cb) + T * f_loc * cb * 3 + T * D * 4 * 3))  # a no-grad forward
     head = rows * ov["stats.chunk"] * V / tensor * 4 * 5 + V * D * cb / tensor
-    grads = weight_shard * 4 * 4  # accumulator, a micro-batch's gradient, the optimizer's update temporaries
+    grads = trained * 4 * 4  # accumulator, a micro-batch's gradient, the optimizer's update temporaries
     per_token = P * G / shards * N * 4 * 24  # logp_old/ref, u, masks, statistics of the whole rollout batch
     gathered = 2 * _layer_params(mc) / tensor * cb
     step = (params + opt + ref + grads + rows * L * saved + layer_work + head + per_token + gathered

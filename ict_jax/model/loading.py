@@ -29,7 +29,7 @@ from ict_jax.model.tokenizers import CharTokenizer, load_tokenizer
 from ict_jax.model.weights import load_hf
 
 __all__ = ["resolve_path", "load_model_and_tokenizer", "load_tokenizer_spec", "load_model_tokenizer",
-           "training_run_hint", "load_model_config"]
+           "load_model_weights", "training_run_hint", "load_model_config"]
 
 
 def resolve_path(spec: str | os.PathLike) -> str:
@@ -113,6 +113,19 @@ def load_model_tokenizer(path: str | os.PathLike, tokenizer: str | os.PathLike |
                                 "directory; name one (tokenizer=PATH, --tokenizer PATH), or 'char' for the "
                                 "built-in CharTokenizer")
     return load_tokenizer_spec(path)
+
+
+def load_model_weights(path: str | os.PathLike, *, mesh: Any = None, dtype: str | None = None,
+                       **config_overrides: Any) -> Any:
+    """The :class:`Qwen2` alone (its tokenizer is not needed) from a Hugging Face checkpoint directory, a
+    ``.gguf`` file or ``pkg:<package>/<file>``; arguments as :func:`load_model_and_tokenizer`."""
+    shown, path = os.fspath(path), resolve_path(path)
+    if _is_gguf(path):
+        return load_gguf(path, mesh=mesh, dtype=dtype, **config_overrides)[0]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no model at {shown!r}: expected a Hugging Face checkpoint directory, a .gguf "
+                                "file, or pkg:<package>/<file>")
+    return load_hf(path, mesh=mesh, dtype=dtype, **config_overrides)
 
 
 def load_model_and_tokenizer(path: str | os.PathLike, *, mesh: Any = None, dtype: str | None = None,

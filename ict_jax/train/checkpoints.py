@@ -36,8 +36,9 @@ from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import load_model_and_tokenizer, load_model_tokenizer, load_tokenizer_spec
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.peft import export_model
-from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings
+from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings, split_trainable
 from ict_jax.sharding import replicated, state_shardings
+from ict_jax.train.lora_base import load_base, peft_base_name
 from ict_jax.train.checkpoint_errors import (CheckpointWriteError, OrbaxLogCapture, QuietEventLoopTracebacks,
                                             write_error)
 
@@ -82,8 +83,10 @@ def abstract_train_state(config: Any, model_config: Any, *, mesh: jax.sharding.M
                          tx: Any = None) -> TrainState:
     """A restore template: the :class:`~ict_jax.TrainState` that ``init_train_state(config,
     init_model(model_config, mesh=mesh), tx=tx)`` would build, as ShapeDtypeStructs with the same
-    shardings (rule table on ``mesh``, else the default device); nothing is allocated."""
-    graphdef, params = _abstract_params(model_config, mesh)
+    shardings (rule table on ``mesh``, else the default device); nothing is allocated. With LoRA
+    (``model_config.lora``) its ``params`` are the adapters and ``frozen`` the base, as
+    ``rl.state.split_trainable`` splits the model."""
+    graphdef, params, frozen = _abstract_params(model_config, mesh)
     tx = tx or make_optimizer(config)
     opt_sh = opt_state_shardings(tx, params)
     opt_shapes = jax.eval_shape(tx.init, params)
@@ -95,19 +98,23 @@ def abstract_train_state(config: Any, model_config: Any, *, mesh: jax.sharding.M
     rep = _default_sharding() if mesh is None else replicated(mesh)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     return TrainState(params=params, opt_state=opt_state, step=jax.ShapeDtypeStruct((), np.int32, sharding=rep),
-                      rng=jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep), graphdef=graphdef)
+                      rng=jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep), graphdef=graphdef, frozen=frozen)
 
 
-def _abstract_params(model_config: Any, mesh: jax.sharding.Mesh | None) -> tuple[Any, Any]:
-    """(graphdef, nnx.State of nnx.Param over ShapeDtypeStructs with the model's shardings)."""
+def _abstract_params(model_config: Any, mesh: jax.sharding.Mesh | None) -> tuple[Any, Any, Any]:
+    """(graphdef, trainable, frozen): ``rl.state.split_trainable`` of the model as nnx.States over
+    ShapeDtypeStructs with the model's shardings (``frozen`` None without LoRA)."""
     abstract = nnx.eval_shape(lambda: Qwen2(model_config, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(abstract, nnx.Param)
+    graphdef, params, frozen = split_trainable(abstract)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    shardings = (jax.tree.map(lambda v: _default_sharding(), params, is_leaf=is_var) if mesh is None
-                 else state_shardings(params, mesh))
-    params = jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
-                          params, shardings, is_leaf=is_var)
-    return graphdef, params
+
+    def placed(state: Any) -> Any:
+        shardings = (jax.tree.map(lambda v: _default_sharding(), state, is_leaf=is_var) if mesh is None
+                     else state_shardings(state, mesh))
+        return jax.tree.map(lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
+                            state, shardings, is_leaf=is_var)
+
+    return graphdef, placed(params), None if frozen is None else placed(frozen)
 
 
 def _shapes(tree: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -147,6 +154,12 @@ def resolve_checkpoint_dir(directory: str | Path, step: int | None = None) -> tu
             raise ValueError(f"{p} is the checkpoint of step {p.name}, but step {step} was asked for")
         return p.parent, int(p.name)
     return p, step
+
+
+def checkpoint_run_dir(folder: Path) -> Path:
+    """The run directory of a folder of checkpoints (``<run_dir>/checkpoints`` or ``checkpoints_sft``;
+    any other folder is taken as its own run directory)."""
+    return folder.parent if folder.name in ("checkpoints", "checkpoints_sft") else folder
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,7 +290,7 @@ class Checkpointer:
 
         ``template``: a TrainState of the same structure, concrete (``init_train_state``) or abstract
         (:func:`abstract_train_state`); every array is restored with the template's sharding and dtype,
-        and the template's ``graphdef`` is kept.
+        and the template's ``graphdef`` and ``frozen`` base (a LoRA state's, which is not saved) are kept.
         """
         step = self.resolve_step(step)
         opt_t = {"opt_state": template.opt_state, "step": template.step, "rng": template.rng}
@@ -291,7 +304,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint of step {step} in {self.directory} does not fit the restore template "
                              f"(another model or optimizer?): {why}") from e
         state = TrainState(params=r.params, opt_state=r.opt["opt_state"], step=r.opt["step"], rng=r.opt["rng"],
-                           graphdef=template.graphdef)
+                           graphdef=template.graphdef, frozen=template.frozen)
         return state, dict(r.meta)
 
     def restore_params(self, template_params: Any, step: int | None = None) -> Any:
@@ -372,7 +385,8 @@ def load_params_from_checkpoint(directory: str | Path, step: int | None = None, 
     ``directory``: a run dir, its ``checkpoints/`` folder or one ``<step>/`` directory. The model is
     rebuilt from ``meta["model_config"]``; only the ``params`` item is read (no optimizer state).
     With ``mesh`` every parameter is placed in its rule-table sharding; ``dtype`` casts the parameters
-    (default: as trained).
+    (default: as trained). A LoRA run's checkpoint gives its base with the trained adapters (the base
+    rebuilt from its recorded identity and checked: ``train.lora_base.load_base``).
     """
     directory, step = resolve_checkpoint_dir(directory, step)
     with Checkpointer(directory, read_only=True) as ckpt:
@@ -387,9 +401,23 @@ def load_params_from_checkpoint(directory: str | Path, step: int | None = None, 
         except TypeError as e:
             raise ValueError(f"checkpoint of step {step} in {directory}: bad model_config in its metadata "
                              f"({e})") from None
-        graphdef, template = _abstract_params(model_config, mesh)
+        if model_config.lora is not None:
+            return _load_lora_checkpoint(ckpt, step, meta, mesh, dtype), meta
+        graphdef, template, _ = _abstract_params(model_config, mesh)
         params = ckpt.restore_params(template, step)
     return nnx.merge(graphdef, params), meta
+
+
+def _load_lora_checkpoint(ckpt: Checkpointer, step: int, meta: dict[str, Any], mesh: jax.sharding.Mesh | None,
+                          dtype: str | None) -> Qwen2:
+    """The base of a LoRA checkpoint (rebuilt and checked) with the checkpoint's adapters, cast to ``dtype``."""
+    model = load_base(meta, checkpoint_run_dir(ckpt.directory), mesh=mesh)
+    graphdef, adapters, base = split_trainable(model)
+    model = nnx.merge(graphdef, ckpt.restore_params(abstract_tree(adapters), step), base)
+    if dtype is None:
+        return model
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.jit(lambda s: jax.tree.map(lambda x: x.astype(dtype), s))(state))
 
 
 def run_tokenizer_spec(run_dir: str | Path) -> str | None:
@@ -531,9 +559,8 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | 
     :data:`RUN_CONFIG_FILE`, so that ``ict-jax eval`` / ``inspect`` of the exported model use the run's
     template, lengths and evaluation settings."""
     model, meta = load_params_from_checkpoint(ckpt_dir, step)
-    base = ((meta.get("config") or {}).get("model") or {}).get("path")
-    if not (isinstance(base, str) and (Path(base) / "config.json").is_file()):
-        base = None  # base_model_name_or_path only for a transformers directory (not a .gguf or pkg: spec)
+    # base_model_name_or_path only for a transformers directory (not a .gguf or pkg: spec, not a preset)
+    base = peft_base_name(meta, checkpoint_run_dir(resolve_checkpoint_dir(ckpt_dir, step)[0]))
     out = export_model(model, out_dir, format=format, dtype=dtype, base_model_name_or_path=base)
     if isinstance(meta.get("config"), dict):
         (Path(out) / RUN_CONFIG_FILE).write_text(json.dumps(meta["config"], indent=2))

@@ -32,12 +32,13 @@ from ict_jax.rl.train_step import check_batch_geometry
 from ict_jax.sharding import check_prompts_divide, make_mesh
 from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, abstract_tree
 from ict_jax.train.logs import RunLogger
-from ict_jax.train.model_source import build_model_and_tokenizer, run_architecture
+from ict_jax.train.lora_base import META_KEY as BASE_META_KEY, LoraBase, loaded_identity
+from ict_jax.train.model_source import build_model_and_tokenizer, run_architecture, with_adapters
 from ict_jax.train.preflight import FitCheck, compile_and_check
 from ict_jax.train.programs import (RunPrograms, TokenIds, build_programs, has_reference, reference_dtype,
-                                   same_layout)
-from ict_jax.train.record import check_resume, read_config, record_resume
-from ict_jax.train.resume import (ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
+                                    same_layout)
+from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
+from ict_jax.train.resume import (SFT_CHECKPOINTS, ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
                                   resume_point)
 from ict_jax.train.tracking import WandbTracker, require_wandb
 from ict_jax.train.training_data import TrainingPrompts, encode_training_data
@@ -64,13 +65,22 @@ class RunParts:
     tracker: WandbTracker | None  # logging.wandb
     resume_point: ResumePoint | None  # where a resumed run continues; None for a new run
     resumed: bool  # an RL checkpoint was restored
+    lora_base: LoraBase | None = None  # the base under a LoRA run's adapters (model.lora); None otherwise
     memory: FitCheck | None = None  # the memory pre-flight's numbers (None: not checked)
 
     def checkpoint_meta(self, step: int) -> dict[str, Any]:
-        """What an RL checkpoint records beside the arrays: the data position, the run's settings."""
+        """What an RL checkpoint records beside the arrays: the data position, the run's settings (and a
+        LoRA run's base model, :meth:`base_meta`)."""
         return {"data": self.iterator.state_dict(), "config": self.config.to_dict(),
                 "model_config": dataclasses.asdict(self.model_config), "tokenizer": self.tokenizer_spec,
-                "step": step}
+                "step": step, **self.base_meta("rl")}
+
+    def base_meta(self, phase: str) -> dict[str, Any]:
+        """``{"base_model": identity}`` of a LoRA run's base in ``phase`` ("sft" or "rl"; ``train.lora_base``),
+        on the process that writes the metadata; {} otherwise."""
+        if self.lora_base is None or jax.process_index() != 0:
+            return {}
+        return {BASE_META_KEY: self.lora_base.identity(phase)}
 
     def close(self) -> None:
         """The logger, W&B, the pending checkpoint and the reward workers, in that order."""
@@ -115,6 +125,21 @@ def run_mesh_checked(cfg: Config) -> Mesh:
     return mesh
 
 
+def check_resumed_base(lora_base: LoraBase, run_dir: Path) -> None:
+    """A LoRA run resumed: ConfigError (one line), before anything is compiled or written, unless the
+    checkpoint it continues from (its last RL checkpoint, else the last SFT checkpoint of an unfinished
+    warm start) holds adapters trained on this run's base (:meth:`ict_jax.train.lora_base.LoraBase.check`)."""
+    for folder, phase in ((run_dir / "checkpoints", "rl"), (run_dir / SFT_CHECKPOINTS, "sft")):
+        if phase == "sft" and (run_dir / SFT_MODEL).is_dir():
+            return
+        if folder.is_dir():
+            with Checkpointer(folder, read_only=True) as ckpt:
+                step = ckpt.latest_step()
+                if step is not None:
+                    lora_base.check(ckpt, step, phase)
+                    return
+
+
 def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, model: Qwen2 | None = None,
                 tokenizer: Tokenizer | None = None,
                 preflight: bool = True) -> tuple[RunParts, TrainState, nnx.State | None]:
@@ -137,10 +162,16 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     custom = [ds.name for ds in datasets if ds.scorer == CUSTOM_KIND]
     if custom and cfg.rl.reward.fn is None:
         raise ConfigError(f"data.train: {custom[0]!r} is scored by reward=custom but rl.reward.fn is not set")
+    # a LoRA run resumed after its warm start trains adapters on the warm start: load it as the base
+    weights = run_dir / SFT_MODEL if resume and cfg.model.lora.enabled and cfg.train.sft_steps > 0 \
+        and (run_dir / SFT_MODEL).is_dir() else None
+    if weights is not None:
+        model = None  # a given model is not the warm start: build from the weights
     if model is None:  # the architecture first: the programs compile and are checked before the weights load
         mc, tokenizer, tok_spec = run_architecture(cfg)
     else:
-        mc, tok_spec = model.config, "given"
+        model, tok_spec = with_adapters(cfg, model), "given"
+        mc = model.config
     prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=mc.max_position_embeddings)
     iterator = PromptIterator(prompts.encoded, cfg.train.prompts_per_step, seed=cfg.seed)
     state = init_train_state(cfg, model) if model is not None else abstract_train_state(cfg, mc, mesh=mesh)
@@ -150,21 +181,25 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:
         if model is None:
-            model, state, programs = _load_weights(cfg, mesh, tokenizer, programs)
+            model, state, programs = _load_weights(cfg, mesh, tokenizer, programs, weights)
+        lora_base = None if model.config.lora is None else LoraBase(
+            loaded_identity(cfg, model, weights=weights, given=tok_spec == "given"), run_dir, cfg.train.sft_steps > 0)
+        if resume and lora_base is not None:  # before anything is written
+            check_resumed_base(lora_base, run_dir)
         parts, state, ref = _start_run(cfg, run_dir, resume, changes, progress, mesh, model, tokenizer, tok_spec,
-                                       prompts, iterator, programs, pool, state)
+                                       prompts, iterator, programs, pool, state, lora_base)
         return dataclasses.replace(parts, memory=fit), state, ref
     except BaseException:
         pool.close()
         raise
 
 
-def _load_weights(cfg: Config, mesh: Mesh, tokenizer: Tokenizer,
-                  programs: RunPrograms) -> tuple[Qwen2, TrainState, RunPrograms]:
-    """The model's weights and the train state, for programs built (and maybe compiled) from the abstract
-    state; programs built again from the real state if its structure, shapes or shardings differ (never
-    expected: a warning says so)."""
-    model, _, _ = build_model_and_tokenizer(cfg, mesh)
+def _load_weights(cfg: Config, mesh: Mesh, tokenizer: Tokenizer, programs: RunPrograms,
+                  weights: Path | None = None) -> tuple[Qwen2, TrainState, RunPrograms]:
+    """The model's weights (``weights``: a resumed LoRA run's warm start, its base) and the train state, for
+    programs built (and maybe compiled) from the abstract state; programs built again from the real state if
+    its structure, shapes or shardings differ (never expected: a warning says so)."""
+    model, _, _ = build_model_and_tokenizer(cfg, mesh, weights=weights)
     state = init_train_state(cfg, model)
     if not same_layout(abstract_tree(state), programs.step.abstract()[0]):
         log.warning("the loaded model's train state differs from the one compiled before loading; compiling again")
@@ -174,7 +209,7 @@ def _load_weights(cfg: Config, mesh: Mesh, tokenizer: Tokenizer,
 
 def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress: bool, mesh: Mesh, model: Qwen2,
                tokenizer: Tokenizer, tok_spec: str, prompts: TrainingPrompts, iterator: PromptIterator,
-               programs: RunPrograms, pool: RewardPool, state: TrainState
+               programs: RunPrograms, pool: RewardPool, state: TrainState, lora_base: LoraBase | None
                ) -> tuple[RunParts, TrainState, nnx.State | None]:
     """The writing half of :func:`build_parts`: the run directory, checkpoints and resume, the record,
     the logger."""
@@ -203,5 +238,5 @@ def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress
     parts = RunParts(config=cfg, run_dir=run_dir, mesh=mesh, model_config=model.config, tokenizer=tokenizer,
                      tokenizer_spec=tok_spec, prompts=prompts, iterator=iterator, programs=programs, pool=pool,
                      checkpointer=checkpointer, logger=logger, tracker=tracker, resume_point=point,
-                     resumed=rl_step is not None)
+                     resumed=rl_step is not None, lora_base=lora_base)
     return parts, state, ref

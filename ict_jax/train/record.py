@@ -21,6 +21,8 @@ from typing import Any
 
 from ict_jax.config import Config, ConfigError, from_dict
 
+SFT_MODEL = "sft_model"  # <run_dir>/sft_model: the finished SFT warm start (a Hugging Face directory)
+
 #: Keys that may differ on --resume: they cannot change what is trained (logging, evaluation and
 #: checkpoint cadence, the number of reward processes, the response buckets: cost, not values beyond float
 #: rounding). ``train.steps`` may only go up, and only when

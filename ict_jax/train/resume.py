@@ -17,10 +17,9 @@ from ict_jax.model.weights import load_hf
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.logs import read_metrics, truncate_metrics
 from ict_jax.train.model_source import model_overrides
-from ict_jax.train.record import check_resume, read_config, read_summary, run_finished
+from ict_jax.train.record import SFT_MODEL, check_resume, read_config, read_summary, run_finished
 
 SFT_CHECKPOINTS = "checkpoints_sft"  # <run_dir>/checkpoints_sft/<sft step>/: an unfinished SFT warm start
-SFT_MODEL = "sft_model"  # <run_dir>/sft_model: the finished SFT warm start (a Hugging Face directory)
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:

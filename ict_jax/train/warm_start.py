@@ -8,7 +8,9 @@ finished warm start is saved as ``<run_dir>/sft_model`` (a Hugging Face director
 resumed run starts RL instead of training again.
 
 RL then starts from the warm-started policy with a fresh RL optimizer state, and the KL reference is
-that policy (:func:`start_rl`).
+that policy (:func:`start_rl`). With LoRA (``model.lora.enabled``) the warm start trains adapters; RL then
+starts from the base with those adapters merged into it (the ``sft_model``) and fresh adapters, so that
+the KL reference (the base with the adapters off) is the warm-started policy here too (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ict_jax.model.adapters import merge_adapters
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.weights import load_hf, save_hf
 from ict_jax.rewards.checks import sft_target
@@ -32,7 +35,7 @@ from ict_jax.sharding import to_host
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.stopping import Interrupted, stop_after_step
 from ict_jax.train.logs import RunLogger, metrics_to_floats
-from ict_jax.train.model_source import model_overrides
+from ict_jax.train.model_source import model_overrides, with_adapters
 from ict_jax.train.parts import RunParts
 from ict_jax.train.programs import has_reference, reference_dtype
 from ict_jax.train.resume import SFT_CHECKPOINTS, SFT_MODEL
@@ -76,8 +79,11 @@ def sft_batch(parts: RunParts, data: SftData, step: int) -> tuple[jax.Array, ...
 
 def start_rl(parts: RunParts, model: Qwen2) -> tuple[TrainState, nnx.State | None]:
     """(train state, KL reference or None) of RL starting from ``model`` (the warm start) with a fresh RL
-    optimizer state; the reference is the warm-started policy."""
-    state = init_train_state(parts.config, model)
+    optimizer state; the reference is the warm-started policy. A model with LoRA adapters has them merged
+    into its base first; a LoRA run then trains fresh adapters on that base (its KL reference)."""
+    if model.config.lora is not None:
+        model = merge_adapters(model)
+    state = init_train_state(parts.config, with_adapters(parts.config, model))
     ref = reference_params(state, reference_dtype(model.config)) if has_reference(parts.config, state) else None
     return state, ref
 
@@ -90,14 +96,14 @@ def run_sft(parts: RunParts, state: TrainState, start_logger: StartLogger, *, re
     cfg, steps = parts.config, parts.config.train.sft_steps
     sft = make_sft_step(cfg, parts.mesh)
     sft_state = TrainState(params=state.params, opt_state=init_opt_state(sft.tx, state.params), step=state.step,
-                           rng=state.rng, graphdef=state.graphdef)
+                           rng=state.rng, graphdef=state.graphdef, frozen=state.frozen)
     data = sft_data(parts)
     meta = {"phase": "sft", "config": cfg.to_dict(), "model_config": dataclasses.asdict(parts.model_config),
-            "tokenizer": parts.tokenizer_spec}
+            "tokenizer": parts.tokenizer_spec, **parts.base_meta("sft")}
     directory = parts.run_dir / SFT_CHECKPOINTS
     with Checkpointer(directory, keep=cfg.train.keep) as ckpt:
         start = ckpt.latest_step() if resume else None
-        if start is not None:
+        if start is not None:  # a LoRA run's base was checked against this checkpoint's (train.parts)
             sft_state, _ = ckpt.restore(sft_state)
         start = start or 0
         logger = start_logger("sft", steps, start)
@@ -125,8 +131,8 @@ def save_warm_start(parts: RunParts, state: TrainState) -> None:
     if (parts.run_dir / SFT_MODEL).exists():
         return
     host = nnx.merge(state.graphdef, to_host(state.model_state()))
-    if jax.process_index() == 0:
-        save_hf(host, parts.run_dir / SFT_MODEL)
+    if jax.process_index() == 0:  # a LoRA state's fresh adapters (B = 0) merge into its base exactly
+        save_hf(merge_adapters(host), parts.run_dir / SFT_MODEL)
         shutil.rmtree(parts.run_dir / SFT_CHECKPOINTS, ignore_errors=True)
 
 

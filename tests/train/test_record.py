@@ -300,18 +300,22 @@ def _cli_proc(run: Path, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_sft_then_resume_is_bitwise_identical(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_ctrl_c_during_sft_then_resume_is_bitwise_identical(tmp_path, lora):
     """Ctrl-C (SIGINT) during SFT saves an SFT checkpoint (exit 130); `train --resume` continues SFT and
-    then RL, and the final RL checkpoint and every logged row equal an uninterrupted run's."""
+    then RL, and the final RL checkpoint and every logged row equal an uninterrupted run's. With LoRA
+    (issue 27) the SFT checkpoints hold the adapters on the preset base, then RL trains fresh adapters
+    on the merged warm start."""
     from flax import nnx
 
     from ict_jax.train.checkpoints import load_params_from_checkpoint
 
     full, cut = tmp_path / "full", tmp_path / "cut"
-    p = _cli_proc(full)
+    extra = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"] if lora else []
+    p = _cli_proc(full, *extra)
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out
-    p = _cli_proc(cut)
+    p = _cli_proc(cut, *extra)
     deadline = time.time() + 900
     while time.time() < deadline and p.poll() is None:
         try:
@@ -327,7 +331,7 @@ def test_ctrl_c_during_sft_then_resume_is_bitwise_identical(tmp_path):
     assert "continue with --resume" in out and not (cut / "sft_model").exists()
     saved = sorted(int(d) for d in os.listdir(cut / "checkpoints_sft"))
     assert saved and 4 <= saved[-1] < 8  # saved at the step where Ctrl-C stopped it
-    p = _cli_proc(cut, "--resume")
+    p = _cli_proc(cut, "--resume", *extra)
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out
     ma, mb = (load_params_from_checkpoint(r / "checkpoints") for r in (full, cut))

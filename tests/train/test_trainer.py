@@ -137,14 +137,21 @@ def _final_params(run: Path):
     return meta["step"], jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
 
+# with LoRA (issue 27): SFT and RL on adapters; a format penalty gives the random model's groups nonzero
+# advantages, so that RL moves the adapters (all-zero rewards would leave B = 0 and the check empty)
+LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "rl.reward.no_answer=-1"]
+
+
 @pytest.mark.slow
-def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path, lora):
     full, cut = tmp_path / "full", tmp_path / "cut"
-    p = _train_proc(full, 6)
+    extra = LORA if lora else []
+    p = _train_proc(full, 6, *extra)
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out
     # the interrupted run: killed as soon as its step-3 checkpoint is final
-    p = _train_proc(cut, 6)
+    p = _train_proc(cut, 6, *extra)
     deadline = time.time() + 900
     while time.time() < deadline and p.poll() is None:
         if any(r["step"] == 3 for r in _rows(cut)) and (cut / "checkpoints" / "3").is_dir():
@@ -152,18 +159,31 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path):
         time.sleep(0.2)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    p = _train_proc(cut, 6, "--resume")
+    p = _train_proc(cut, 6, "--resume", *extra)
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out
     step_a, params_a = _final_params(full)
     step_b, params_b = _final_params(cut)
     assert step_a == step_b == 6
     chex.assert_trees_all_equal(params_a, params_b)
+    if lora:  # the checkpoints hold adapters, and RL trained them
+        from ict_jax.train.checkpoints import load_params_from_checkpoint
+
+        model, meta = load_params_from_checkpoint(full / "checkpoints")
+        assert model.config.lora is not None and meta["base_model"]["kind"] == "warm_start"
+        b = [np.asarray(x) for k, x in jax.tree_util.tree_flatten_with_path(nnx_lora(model))[0] if "lora_b" in str(k)]
+        assert b and all(np.abs(x).max() > 0 for x in b)
     ra, rb = read_metrics(full / "metrics.jsonl"), read_metrics(cut / "metrics.jsonl")
     assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(6))
     for a, b in zip(ra, rb):
         keep = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}  # noqa: E731
         assert keep(a) == keep(b), (a["step"], keep(a), keep(b))
+
+
+def nnx_lora(model):
+    from flax import nnx
+
+    return nnx.state(model, nnx.LoRAParam)
 
 
 def _rows(run: Path) -> list[dict]:
