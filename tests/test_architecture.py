@@ -308,3 +308,6 @@ def test_the_tests_mirror_the_package():
             wrong.append(rel)
     assert not wrong, f"test files that name no module of their folder's subpackage: {wrong}"
     assert set(ACROSS_MODULES) <= set(files), set(ACROSS_MODULES) - set(files)
+    # a test one folder down finds the repository at parents[2]; parent.parent is tests/ there
+    stale = [rel for rel in files if "/" in rel and ".parent.parent" in (TESTS / rel).read_text()]
+    assert not stale, f"tests that look for the repository in tests/: {stale}"

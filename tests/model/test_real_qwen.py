@@ -56,7 +56,7 @@ def test_one_rl_step_of_the_cpu_ict_recipe_writes_its_record(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     run = tmp_path / "run"
     args = [sys.executable, "-m", "ict_jax.cli", "train", "--config",
             str(root / "configs" / "qwen2p5_coder_0p5b_cpu_ict.yaml"), "--no-progress", "train.steps=1",
