@@ -86,13 +86,21 @@ def build_model_and_tokenizer(cfg: Config, mesh: jax.sharding.Mesh, *, weights: 
         model, tok = load_model_and_tokenizer(m.path, mesh=mesh, dtype=m.param_dtype, tokenizer=m.tokenizer,
                                               **model_overrides(cfg))
         return with_adapters(cfg, model), tok, m.tokenizer or m.path
+    mc, tok, spec = preset_architecture(cfg)
+    return with_adapters(cfg, init_model(mc, seed=init_key(cfg), mesh=mesh)), tok, spec
+
+
+def preset_architecture(cfg: Config) -> tuple[ModelConfig, Tokenizer, str]:
+    """(``model.preset`` sized to the run's tokenizer, the tokenizer, its spec); ConfigError when the
+    tokenizer has more ids than the preset."""
+    m = cfg.model
     spec = m.tokenizer or "char"
     tok = load_tokenizer_spec(spec)
     mc = preset_config(cfg, vocab_size=tok.vocab_size)
     if tok.vocab_size > mc.vocab_size:
         raise ConfigError(f"model.preset: {m.preset} has {mc.vocab_size} token ids but the tokenizer needs "
                           f"{tok.vocab_size}")
-    return with_adapters(cfg, init_model(mc, seed=init_key(cfg), mesh=mesh)), tok, spec
+    return mc, tok, spec
 
 
 def run_architecture(cfg: Config) -> tuple[ModelConfig, Tokenizer, str]:
@@ -104,12 +112,7 @@ def run_architecture(cfg: Config) -> tuple[ModelConfig, Tokenizer, str]:
     missing path, a tokenizer with more ids than the model)."""
     m = cfg.model
     if not m.path:
-        spec = m.tokenizer or "char"
-        tok = load_tokenizer_spec(spec)
-        mc = preset_config(cfg, vocab_size=tok.vocab_size)
-        if tok.vocab_size > mc.vocab_size:
-            raise ConfigError(f"model.preset: {m.preset} has {mc.vocab_size} token ids but the tokenizer needs "
-                              f"{tok.vocab_size}")
+        mc, tok, spec = preset_architecture(cfg)
         return with_lora(cfg, mc), tok, spec
     tok = load_model_tokenizer(m.path, m.tokenizer)
     mc = load_model_config(m.path, dtype=m.param_dtype, **model_overrides(cfg))
