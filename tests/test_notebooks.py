@@ -73,6 +73,31 @@ def test_01_token_selection_on_the_tiny_model(tmp_path, monkeypatch):
     assert masks["ict"].sum() == sum(max(1, -(-int(r.sum()) // 10)) for r in valid)  # ceil(0.1 n) per response
 
 
+@pytest.mark.slow
+def test_01_token_selection_on_the_real_qwen(tmp_path, monkeypatch):
+    """Notebook 01's default when the real Qwen2.5-Coder-0.5B-Instruct is installed: a word problem through
+    its chat template, rewards from the stated answer, ICT's tokens marked in the answers (issue 23)."""
+    from ict_jax.model.packaged import parts_missing
+
+    missing = parts_missing("qwen2.5-coder-0.5b-instruct")
+    if missing:
+        pytest.skip(f"real Qwen2.5 parts: {missing}")
+    out = tmp_path / "nb01_real"
+    monkeypatch.delenv("ICT_NB_MODEL", raising=False)
+    ns = _run("01_token_selection.py", monkeypatch, {"ICT_NB_OUT": str(out)})
+    assert ns["MODEL"] == "qwen2.5-coder-0.5b-instruct" and ns["TEMPLATE"] == "qwen_chat"
+    assert ns["model"].config.vocab_size == 151936
+    G, N = ns["G"], ns["MAX_NEW_TOKENS"]
+    masks, valid, rewards = ns["masks"], ns["v"], ns["rewards"]
+    assert rewards is not None and rewards.shape == (G,) and set(rewards.tolist()) <= {0.0, 1.0}
+    for m in masks.values():
+        assert m.shape == (G, N) and not (m & ~valid).any()
+    assert masks["ict"].sum() == sum(max(1, -(-int(r.sum()) // 10)) for r in valid)
+    assert "⟦" in ns["marked"](0)
+    for png in ("distributions.png", "js_vs_h1.png", "masks.png"):
+        _png_ok(out / png)
+
+
 def _fake_run(run_dir: Path, steps: int = 6) -> None:
     """A metrics.jsonl written by the trainer's own logger: SFT rows, then RL rows (warm-up, then ICT)."""
     from ict_jax.train.logs import RunLogger

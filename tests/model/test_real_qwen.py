@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from ict_jax.model.packaged import KNOWN_MODELS, find_parts
+from ict_jax.model.packaged import KNOWN_MODELS, parts_missing
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -21,16 +21,8 @@ pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
 MODEL = KNOWN_MODELS["qwen2.5-coder-0.5b-instruct"]
 
 
-def _parts_missing() -> str | None:
-    try:
-        find_parts(MODEL)
-    except (FileNotFoundError, ValueError) as e:
-        return str(e)
-    return None
-
-
 pytestmark = [pytest.mark.slow, pytest.mark.torch,
-              pytest.mark.skipif(_parts_missing() is not None, reason=f"real Qwen2.5 parts: {_parts_missing()}")]
+              pytest.mark.skipif(parts_missing(MODEL.name) is not None, reason=f"real Qwen2.5 parts: {parts_missing(MODEL.name)}")]
 
 MESSAGES = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold half "
                                         "as many clips in May. How many clips did Natalia sell altogether in April "

