@@ -1,0 +1,102 @@
+"""The paper's token diagnostics over seeds: mean ± sd of ``ict-jax diagnose`` reports of one model (issue 23).
+
+    python benchmarks/diagnose_seeds.py runs/diagnose_q05_s0 runs/diagnose_q05_s1 --label "Qwen2.5-Coder-0.5B" \
+        --out benchmarks/results/diagnose_q05.json
+
+Each folder is one ``ict-jax diagnose --out`` (its ``diagnose.json``), the same data set and settings at
+another ``--seed``. Per setting (G, T) and selection (ICT under each reading of u, 20-Entropy, random 10 %,
+all tokens) the table gives, as mean ± sd over the seeds (each seed's number is over its selected tokens):
+p(o_t) of the selected tokens, the median high/low-entropy ratio (the paper's ~1.0), the forking tokens
+selected (summed), u at its ceiling (the share of valid tokens within 5 % of the largest u their position
+allows, per reading) and the tie share (ICT's selected tokens that the tie rule decided; docs/statistics.md
+"u at its ceiling, and ties"), then the most frequent selected tokens of the first seed. Prints a markdown
+table and writes the numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+SELECTIONS = ("ict[aligned]", "ict[loo]", "ict[literal]", "ict[pooled]", "entropy", "random", "all")
+NAMES = {"entropy": "20-Entropy", "random": "random 10 %", "all": "all tokens"}
+
+
+def _ms(xs: list[float | None], fmt: str = ".2f") -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    if len(xs) == 1:
+        return format(xs[0], fmt)
+    return f"{format(statistics.mean(xs), fmt)} ± {format(statistics.stdev(xs), fmt)}"
+
+
+def summarise(reports: list[dict]) -> dict:
+    """{setting: {selection: {metric: [one value per seed]}}} from the seeds' diagnose.json."""
+    settings = list(reports[0]["settings"])
+    for r in reports[1:]:
+        if list(r["settings"]) != settings or r["dataset"] != reports[0]["dataset"]:
+            raise SystemExit("the reports differ in data set or settings: not seeds of one run")
+    out: dict = {}
+    for name in settings:
+        out[name] = {}
+        for sel in SELECTIONS:
+            rows = [r["settings"][name]["selectors"].get(sel) for r in reports]
+            if any(x is None for x in rows):
+                continue
+            form = sel[4:-1] if sel.startswith("ict[") else None
+            out[name][sel] = {
+                "p": [x["p"]["mean"] for x in rows],
+                "h_ratio_median": [x.get("h_ratio_median") for x in rows],
+                "forks_selected": [x.get("forks_selected") for x in rows],
+                "forks": [x.get("forks") for x in rows],
+                "u_at_ceiling": [r["settings"][name]["readings"][form]["u"].get("u_at_ceiling") for r in reports]
+                if form else [],
+                "tie_share": [x.get("tie_share") for x in rows] if form else [],
+                "top_selected": [t[0] for t in rows[0].get("top_selected", [])[:5]],
+            }
+        out[name]["_setting"] = {k: [r["settings"][name][k] for r in reports]
+                                 for k in ("accuracy", "truncated_frac", "valid_tokens")}
+    return out
+
+
+def table(summary: dict, label: str) -> str:
+    lines = ["| model | setting | selection | p(o_t) | H-ratio (median) | forks selected | u at ceiling | tie share | "
+             "most frequent selected (first seed) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, sels in summary.items():
+        for sel, m in sels.items():
+            if sel.startswith("_"):
+                continue
+            forks = (f"{sum(x or 0 for x in m['forks_selected'])}/{sum(x or 0 for x in m['forks'])}"
+                     if any(m["forks"]) else "")
+            top = " ".join(json.dumps(t, ensure_ascii=False) for t in m["top_selected"])
+            what = f"ICT, u {sel[4:-1]}" if sel.startswith("ict[") else NAMES.get(sel, sel)
+            lines.append(f"| {label} | {name} | {what} | {_ms(m['p'])} | {_ms(m['h_ratio_median'])} | {forks} | "
+                         f"{_ms(m['u_at_ceiling']) if m['u_at_ceiling'] else ''} | "
+                         f"{_ms(m['tie_share']) if m['tie_share'] else ''} | {top} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="diagnose output folders, one per seed")
+    ap.add_argument("--label", default="", help="the model's name in the table")
+    ap.add_argument("--out", help="write the numbers as JSON here")
+    args = ap.parse_args()
+    reports = [json.loads((Path(d) / "diagnose.json").read_text()) for d in args.runs]
+    summary = summarise(reports)
+    print(table(summary, args.label or reports[0].get("title", "")))
+    for name, sels in summary.items():
+        s = sels["_setting"]
+        print(f"{name}: accuracy {s['accuracy']}, truncated {s['truncated_frac']}, valid tokens {s['valid_tokens']}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"runs": args.runs, "seeds": [r["seed"] for r in reports],
+                                              "dataset": reports[0]["dataset"], "summary": summary}, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
