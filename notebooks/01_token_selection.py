@@ -82,11 +82,11 @@ if MODEL is None:
     MODEL = "" if parts_missing(REAL) else REAL
 ON_REAL = MODEL == REAL
 TOKENIZER = os.environ.get("ICT_NB_TOKENIZER") or None  # "char" or a tokenizer path; None = the model's own
-# the real model answers a word problem (gold 9) through its chat template; other models get the prompt as is
+# the real model: a word problem (24 - 12 - 3 - 3 = 6) through its chat template; other models: the prompt as is
 PROMPT = os.environ.get("ICT_NB_PROMPT", "A baker makes 24 muffins. She sells half of them in the morning and a "
                         "quarter of the rest at noon. She then eats 3 of what is left. How many muffins are left?"
                         if ON_REAL else "37+48=")
-GOLD = os.environ.get("ICT_NB_GOLD", "9" if ON_REAL else "")  # "" = no rewards: every response counts as correct
+GOLD = os.environ.get("ICT_NB_GOLD", "6" if ON_REAL else "")  # "" = no rewards: every response counts as correct
 TEMPLATE = os.environ.get("ICT_NB_TEMPLATE", "qwen_chat" if ON_REAL else "none")  # ict_jax.data.prompts.encode_prompt
 G = int(os.environ.get("ICT_NB_G", "8"))  # responses in the group
 MAX_NEW_TOKENS = int(os.environ.get("ICT_NB_MAX_NEW_TOKENS", "192" if ON_REAL else "24"))
