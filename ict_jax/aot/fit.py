@@ -69,6 +69,7 @@ class FitResult:
     model_source: str
     candidates: int
     headroom: float
+    lora: bool = False  # the run trains LoRA adapters (model.lora.enabled)
 
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "candidates": self.candidates, "headroom": self.headroom, "tried": self.tried,
@@ -266,16 +267,28 @@ def search(cfg: Config, target: Target, *, programs: Sequence[str] = PROGRAMS, m
         log(f"  tried {cand.line()}: estimated {fmt_bytes(est)}, compiled {fmt_bytes(measured)} "
             f"({verdict}), {sum(r.compile_s for r in reports):.0f} s")
         if ok:
-            return FitResult(target.name, cand, tried, reports, dict(mesh.shape), source, len(scored), headroom)
+            return FitResult(target.name, cand, tried, reports, dict(mesh.shape), source, len(scored), headroom,
+                             cfg.model.lora.enabled)
         if measured and est:  # the estimate was off: trust it less from here on
             scale, slack = max(scale, measured / est), 1.0
-    return FitResult(target.name, None, tried, [], {}, source, len(scored), headroom)
+    return FitResult(target.name, None, tried, [], {}, source, len(scored), headroom, cfg.model.lora.enabled)
+
+
+def no_fit_hint(lora: bool) -> str:
+    """What to change when no setting :func:`candidate_settings` varies fits (the pre-flight's refusal and
+    ``--fit`` say it): the knobs it does not vary, and LoRA adapters unless the run (``lora``) has them."""
+    return ("lower train.prompts_per_step, rollout.num_samples or rollout.max_new_tokens"
+            + ("" if lora else ", or train LoRA adapters (model.lora.enabled=true)"))
 
 
 def format_fit(result: FitResult) -> str:
     if result.best is None:
+        if not result.tried:  # every candidate's estimate was over the budget: nothing was worth compiling
+            return (f"--fit: none of the {result.candidates} settings of micro_batches, remat, stats.chunk, "
+                    f"rollout.chunks or the mesh is estimated to fit {result.target} with {result.headroom:.0%} "
+                    f"headroom, so none was compiled; {no_fit_hint(result.lora)}")
         return (f"--fit: none of the {len(result.tried)} settings compiled fits {result.target} with "
-                f"{result.headroom:.0%} headroom")
+                f"{result.headroom:.0%} headroom; {no_fit_hint(result.lora)}")
     b = result.best
     live = max(r.live for r in result.reports)
     return (f"--fit: the cheapest setting that fits {result.target} with {result.headroom:.0%} headroom: "

@@ -72,7 +72,7 @@ def does_not_fit_line(e) -> str:
     """The pre-flight's refusal and the settings estimated to fit (``aot.fit.estimated_fit``, seconds, no
     compile; ``ict-jax compile --fit`` confirms)."""
     from ict_jax.aot.compile import get_target
-    from ict_jax.aot.fit import changed, estimated_fit
+    from ict_jax.aot.fit import changed, estimated_fit, no_fit_hint
 
     check = e.check
     measured = {n.name: n.device_bytes for n in check.needs}
@@ -82,8 +82,7 @@ def does_not_fit_line(e) -> str:
         return f"{e}; no estimate of settings that fit ({type(err).__name__}: {err})"
     if best is None:
         return (f"{e}; no setting of micro_batches, remat, stats.chunk, rollout.chunks or the mesh is estimated "
-                "to fit: lower train.prompts_per_step, rollout.num_samples or rollout.max_new_tokens, or train "
-                "LoRA adapters (model.lora.enabled=true)")
+                f"to fit: {no_fit_hint(e.config.model.lora.enabled)}")
     return (f"{e}; estimated to fit: {changed(best, e.config, e.mesh)} "
             "(an estimate: `ict-jax compile --fit` confirms it by compiling)")
 

@@ -307,6 +307,22 @@ def test_fit_returns_the_cheapest_setting_that_fits(local_reports):
     assert seconds == sorted(seconds)  # tried cheapest first
 
 
+def test_fit_says_what_to_change_when_no_setting_is_estimated_to_fit():
+    """A budget below every candidate's estimate: nothing is compiled, and the answer names the knobs --fit
+    does not vary (and LoRA, unless the run has it) instead of "none of the 0 settings compiled fits"."""
+    from ict_jax.aot.fit import format_fit
+
+    target = dataclasses.replace(get_target("local"), hbm_bytes=1024 ** 2)  # 1 MiB
+    for lora in (False, True):
+        cfg = load_config(RECIPE, TINY + [f"model.lora.enabled={str(lora).lower()}"])
+        result = search(cfg, target, programs=("step",), max_compiles=2)
+        assert result.best is None and result.tried == [] and result.lora is lora
+        line = format_fit(result)
+        assert "\n" not in line and line.startswith(f"--fit: none of the {result.candidates} settings of ")
+        assert "is estimated to fit local with 5% headroom, so none was compiled; lower train.prompts_per_step" in line
+        assert ("model.lora.enabled=true" in line) is not lora
+
+
 # ------------------------------------------------------------------------------------------------
 # The command line: exit codes and one-line errors
 # ------------------------------------------------------------------------------------------------
