@@ -59,13 +59,15 @@ def summarise(reports: list[dict]) -> dict:
             }
         out[name]["_setting"] = {k: [r["settings"][name][k] for r in reports]
                                  for k in ("accuracy", "truncated_frac", "valid_tokens")}
+        out[name]["_setting"]["label"] = "G {group_size}, T {temperature}".format(**reports[0]["settings"][name]["setting"])
     return out
 
 
 def table(summary: dict, label: str) -> str:
     lines = ["| model | setting | selection | p(o_t) | H-ratio (median) | forks selected | u at ceiling | tie share | "
              "most frequent selected (first seed) |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, sels in summary.items():
+    for sels in summary.values():
+        shown = sels["_setting"]["label"]
         for sel, m in sels.items():
             if sel.startswith("_"):
                 continue
@@ -73,7 +75,7 @@ def table(summary: dict, label: str) -> str:
                      if any(m["forks"]) else "")
             top = " ".join(json.dumps(t, ensure_ascii=False) for t in m["top_selected"])
             what = f"ICT, u {sel[4:-1]}" if sel.startswith("ict[") else NAMES.get(sel, sel)
-            lines.append(f"| {label} | {name} | {what} | {_ms(m['p'])} | {_ms(m['h_ratio_median'])} | {forks} | "
+            lines.append(f"| {label} | {shown} | {what} | {_ms(m['p'])} | {_ms(m['h_ratio_median'])} | {forks} | "
                          f"{_ms(m['u_at_ceiling']) if m['u_at_ceiling'] else ''} | "
                          f"{_ms(m['tie_share']) if m['tie_share'] else ''} | {top} |")
     return "\n".join(lines)
