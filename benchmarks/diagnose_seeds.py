@@ -34,43 +34,42 @@ def _ms(xs: list[float | None], fmt: str = ".2f") -> str:
 
 
 def summarise(reports: list[dict]) -> dict:
-    """{setting: {selection: {metric: [one value per seed]}}} from the seeds' diagnose.json."""
+    """{setting: {"setting": what it was (label, accuracy, ...), "selections": {selection: {metric: [one value
+    per seed]}}}} from the seeds' diagnose.json."""
     settings = list(reports[0]["settings"])
     for r in reports[1:]:
         if list(r["settings"]) != settings or r["dataset"] != reports[0]["dataset"]:
             raise SystemExit("the reports differ in data set or settings: not seeds of one run")
     out: dict = {}
     for name in settings:
-        out[name] = {}
+        per_seed = [r["settings"][name] for r in reports]
+        selections = {}
         for sel in SELECTIONS:
-            rows = [r["settings"][name]["selectors"].get(sel) for r in reports]
+            rows = [s["selectors"].get(sel) for s in per_seed]
             if any(x is None for x in rows):
                 continue
             form = sel[4:-1] if sel.startswith("ict[") else None
-            out[name][sel] = {
+            selections[sel] = {
                 "p": [x["p"]["mean"] for x in rows],
                 "h_ratio_median": [x.get("h_ratio_median") for x in rows],
                 "forks_selected": [x.get("forks_selected") for x in rows],
                 "forks": [x.get("forks") for x in rows],
-                "u_at_ceiling": [r["settings"][name]["readings"][form]["u"].get("u_at_ceiling") for r in reports]
-                if form else [],
+                "u_at_ceiling": [s["readings"][form]["u"].get("u_at_ceiling") for s in per_seed] if form else [],
                 "tie_share": [x.get("tie_share") for x in rows] if form else [],
                 "top_selected": [t[0] for t in rows[0].get("top_selected", [])[:5]],
             }
-        out[name]["_setting"] = {k: [r["settings"][name][k] for r in reports]
-                                 for k in ("accuracy", "truncated_frac", "valid_tokens")}
-        out[name]["_setting"]["label"] = "G {group_size}, T {temperature}".format(**reports[0]["settings"][name]["setting"])
+        setting = {k: [s[k] for s in per_seed] for k in ("accuracy", "truncated_frac", "valid_tokens")}
+        setting["label"] = "G {group_size}, T {temperature}".format(**per_seed[0]["setting"])
+        out[name] = {"setting": setting, "selections": selections}
     return out
 
 
 def table(summary: dict, label: str) -> str:
     lines = ["| model | setting | selection | p(o_t) | H-ratio (median) | forks selected | u at ceiling | tie share | "
              "most frequent selected (first seed) |", "|---|---|---|---|---|---|---|---|---|"]
-    for sels in summary.values():
-        shown = sels["_setting"]["label"]
-        for sel, m in sels.items():
-            if sel.startswith("_"):
-                continue
+    for entry in summary.values():
+        shown = entry["setting"]["label"]
+        for sel, m in entry["selections"].items():
             forks = (f"{sum(x or 0 for x in m['forks_selected'])}/{sum(x or 0 for x in m['forks'])}"
                      if any(m["forks"]) else "")
             top = " ".join(json.dumps(t, ensure_ascii=False) for t in m["top_selected"])
@@ -90,8 +89,8 @@ def main() -> None:
     reports = [json.loads((Path(d) / "diagnose.json").read_text()) for d in args.runs]
     summary = summarise(reports)
     print(table(summary, args.label or reports[0].get("title", "")))
-    for name, sels in summary.items():
-        s = sels["_setting"]
+    for name, entry in summary.items():
+        s = entry["setting"]
         print(f"{name}: accuracy {s['accuracy']}, truncated {s['truncated_frac']}, valid tokens {s['valid_tokens']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -36,8 +36,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024 ** 3
-#: overrides of the recipe for both variants (none: the recipe as it is)
-SETTING: list[str] = []
 #: docs/lora.md's overrides of the real-0.5B recipe (tests/train/test_lora_real.py trains with them)
 LORA = ["model.lora.enabled=true", "optim.lr=1e-5", "rl.loss.kl_coef=0.001"]
 #: the variants: the recipe, docs/lora.md's LoRA overrides, and those without the KL term (the recipe's
@@ -117,8 +115,8 @@ def main() -> None:
     ap.add_argument("--no-timing", action="store_true", help="compiled memory only")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora_real_step.json"))
     args = ap.parse_args()
-    base = ["--config", args.config, f"model.path={args.model}", *SETTING]
-    result = {"settings": {"model": args.model, "config": args.config, "overrides": SETTING, "lora": LORA,
+    base = ["--config", args.config, f"model.path={args.model}"]
+    result = {"settings": {"model": args.model, "config": args.config, "overrides": VARIANTS,
                            "steps": args.steps},
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},

@@ -21,8 +21,9 @@ pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
 MODEL = KNOWN_MODELS["qwen2.5-coder-0.5b-instruct"]
 
 
+MISSING = parts_missing(MODEL.name)  # None when the parts are installed
 pytestmark = [pytest.mark.slow, pytest.mark.torch,
-              pytest.mark.skipif(parts_missing(MODEL.name) is not None, reason=f"real Qwen2.5 parts: {parts_missing(MODEL.name)}")]
+              pytest.mark.skipif(MISSING is not None, reason=f"real Qwen2.5 parts: {MISSING}")]
 
 MESSAGES = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold half "
                                         "as many clips in May. How many clips did Natalia sell altogether in April "

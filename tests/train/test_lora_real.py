@@ -30,8 +30,9 @@ SETTING = ["data.eval=[]"]
 LORA = ["model.lora.enabled=true", "optim.lr=1e-5", "rl.loss.kl_coef=0.001"]  # docs/lora.md, the real 0.5B recipe
 
 
+MISSING = parts_missing(SPEC)  # None when the parts are installed
 pytestmark = [pytest.mark.slow, pytest.mark.torch,
-              pytest.mark.skipif(parts_missing(SPEC) is not None, reason=f"real Qwen2.5 parts: {parts_missing(SPEC)}")]
+              pytest.mark.skipif(MISSING is not None, reason=f"real Qwen2.5 parts: {MISSING}")]
 
 
 @pytest.fixture(scope="module")
