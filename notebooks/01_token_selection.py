@@ -55,6 +55,7 @@ import ict_jax  # before jax: with the `tpu` extra on a machine without a TPU it
 from ict_jax.config import SELECTOR_DEFAULTS, SelectorSection
 from ict_jax.data.prompts import encode_prompt
 from ict_jax.model.packaged import parts_missing
+from ict_jax.model.tokenizers import decode_responses
 from ict_jax.rewards.checks import extract_answer
 from ict_jax.rl.saturation import tie_decided, u_at_ceiling
 
@@ -171,7 +172,7 @@ def reward(text: str) -> float:
     return float(answer is not None and answer.strip().rstrip(".") == GOLD)
 
 
-texts = [tok.decode(tokens[j, : int(valid[j].sum())].tolist()) for j in range(G)]
+texts = decode_responses(tok, tokens, valid)
 rewards = np.asarray([reward(t) for t in texts], np.float32) if GOLD else None
 adv = (ict_jax.group_advantages(jnp.asarray(rewards), G) if GOLD else jnp.ones((G,), jnp.float32))
 print("rewards:", rewards, "| advantages:", np.round(np.asarray(adv), 2))
