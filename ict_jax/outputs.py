@@ -11,13 +11,21 @@ folder is created there and removed at once), which also holds for root, whom pe
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import json
 import os
 import shutil
+import socket
+import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Iterator
 
-__all__ = ["OutputLocationError", "check_output_dir", "check_output_file", "os_error_line", "USER_PATH_ERRNOS"]
+__all__ = ["OutputLocationError", "OutputInUse", "check_output_dir", "check_output_file", "hold_output_dir",
+           "os_error_line", "USER_PATH_ERRNOS"]
 
 #: errno values of an ``OSError`` that describe the user's paths or disk, not a bug: the command line
 #: reports them as one line with exit code 2 (cli/main.py).
@@ -27,6 +35,10 @@ USER_PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOS
 
 class OutputLocationError(ValueError):
     """An output location that cannot be written; ``str(err)`` is one line naming it and why."""
+
+
+class OutputInUse(OutputLocationError):
+    """An output folder another process holds (:func:`hold_output_dir`); ``str(err)`` names the process."""
 
 
 def os_error_line(err: OSError) -> str:
@@ -85,3 +97,44 @@ def check_output_file(path: str | os.PathLike, what: str = "output file") -> Pat
     if target.exists() and not os.access(target, os.W_OK):
         raise OutputLocationError(f"{label} exists and cannot be written over (read-only)")
     return target
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def hold_output_dir(path: str | os.PathLike, what: str = "output folder") -> Iterator[Path]:
+    """Hold folder ``path`` (created if missing) for this process while the block runs: a second holder
+    is refused at once with :class:`OutputInUse`, naming the process that holds it (pid, host, command,
+    since when). The hold is an exclusive ``flock`` on ``<path>/.lock``: the kernel releases it when the
+    holder exits in any way (a kill included), so a lock file left by a dead process is never in the way.
+    The file keeps the last holder's description."""
+    folder = check_output_dir(path, what)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / LOCK_FILE
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputInUse(f"{what} {str(folder)!r} is in use by {_holder(lock)}: wait for it to end or stop "
+                              "it (nothing was written)") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "command": " ".join(sys.argv)[:300]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        yield folder
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _holder(lock: Path) -> str:
+    """The holder of ``lock`` as its file describes it."""
+    try:
+        info = json.loads(lock.read_text() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info.get("pid"):
+        return "another process"
+    return (f"process {info['pid']} on {info.get('host', '?')} since {info.get('since', '?')}"
+            + (f" ({info['command']})" if info.get("command") else ""))

@@ -1,11 +1,17 @@
-"""``ict-jax compare``: every method x seed from one shared warm start (:mod:`ict_jax.tools.compare`)."""
+"""``ict-jax compare``: every method x seed from one shared warm start (:mod:`ict_jax.tools.compare`), or,
+with ``--plan``, a pre-registered experiment (:mod:`ict_jax.tools.experiment`: arms x seeds, paired,
+resumable, with a JSON record and a report)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ict_jax.cli.errors import UserError
+
+#: the exit code of an experiment the time box stopped (not finished; the same command continues it)
+EXIT_STOPPED = 75
 
 #: run_comparison's parameters -> the flags that set them (its errors name the parameter; these name the flag)
 _FLAGS = {"methods": "--methods", "seeds": "--seeds", "rhos": "--rho", "out": "--out",
@@ -13,7 +19,18 @@ _FLAGS = {"methods": "--methods", "seeds": "--seeds", "rhos": "--rho", "out": "-
 
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config: the warm start and every run's settings")
+    p.add_argument("--config", default=None,
+                   help="YAML config: the warm start and every run's settings (without --plan)")
+    p.add_argument("--plan", default=None, metavar="PLAN.yaml",
+                   help="run (or continue) the pre-registered experiment of this plan: arms x seeds in chunks, "
+                        "record and report in the plan's record folder (docs/experiments.md); instead of --config")
+    p.add_argument("--max-hours", type=float, default=None, metavar="H",
+                   help="with --plan: stop after the step in progress once H hours have passed (a checkpoint; the "
+                        "same command continues)")
+    p.add_argument("--report", action="store_true",
+                   help="with --plan: only rebuild report.md and its figures from the record (experiment.json)")
+    p.add_argument("--uncommitted", action="store_true",
+                   help="with --plan: run a plan that is not committed as it is in git (the record says so)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
     p.add_argument("--methods", default=None,
                    help="comma-separated selectors (ict, grpo, entropy, stapo, random, frequent, selectable) or "
@@ -64,8 +81,41 @@ def parse_rhos(text: str | None) -> list[float] | None:
         raise UserError(f"--rho {text!r}: expected fractions like 0.05,0.1,0.2") from None
 
 
+def _plan_main(args: argparse.Namespace) -> int:
+    from ict_jax.tools.experiment import ExperimentStopped, rebuild_report, run_experiment
+
+    given = [flag for flag, value in (("--config", args.config), ("--methods", args.methods), ("--rho", args.rho),
+                                      ("--out", args.out)) if value is not None]
+    given += ["KEY=VALUE overrides"] if args.overrides else []
+    given += ["--seeds"] if args.seeds != "3" else []
+    given += ["--target-reward"] if args.target_reward != 0.5 else []
+    if given:
+        raise UserError(f"--plan: the plan fixes the runs; {', '.join(given)} cannot be given with it")
+    if args.report:
+        if args.max_hours is not None:
+            raise UserError("--report only rebuilds the report: --max-hours does not apply")
+        print(f"wrote {rebuild_report(args.plan)}")
+        return 0
+    if args.max_hours is not None and not args.max_hours > 0:
+        raise UserError(f"--max-hours {args.max_hours}: expected a positive number of hours")
+    try:
+        run_experiment(args.plan, max_hours=args.max_hours, allow_uncommitted=args.uncommitted,
+                       progress=not args.no_progress and sys.stderr.isatty())
+    except ExperimentStopped as e:
+        print(f"ict-jax compare: stopped ({e}); run the same command to continue", file=sys.stderr)
+        return EXIT_STOPPED
+    return 0
+
+
 def compare_main(args: argparse.Namespace) -> int:
     import jax
+
+    if args.plan is not None:
+        return _plan_main(args)
+    if args.report or args.max_hours is not None or args.uncommitted:
+        raise UserError("--report, --max-hours and --uncommitted go with --plan")
+    if args.config is None:
+        raise UserError("--config or --plan is required")
 
     from ict_jax.config import ConfigError
     from ict_jax.tools.compare import PLOTS, run_comparison

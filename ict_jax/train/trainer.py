@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ict_jax.config import Config
 from ict_jax.model.qwen2 import Qwen2
@@ -60,6 +60,7 @@ class Trainer:
         self.cfg, self.resume, self.run_dir = config, resume, Path(config.run_dir)
         self.parts, self.summary, self.hooks = None, None, Hooks()
         self.state = self.ref_params = None
+        self.paused: int | None = None  # the step a paused run stopped at (run_loop's pause)
         self.finished = finished_run(config, self.run_dir) if resume else None
         if self.finished is not None:
             return
@@ -138,9 +139,11 @@ class Trainer:
         times["throughput/tokens_per_s"] = n_tokens / max(1e-9, times["time/rollout_s"] + times["time/update_s"])
         return {**m, **times}
 
-    def run_loop(self) -> dict[str, float]:
+    def run_loop(self, pause: Callable[[int], bool] | None = None) -> dict[str, float]:
         """RL steps from the state's step to ``train.steps``, each followed by the hooks; Ctrl-C stops after
-        the step in progress (its checkpoint saved). Returns the last step's metrics."""
+        the step in progress (its checkpoint saved). ``pause(done)``, asked after each step's hooks: True
+        ends the loop there with a checkpoint of that step (:attr:`paused`), to be continued by a resumed
+        run exactly as if it had not stopped. Returns the last step's metrics."""
         steps = self.cfg.train.steps
         start = int(to_host(self.state.step))
         logger = self.logger("rl", steps, start)
@@ -148,6 +151,7 @@ class Trainer:
             logger.message(f"resuming RL at step {start}/{steps}")
         self.hooks.begin(start)
         streak, last = 0, {}
+        self.paused = None
         with stop_after_step(logger.message) as stop:
             for step in range(start, steps):
                 last = self.rl_step(step)
@@ -155,17 +159,25 @@ class Trainer:
                 last["train/nonfinite_in_a_row"] = float(streak)
                 logger.log(step, last)
                 done = step + 1
-                self.hooks.run(StepInfo(done, self.state, last, final=done == steps, stopping=stop.requested))
+                pausing = done < steps and pause is not None and bool(pause(done))
+                self.hooks.run(StepInfo(done, self.state, last, final=done == steps,
+                                        stopping=stop.requested or pausing))
                 if stop.requested and done < steps:
                     self.parts.checkpointer.wait()
                     raise Interrupted(f"interrupted at RL step {done}/{steps}; checkpoints are in "
                                       f"{self.run_dir / 'checkpoints'}: continue with --resume")
+                if pausing:
+                    self.parts.checkpointer.wait()
+                    self.paused = done
+                    break
         return last
 
-    def train(self) -> dict[str, Any]:
+    def train(self, pause: Callable[[int], bool] | None = None) -> dict[str, Any]:
         """SFT warm start (if configured and not finished before), then RL; returns the summary, also
         kept in ``<run_dir>/summary.json`` (written as each part finishes; "status": "finished" at the
-        end). A finished run resumed without a raised ``train.steps`` returns its summary unchanged."""
+        end). A finished run resumed without a raised ``train.steps`` returns its summary unchanged.
+        ``pause``: see :meth:`run_loop`; a paused run saves its checkpoint, records "status": "paused" and
+        ``steps_done``, skips the end hooks (final evaluation, summary) and is continued with ``resume``."""
         if self.finished is not None:
             return self.finished
         cfg = self.cfg
@@ -178,7 +190,14 @@ class Trainer:
         self.compile()
         if not self.parts.resumed and cfg.train.sft_steps > 0:
             self.warm_start()
-        self.summary["final"] = self.run_loop()
+        last = self.run_loop(pause)
+        if self.paused is not None:
+            self.summary["steps_done"] = self.paused
+            self.summary.stamp_wall()
+            self.summary.save("paused")
+            return self.summary.data
+        self.summary["final"] = last
+        self.summary.data.pop("steps_done", None)  # a paused invocation's; "steps" says it at the end
         self.hooks.run_end(StepInfo(cfg.train.steps, self.state, self.summary["final"], final=True))
         return self.summary.data
 

@@ -1,0 +1,269 @@
+"""A pre-registered, resumable, paired experiment (``ict-jax compare --plan PLAN``; docs/experiments.md).
+
+The plan (:mod:`ict_jax.tools.experiment_plan`), committed before its first result, fixes arms, seeds,
+steps, the reference arms, the outcomes and the stopping rule. :func:`run_experiment` runs every arm x
+seed in its own run directory ``<out>/runs/<arm>_s<seed>``, in turns of ``chunk_steps`` RL steps: every
+run reaches step c before any run goes past it, so a stop at any time leaves the arms equally far. Each
+turn resumes the run from its checkpoint (the trainer's resume: every random stream continues at its
+step, the data position is saved), so a run stopped and continued, by the chunks, Ctrl-C, a kill or the
+time box (``max_hours``), ends bitwise equal to one never stopped. Arms of one seed share ``seed``, hence
+the data order, the sampler keys and the initial weights: their differences are paired by seed.
+
+After each chunk the record (:mod:`ict_jax.tools.experiment_record`, ``<record>/experiment.json``) is
+rebuilt from disk and the report (:mod:`ict_jax.tools.experiment_report`) from the record alone. One
+invocation at a time holds ``<out>`` (:func:`ict_jax.outputs.hold_output_dir`); a plan whose text changed
+under an existing experiment is refused, and, in a git checkout, a plan that is not committed as it is
+(pre-registration) unless ``allow_uncommitted`` (recorded).
+
+Files under ``out``: ``plan.json`` (the plan as first run: text, sha256, git state), ``invocations.jsonl``
+(start and end of each invocation: time, machine, code commit, why it stopped), ``chunks.jsonl`` (one line
+per run chunk: steps, wall time, commit), ``runs/``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import jax
+
+from ict_jax.outputs import check_output_dir, hold_output_dir
+from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
+from ict_jax.tools.experiment_record import (CHUNKS_FILE, INVOCATIONS_FILE, PLAN_FILE, RECORD_FILE, STATUS_FILE,
+                                             append_jsonl, build_record, run_status, steps_done, write_json)
+from ict_jax.tools.experiment_report import REPORT_FILE, write_report
+from ict_jax.tools.provenance import code_commit, environment, file_commit, now_iso
+from ict_jax.train.logs import read_metrics
+from ict_jax.train.stopping import TrainingDiverged
+from ict_jax.train.trainer import Trainer
+
+__all__ = ["run_experiment", "rebuild_report", "check_plan_provenance", "ExperimentStopped"]
+
+
+class ExperimentStopped(Exception):
+    """The time box or the caller's ``should_stop`` ended an invocation early; the same command continues."""
+
+
+def _say(text: str) -> None:
+    print(f"[experiment] {text}", file=sys.stderr, flush=True)
+
+
+def _fmt_s(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan's identity
+# ------------------------------------------------------------------------------------------------
+def check_plan_provenance(plan: Plan, allow_uncommitted: bool = False) -> dict[str, Any]:
+    """The plan file's git state (:func:`~ict_jax.tools.provenance.file_commit`); in a git checkout a plan
+    that is not committed as it is raises :class:`PlanError` unless ``allow_uncommitted``."""
+    state = file_commit(plan.path)
+    if state["in_git"] and not state["clean"] and not allow_uncommitted:
+        why = "is not committed" if not state["committed"] else "has uncommitted changes"
+        raise PlanError(f"plan {str(plan.path)!r} {why}: commit it before its first result (the plan is "
+                        "pre-registered), or pass --uncommitted to run it anyway (the record says so)")
+    return state
+
+
+def _plan_info(plan: Plan, git_state: Mapping[str, Any]) -> dict[str, Any]:
+    """``<out>/plan.json``: the plan as first run. A plan whose text changed since is refused."""
+    path = plan.out / PLAN_FILE
+    record = plan.record / RECORD_FILE
+    known = None
+    if path.is_file():
+        known = json.loads(path.read_text())
+    elif record.is_file():
+        known = {"sha256": json.loads(record.read_text()).get("plan_sha256"), "where": str(record)}
+    if known is not None and known.get("sha256") != plan.sha256:
+        raise PlanError(f"plan {str(plan.path)!r} changed since the experiment in {str(plan.out)!r} started "
+                        f"(sha256 {plan.sha256[:12]} now, {str(known.get('sha256'))[:12]} on record): a "
+                        "pre-registered plan is fixed; for other settings write a new plan with another name and out")
+    if known is not None and "text" in known:
+        return known
+    info = {"sha256": plan.sha256, "text": plan.text, "path": str(plan.path), "git": dict(git_state),
+            "first_run": now_iso()}
+    if jax.process_index() == 0:
+        write_json(path, info)
+    return info
+
+
+# ------------------------------------------------------------------------------------------------
+# Running
+# ------------------------------------------------------------------------------------------------
+def _chunk_means(run_dir: Path, first: int, last: int) -> dict[str, float]:
+    """Mean of a few metrics over RL steps first..last-1 (0-based) of a run, for the progress line."""
+    metrics = run_dir / "metrics.jsonl"
+    rows = [r for r in (read_metrics(metrics, "rl") if metrics.is_file() else []) if first <= r["step"] < last]
+    out = {}
+    for key, short in (("reward/mean", "reward"), ("mask/selected_frac", "selected")):
+        vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if vals:
+            out[short] = sum(vals) / len(vals)
+    return out
+
+
+def _train_chunk(spec: RunSpec, until: int, stop_now: Callable[[], bool], progress: bool) -> tuple[str, int]:
+    """Train run ``spec`` until RL step ``until`` (or until ``stop_now()`` after a step); returns (status,
+    steps done): ``paused``, ``finished`` or ``diverged``. Resumes from the run's checkpoint if it has one."""
+    d = spec.run_dir
+    resume = d.is_dir() and any(p.name != ".lock" for p in d.iterdir())
+    try:
+        with Trainer(spec.config, resume=resume, progress=progress) as trainer:
+            trainer.train(pause=lambda done: done >= until or stop_now())
+            paused = trainer.paused
+    except TrainingDiverged as e:
+        if jax.process_index() == 0:
+            write_json(d / STATUS_FILE, {"status": "diverged", "error": str(e), "time": now_iso()})
+        return "diverged", steps_done(d, spec.config.train.steps)
+    finally:
+        gc.collect()
+    if paused is not None:
+        return "paused", paused
+    return "finished", spec.config.train.steps
+
+
+def _evaluate_base(spec: RunSpec, progress: bool) -> None:
+    """The starting model's final evaluation (0 RL steps) in its own run directory."""
+    d = spec.run_dir
+    resume = d.is_dir() and any(d.iterdir())
+    with Trainer(spec.config, resume=resume, progress=progress) as trainer:
+        trainer.train()
+    gc.collect()
+
+
+def _update_record(plan: Plan, plan_info: Mapping[str, Any]) -> dict[str, Any]:
+    record = build_record(plan, plan_info=plan_info)
+    if jax.process_index() == 0:
+        write_json(plan.record / RECORD_FILE, record)
+        write_report(json.loads((plan.record / RECORD_FILE).read_text()), plan.record)
+    return record
+
+
+def _why(deadline: float | None) -> str:
+    return "time box" if deadline is not None and time.monotonic() >= deadline else "stop requested"
+
+
+def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], inv_id: str,
+                stop_now: Callable[[], bool], deadline: float | None, progress: bool, state: dict[str, Any],
+                say: Callable[[str], None]) -> None:
+    """Every run, in turns: at each chunk end c every unfinished run trains up to step c; after each chunk
+    the chunk's line, the record and a progress line. ``state``: chunks done and seconds a step so far."""
+    for end in plan.chunk_ends():
+        for spec in specs:
+            status = run_status(spec.run_dir, plan.steps)
+            start = steps_done(spec.run_dir, plan.steps)
+            if status in ("finished", "diverged") or start >= end:
+                continue
+            if stop_now():
+                raise ExperimentStopped(_why(deadline))
+            t0 = time.monotonic()
+            what, done = _train_chunk(spec, end, stop_now, progress)
+            wall = time.monotonic() - t0
+            append_jsonl(plan.out / CHUNKS_FILE, {"run": spec.name, "from": start, "to": done, "status": what,
+                                                  "wall_s": round(wall, 1), "time": now_iso(), "invocation": inv_id,
+                                                  **code_commit()})
+            state["chunks"] += 1
+            if done > start:
+                state["step_seconds"].append(wall / (done - start))
+            record = _update_record(plan, plan_info)
+            left = record["status"]["steps_planned"] - record["status"]["steps_done"]
+            per_step = sum(state["step_seconds"]) / len(state["step_seconds"]) if state["step_seconds"] else None
+            means = _chunk_means(spec.run_dir, start, done)
+            say(f"{spec.arm} s{spec.seed}: steps {start + 1}-{done} of {plan.steps} {what} in {_fmt_s(wall)}"
+                + "".join(f", {k} {v:.3f}" for k, v in means.items())
+                + f"; {record['status']['steps_done']}/{record['status']['steps_planned']} steps done"
+                + (f", ETA {_fmt_s(left * per_step)}" if per_step and left else ""))
+            if what == "paused" and done < end:  # the time box or a stop request paused it mid-chunk
+                raise ExperimentStopped(_why(deadline))
+
+
+def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, allow_uncommitted: bool = False,
+                   progress: bool = False, should_stop: Callable[[], bool] | None = None,
+                   say: Callable[[str], None] = _say) -> dict[str, Any]:
+    """Run (or continue) the experiment of the plan at ``plan_path`` (module docstring); returns the record.
+
+    ``max_hours``: the time box of this invocation; when it is spent the run in progress pauses after its
+    step (a checkpoint), the record is written and :class:`ExperimentStopped` is raised; the same call
+    continues. ``should_stop()``: asked after every RL step and before every chunk, the same effect (what
+    the time box uses). Ctrl-C stops after the step in progress (:class:`~ict_jax.train.stopping.Interrupted`,
+    the record written first). Bad plans raise :class:`PlanError` before any work."""
+    plan = load_plan(plan_path)
+    if max_hours is not None and not max_hours > 0:
+        raise PlanError(f"max_hours: {max_hours!r}: expected a positive number of hours")
+    check_output_dir(plan.out, "out")
+    check_output_dir(plan.record, "record")
+    git_state = check_plan_provenance(plan, allow_uncommitted)
+    specs = plan_runs(plan)
+    t_start = time.monotonic()
+    deadline = None if max_hours is None else t_start + max_hours * 3600.0
+
+    def stop_now() -> bool:
+        return (deadline is not None and time.monotonic() >= deadline) or (should_stop is not None and should_stop())
+
+    with hold_output_dir(plan.out, "out"):
+        plan_info = _plan_info(plan, git_state)
+        inv_id = uuid.uuid4().hex[:12]
+        inv_path = plan.out / INVOCATIONS_FILE
+        append_jsonl(inv_path, {"event": "start", "id": inv_id, "start": now_iso(), "environment": environment(),
+                                "max_hours": max_hours, "plan_uncommitted": bool(git_state["in_git"]
+                                                                                 and not git_state["clean"]),
+                                **code_commit()})
+        say(f"{plan.name}: {len(plan.arms)} arms x {len(plan.seeds)} seeds, {plan.steps} steps in chunks of "
+            f"{plan.chunk_steps} -> {plan.out} (record: {plan.record / RECORD_FILE})")
+        stopped, progress_state = "finished", {"chunks": 0, "step_seconds": []}
+        try:
+            _update_record(plan, plan_info)
+            _run_chunks(plan, specs, plan_info, inv_id, stop_now, deadline, progress, progress_state, say)
+            if plan.evaluate_base:
+                b = base_run(plan)
+                if run_status(b.run_dir, 0) != "finished":
+                    if stop_now():
+                        raise ExperimentStopped(_why(deadline))
+                    say(f"base: evaluating the starting model (seed {b.seed}) -> {b.run_dir}")
+                    t0 = time.monotonic()
+                    _evaluate_base(b, progress)
+                    say(f"base: evaluated in {_fmt_s(time.monotonic() - t0)}")
+        except ExperimentStopped as e:
+            stopped = str(e)
+            raise
+        except KeyboardInterrupt:  # the trainer's Interrupted (after a step, checkpoint saved) or a plain Ctrl-C
+            stopped = "interrupted (Ctrl-C)"
+            raise
+        except BaseException as e:
+            stopped = f"error: {type(e).__name__}: {str(e)[:200]}"
+            raise
+        finally:
+            append_jsonl(inv_path, {"event": "end", "id": inv_id, "end": now_iso(), "stopped": stopped,
+                                    "chunks_done": progress_state["chunks"],
+                                    "wall_s": round(time.monotonic() - t_start, 1)})
+            try:
+                record = _update_record(plan, plan_info)
+                say(f"{plan.name}: {stopped}; {record['status']['steps_done']}/{record['status']['steps_planned']} "
+                    f"steps, {record['status']['runs_finished']}/{record['status']['runs']} runs finished; record "
+                    f"{plan.record / RECORD_FILE}, report {plan.record / REPORT_FILE}")
+            except Exception as e:  # noqa: BLE001 - the error that stopped the experiment is the one raised
+                say(f"{plan.name}: {stopped}; the record could not be rebuilt ({type(e).__name__}: {e})")
+                if stopped == "finished":
+                    raise
+    return record
+
+
+def rebuild_report(plan_path: str | Path) -> Path:
+    """The report of the plan's experiment rebuilt from its ``experiment.json`` alone (nothing is run and
+    no run directory is read); returns the report's path."""
+    plan = load_plan(plan_path)
+    path = plan.record / RECORD_FILE
+    if not path.is_file():
+        raise PlanError(f"plan {str(plan.path)!r}: no record at {str(path)!r} yet: run the plan first")
+    record = json.loads(path.read_text())
+    if record.get("plan_sha256") != plan.sha256:
+        raise PlanError(f"plan {str(plan.path)!r} is not the plan of the record {str(path)!r} (sha256 "
+                        f"{plan.sha256[:12]} vs {str(record.get('plan_sha256'))[:12]})")
+    return write_report(record, plan.record)

@@ -1,0 +1,229 @@
+"""The record of a pre-registered experiment, ``experiment.json`` (:mod:`ict_jax.tools.experiment`): built
+from what is on disk alone (the plan as first recorded, the invocations, the chunks, and every run
+directory's metrics and summary), so it can be rebuilt at any time and never disagrees with the runs.
+
+Layout (docs/experiments.md)::
+
+    {"format": 1, "plan": {...}, "plan_file", "plan_sha256", "plan_text", "plan_git": {commit, clean, ...},
+     "environment": {...}  (the first invocation's), "invocations": [...], "status": {...},
+     "runs": {"<arm>_s<seed>": {arm, seed, run_dir, status, steps_done, metrics: [per-step rows],
+                                eval_final, wall_s, chunks: [...], outcomes: {name: value}}},
+     "base": {status, eval_final, run_dir} | null,
+     "design": {n_seeds, df, assumed_sd, alpha, power, mde, note},
+     "outcomes": [{name, metric, steps?, primary, per_arm: {arm: {mean, sd, n, values: {seed: v}}},
+                   paired: [{arm, reference, seeds, diffs, mean, sd, n, se, t, df, p}]}]}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ict_jax.tools.compare_report import has_checkpoint, pass_at_k
+from ict_jax.tools.experiment_plan import Outcome, Plan, RunSpec, base_run, differing_keys, plan_runs
+from ict_jax.tools.experiment_stats import mean_sd, minimum_detectable_effect, paired_differences
+from ict_jax.train.checkpoints import Checkpointer
+from ict_jax.train.logs import read_metrics
+from ict_jax.train.record import read_summary
+
+__all__ = ["FORMAT", "RECORD_FILE", "PLAN_FILE", "INVOCATIONS_FILE", "CHUNKS_FILE", "STATUS_FILE", "build_record",
+           "write_json", "run_status", "steps_done", "outcome_value", "append_jsonl", "read_jsonl"]
+
+FORMAT = 1
+RECORD_FILE = "experiment.json"  # in the plan's record folder
+PLAN_FILE = "plan.json"  # in <out>: the plan as first run (text, sha256, git state)
+INVOCATIONS_FILE = "invocations.jsonl"  # in <out>: one start and one end line per invocation
+CHUNKS_FILE = "chunks.jsonl"  # in <out>: one line per run chunk done
+STATUS_FILE = "experiment_status.json"  # in a run directory: a run the experiment stopped (diverged)
+
+
+def write_json(path: Path, data: Any) -> Path:
+    """``data`` as indented JSON, written atomically (a crash leaves the old file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def append_jsonl(path: Path, row: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file; a last line cut by a crash is ignored."""
+    if not Path(path).is_file():
+        return []
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# A run on disk
+# ------------------------------------------------------------------------------------------------
+def steps_done(run_dir: Path, steps: int) -> int:
+    """RL steps a run directory holds for good: all of them when its summary says finished, else its
+    latest checkpoint's step (what a resumed run continues from), else 0."""
+    summary = read_summary(run_dir) if run_dir.is_dir() else None
+    if summary is not None and summary.get("status") == "finished":
+        return int(summary.get("steps", steps))
+    if not has_checkpoint(run_dir):
+        return 0
+    with Checkpointer(run_dir / "checkpoints", read_only=True) as ck:
+        return int(ck.latest_step() or 0)
+
+
+def run_status(run_dir: Path, steps: int) -> str:
+    """``finished``, ``diverged`` (the experiment stopped it), ``started`` (some steps done), or ``pending``."""
+    status_file = run_dir / STATUS_FILE
+    if status_file.is_file():
+        return str(json.loads(status_file.read_text()).get("status", "stopped"))
+    summary = read_summary(run_dir) if run_dir.is_dir() else None
+    if summary is not None and summary.get("status") == "finished":
+        return "finished"
+    metrics = run_dir / "metrics.jsonl"
+    return "started" if (metrics.is_file() and metrics.stat().st_size > 0) or steps_done(run_dir, steps) else "pending"
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def outcome_value(outcome: Outcome, rows: Sequence[Mapping[str, Any]], eval_final: Mapping[str, Any] | None,
+                  ) -> float | None:
+    """One run's value of ``outcome``: the mean of its metric over RL steps first..last (1-based; rows are
+    0-based steps), None until every one of those steps is logged or when none has a finite value; a
+    final-evaluation outcome from ``eval_final`` (``eval/pass@k``: the mean over benchmarks)."""
+    if outcome.final_eval:
+        if not eval_final:
+            return None
+        if outcome.metric in eval_final:
+            v = eval_final[outcome.metric]
+            return float(v) if _finite(v) else None
+        k = outcome.metric[len("eval/pass@"):] if outcome.metric.startswith("eval/pass@") else None
+        if k is not None and k.isdigit():
+            return pass_at_k(eval_final).get(int(k))
+        return None
+    want = range(outcome.first - 1, outcome.last)
+    by_step = {int(r["step"]): r for r in rows}
+    if any(s not in by_step for s in want):
+        return None
+    vals = [float(by_step[s][outcome.metric]) for s in want if _finite(by_step[s].get(outcome.metric))]
+    return math.fsum(vals) / len(vals) if vals else None
+
+
+def _json_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Metrics rows with non-finite floats as text ("nan", "inf"), as metrics.jsonl keeps them."""
+    return [{k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in r.items()} for r in rows]
+
+
+def read_run(spec: RunSpec, steps: int, chunks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    d = spec.run_dir
+    metrics = d / "metrics.jsonl"
+    rl_rows = read_metrics(metrics, "rl") if metrics.is_file() else []
+    eval_rows = read_metrics(metrics, "eval") if metrics.is_file() else []
+    summary = (read_summary(d) or {}) if d.is_dir() else {}
+    status = run_status(d, steps)
+    done = steps_done(d, steps)
+    if status != "diverged":  # rows past the last checkpoint are logged again when the run resumes
+        rl_rows = [r for r in rl_rows if int(r["step"]) < done]
+    out = {"arm": spec.arm, "seed": spec.seed, "run_dir": str(d), "status": status, "steps_done": done,
+           "metrics": _json_rows(rl_rows), "evals": _json_rows(eval_rows),
+           "eval_final": summary.get("eval_final") if status == "finished" else None,
+           "wall_s": summary.get("wall_s"), "chunks": [c for c in chunks if c.get("run") == spec.name]}
+    if status == "diverged":
+        out["error"] = json.loads((d / STATUS_FILE).read_text()).get("error")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The record
+# ------------------------------------------------------------------------------------------------
+def _design(plan: Plan) -> dict[str, Any]:
+    d = plan.design
+    n = len(plan.seeds)
+    alpha, power = float(d.get("alpha", 0.05)), float(d.get("power", 0.8))
+    sd = d.get("assumed_sd")
+    mde = minimum_detectable_effect(float(sd), n, alpha, power) if sd is not None else None
+    return {"n_seeds": n, "df": n - 1 if n > 1 else None, "assumed_sd": sd, "alpha": alpha, "power": power,
+            "mde": mde, "outcome": plan.primary.name, "note": d.get("note", "")}
+
+
+def _outcomes(plan: Plan, runs: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for i, o in enumerate(plan.outcomes):
+        per_arm = {}
+        for arm in plan.arm_names:
+            values = {r["seed"]: r["outcomes"].get(o.name) for r in runs.values() if r["arm"] == arm}
+            per_arm[arm] = {**mean_sd(values.values()), "values": {str(s): v for s, v in values.items()}}
+        paired = []
+        for ref in plan.reference_arms:
+            for arm in plan.arm_names:
+                if arm == ref:
+                    continue
+                a = {s: v for s, v in ((int(k), v) for k, v in per_arm[arm]["values"].items())}
+                r = {s: v for s, v in ((int(k), v) for k, v in per_arm[ref]["values"].items())}
+                paired.append({"arm": arm, "reference": ref, **paired_differences(a, r)})
+        out.append({**o.to_dict(), "primary": i == 0, "per_arm": per_arm, "paired": paired})
+    return out
+
+
+def build_record(plan: Plan, *, plan_info: Mapping[str, Any]) -> dict[str, Any]:
+    """The record of ``plan`` from disk (module docstring). ``plan_info``: ``<out>/plan.json``, the plan as
+    first run (its text, sha256 and git state)."""
+    specs = plan_runs(plan)
+    chunks = read_jsonl(plan.out / CHUNKS_FILE)
+    runs = {}
+    for spec in specs:
+        r = read_run(spec, plan.steps, chunks)
+        r["outcomes"] = {o.name: outcome_value(o, r["metrics"], r["eval_final"]) for o in plan.outcomes}
+        runs[spec.name] = r
+    base = None
+    if plan.evaluate_base:
+        b = base_run(plan)
+        summary = (read_summary(b.run_dir) or {}) if b.run_dir.is_dir() else {}
+        finished = summary.get("status") == "finished"
+        base = {"run_dir": str(b.run_dir), "seed": b.seed, "status": "finished" if finished else "pending",
+                "eval_final": summary.get("eval_final") if finished else None, "wall_s": summary.get("wall_s")}
+    invocations = _invocations(read_jsonl(plan.out / INVOCATIONS_FILE))
+    total = len(specs) * plan.steps
+    done = sum(r["steps_done"] for r in runs.values())
+    finished = sum(r["status"] == "finished" for r in runs.values())
+    complete = finished + sum(r["status"] == "diverged" for r in runs.values()) == len(specs) \
+        and (base is None or base["status"] == "finished")
+    return {
+        "format": FORMAT, "name": plan.name, "plan_file": str(plan.path), "plan_sha256": plan_info["sha256"],
+        "plan_git": plan_info.get("git"), "plan_text": plan_info["text"], "plan": plan.to_dict(),
+        "arm_differences": differing_keys(specs),
+        "environment": invocations[0]["environment"] if invocations else None, "invocations": invocations,
+        "status": {"complete": complete, "runs": len(specs), "runs_finished": finished, "steps_done": done,
+                   "steps_planned": total},
+        "design": _design(plan), "runs": runs, "base": base, "outcomes": _outcomes(plan, runs),
+    }
+
+
+def _invocations(events: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Start and end events paired by invocation id, in order of start."""
+    by_id: dict[str, dict[str, Any]] = {}
+    for e in events:
+        inv = by_id.setdefault(e["id"], {"id": e["id"]})
+        if e.get("event") == "start":
+            inv.update({k: v for k, v in e.items() if k not in ("event",)})
+            inv.setdefault("stopped", "unknown (no end recorded: killed?)")
+        elif e.get("event") == "end":
+            inv.update({k: v for k, v in e.items() if k not in ("event", "id")})
+    return sorted(by_id.values(), key=lambda i: i.get("start", ""))

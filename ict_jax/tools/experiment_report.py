@@ -1,0 +1,272 @@
+"""The report of a pre-registered experiment: ``report.md`` and its figures, built from ``experiment.json``
+alone (:func:`write_report`), so the report never says what the record does not hold and
+``ict-jax compare --plan P --report`` rebuilds it byte for byte."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ict_jax.tools.compare_report import pass_at_k
+from ict_jax.tools.experiment_stats import mean_sd
+
+__all__ = ["FIGURES", "REPORT_FILE", "format_report", "write_report", "plot_metric"]
+
+REPORT_FILE = "report.md"
+#: figure file -> (metrics key, title): every arm's curve per seed against the RL step
+FIGURES = {
+    "reward.png": ("reward/mean", "training reward (mean over the step's responses)"),
+    "selected_frac.png": ("mask/selected_frac", "selected fraction of the valid tokens"),
+    "H1.png": ("stats/H1_mean", "Shannon entropy H1 (mean over valid tokens)"),
+    "u_at_ceiling.png": ("stats/u_at_ceiling", "u at its ceiling (share of valid tokens)"),
+}
+
+
+def _num(v: Any, digits: int = 3) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def _p(v: Any) -> str:
+    return "n/a" if v is None else f"{v:.3g}"
+
+
+def _mean_sd(stat: Mapping[str, Any], digits: int = 3) -> str:
+    if stat.get("mean") is None:
+        return "n/a"
+    s = f"{stat['mean']:.{digits}f}"
+    if stat.get("sd") is not None:
+        s += f" ± {stat['sd']:.{digits}f}"
+    return s + f" (n {stat['n']})"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _duration(s: Any) -> str:
+    if s is None:
+        return "n/a"
+    s = int(round(float(s)))
+    return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
+
+
+def _value(v: Any) -> str:
+    return "`" + str(v).replace("|", "\\|") + "`"
+
+
+def _outcome_section(o: Mapping[str, Any], arms: Sequence[str], seeds: Sequence[int]) -> list[str]:
+    lines = [f"### {'Primary' if o['primary'] else 'Secondary'}: {o['name']}", ""]
+    head = ["arm"] + [f"seed {s}" for s in seeds] + ["mean ± sd (n)"]
+    rows = [[a] + [_num(o["per_arm"][a]["values"].get(str(s))) for s in seeds] + [_mean_sd(o["per_arm"][a])]
+            for a in arms]
+    lines += _table(head, rows) + [""]
+    if o["paired"]:
+        head = ["arm − reference", "differences by seed", "mean ± sd", "t", "df", "p (two-sided)"]
+        rows = []
+        for d in o["paired"]:
+            by_seed = ", ".join(f"s{s}: {x:+.3f}" for s, x in zip(d["seeds"], d["diffs"])) or "none yet"
+            ms = "n/a" if d["mean"] is None else f"{d['mean']:+.3f}" + (f" ± {d['sd']:.3f}" if d["sd"] is not None
+                                                                        else "")
+            rows.append([f"{d['arm']} − {d['reference']}", by_seed, ms, _num(d["t"], 2),
+                         "n/a" if d["df"] is None else str(d["df"]), _p(d["p"])])
+        lines += _table(head, rows) + [""]
+    return lines
+
+
+def format_report(record: Mapping[str, Any], figures: Sequence[str] = tuple(FIGURES)) -> str:
+    """The Markdown report of ``record`` (``experiment.json``), naming ``figures`` (files beside it)."""
+    plan, status, design = record["plan"], record["status"], record["design"]
+    arms, seeds = list(plan["arms"]), plan["seeds"]
+    git = record.get("plan_git") or {}
+    lines = [f"# Experiment `{record['name']}`", ""]
+    if plan.get("description"):
+        lines += [plan["description"].strip(), ""]
+    state = "complete" if status["complete"] else "in progress"
+    lines += [
+        f"- **Status: {state}.** {status['runs_finished']} of {status['runs']} runs finished; "
+        f"{status['steps_done']} of {status['steps_planned']} RL steps done.",
+        f"- Plan: `{record['plan_file']}`, sha256 `{record['plan_sha256'][:16]}...`, "
+        + _plan_git(git) + ".",
+        f"- Base config: `{plan['config']}`; {len(arms)} arms x {len(seeds)} seeds ({', '.join(map(str, seeds))}), "
+        f"{plan['steps']} RL steps each, in chunks of {plan['chunk_steps']}; arms of one seed share the data order, "
+        "the sampler keys and the initial weights, so differences are paired by seed.",
+        f"- Stopping rule: {plan['stopping_rule'].strip()}",
+        "",
+        "## Arms",
+        "",
+    ]
+    lines += _table(["arm", "method", "overrides", "description"],
+                    [[a, s["method"], ", ".join(f"{k}={_value(v)}" for k, v in s["overrides"].items()) or "none",
+                      s.get("description") or ""] for a, s in plan["arms"].items()])
+    common = plan.get("overrides") or {}
+    lines += ["", "Every arm: " + (", ".join(f"{k}={_value(v)}" for k, v in common.items()) or "the base config")
+              + ". Config keys that differ between the arms: "
+              + (", ".join(f"`{k}`" for k in record.get("arm_differences", {})) or "none") + ".", ""]
+    lines += ["## Design", ""]
+    n = design["n_seeds"]
+    if design["mde"] is not None:
+        lines += [f"Paired by seed, n = {n} (df {design['df']}). With an assumed sd of the paired differences of "
+                  f"{design['assumed_sd']:g} in the primary outcome, a two-sided paired t test at level "
+                  f"{design['alpha']:g} detects a true mean difference of **{design['mde']:.3f}** with power "
+                  f"{design['power']:g} (the minimum detectable effect, fixed in the plan before any result); "
+                  "smaller differences cannot be told apart from noise by this design."]
+    else:
+        lines += [f"Paired by seed, n = {n}" + (f" (df {design['df']})." if design["df"] else
+                                                 ": one seed gives no test of the differences.")
+                  + " The plan states no assumed sd, so no minimum detectable effect."]
+    if design.get("note"):
+        lines += ["", design["note"].strip()]
+    lines += ["", "## Outcomes", ""]
+    lines += [f"Reference arms: {', '.join(plan['reference_arms'])}. Each outcome per run, mean ± sample sd over "
+              "seeds per arm, and each arm minus each reference arm paired by seed: the mean and sd of the "
+              "differences, the paired t statistic, its degrees of freedom and two-sided p. n/a: not measured "
+              "yet (the run has not reached the outcome's steps), or undefined (one pair, or no spread).", ""]
+    for o in record["outcomes"]:
+        lines += _outcome_section(o, arms, seeds)
+    lines += _evaluation_lines(record, arms)
+    lines += ["", "## Curves", "", "Every run's per-step value: one thin line per seed, the arm's mean over its seeds "
+              "thick (where every seed has the step).", ""]
+    for f in figures:
+        key, title = FIGURES[f]
+        lines += [f"![{title} ({key})]({f})", ""]
+    lines += _runs_lines(record) + _environment_lines(record)
+    if plan.get("calibration") is not None:
+        lines += ["", "## Calibration (before the plan was fixed)", "", "```", _yaml_text(plan["calibration"]),
+                  "```"]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _evaluation_lines(record: Mapping[str, Any], arms: Sequence[str]) -> list[str]:
+    """The held-out evaluation table: the base model and every arm's final P@k (mean ± sd over seeds)."""
+    lines: list[str] = []
+    lines += ["## Held-out evaluation", ""]
+    ks = sorted({k for r in record["runs"].values() for k in pass_at_k(r.get("eval_final"))}
+                | set(pass_at_k((record.get("base") or {}).get("eval_final"))))
+    if ks:
+        rows = []
+        base = record.get("base")
+        if base is not None:
+            p = pass_at_k(base.get("eval_final"))
+            rows.append([f"base (seed {base['seed']})"] + [_num(p.get(k)) for k in ks])
+        for a in arms:
+            vals = [pass_at_k(r.get("eval_final")) for r in record["runs"].values() if r["arm"] == a]
+            cells = []
+            for k in ks:
+                xs = [v[k] for v in vals if k in v]
+                cells.append(_mean_sd(mean_sd(xs)))
+            rows.append([a] + cells)
+        lines += _table(["model"] + [f"P@{k}" for k in ks], rows)
+        lines += ["", "P@k averaged over the evaluation's benchmarks: " + ", ".join(
+            f"`{b}`" for b in _benchmarks(record)) + "; mean ± sd over seeds."]
+    else:
+        lines += ["No final evaluation recorded yet."]
+    return lines
+
+
+def _runs_lines(record: Mapping[str, Any]) -> list[str]:
+    """Every run: status, steps, chunks, wall time, final evaluation."""
+    plan = record["plan"]
+    lines: list[str] = []
+    lines += ["## Runs", ""]
+    rows = []
+    for name, r in record["runs"].items():
+        p = pass_at_k(r.get("eval_final"))
+        wall = sum(float(c.get("wall_s") or 0.0) for c in r["chunks"]) if r["chunks"] else None
+        rows.append([name, r["status"], f"{r['steps_done']}/{plan['steps']}", str(len(r["chunks"])),
+                     _duration(wall), ", ".join(f"P@{k} {v:.3f}" for k, v in p.items()) or "n/a"])
+    lines += _table(["run", "status", "steps", "chunks", "wall time (chunks)", "final evaluation"], rows)
+    lines += ["", "Wall time: the sum of the run's chunks, each with its model load, compilation and, in the last, "
+              "the final evaluation."]
+    return lines
+
+
+def _environment_lines(record: Mapping[str, Any]) -> list[str]:
+    """The machine and versions of the first invocation, and every invocation's code commit."""
+    lines: list[str] = []
+    lines += ["", "## Environment", ""]
+    env = record.get("environment") or {}
+    if env:
+        v = env.get("versions", {})
+        lines += [f"- Machine: {env.get('cpu')}, {env.get('cores')} cores, {env.get('memory_gib')} GiB; "
+                  f"{env.get('os')}; Python {env.get('python')}; {env.get('backend')} ({env.get('devices')}).",
+                  "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items() if x) + "."]
+    for inv in record.get("invocations", []):
+        c = inv.get("commit")
+        lines.append(f"- Invocation {inv.get('start')} to {inv.get('end', '?')}: code at "
+                     + (f"`{c[:12]}`" + (" with local changes" if inv.get("dirty") else "") if c else "no git commit")
+                     + f", {inv.get('chunks_done', 0)} chunk(s), stopped: {inv.get('stopped')}.")
+    return lines
+
+
+def _plan_git(git: Mapping[str, Any]) -> str:
+    if not git.get("in_git"):
+        return "not in a git checkout (nothing proves it preceded the results)"
+    if not git.get("commit"):
+        return "not committed (run with --uncommitted)"
+    return f"committed at `{git['commit'][:12]}`" + ("" if git.get("clean") else
+                                                     " but run with uncommitted changes (--uncommitted)")
+
+
+def _benchmarks(record: Mapping[str, Any]) -> list[str]:
+    names: set[str] = set()
+    for r in list(record["runs"].values()) + ([record["base"]] if record.get("base") else []):
+        for key in (r.get("eval_final") or {}):
+            if key.startswith("eval/"):
+                names.add(key[len("eval/"):].rpartition("/")[0])
+    return sorted(names)
+
+
+def _yaml_text(obj: Any) -> str:
+    import yaml  # only where text is written
+
+    return yaml.safe_dump(obj, sort_keys=False, allow_unicode=True, width=110).rstrip()
+
+
+def plot_metric(record: Mapping[str, Any], key: str, title: str, out_png: Path) -> Path:
+    """Every arm's ``key`` against the RL step (1-based): a thin line per seed, the mean over seeds thick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    arms = list(record["plan"]["arms"])
+    n_seeds = len(record["plan"]["seeds"])
+    for i, arm in enumerate(arms):
+        color = f"C{i % 10}"
+        by_step: dict[int, list[float]] = {}
+        for r in record["runs"].values():
+            if r["arm"] != arm:
+                continue
+            pts = [(int(row["step"]) + 1, float(row[key])) for row in r["metrics"]
+                   if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, lw=0.7, alpha=0.55)
+            for s, v in pts:
+                by_step.setdefault(s, []).append(v)
+        full = sorted(s for s, v in by_step.items() if len(v) == n_seeds)
+        if full:
+            ax.plot(full, [sum(by_step[s]) / n_seeds for s in full], color=color, lw=2.0, label=arm)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(key)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return out_png
+
+
+def write_report(record: Mapping[str, Any], folder: str | Path) -> Path:
+    """``report.md`` and :data:`FIGURES` in ``folder`` from ``record`` alone; returns the report's path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for png, (key, title) in FIGURES.items():
+        plot_metric(record, key, title, folder / png)
+    path = folder / REPORT_FILE
+    path.write_text(format_report(record), encoding="utf-8")
+    return path

@@ -1,0 +1,342 @@
+"""The pre-registered experiment (``ict-jax compare --plan``): the plan's checks, a run interrupted and
+continued ending bitwise equal to one never stopped, the refusals (a changed plan, an uncommitted plan, a
+second invocation), the paired statistics against hand computations, and the report rebuilt from the
+record byte for byte."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from ict_jax.cli.main import main as cli_main
+from ict_jax.outputs import OutputInUse, hold_output_dir
+from ict_jax.tools.experiment import ExperimentStopped, rebuild_report, run_experiment
+from ict_jax.tools.experiment_plan import Outcome, PlanError, load_plan, plan_runs
+from ict_jax.tools.experiment_record import RECORD_FILE, build_record, outcome_value
+from ict_jax.tools.experiment_report import FIGURES, REPORT_FILE
+from ict_jax.tools.experiment_stats import (betainc, mean_sd, minimum_detectable_effect, paired_differences, t_cdf,
+                                            t_quantile)
+from ict_jax.train.logs import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
+
+# a tiny model from its preset, 2 prompts x G 4, 6 new tokens; a reward by the response's length gives the random
+# model's groups different rewards, so that the updates are not zero (REWARD_MODULE, imported by the reward workers)
+PLAN = """\
+name: tiny
+description: two arms on the tiny model
+config: {config}
+overrides:
+  model.preset: tiny
+  rollout.num_samples: 4
+  train.prompts_per_step: 2
+  rollout.max_new_tokens: 6
+  rollout.max_prompt_len: 16
+  train.sft_steps: 0
+  data.train: ["arith?digits=1&size=64"]
+  data.eval: ["arith?digits=1&size=4&seed=7"]
+  data.eval_n: 2
+  data.eval_k: [1, 2]
+  stats.chunk: 8
+  rl.reward.workers: 1
+  rl.reward.fn: experiment_reward_t32:by_length
+  rl.selector.warmup_steps: 0
+  train.save_every: 2
+  mesh.data: 2
+  mesh.tensor: 4
+arms:
+  ict: {{method: ict}}
+  grpo: {{method: grpo}}
+seeds: [0]
+steps: 3
+chunk_steps: 2
+reference_arms: [grpo]
+primary_outcome: {{metric: reward/mean, steps: [2, 3]}}
+secondary_outcomes:
+  - {{metric: grad/norm, steps: [1, 1]}}
+  - {{metric: eval/pass@1}}
+design: {{assumed_sd: 0.05}}
+stopping_rule: every run trains all 3 steps
+out: {out}
+"""
+
+
+REWARD_MODULE = """\
+def by_length(response, gold, meta):
+    return float(len(response.strip()) % 3) / 2.0
+"""
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    (tmp_path / "experiment_reward_t32.py").write_text(REWARD_MODULE)
+    monkeypatch.chdir(tmp_path)  # the reward workers import rl.reward.fn from the caller's working directory
+
+
+def _plan(tmp_path: Path, name: str, text: str | None = None, **fmt) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text if text is not None else PLAN.format(config=DEMO, out=tmp_path / name, **fmt))
+    return path
+
+
+def _keep(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
+
+
+def _final_params(run: Path):
+    from flax import nnx
+
+    from ict_jax.train.checkpoints import load_params_from_checkpoint
+
+    model, meta = load_params_from_checkpoint(run / "checkpoints")
+    return meta["step"], jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+
+
+# ------------------------------------------------------------------------------------------------
+# The statistics, by hand
+# ------------------------------------------------------------------------------------------------
+def test_t_distribution_against_closed_forms_and_tables():
+    for t in (0.0, 0.3, 1.0, 2.5, 12.7):
+        assert t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)  # Cauchy
+        assert t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
+        assert t_cdf(-t, 3) == pytest.approx(1 - t_cdf(t, 3), abs=1e-12)
+    # printed t tables: t_{0.975} for df 1, 2, 10, 30; t_{0.8} for df 1
+    for q, df, want in ((0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 10, 2.2281), (0.975, 30, 2.0423),
+                        (0.8, 1, 1.3764)):
+        assert t_quantile(q, df) == pytest.approx(want, abs=1e-4)
+    assert t_quantile(0.025, 4) == pytest.approx(-t_quantile(0.975, 4))
+    assert betainc(2, 3, 0.4) == pytest.approx(0.5248, abs=1e-12)  # 1 - sum_{j<2} C(4,j) .4^j .6^(4-j)
+    with pytest.raises(ValueError, match="must be in"):
+        t_quantile(1.0, 3)
+
+
+def test_paired_differences_by_hand():
+    # arm - reference by seed: 0.1, 0.3, -0.1 -> mean 0.1, sd 0.2, se 0.2 / sqrt 3, t = sqrt(3) / 2, df 2
+    d = paired_differences({0: 0.5, 1: 0.7, 2: 0.2, 5: 0.9}, {0: 0.4, 1: 0.4, 2: 0.3, 3: 0.1})
+    assert d["seeds"] == [0, 1, 2] and d["n"] == 3 and d["df"] == 2
+    assert d["diffs"] == pytest.approx([0.1, 0.3, -0.1])
+    assert d["mean"] == pytest.approx(0.1) and d["sd"] == pytest.approx(0.2)
+    assert d["t"] == pytest.approx(math.sqrt(3) / 2)
+    t = math.sqrt(3) / 2
+    assert d["p"] == pytest.approx(1 - t / math.sqrt(2 + t * t))  # df 2: p = 1 - |t| / sqrt(2 + t^2)
+    # two seeds: df 1, p from the Cauchy CDF
+    d = paired_differences({0: 0.6, 1: 0.5}, {0: 0.4, 1: 0.4})
+    assert d["t"] == pytest.approx(3.0) and d["df"] == 1
+    assert d["p"] == pytest.approx(1 - 2 * math.atan(3.0) / math.pi)
+    # one pair, no spread, missing values: no test
+    assert paired_differences({0: 1.0}, {0: 0.5})["t"] is None
+    assert paired_differences({0: 1.0, 1: 2.0}, {0: 0.0, 1: 1.0})["t"] is None  # sd 0
+    assert paired_differences({0: None, 1: float("nan")}, {0: 1.0, 1: 1.0})["n"] == 0
+    assert mean_sd([0.4, None, float("nan"), 0.6]) == {"mean": pytest.approx(0.5), "sd": pytest.approx(0.1414213562),
+                                                      "n": 2}
+
+
+def test_minimum_detectable_effect_by_hand():
+    # (t_{0.975, 1} + t_{0.8, 1}) * sd / sqrt(2) with the table values above
+    assert minimum_detectable_effect(0.05, 2) == pytest.approx((12.7062 + 1.3764) * 0.05 / math.sqrt(2), abs=1e-4)
+    assert minimum_detectable_effect(1.0, 11) == pytest.approx((2.2281 + 0.8791) / math.sqrt(11), abs=1e-4)
+    assert minimum_detectable_effect(0.1, 1) is None
+
+
+def test_outcome_values_from_rows_and_evaluations():
+    rows = [{"step": s, "reward/mean": v} for s, v in enumerate([0.0, 0.5, 1.0, "nan"])]
+    assert outcome_value(Outcome("reward/mean", 2, 3), rows, None) == pytest.approx(0.75)  # steps 2-3 = rows 1, 2
+    assert outcome_value(Outcome("reward/mean", 3, 4), rows, None) == pytest.approx(1.0)  # "nan" left out
+    assert outcome_value(Outcome("reward/mean", 4, 5), rows, None) is None  # step 5 not logged yet
+    ev = {"eval/a/pass@1": 0.2, "eval/b/pass@1": 0.4, "eval/a/pass@2": 0.5}
+    assert outcome_value(Outcome("eval/pass@1"), rows, ev) == pytest.approx(0.3)
+    assert outcome_value(Outcome("eval/a/pass@2"), rows, ev) == 0.5
+    assert outcome_value(Outcome("eval/pass@1"), rows, None) is None
+
+
+def test_record_outcomes_and_paired_differences_from_run_directories(tmp_path):
+    """build_record reads run directories alone: per-arm mean ± sd and arm − reference by seed, by hand."""
+    text = PLAN.format(config=DEMO, out=tmp_path / "x").replace("seeds: [0]", "seeds: [0, 1]")
+    text = text.replace("arms:\n", "arms:\n  random: {method: random}\n")
+    text = text.replace("reference_arms: [grpo]", "reference_arms: [grpo, random]")
+    plan = load_plan(_plan(tmp_path, "x", text))
+    rewards = {("ict", 0): [0.1, 0.5, 0.7], ("ict", 1): [0.2, 0.6, 0.6], ("grpo", 0): [0.1, 0.2, 0.4],
+               ("grpo", 1): [0.2, 0.4, 0.4], ("random", 0): [0.1, 0.3, 0.3]}  # random s1 never started
+    for (arm, seed), rs in rewards.items():
+        d = plan.out / "runs" / f"{arm}_s{seed}"
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"phase": "rl", "step": s, "reward/mean": r,
+                                                             "grad/norm": 1.0 + s + seed}) + "\n"
+                                                 for s, r in enumerate(rs)))
+        (d / "summary.json").write_text(json.dumps({"status": "finished", "steps": 3,
+                                                    "eval_final": {"eval/e/pass@1": 0.25 * (seed + 1)}}))
+    rec = build_record(plan, plan_info={"sha256": plan.sha256, "text": plan.text})
+    prim = rec["outcomes"][0]
+    assert prim["primary"] and prim["name"] == "reward/mean steps 2-3"
+    # per run: the mean over steps 2-3 (rows 1 and 2)
+    assert prim["per_arm"]["ict"]["values"] == {"0": pytest.approx(0.6), "1": pytest.approx(0.6)}
+    assert prim["per_arm"]["grpo"]["values"] == {"0": pytest.approx(0.3), "1": pytest.approx(0.4)}
+    assert prim["per_arm"]["random"]["values"] == {"0": pytest.approx(0.3), "1": None}
+    assert prim["per_arm"]["grpo"]["mean"] == pytest.approx(0.35)
+    assert prim["per_arm"]["grpo"]["sd"] == pytest.approx(math.sqrt(0.005))
+    by = {(p["arm"], p["reference"]): p for p in prim["paired"]}
+    assert set(by) == {("ict", "grpo"), ("random", "grpo"), ("ict", "random"), ("grpo", "random")}
+    d = by[("ict", "grpo")]  # 0.3, 0.2 -> mean 0.25, sd 0.0707, t = 0.25 / 0.05 = 5, df 1
+    assert d["diffs"] == pytest.approx([0.3, 0.2]) and d["mean"] == pytest.approx(0.25)
+    assert d["t"] == pytest.approx(5.0) and d["df"] == 1
+    assert d["p"] == pytest.approx(1 - 2 * math.atan(5.0) / math.pi)
+    assert by[("ict", "random")]["n"] == 1 and by[("ict", "random")]["t"] is None  # seed 1 unpaired
+    grad = rec["outcomes"][1]  # grad/norm at step 1: 1 + seed
+    assert grad["per_arm"]["ict"]["values"] == {"0": 1.0, "1": 2.0}
+    ev = rec["outcomes"][2]
+    assert ev["per_arm"]["grpo"]["values"] == {"0": 0.25, "1": 0.5}
+    assert rec["status"] == {"complete": False, "runs": 6, "runs_finished": 5, "steps_done": 15,
+                             "steps_planned": 18}
+    assert rec["design"]["mde"] == pytest.approx(minimum_detectable_effect(0.05, 2))
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan's checks
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("edit, message", [
+    (("steps: 3", "steps: 0"), "steps: expected an integer >= 1"),
+    (("seeds: [0]", "seeds: [0, 0]"), "seeds: [0, 0]: expected distinct"),
+    (("reference_arms: [grpo]", "reference_arms: [dense]"), "reference_arms: ['dense']"),
+    (("steps: [2, 3]", "steps: [2, 4]"), "primary_outcome.steps: [2, 4]: need 1 <= first <= last <= steps (3)"),
+    (("  grpo: {method: grpo}", "  grpo: {method: grpo, overrides: {seed: 3}}"),
+     "arms.grpo.overrides.seed: the plan sets this itself"),
+    (("  grpo: {method: grpo}", "  grpo: {method: grpo, overrides: {rl.loss.kl_coef: -1}}"), "arms.grpo: "),
+    (("  grpo: {method: grpo}", "  grpo: {method: nope}"), "arms.grpo: "),
+    (("stopping_rule: every run trains all 3 steps", "stopping_rule: ''"), "stopping_rule: state the rule"),
+    (("chunk_steps: 2", "chunk_size: 2"), "chunk_size: unknown key"),
+    (("  - {metric: eval/pass@1}", "  - {metric: eval/pass@1, steps: [1, 1]}"), "a final-evaluation outcome"),
+    (("name: tiny", "name: 'a b'"), "name: 'a b': letters, digits"),
+])
+def test_a_plan_that_cannot_run_is_one_line_naming_the_key(tmp_path, edit, message):
+    text = PLAN.format(config=DEMO, out=tmp_path / "p")
+    assert edit[0] in text
+    with pytest.raises(PlanError, match=None) as err:
+        load_plan(_plan(tmp_path, "p", text.replace(edit[0], edit[1], 1)))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_runs_have_their_own_directories_and_share_the_seed(tmp_path):
+    plan = load_plan(_plan(tmp_path, "p"))
+    specs = plan_runs(plan)
+    assert [s.name for s in specs] == ["ict_s0", "grpo_s0"]
+    assert len({s.run_dir for s in specs}) == len(specs)
+    assert {s.config.seed for s in specs} == {0} and {s.config.train.steps for s in specs} == {3}
+    assert [s.config.rl.selector.method for s in specs] == ["ict", "grpo"]
+    assert plan.chunk_ends() == [2, 3]
+
+
+# ------------------------------------------------------------------------------------------------
+# Running: interrupted and continued = never stopped; refusals; the report from the record
+# ------------------------------------------------------------------------------------------------
+def test_interrupted_and_continued_ends_bitwise_equal_and_the_report_rebuilds(tmp_path, reward_module):
+    # never paused: the plan in one chunk a run
+    whole = _plan(tmp_path, "whole", PLAN.format(config=DEMO, out=tmp_path / "whole").replace("chunk_steps: 2",
+                                                                                             "chunk_steps: 3"))
+    run_experiment(whole, progress=False, say=lambda s: None)
+    # in chunks of 2, stopped after its first step (as the time box stops), then continued
+    cut = _plan(tmp_path, "cut")
+    calls = []
+
+    def stop_once() -> bool:
+        calls.append(1)
+        return len(calls) == 2  # asked before the first chunk, then after step 1
+
+    with pytest.raises(ExperimentStopped):
+        run_experiment(cut, progress=False, should_stop=stop_once, say=lambda s: None)
+    rec = json.loads((tmp_path / "cut" / RECORD_FILE).read_text())
+    assert rec["runs"]["ict_s0"]["steps_done"] == 1 and rec["runs"]["grpo_s0"]["status"] == "pending"
+    assert rec["invocations"][0]["stopped"] == "stop requested"
+    run_experiment(cut, progress=False, say=lambda s: None)
+    for name in ("ict_s0", "grpo_s0"):
+        a, b = tmp_path / "whole" / "runs" / name, tmp_path / "cut" / "runs" / name
+        ra, rb = read_metrics(a / "metrics.jsonl"), read_metrics(b / "metrics.jsonl")
+        assert [r["step"] for r in ra] == [r["step"] for r in rb] == [0, 1, 2]
+        assert [_keep(r) for r in ra] == [_keep(r) for r in rb]
+        (sa, pa), (sb, pb) = _final_params(a), _final_params(b)
+        assert sa == sb == 3
+        chex.assert_trees_all_equal(pa, pb)
+    # arms of one seed share the rollouts of step 0 (same data, sampler key and initial weights) ...
+    r0 = [read_metrics(tmp_path / "whole" / "runs" / n / "metrics.jsonl")[0] for n in ("ict_s0", "grpo_s0")]
+    assert r0[0]["reward/mean"] == r0[1]["reward/mean"] and r0[0]["response/length_mean"] == r0[1]["response/length_mean"]
+    # ... and ICT trains on a tenth of their tokens, GRPO on all, from nonzero gradients
+    assert r0[0]["mask/selected_frac"] < 0.5 and r0[1]["mask/selected_frac"] == 1.0
+    assert r0[0]["grad/norm"] > 0 and r0[1]["grad/norm"] > 0 and r0[0]["grad/norm"] != r0[1]["grad/norm"]
+    # the record: both runs, their chunks, two invocations of the cut experiment
+    rec = json.loads((tmp_path / "cut" / RECORD_FILE).read_text())
+    assert rec["status"]["complete"] and [len(r["chunks"]) for r in rec["runs"].values()] == [3, 2]
+    assert [len(r["chunks"]) for r in json.loads((tmp_path / "whole" / RECORD_FILE).read_text())["runs"].values()] \
+        == [1, 1]
+    assert [i["stopped"] for i in rec["invocations"]] == ["stop requested", "finished"]
+    assert rec["plan_sha256"] == load_plan(cut).sha256 and rec["plan_git"]["in_git"] is False
+    assert rec["outcomes"][1]["per_arm"]["ict"]["values"]["0"] == pytest.approx(r0[0]["grad/norm"])
+    # the report rebuilt from the record alone is byte-identical (figures included)
+    folder = tmp_path / "cut"
+    before = {f: (folder / f).read_bytes() for f in [REPORT_FILE, *FIGURES]}
+    for f in before:
+        (folder / f).unlink()
+    rebuild_report(cut)
+    assert {f: (folder / f).read_bytes() for f in before} == before
+    assert "ict − grpo" in before[REPORT_FILE].decode()
+    # finished: running it again trains nothing and changes no result
+    run_experiment(cut, progress=False, say=lambda s: None)
+    assert json.loads((folder / RECORD_FILE).read_text())["runs"] == rec["runs"]
+
+
+def test_a_changed_plan_and_a_second_invocation_are_refused(tmp_path):
+    path = _plan(tmp_path, "p")
+    plan = load_plan(path)
+    # a second invocation while one holds the experiment
+    with hold_output_dir(plan.out, "out"):
+        with pytest.raises(OutputInUse, match=r"out '.*' is in use by process \d+"):
+            run_experiment(path, progress=False, say=lambda s: None)
+    # a plan that changed under its experiment (the record of a first run is there)
+    from ict_jax.tools.experiment import _plan_info
+
+    _plan_info(plan, {"in_git": False})
+    path.write_text(path.read_text().replace("steps: 3", "steps: 4"))
+    with pytest.raises(PlanError, match="changed since the experiment .* started"):
+        run_experiment(path, progress=False, say=lambda s: None)
+
+
+def test_an_uncommitted_plan_in_git_is_refused_unless_asked(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    path = repo / "plan.yaml"
+    path.write_text(PLAN.format(config=DEMO, out=tmp_path / "out"))
+    with pytest.raises(PlanError, match="is not committed: commit it before its first result"):
+        run_experiment(path, progress=False, say=lambda s: None)
+    git("add", "plan.yaml")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "plan")
+    path.write_text(path.read_text() + "# a change\n")
+    with pytest.raises(PlanError, match="has uncommitted changes"):
+        run_experiment(path, progress=False, say=lambda s: None)
+    from ict_jax.tools.experiment import check_plan_provenance
+
+    state = check_plan_provenance(load_plan(path), allow_uncommitted=True)
+    assert state["in_git"] and state["committed"] and not state["clean"]
+
+
+def test_the_command_line_refuses_mixed_flags_and_a_report_without_a_record(tmp_path, capsys):
+    path = _plan(tmp_path, "p")
+    assert cli_main(["compare", "--plan", str(path), "--methods", "ict"]) == 2
+    assert "--plan: the plan fixes the runs; --methods cannot be given with it" in capsys.readouterr().err
+    assert cli_main(["compare", "--plan", str(path), "--report"]) == 2
+    assert "no record at" in capsys.readouterr().err
+    assert cli_main(["compare", "--plan", str(path), "--max-hours", "0"]) == 2
+    assert "--max-hours 0.0: expected a positive number" in capsys.readouterr().err
+    assert cli_main(["compare", "--max-hours", "1", "--config", str(DEMO)]) == 2
+    assert "go with --plan" in capsys.readouterr().err
+    bad = _plan(tmp_path, "bad", PLAN.format(config=DEMO, out=tmp_path / "bad").replace("steps: 3", "steps: x"))
+    assert cli_main(["compare", "--plan", str(bad)]) == 2
+    assert "steps: expected an integer >= 1, got 'x'" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
