@@ -246,3 +246,178 @@ def test_position_panels_draw_bins_as_steps_not_lines_between_bins(tmp_path, mon
         assert not ax.get_lines()  # no line joins two bins
         steps = [p for p in ax.patches if isinstance(p, StepPatch)]
         assert len(steps) == 1 and list(steps[0].get_data().edges) == [0, POSITION_BIN, 2 * POSITION_BIN]
+
+
+# ------------------------------------------------------------------------------------------------
+# The advantage diagnostic, plain and with response length controlled (tools.diagnose_advantage)
+# ------------------------------------------------------------------------------------------------
+def _hand_responses():
+    """Three groups: 0 = (u 1, 3; A 1, -1), 1 = (u 2, 2, 5; A -1, -1, 2), 2 = (u 7, 9; A 0, 0: no signal);
+    lengths 10, 20 | 5, 7, 6 | 1, 1."""
+    mean_u = np.array([1.0, 3.0, 2.0, 2.0, 5.0, 7.0, 9.0])
+    adv = np.array([1.0, -1.0, -1.0, -1.0, 2.0, 0.0, 0.0])
+    group = np.array([0, 0, 1, 1, 1, 2, 2])
+    length = np.array([10, 20, 5, 7, 6, 1, 1])
+    return mean_u, adv, group, length
+
+
+def test_average_ranks_share_ties():
+    from scipy.stats import rankdata
+
+    from ict_jax.tools.diagnose_advantage import average_ranks
+
+    np.testing.assert_array_equal(average_ranks([3.0, 1.0, 3.0, 2.0]), [3.5, 1.0, 3.5, 2.0])
+    x = np.random.default_rng(0).integers(0, 5, 40).astype(float)
+    np.testing.assert_array_equal(average_ranks(x), rankdata(x, method="average"))
+
+
+def test_within_group_and_partial_correlation_hand_computed():
+    from ict_jax.tools.diagnose_advantage import within_group_corr
+
+    mean_u, adv, group, length = _hand_responses()
+    everyone = np.ones(7, bool)
+    # group 2 has no signal; demeaned u = (-1, 1 | -1, -1, 2), A = (1, -1 | -1, -1, 2): sum u*A = 4,
+    # sum u^2 = sum A^2 = 8 -> 0.5; the average ranks (2, 4 | 2, 2, 5) and (4, 2 | 2, 2, 5) less 3 are the
+    # same numbers -> 0.5
+    w = within_group_corr(mean_u, adv, group, everyone)
+    assert w["n"] == 5 and w["groups"] == 2 and w["why"] is None
+    np.testing.assert_allclose([w["pearson"], w["spearman"]], [0.5, 0.5], rtol=1e-12)
+    # length demeaned l = (-5, 5 | -1, 1, 0): l.l = 52, l.u = 10, l.A = -10; residuals: r_u.r_A = 4 + 100/52,
+    # |r_u|^2 = |r_A|^2 = 8 - 100/52 -> (4 + 25/13) / (8 - 25/13) = 77/79
+    p = within_group_corr(mean_u, adv, group, everyone, length=length)
+    assert p["n"] == 5 and p["groups"] == 2 and p["length_varies"] and "spearman" not in p
+    np.testing.assert_allclose(p["pearson"], 77 / 79, rtol=1e-12)
+    # finished only: row 3 truncated; group 0 (u -1, 1; A 1, -1), group 1 keeps u 2, 5, A -1, 2
+    # (-1.5, 1.5 each): sum u*A = -2 + 4.5 = 2.5, sum u^2 = sum A^2 = 6.5 -> 5/13; ranks (2, 3, 1, 4),
+    # (3, 2, 1, 4) -> 4 / 5
+    finished = everyone.copy()
+    finished[3] = False
+    f = within_group_corr(mean_u, adv, group, finished, which="finished responses")
+    assert f["n"] == 4 and f["groups"] == 2
+    np.testing.assert_allclose([f["pearson"], f["spearman"]], [5 / 13, 0.8], rtol=1e-12)
+    # a group keeping one finished response, or two with the same advantage, does not count
+    finished[0] = False
+    f = within_group_corr(mean_u, adv, group, finished, which="finished responses")
+    assert f["n"] == 2 and f["groups"] == 1 and f["pearson"] is None  # 1 degree of freedom: always ±1
+    assert f["why"] == "2 finished responses in 1 groups leave 1 degrees of freedom (a correlation needs 2)"
+    finished[4] = False
+    f = within_group_corr(mean_u, adv, group, finished, which="finished responses")
+    assert f["n"] == 0 and f["why"] == "no group had two finished responses with different advantages"
+
+
+def test_partial_correlation_when_length_or_u_does_not_vary():
+    from ict_jax.tools.diagnose_advantage import within_group_corr
+
+    mean_u, adv, group, length = _hand_responses()
+    everyone = np.ones(7, bool)
+    same = np.array([128, 128, 64, 64, 64, 3, 9])  # constant within the groups with a signal: nothing to take out
+    p = within_group_corr(mean_u, adv, group, everyone, length=same)
+    assert not p["length_varies"] and abs(p["pearson"] - 0.5) < 1e-12
+    flat = np.array([0.1, 0.1, 0.3, 0.3, 0.3, 0.0, 1.0])  # mean u the same within every group: rounding only
+    w = within_group_corr(flat, adv, group, everyone)
+    assert w["pearson"] is None and w["why"] == "mean u does not vary within the groups"
+    # u exactly linear in length within groups: nothing of it is left once length is accounted for
+    p = within_group_corr(0.01 * length + 0.5 * group, adv, group, everyone, length=length)
+    assert p["pearson"] is None and p["why"] == "mean u does not vary within the groups once length is accounted for"
+
+
+def _reference_correlations(mean_u, adv, group, length, truncated):
+    """An independent float64 reference: explicit loops over groups, the partial correlation from a
+    regression on one indicator per group and the length (np.linalg.lstsq), scipy's average ranks."""
+    from scipy.stats import rankdata
+
+    def within(keep, control=None):
+        ids = [g for g in sorted(set(group[keep].tolist()))
+               if keep[group == g].sum() >= 2 and len(set(adv[keep & (group == g)].tolist())) > 1]
+        rows = np.array([keep[i] and group[i] in ids for i in range(len(adv))])
+        if control is None:
+            u, a = mean_u[rows].copy(), adv[rows].copy()
+            for g in ids:
+                m = group[rows] == g
+                u[m] -= u[m].mean()
+                a[m] -= a[m].mean()
+            return (np.corrcoef(u, a)[0, 1], np.corrcoef(rankdata(u), rankdata(a))[0, 1], rows.sum(), len(ids))
+        X = np.column_stack([(group[rows] == g).astype(float) for g in ids] + [control[rows].astype(float)])
+        res = [y - X @ np.linalg.lstsq(X, y, rcond=None)[0] for y in (mean_u[rows], adv[rows])]
+        return np.corrcoef(*res)[0, 1], None, rows.sum(), len(ids)
+
+    return {"adv_corr_within": within(np.ones(len(adv), bool)), "adv_corr_finished": within(~truncated),
+            "adv_corr_partial_length": within(np.ones(len(adv), bool), length)}
+
+
+def test_advantage_correlations_match_a_float64_reference():
+    from ict_jax.tools.diagnose import outcome_advantages
+    from ict_jax.tools.diagnose_advantage import advantage_correlations
+
+    rng = np.random.default_rng(3)
+    G, P = 6, 9
+    correct = rng.random(P * G) < 0.4
+    correct[:G] = False  # one group without signal
+    adv = outcome_advantages(correct, G).astype(np.float64)
+    group = np.repeat(np.arange(P), G)
+    length = rng.integers(5, 60, P * G)
+    truncated = rng.random(P * G) < 0.3
+    mean_u = 0.2 + 0.002 * length + 0.05 * correct + 0.1 * rng.random(P * G)
+    got = advantage_correlations(mean_u, adv, group, length, truncated, np.ones(P * G, bool))
+    ref = _reference_correlations(mean_u, adv, group, length, truncated)
+    for key, (pearson, spearman, n, k) in ref.items():
+        c = got[key]
+        assert (c["n"], c["groups"]) == (n, k) and c["why"] is None, key
+        np.testing.assert_allclose(c["pearson"], pearson, rtol=1e-10, err_msg=key)
+        if spearman is not None:
+            np.testing.assert_allclose(c["spearman"], spearman, rtol=1e-10, err_msg=key)
+    assert got["adv_corr_partial_length"]["length_varies"]
+    # the plain correlation is unchanged: over the responses with A != 0, stable-sort ranks
+    nz = adv != 0
+    np.testing.assert_allclose(got["adv_corr"]["pearson"], np.corrcoef(mean_u[nz], adv[nz])[0, 1], rtol=1e-12)
+    assert got["adv_corr"]["n"] == nz.sum() and got["adv_corr"]["why"] is None
+    np.testing.assert_allclose([got["adv_corr"]["mean_u_pos"], got["adv_corr"]["mean_u_neg"]],
+                               [mean_u[adv > 0].mean(), mean_u[adv < 0].mean()], rtol=1e-12)
+
+
+def test_advantage_correlations_say_why_they_are_undefined():
+    from ict_jax.tools.diagnose_advantage import advantage_correlations
+
+    group = np.repeat(np.arange(3), 4)
+    truncated = np.array([1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1], bool)
+    got = advantage_correlations(np.linspace(0, 1, 12), np.zeros(12), group, np.full(12, 128), truncated,
+                                 np.ones(12, bool))
+    assert got["adv_corr"]["why"] == "no group had responses with different advantages (11 of 12 responses truncated)"
+    assert got["adv_corr_within"]["why"] == ("no group had two responses with different advantages (11 of 12 "
+                                             "responses truncated)")
+    assert got["adv_corr_finished"]["why"].startswith("no group had two finished responses with different advantages")
+    assert all(c["pearson"] is None for c in got.values())
+
+
+def test_diagnostics_reports_the_length_controlled_correlations_per_reading():
+    """diagnostics() computes mean u over the valid tokens and length = valid tokens per response, per
+    reading, from the per-token arrays a setting saves."""
+    from ict_jax.tools.diagnose import outcome_advantages
+
+    tok = CharTokenizer()
+    rng = np.random.default_rng(5)
+    G, P, N = 4, 6, 24
+    R = G * P
+    length = rng.integers(3, N + 1, R)
+    valid = np.arange(N)[None] < length[:, None]
+    correct = rng.random(R) < 0.5
+    truncated = length == N
+    forms = ("aligned", "pooled")
+    js = {f: rng.random((R, N)) * (1 + i) for i, f in enumerate(forms)}
+    data = {"tokens": rng.integers(40, 60, (R, N)), "valid": valid, "logp": np.log(rng.random((R, N))),
+            "H1": rng.random((R, N)), "H2": rng.random((R, N)), "pmax": np.ones((R, N)), "truncated": truncated,
+            "js": js, "pbar_tok": {f: np.full((R, N), 0.25) for f in forms},
+            "masks": {"all": valid.copy()}, "reward": correct.astype(float), "correct": correct,
+            "advantage": outcome_advantages(correct, G), "group": np.repeat(np.arange(P), G), "texts": [""] * R,
+            "timing": {"sample_s": 0.0, "stats_s": 0.0, "score_s": 0.0}, "u_forms": forms, "group_size": G,
+            "selector_forms": {"all": "aligned"}}
+    d = diagnostics(data, tok)
+    assert d["truncated"] == int(truncated.sum())
+    adv = np.asarray(data["advantage"], np.float64)
+    for f in forms:
+        mean_u = np.array([js[f][i, :length[i]].mean() for i in range(R)])
+        ref = _reference_correlations(mean_u, adv, data["group"], length, truncated)
+        for key, (pearson, _, n, k) in ref.items():
+            c = d["readings"][f][key]
+            assert (c["n"], c["groups"]) == (n, k), (f, key)
+            np.testing.assert_allclose(c["pearson"], pearson, rtol=1e-9, err_msg=f"{f} {key}")
