@@ -4,7 +4,7 @@ float64 NumPy, plain and with response length controlled (:mod:`ict_jax.tools.di
 
 Each response contributes one point: its mean u over its valid tokens and its advantage A. A long
 response differs from a short one in its outcome (a truncated response has no answer) and in its mean u
-(u falls along a response), so a plain correlation over responses can be length alone. The measures:
+(u depends on the position in a response), so a plain correlation over responses can be length alone. The measures:
 
 - ``adv_corr``: Pearson and Spearman over the responses with A ≠ 0, the plain correlation
   (ranks by a stable sort: tied values get consecutive ranks in row order);
@@ -21,10 +21,11 @@ response differs from a short one in its outcome (a truncated response has no an
   within any group (``length_varies`` false, e.g. every response truncated) nothing is residualised and
   it equals ``adv_corr_within``'s Pearson.
 
-Each reports ``n`` (responses) and ``groups`` beside it. A correlation is None, with the reason in
-``why``, when no group counts, when too few degrees of freedom are left (fewer than 2: n - groups, less
-one more with the length residualised; 1 left makes any correlation ±1), or when a variable does not
-vary within the groups.
+Each reports ``n`` (responses) and ``groups`` beside it (the plain one ``n`` only). A correlation is
+None, with the reason in ``why`` (None when defined), when no group counts, when too few degrees of
+freedom are left (fewer than 2: n - groups, one less with the length residualised; 1 left makes any
+correlation ±1), or when a variable does not vary within the groups (the plain one: fewer than 3
+responses, or no variation).
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ def signal_rows(adv: np.ndarray, group: np.ndarray, keep: np.ndarray) -> np.ndar
     return out
 
 
+def _count(n: int, plural: str) -> str:
+    """``n`` things, singular for 1 ("1 group", "1 finished response", "1 degree of freedom")."""
+    if n != 1:
+        return f"{n} {plural}"
+    return f"1 {plural.replace('degrees', 'degree').replace('responses', 'response').replace('groups', 'group')}"
+
+
 def _varies(residual: np.ndarray, original: np.ndarray) -> bool:
     """Whether ``residual`` is more than rounding noise of ``original``."""
     scale = float(np.linalg.norm(original))
@@ -106,8 +114,8 @@ def within_group_corr(mean_u: np.ndarray, adv: np.ndarray, group: np.ndarray, ke
             out["length_varies"] = True
     given = " once length is accounted for" if out.get("length_varies") else ""
     if dof < 2:
-        return out | {"why": f"{n} {which} in {k} groups leave {dof} degrees of freedom{given} (a correlation "
-                             "needs 2)"}
+        return out | {"why": f"{_count(n, which)} in {_count(k, 'groups')} leave {_count(dof, 'degrees of freedom')}"
+                             f"{given} (a correlation needs 2)"}
     if not _varies(u, u_raw):
         return out | {"why": f"mean u does not vary within the groups{given}"}
     if not _varies(a, a_raw):
@@ -123,17 +131,11 @@ def _plain_corr(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
     n = len(x)
     if n < 3 or np.std(x) == 0 or np.std(y) == 0:
         why = ("no group had responses with different advantages" if n == 0 else
-               f"{n} responses with A ≠ 0 (a correlation needs 3)" if n < 3 else "mean u or A does not vary")
+               f"{_count(n, 'responses')} with A ≠ 0 (a correlation needs 3)" if n < 3 else
+               "mean u or A does not vary")
         return {"pearson": None, "spearman": None, "n": n, "why": why}
     rank = lambda a: np.argsort(np.argsort(a, kind="stable"), kind="stable").astype(np.float64)  # noqa: E731
     return {"pearson": _pearson(x, y), "spearman": _pearson(rank(x), rank(y)), "n": n, "why": None}
-
-
-def _with_truncation(c: dict[str, Any], truncated: int, responses: int) -> dict[str, Any]:
-    """``c`` with the truncated responses counted in its ``why`` (a truncated response has no answer)."""
-    if c["why"] is None:
-        return c
-    return c | {"why": f"{c['why']} ({truncated} of {responses} responses truncated)"}
 
 
 def advantage_correlations(mean_u: np.ndarray, adv: np.ndarray, group: np.ndarray, length: np.ndarray,
@@ -146,7 +148,6 @@ def advantage_correlations(mean_u: np.ndarray, adv: np.ndarray, group: np.ndarra
     mean_u, adv = np.asarray(mean_u, np.float64), np.asarray(adv, np.float64)
     responded = np.asarray(responded, bool)
     finished = responded & ~np.asarray(truncated, bool)
-    n_trunc, n_resp = int((responded & ~finished).sum()), int(responded.sum())
     informative = responded & (adv != 0)
     pos, neg = responded & (adv > 0), responded & (adv < 0)
     plain = _plain_corr(mean_u[informative], adv[informative]) | {
@@ -155,6 +156,5 @@ def advantage_correlations(mean_u: np.ndarray, adv: np.ndarray, group: np.ndarra
     within = within_group_corr(mean_u, adv, group, responded)
     fin = within_group_corr(mean_u, adv, group, finished, which="finished responses")
     partial = within_group_corr(mean_u, adv, group, responded, length=length)
-    return {key: _with_truncation(c, n_trunc, n_resp) for key, c in (
-        ("adv_corr", plain), ("adv_corr_within", within), ("adv_corr_finished", fin),
-        ("adv_corr_partial_length", partial))}
+    return {"adv_corr": plain, "adv_corr_within": within, "adv_corr_finished": fin,
+            "adv_corr_partial_length": partial}
