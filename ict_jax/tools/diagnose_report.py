@@ -1,5 +1,7 @@
-"""The report of ``ict-jax diagnose``: a Markdown table per setting with the paper's column beside every
-reading of u, and one figure per setting (sorted-u curves, u and selection against position).
+"""The report of ``ict-jax diagnose``: a summary table over settings (p(o_t) with Q(o_t) beside it), then per
+setting a Markdown table with the paper's column beside every reading of u, the advantage diagnostic
+(plain, within groups, finished only, partial on length, n beside each), every selector; a cell that
+cannot be computed says why. One figure per setting (sorted-u curves, u and selection against position).
 
 Reads the plain dict that :func:`ict_jax.tools.diagnose.run_diagnose` builds (also ``diagnose.json``), so
 a report can be rebuilt from the JSON alone: ``format_markdown(json.load(open("diagnose.json")))``.
@@ -261,8 +263,9 @@ def _summary_notes(results: Mapping[str, Any]) -> list[str]:
 
 
 def format_markdown(results: Mapping[str, Any]) -> str:
-    """The report: per setting, ICT's selected tokens under every reading beside the paper's numbers,
-    then every other selector, then two responses with ICT's tokens in brackets."""
+    """The report: the summary over settings and its notes (Q(o_t), why a cell is n/a), then per setting
+    ICT's selected tokens under every reading beside the paper's numbers, the advantage diagnostic, every
+    other selector, and two responses with ICT's tokens in brackets."""
     forms = list(results["u_forms"])
     paper = results["paper"]
     intro = (f"Data {results['dataset']}, {results['prompts']} prompts, up to {results['max_new_tokens']} new "
