@@ -59,7 +59,7 @@ def group_demeaned(x: np.ndarray, group: np.ndarray) -> np.ndarray:
 
 def signal_rows(adv: np.ndarray, group: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """bool ``[R]``: the kept rows of the groups whose kept rows are at least 2 with different advantages."""
-    adv, keep = np.asarray(adv, np.float64), np.asarray(keep, bool)
+    adv, group, keep = np.asarray(adv, np.float64), np.asarray(group), np.asarray(keep, bool)
     out = np.zeros(len(adv), bool)
     for g in np.unique(group[keep]):
         m = keep & (group == g)
@@ -96,10 +96,11 @@ def within_group_corr(mean_u: np.ndarray, adv: np.ndarray, group: np.ndarray, ke
     a signal (:func:`signal_rows`): ``{"pearson", "spearman", "n", "groups", "why"}``; with ``length``
     the partial correlation given it (Pearson only: ``{"pearson", "n", "groups", "length_varies", "why"}``).
     ``which`` names the kept rows in ``why`` ("responses", "finished responses")."""
+    group = np.asarray(group)
     rows = signal_rows(adv, group, keep)
     n, k = int(rows.sum()), int(len(np.unique(group[rows])))
-    out: dict[str, Any] = {"pearson": None} | ({} if length is not None else {"spearman": None})
-    out |= {"n": n, "groups": k} | ({"length_varies": False} if length is not None else {}) | {"why": None}
+    out: dict[str, Any] = {"pearson": None, "n": n, "groups": k, "why": None}
+    out |= {"spearman": None} if length is None else {"length_varies": False}
     if k == 0:
         return out | {"why": f"no group had two {which} with different advantages"}
     g = group[rows]
