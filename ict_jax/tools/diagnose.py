@@ -8,7 +8,8 @@ entry point :func:`ict_jax.rl.selectors.select`, one sampling batch being the mi
 :func:`ict_jax.tools.diagnose_measures.diagnostics` then computes, in float64 NumPy, the paper's
 diagnostics of the selected tokens (docs/method.md §5): sorted-u curves and their elbow, p(o_t), its
 purity and max_v p, Q(o_t), the high/low-entropy ratio, the most frequent selected and unselected and
-the forking tokens, u against position, and corr(mean u, advantage).
+the forking tokens, u against position, and corr(mean u, advantage): plain, within groups, over finished
+responses and given the response length (:mod:`ict_jax.tools.diagnose_advantage`).
 
 :func:`run_diagnose` does every setting and writes ``diagnose.json``, the Markdown report and the plots
 (:mod:`ict_jax.tools.diagnose_report`).

@@ -7,7 +7,9 @@
 - :func:`diagnostics`: per selector, p(o_t), the purity beta = sum_v p^2 = exp(-H2) and max_v p of the
   selected tokens (mean, median, sd), Q(o_t), the high/low-entropy ratio (median and top-20 % of H1),
   the most frequent selected and unselected tokens, the forking tokens selected
-  (:func:`fork_positions`), u against position, and corr(a response's mean u, its advantage).
+  (:func:`fork_positions`), u against position, and the correlation of a response's mean u with its
+  advantage, plain, within groups, over finished responses and given the response length
+  (:func:`ict_jax.tools.diagnose_advantage.advantage_correlations`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 import numpy as np
 
 from ict_jax.rl.saturation import CEILING_FRACTION, u_ceiling
+from ict_jax.tools.diagnose_advantage import advantage_correlations
 
 #: :func:`~ict_jax.rl.saturation.u_ceiling` compiled once per shape and reading (not op by op)
 _u_ceiling = jax.jit(u_ceiling, static_argnames=("group_size", "u_form"))
@@ -138,16 +141,6 @@ def _ratio(hi: int, lo: int) -> float | None:
     return hi / lo if lo else None
 
 
-def _corr(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
-    """Pearson and Spearman correlation (None with fewer than 3 points or no variance)."""
-    n = len(x)
-    if n < 3 or np.std(x) == 0 or np.std(y) == 0:
-        return {"pearson": None, "spearman": None, "n": n}
-    rank = lambda a: np.argsort(np.argsort(a, kind="stable"), kind="stable").astype(np.float64)  # noqa: E731
-    return {"pearson": float(np.corrcoef(x, y)[0, 1]), "spearman": float(np.corrcoef(rank(x), rank(y))[0, 1]),
-            "n": n}
-
-
 def _u_summary(u: np.ndarray, valid: np.ndarray, ceiling: np.ndarray) -> dict[str, Any]:
     """u over the valid tokens: its summary, p90, max, the share at 0, and ``u_at_ceiling``: the share of
     valid tokens within 5 % of the reading's largest u there (``rl.saturation``)."""
@@ -184,22 +177,20 @@ def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
         return out
 
     groups = np.asarray(data["group"])
+    truncated = np.asarray(data["truncated"], bool)
+    length = valid.sum(1)
+    responded = length > 0
     readings = {}
     for form in data["u_forms"]:
         u = np.asarray(data["js"][form], np.float64)
         # the largest u the reading allows at each token (rows prompt-major, G a prompt: rl.saturation)
         ceiling = np.asarray(_u_ceiling(valid, int(data["group_size"]), form), np.float64)
-        rows = valid.any(1)
-        mean_u = np.where(rows, (u * valid).sum(1) / np.maximum(valid.sum(1), 1), 0.0)
-        informative = rows & (adv != 0)  # groups whose rewards differ: A != 0
+        mean_u = np.where(responded, (u * valid).sum(1) / np.maximum(length, 1), 0.0)
         readings[form] = {
             "u": _u_summary(u, valid, ceiling),
             "sorted_u": sorted_u_curve(u, valid),
             "u_by_position": by_position(u, valid),
-            "adv_corr": _corr(mean_u[informative], adv[informative])
-            | {"mean_u_pos": float(mean_u[rows & (adv > 0)].mean()) if (rows & (adv > 0)).any() else None,
-               "mean_u_neg": float(mean_u[rows & (adv < 0)].mean()) if (rows & (adv < 0)).any() else None},
-        }
+        } | advantage_correlations(mean_u, adv, groups, length, truncated, responded)
     selectors = {}
     for name, sel in data["masks"].items():
         sel = np.asarray(sel, bool) & valid
@@ -228,7 +219,7 @@ def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
     n_resp = int(valid.any(1).sum())
     return {
         "responses": n_resp, "valid_tokens": int(valid.sum()), "length_mean": float(valid.sum(1).mean()),
-        "truncated_frac": float(np.asarray(data["truncated"]).mean()),
+        "truncated_frac": float(np.asarray(data["truncated"]).mean()), "truncated": int(truncated.sum()),
         "accuracy": float(np.asarray(data["correct"]).mean()), "reward_mean": float(np.asarray(data["reward"]).mean()),
         "groups_with_signal": int(sum(np.any(adv[groups == g] != 0) for g in np.unique(groups))),
         "groups": int(len(np.unique(groups))),

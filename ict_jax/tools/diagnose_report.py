@@ -1,5 +1,7 @@
-"""The report of ``ict-jax diagnose``: a Markdown table per setting with the paper's column beside every
-reading of u, and one figure per setting (sorted-u curves, u and selection against position).
+"""The report of ``ict-jax diagnose``: a summary table over settings (p(o_t) with Q(o_t) beside it), then per
+setting a Markdown table with the paper's column beside every reading of u, the advantage diagnostic
+(plain, within groups, finished only, partial on length, n beside each), every selector; a cell that
+cannot be computed says why. One figure per setting (sorted-u curves, u and selection against position).
 
 Reads the plain dict that :func:`ict_jax.tools.diagnose.run_diagnose` builds (also ``diagnose.json``), so
 a report can be rebuilt from the JSON alone: ``format_markdown(json.load(open("diagnose.json")))``.
@@ -20,10 +22,10 @@ def _num(x: Any, fmt: str = ".3f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
-def _msd(s: Mapping[str, Any] | None) -> str:
-    """``mean ± sd (median m)``."""
+def _msd(s: Mapping[str, Any] | None, none: str = "no token selected") -> str:
+    """``mean ± sd (median m)``; ``n/a (none)`` without tokens."""
     if not s or s.get("mean") is None:
-        return "n/a"
+        return f"n/a ({none})"
     return f"{s['mean']:.3f} ± {s['sd']:.3f} (med {s['median']:.3f})"
 
 
@@ -36,10 +38,41 @@ def _tokens(items: list, k: int = 8) -> str:
     return " ".join(f"{_tok(t)}×{c}" for t, c, _ in items[:k]) or "none"
 
 
-def _corr(c: Mapping[str, Any]) -> str:
+def _corr(c: Mapping[str, Any], d: Mapping[str, Any]) -> str:
+    """The plain corr(mean u, A): ``Pearson / Spearman (n responses)``, or n/a and why."""
     if c.get("pearson") is None:
-        return f"n/a ({c.get('n', 0)} responses with A ≠ 0)"
+        return f"n/a: {_adv_why(c, d)}"
     return f"{c['pearson']:+.2f} / {c['spearman']:+.2f} ({c['n']} responses)"
+
+
+def _adv_why(c: Mapping[str, Any], d: Mapping[str, Any]) -> str:
+    """Why an advantage correlation is undefined (its ``why``; from the setting's counts in a diagnose.json
+    whose correlations carry none), and how many responses were truncated (no answer) when any were or
+    nothing was left to correlate."""
+    truncated = d.get("truncated", round(d["truncated_frac"] * d["responses"]))
+    why = c.get("why") or ("no group had responses with different advantages" if d.get("groups_with_signal") == 0
+                           else f"{c.get('n', 0)} responses with A ≠ 0")
+    return why + (f" ({truncated} of {d['responses']} responses truncated)" if truncated or not c.get("n") else "")
+
+
+def _h_ratio(ratio: float | None, counts: list[int]) -> str:
+    """The high/low-entropy ratio; n/a with the counts when no selected token is at or below the threshold."""
+    if ratio is None:
+        return f"n/a ({counts[0]}:0, none selected at or below)"
+    return f"{ratio:.2f}"
+
+
+def _tie(s: Mapping[str, Any]) -> str:
+    """A top-k selector's tie share; n/a and why."""
+    if s.get("tie_share") is not None:
+        return f"{s['tie_share']:.2f}"
+    return "n/a (no token selected)" if not s["selected"] else "n/a (arrays saved without the tie record)"
+
+
+def _mean_u_by_sign(c: Mapping[str, Any]) -> str:
+    pos, neg = c.get("mean_u_pos"), c.get("mean_u_neg")
+    return (f"{_num(pos) if pos is not None else 'none with A > 0'} / "
+            f"{_num(neg) if neg is not None else 'none with A < 0'}")
 
 
 def _ict_table(d: Mapping[str, Any], paper: Mapping[str, Any], forms: list[str]) -> list[str]:
@@ -54,27 +87,26 @@ def _ict_table(d: Mapping[str, Any], paper: Mapping[str, Any], forms: list[str])
         ["max_v p mean ± sd (median)", "(or this)"] + [_msd(sel[c]["pmax"]) for c in cols],
         ["Q(o_t): the compared distribution's mass on o_t", "(or this)"] + [_msd(sel[c]["qtok"]) for c in cols],
         ["high/low-entropy ratio (median of H1)", " / ".join(map(str, paper["h_ratio_median"]))]
-        + [_num(sel[c]["h_ratio_median"], ".2f") for c in cols],
-        ["high/low-entropy ratio (top-20 % of H1); share in top 20 %", "n/a (0.25; 0.20 if entropy-blind)"]
-        + [f"{_num(sel[c]['h_ratio_top20'], '.2f')}; {sel[c]['top20_share']:.2f}" for c in cols],
+        + [_h_ratio(sel[c]["h_ratio_median"], sel[c]["h_counts_median"]) for c in cols],
+        ["high/low-entropy ratio (top-20 % of H1); share in top 20 %", "not given (0.25; 0.20 if entropy-blind)"]
+        + [f"{_h_ratio(sel[c]['h_ratio_top20'], sel[c]['h_counts_top20'])}; {sel[c]['top20_share']:.2f}"
+           for c in cols],
         ["sorted u: elbow E (slope 2-10 % / 10-30 %; 1 = straight) · knee", paper["elbow"]]
         + [_elbow(rd[f]["sorted_u"]) for f in forms] + ["", ""],
         ["u: mean · p90 · max · share u = 0 · share at its ceiling (u_at_ceiling)", ""]
         + [f"{_num(rd[f]['u']['mean'])} · {_num(rd[f]['u']['p90'])} · {_num(rd[f]['u']['max'])} · "
            f"{_num(rd[f]['u']['zero_share'], '.2f')} · {_num(rd[f]['u'].get('u_at_ceiling'), '.2f')}" for f in forms]
         + ["", ""],
-        ["selected tokens decided by the tie rule (share)", "n/a"]
-        + [_num(sel[c].get("tie_share"), ".2f") if c.startswith("ict[") else "" for c in cols],
+        ["selected tokens decided by the tie rule (share)", "not given"]
+        + [_tie(sel[c]) if c.startswith("ict[") else "" for c in cols],
         ["mean u by position (bins of 16 tokens, every other bin)", ""]
         + [" ".join(_num(x, ".2f") for x in rd[f]["u_by_position"][::2]) for f in forms] + ["", ""],
-        ["selected share by position (same bins)", "n/a"]
+        ["selected share by position (same bins)", "not given"]
         + [" ".join(_num(x, ".2f") for x in sel[c]["selected_by_position"][::2]) for c in cols],
         ["corr(response mean u, A): Pearson / Spearman", paper["adv_corr"]]
-        + [_corr(rd[f]["adv_corr"]) for f in forms] + ["", ""],
-        ["mean u of A > 0 / A < 0 responses", ""]
-        + [f"{_num(rd[f]['adv_corr']['mean_u_pos'])} / {_num(rd[f]['adv_corr']['mean_u_neg'])}" for f in forms]
-        + ["", ""],
-        ["forking tokens selected", "n/a"] + [f"{sel[c]['forks_selected']} of {sel[c]['forks']}" for c in cols],
+        + [_corr(rd[f]["adv_corr"], d) for f in forms] + ["", ""],
+        ["mean u of A > 0 / A < 0 responses", ""] + [_mean_u_by_sign(rd[f]["adv_corr"]) for f in forms] + ["", ""],
+        ["forking tokens selected", "not given"] + [f"{sel[c]['forks_selected']} of {sel[c]['forks']}" for c in cols],
         ["selected tokens (% of valid)", "10 %"] + [f"{sel[c]['selected']} ({100 * sel[c]['selected_frac']:.1f} %)"
                                                    for c in cols],
         ["most frequent selected", "content words (\"remainder\", \"duck\", \"seventh\")"]
@@ -86,9 +118,14 @@ def _ict_table(d: Mapping[str, Any], paper: Mapping[str, Any], forms: list[str])
 
 def _elbow(s: Mapping[str, Any]) -> str:
     if s.get("E") is None:
-        return f"n/a ({s.get('responses', 0)} responses of >= 20 tokens)"
-    return (f"E {s['E']:.2f} (per response med {_num(s['E_response_median'], '.2f')}) · knee {_num(s['knee'], '.2f')} "
+        n = s.get("responses", 0)
+        return f"n/a ({f'u = 0 in all {n} responses of >= 20 tokens' if n else 'no response of >= 20 tokens'})"
+    return (f"E {s['E']:.2f} (per response med {_num(s['E_response_median'], '.2f')}) · knee {_knee(s['knee'])} "
             f"({s['responses']} responses)")
+
+
+def _knee(knee: float | None) -> str:
+    return "none (never below its chord)" if knee is None else f"{knee:.2f}"
 
 
 def _table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -114,8 +151,44 @@ def _others_table(d: Mapping[str, Any], forms: list[str]) -> list[str]:
 
 def _ms(stat: Mapping[str, Any] | None) -> str:
     if not stat or stat.get("mean") is None:
-        return "n/a"
+        return "n/a (none selected)"
     return f"{stat['mean']:.2f} ± {stat['sd']:.2f}"
+
+
+#: The advantage measures of a reading (ict_jax.tools.diagnose_advantage) and their columns in the report.
+ADVANTAGE_COLUMNS = {"adv_corr_within": "within group", "adv_corr_finished": "finished only",
+                     "adv_corr_partial_length": "partial on length"}
+
+
+def _adv_cell(c: Mapping[str, Any]) -> str:
+    """``Pearson / Spearman (n in k groups)``; Pearson alone for the partial correlation, n alone for the
+    plain correlation (no groups)."""
+    n = f"{c['n']}" + (f" in {c['groups']} groups" if "groups" in c else "")
+    if c["pearson"] is None:
+        return f"n/a ({n})"
+    r = f"{c['pearson']:+.2f}" + (f" / {c['spearman']:+.2f}" if "spearman" in c else "")
+    return f"{r} ({n}{'' if c.get('length_varies', True) else '; length constant within groups'})"
+
+
+def _advantage_table(d: Mapping[str, Any], forms: list[str]) -> list[str]:
+    """Per reading: corr(mean u, A) within groups, over finished responses, and given the response length
+    (n beside each), then why a cell is n/a (each reason once, with the readings it holds for)."""
+    rd = d["readings"]
+    if any(key not in rd[f] for f in forms for key in ADVANTAGE_COLUMNS):
+        return ["Not in this diagnose.json: `ict-jax diagnose --reanalyse --out DIR` computes it from the saved "
+                "per-token arrays."]
+    head = ["reading", "all responses with A ≠ 0: Pearson / Spearman (n)"] + [
+        f"{col}: Pearson{' / Spearman' if key != 'adv_corr_partial_length' else ''} (n)"
+        for key, col in ADVANTAGE_COLUMNS.items()]
+    rows = [[f] + [_adv_cell(rd[f][key]) for key in ("adv_corr", *ADVANTAGE_COLUMNS)] for f in forms]
+    why: dict[tuple[str, str], list[str]] = {}
+    for f in forms:
+        for key, col in {"adv_corr": "all responses", **ADVANTAGE_COLUMNS}.items():
+            c = rd[f][key]
+            if c.get("pearson") is None:
+                why.setdefault((col, _adv_why(c, d)), []).append(f)
+    notes = [f"- n/a, {col} ({', '.join(fs)}): {reason}." for (col, reason), fs in why.items()]
+    return _table(head, rows) + ([""] + notes if notes else [])
 
 
 def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
@@ -123,7 +196,7 @@ def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
     (mean ± sd over tokens), then the random 10 % and all tokens as references."""
     forms = list(results["u_forms"])
     paper = results["paper"]
-    head = ["setting", "selection", "p(o_t)", "β = Σ p²", "max p", "Q(o_t)", "H-ratio (median)", "top-20 % share",
+    head = ["setting", "selection", "p(o_t)", "Q(o_t)", "β = Σ p²", "max p", "H-ratio (median)", "top-20 % share",
             "elbow E · knee", "u at ceiling · tie share", "forks selected", "corr(mean u, A)", "most frequent selected"]
     rows = [[label or "paper", "ICT (Qwen2.5, GSM8K / MATH)", f"{paper['p_mean']} ± {paper['p_sd']}", "?", "?", "?",
              " / ".join(map(str, paper["h_ratio_median"])), "", "sharp, near 10 %", "?", "", "positive",
@@ -137,9 +210,10 @@ def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
             corr = rd[form]["adv_corr"] if form else None
             rows.append([
                 name, f"ICT, u {form}" if form else ("random 10 %" if c == "random" else "all tokens"),
-                _ms(s["p"]), _ms(s["beta"]), _ms(s["pmax"]), _ms(s["qtok"]),
-                _num(s["h_ratio_median"], ".2f"), f"{s['top20_share']:.2f}",
-                (f"{_num(el['E'], '.2f')} · {_num(el['knee'], '.2f')}" if el else ""),
+                _ms(s["p"]), _ms(s["qtok"]), _ms(s["beta"]), _ms(s["pmax"]),
+                _h_ratio(s["h_ratio_median"], s["h_counts_median"]), f"{s['top20_share']:.2f}",
+                (f"{_num(el['E'], '.2f')} · {'none' if el['knee'] is None else format(el['knee'], '.2f')}"
+                 if el else ""),
                 (f"{_num(rd[form]['u'].get('u_at_ceiling'), '.2f')} · {_num(s.get('tie_share'), '.2f')}"
                  if form else ""),
                 f"{s['forks_selected']}/{s['forks']}",
@@ -148,9 +222,50 @@ def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
     return _table(head, rows)
 
 
+#: What the advantage table of a setting shows (ict_jax.tools.diagnose_advantage).
+ADVANTAGE_INTRO = (
+    "A point is a response: its mean u over its valid tokens and its advantage A (from correctness). All "
+    "responses: over the responses with A ≠ 0. Within group: both less their group's mean, over the groups with "
+    "two responses whose A differ. Finished only: the same over the responses that were not truncated (a group "
+    "counts with two finished responses whose A differ). Partial on length: the within-group mean u and A each "
+    "less their least-squares fit on the within-group length (valid tokens), then correlated. n: responses "
+    "(in groups).")
+
+
+def _summary_notes(results: Mapping[str, Any]) -> list[str]:
+    """Under the summary table: why Q(o_t) cannot tell the selections apart, and why a cell is n/a."""
+    gs = sorted({int(d["setting"]["group_size"]) for d in results["settings"].values()})
+    inv = ", ".join(f"{1 / g:.3f} at G = {g}" for g in gs)
+    out = ["Q(o_t) sits beside p(o_t) because the paper's 0.18 ± 0.09 may be either. It cannot tell the "
+           "selections apart: once a group's responses have diverged, the other responses put little mass on a "
+           "response's own token at its position, so Q(o_t) is about the response's own p(o_t) / G, about 1/G for a "
+           "confident model" + (f" ({inv})" if inv else "") + ", under `aligned` and `literal` for every selector, "
+           "the random 10 % included (`aligned` divides by the responses still running: a little more late in a "
+           "response); under `loo` (the response itself left out) and `pooled` (the group's mass spread over all "
+           "its positions) it is about 0 for every selector."]
+    notes = []
+    for name, d in results["settings"].items():
+        forms = [f for f in results["u_forms"] if d["readings"][f]["adv_corr"].get("pearson") is None]
+        if forms:
+            notes.append(f"- corr(mean u, A) n/a, {name} ({', '.join(forms)}): "
+                         f"{_adv_why(d['readings'][forms[0]]['adv_corr'], d)}.")
+    if any(s["h_ratio_median"] is None for d in results["settings"].values() for s in d["selectors"].values()):
+        notes.append("- H-ratio n/a (h:0): none of the selected tokens has H1 at or below the median (h above it).")
+    readings = [r for d in results["settings"].values() for r in d["readings"].values()]
+    if any(r["sorted_u"].get("E") is None for r in readings):
+        notes.append("- elbow E n/a: no response has 20 tokens or more, or u is 0 throughout every one that has.")
+    if any(r["sorted_u"].get("E") is not None and r["sorted_u"].get("knee") is None for r in readings):
+        notes.append("- knee none: the mean sorted-u curve is nowhere below its chord (no elbow).")
+    if any(s.get("tie_share") is None for d in results["settings"].values()
+           for n, s in d["selectors"].items() if n.startswith("ict[")):
+        notes.append("- tie share n/a: no token selected, or per-token arrays saved without the tie record.")
+    return out + ([""] + notes if notes else [])
+
+
 def format_markdown(results: Mapping[str, Any]) -> str:
-    """The report: per setting, ICT's selected tokens under every reading beside the paper's numbers,
-    then every other selector, then two responses with ICT's tokens in brackets."""
+    """The report: the summary over settings and its notes (Q(o_t), why a cell is n/a), then per setting
+    ICT's selected tokens under every reading beside the paper's numbers, the advantage diagnostic, every
+    other selector, and two responses with ICT's tokens in brackets."""
     forms = list(results["u_forms"])
     paper = results["paper"]
     intro = (f"Data {results['dataset']}, {results['prompts']} prompts, up to {results['max_new_tokens']} new "
@@ -163,7 +278,7 @@ def format_markdown(results: Mapping[str, Any]) -> str:
     out = [f"# Token diagnostics{': ' + results['title'] if results.get('title') else ''}", "", intro, "",
            "## Summary (mean ± sd over the selected tokens)", ""]
     out += format_summary(results)
-    out.append("")
+    out += [""] + _summary_notes(results) + [""]
     for name, d in results["settings"].items():
         t = d["timing"]
         head = (f"{d['groups']} prompts x G = {d['setting']['group_size']} at T = {d['setting']['temperature']}: "
@@ -175,6 +290,9 @@ def format_markdown(results: Mapping[str, Any]) -> str:
         out += [f"## {name}", "", head, "",
                 "### ICT's selected tokens, by reading of u", ""]
         out += _ict_table(d, paper, forms)
+        out += ["", "### The advantage diagnostic: corr(response mean u, A), length controlled", "",
+                ADVANTAGE_INTRO, ""]
+        out += _advantage_table(d, forms)
         out += ["", "### Every selector", ""]
         out += _others_table(d, forms)
         out += ["", f"### Two responses, ICT's tokens (u {forms[0]}) in brackets", ""]

@@ -147,10 +147,31 @@ def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch
     md = (tmp_path / "diagnose.md").read_text()
     assert "paper (Qwen2.5, GSM8K / MATH)" in md and "## G2_T1" in md
     assert (tmp_path / "G2_T1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for form in U_FORMS:  # the advantage diagnostic, plain and length controlled, per reading
+        for key in ("adv_corr", "adv_corr_within", "adv_corr_finished", "adv_corr_partial_length"):
+            c = d["readings"][form][key]
+            assert (c["pearson"] is None) == (c["why"] is not None), (form, key)
+    assert "### The advantage diagnostic" in md and "| p(o_t) | Q(o_t) |" in md
+    # the saved arrays are the ones reanalyse has always read: a .npz saved before the length-controlled
+    # correlations existed is the same file, and a diagnose.json without them gains them
+    z = np.load(tmp_path / "G2_T1.npz")
+    specs = selector_specs(U_FORMS)
+    assert set(z.files) == ({"tokens", "valid", "logp", "H1", "H2", "pmax", "truncated", "reward", "correct",
+                             "advantage", "group"} | {f"{k}.{f}" for k in ("js", "pbar_tok") for f in U_FORMS}
+                            | {f"masks.{n}" for n in specs}
+                            | {f"ties.{n}" for n in specs if n.startswith("ict[") or n == "entropy"})
+    old = json.loads((tmp_path / "diagnose.json").read_text())
+    for r in old["settings"]["G2_T1"]["readings"].values():
+        for key in ("adv_corr_within", "adv_corr_finished", "adv_corr_partial_length"):
+            del r[key]
+        del r["adv_corr"]["why"]
+    (tmp_path / "diagnose.json").write_text(json.dumps(old))
+    assert "Not in this diagnose.json" in format_markdown(old)
     # the report rebuilt from the saved arrays, without sampling, gives the same diagnostics
     again = reanalyse(tmp_path, tok)["settings"]["G2_T1"]
     for key in ("valid_tokens", "accuracy", "readings", "selectors"):
         assert json.dumps(again[key], sort_keys=True) == json.dumps(d[key], sort_keys=True), key
+    assert "Not in this diagnose.json" not in (tmp_path / "diagnose.md").read_text()
 
     # `ict-jax diagnose --reanalyse` loads the tokenizer only (it loaded the whole model: 30 s and 4.6 GB
     # for the 1.5B) and needs no --prompts
@@ -246,3 +267,305 @@ def test_position_panels_draw_bins_as_steps_not_lines_between_bins(tmp_path, mon
         assert not ax.get_lines()  # no line joins two bins
         steps = [p for p in ax.patches if isinstance(p, StepPatch)]
         assert len(steps) == 1 and list(steps[0].get_data().edges) == [0, POSITION_BIN, 2 * POSITION_BIN]
+
+
+# ------------------------------------------------------------------------------------------------
+# The advantage diagnostic, plain and with response length controlled (tools.diagnose_advantage)
+# ------------------------------------------------------------------------------------------------
+def _hand_responses():
+    """Three groups: 0 = (u 1, 3; A 1, -1), 1 = (u 2, 2, 5; A -1, -1, 2), 2 = (u 7, 9; A 0, 0: no signal);
+    lengths 10, 20 | 5, 7, 6 | 1, 1."""
+    mean_u = np.array([1.0, 3.0, 2.0, 2.0, 5.0, 7.0, 9.0])
+    adv = np.array([1.0, -1.0, -1.0, -1.0, 2.0, 0.0, 0.0])
+    group = np.array([0, 0, 1, 1, 1, 2, 2])
+    length = np.array([10, 20, 5, 7, 6, 1, 1])
+    return mean_u, adv, group, length
+
+
+def test_average_ranks_share_ties():
+    from scipy.stats import rankdata
+
+    from ict_jax.tools.diagnose_advantage import average_ranks
+
+    np.testing.assert_array_equal(average_ranks([3.0, 1.0, 3.0, 2.0]), [3.5, 1.0, 3.5, 2.0])
+    x = np.random.default_rng(0).integers(0, 5, 40).astype(float)
+    np.testing.assert_array_equal(average_ranks(x), rankdata(x, method="average"))
+
+
+def test_within_group_and_partial_correlation_hand_computed():
+    from ict_jax.tools.diagnose_advantage import within_group_corr
+
+    mean_u, adv, group, length = _hand_responses()
+    everyone = np.ones(7, bool)
+    # group 2 has no signal; demeaned u = (-1, 1 | -1, -1, 2), A = (1, -1 | -1, -1, 2): sum u*A = 4,
+    # sum u^2 = sum A^2 = 8 -> 0.5; the average ranks (2, 4 | 2, 2, 5) and (4, 2 | 2, 2, 5) less 3 are the
+    # same numbers -> 0.5
+    w = within_group_corr(mean_u, adv, group, everyone)
+    assert w["n"] == 5 and w["groups"] == 2 and w["why"] is None
+    np.testing.assert_allclose([w["pearson"], w["spearman"]], [0.5, 0.5], rtol=1e-12)
+    # length demeaned l = (-5, 5 | -1, 1, 0): l.l = 52, l.u = 10, l.A = -10; residuals: r_u.r_A = 4 + 100/52,
+    # |r_u|^2 = |r_A|^2 = 8 - 100/52 -> (4 + 25/13) / (8 - 25/13) = 77/79
+    p = within_group_corr(mean_u, adv, group, everyone, length=length)
+    assert p["n"] == 5 and p["groups"] == 2 and p["length_varies"] and "spearman" not in p
+    np.testing.assert_allclose(p["pearson"], 77 / 79, rtol=1e-12)
+    # finished only: row 3 truncated; group 0 (u -1, 1; A 1, -1), group 1 keeps u 2, 5, A -1, 2
+    # (-1.5, 1.5 each): sum u*A = -2 + 4.5 = 2.5, sum u^2 = sum A^2 = 6.5 -> 5/13; ranks (2, 3, 1, 4),
+    # (3, 2, 1, 4) -> 4 / 5
+    finished = everyone.copy()
+    finished[3] = False
+    f = within_group_corr(mean_u, adv, group, finished, which="finished responses")
+    assert f["n"] == 4 and f["groups"] == 2
+    np.testing.assert_allclose([f["pearson"], f["spearman"]], [5 / 13, 0.8], rtol=1e-12)
+    # a group keeping one finished response, or two with the same advantage, does not count
+    finished[0] = False
+    f = within_group_corr(mean_u, adv, group, finished, which="finished responses")
+    assert f["n"] == 2 and f["groups"] == 1 and f["pearson"] is None  # 1 degree of freedom: always ±1
+    assert f["why"] == "2 finished responses in 1 group leave 1 degree of freedom (a correlation needs 2)"
+    finished[4] = False
+    f = within_group_corr(mean_u, adv, group, finished, which="finished responses")
+    assert f["n"] == 0 and f["why"] == "no group had two finished responses with different advantages"
+
+
+def test_partial_correlation_when_length_or_u_does_not_vary():
+    from ict_jax.tools.diagnose_advantage import within_group_corr
+
+    mean_u, adv, group, length = _hand_responses()
+    everyone = np.ones(7, bool)
+    same = np.array([128, 128, 64, 64, 64, 3, 9])  # constant within the groups with a signal: nothing to take out
+    p = within_group_corr(mean_u, adv, group, everyone, length=same)
+    assert not p["length_varies"] and abs(p["pearson"] - 0.5) < 1e-12
+    flat = np.array([0.1, 0.1, 0.3, 0.3, 0.3, 0.0, 1.0])  # mean u the same within every group: rounding only
+    w = within_group_corr(flat, adv, group, everyone)
+    assert w["pearson"] is None and w["why"] == "mean u does not vary within the groups"
+    # u exactly linear in length within groups: nothing of it is left once length is accounted for
+    p = within_group_corr(0.01 * length + 0.5 * group, adv, group, everyone, length=length)
+    assert p["pearson"] is None and p["why"] == "mean u does not vary within the groups once length is accounted for"
+
+
+def _reference_correlations(mean_u, adv, group, length, truncated):
+    """An independent float64 reference: explicit loops over groups, the partial correlation from a
+    regression on one indicator per group and the length (np.linalg.lstsq), scipy's average ranks."""
+    from scipy.stats import rankdata
+
+    def within(keep, control=None):
+        ids = [g for g in sorted(set(group[keep].tolist()))
+               if keep[group == g].sum() >= 2 and len(set(adv[keep & (group == g)].tolist())) > 1]
+        rows = np.array([keep[i] and group[i] in ids for i in range(len(adv))])
+        if control is None:
+            u, a = mean_u[rows].copy(), adv[rows].copy()
+            for g in ids:
+                m = group[rows] == g
+                u[m] -= u[m].mean()
+                a[m] -= a[m].mean()
+            return (np.corrcoef(u, a)[0, 1], np.corrcoef(rankdata(u), rankdata(a))[0, 1], rows.sum(), len(ids))
+        X = np.column_stack([(group[rows] == g).astype(float) for g in ids] + [control[rows].astype(float)])
+        res = [y - X @ np.linalg.lstsq(X, y, rcond=None)[0] for y in (mean_u[rows], adv[rows])]
+        return np.corrcoef(*res)[0, 1], None, rows.sum(), len(ids)
+
+    return {"adv_corr_within": within(np.ones(len(adv), bool)), "adv_corr_finished": within(~truncated),
+            "adv_corr_partial_length": within(np.ones(len(adv), bool), length)}
+
+
+def test_advantage_correlations_match_a_float64_reference():
+    from ict_jax.tools.diagnose import outcome_advantages
+    from ict_jax.tools.diagnose_advantage import advantage_correlations
+
+    rng = np.random.default_rng(3)
+    G, P = 6, 9
+    correct = rng.random(P * G) < 0.4
+    correct[:G] = False  # one group without signal
+    adv = outcome_advantages(correct, G).astype(np.float64)
+    group = np.repeat(np.arange(P), G)
+    length = rng.integers(5, 60, P * G)
+    truncated = rng.random(P * G) < 0.3
+    mean_u = 0.2 + 0.002 * length + 0.05 * correct + 0.1 * rng.random(P * G)
+    got = advantage_correlations(mean_u, adv, group, length, truncated, np.ones(P * G, bool))
+    ref = _reference_correlations(mean_u, adv, group, length, truncated)
+    for key, (pearson, spearman, n, k) in ref.items():
+        c = got[key]
+        assert (c["n"], c["groups"]) == (n, k) and c["why"] is None, key
+        np.testing.assert_allclose(c["pearson"], pearson, rtol=1e-10, err_msg=key)
+        if spearman is not None:
+            np.testing.assert_allclose(c["spearman"], spearman, rtol=1e-10, err_msg=key)
+    assert got["adv_corr_partial_length"]["length_varies"]
+    # the plain correlation is unchanged: over the responses with A != 0, stable-sort ranks
+    nz = adv != 0
+    np.testing.assert_allclose(got["adv_corr"]["pearson"], np.corrcoef(mean_u[nz], adv[nz])[0, 1], rtol=1e-12)
+    assert got["adv_corr"]["n"] == nz.sum() and got["adv_corr"]["why"] is None
+    np.testing.assert_allclose([got["adv_corr"]["mean_u_pos"], got["adv_corr"]["mean_u_neg"]],
+                               [mean_u[adv > 0].mean(), mean_u[adv < 0].mean()], rtol=1e-12)
+
+
+def test_advantage_correlations_say_why_they_are_undefined():
+    from ict_jax.tools.diagnose_advantage import advantage_correlations
+
+    group = np.repeat(np.arange(3), 4)
+    truncated = np.array([1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1], bool)
+    got = advantage_correlations(np.linspace(0, 1, 12), np.zeros(12), group, np.full(12, 128), truncated,
+                                 np.ones(12, bool))
+    assert got["adv_corr"]["why"] == "no group had responses with different advantages"
+    assert got["adv_corr_within"]["why"] == "no group had two responses with different advantages"
+    assert got["adv_corr_finished"]["why"] == "no group had two finished responses with different advantages"
+    assert got["adv_corr_partial_length"]["why"] == "no group had two responses with different advantages"
+    assert all(c["pearson"] is None and c["n"] == 0 for c in got.values())
+    # one group with a signal, 1 of its 4 responses finished
+    adv = np.array([0, 0, 0, 0, 0.87, -0.87, 0.87, -0.87, 0, 0, 0, 0])
+    got = advantage_correlations(np.linspace(0, 1, 12), adv, group, np.full(12, 128), truncated, np.ones(12, bool))
+    assert got["adv_corr_within"]["n"] == 4 and got["adv_corr_within"]["pearson"] is not None
+    assert not got["adv_corr_partial_length"]["length_varies"]  # every response has the same length
+    assert got["adv_corr_partial_length"]["pearson"] == got["adv_corr_within"]["pearson"]
+    assert got["adv_corr_finished"]["n"] == 0
+
+
+def _random_setting(seed: int, p_correct: float = 0.5):
+    """A setting's per-token arrays (as a .npz holds them) with random statistics: G = 4, 6 prompts, up to
+    24 tokens (a response of 24 is truncated); readings aligned and pooled; ICT, random and all masks."""
+    from ict_jax.tools.diagnose import outcome_advantages
+
+    rng = np.random.default_rng(seed)
+    G, P, N = 4, 6, 24
+    R = G * P
+    length = rng.integers(3, N + 1, R)
+    valid = np.arange(N)[None] < length[:, None]
+    correct = rng.random(R) < p_correct
+    forms = ("aligned", "pooled")
+    masks = {"ict[aligned]": valid & (rng.random((R, N)) < 0.1), "ict[pooled]": valid & (rng.random((R, N)) < 0.1),
+             "random": valid & (rng.random((R, N)) < 0.1), "all": valid.copy()}
+    return {"tokens": rng.integers(40, 60, (R, N)), "valid": valid, "logp": np.log(rng.random((R, N))),
+            "H1": rng.random((R, N)), "H2": rng.random((R, N)), "pmax": np.ones((R, N)), "truncated": length == N,
+            "js": {f: rng.random((R, N)) * (1 + i) for i, f in enumerate(forms)},
+            "pbar_tok": {f: 0.5 * rng.random((R, N)) for f in forms}, "masks": masks,
+            "reward": correct.astype(float), "correct": correct, "advantage": outcome_advantages(correct, G),
+            "group": np.repeat(np.arange(P), G), "texts": [""] * R,
+            "timing": {"sample_s": 0.0, "stats_s": 0.0, "score_s": 0.0}, "u_forms": forms, "group_size": G,
+            "selector_forms": {"ict[aligned]": "aligned", "ict[pooled]": "pooled", "random": "aligned",
+                               "all": "aligned"}}
+
+
+def _results(settings: dict, seed: int = 0) -> dict:
+    """A diagnose.json of ``{name: diagnostics}`` (G 4, T 1.0)."""
+    return {"title": "t", "dataset": "x", "prompts": 6, "max_new_tokens": 24, "u_forms": ["aligned", "pooled"],
+            "rho": 0.1, "seed": seed, "template": "none", "paper": PAPER,
+            "settings": {k: d | {"setting": {"group_size": 4, "temperature": 1.0}} for k, d in settings.items()}}
+
+
+def test_diagnostics_reports_the_length_controlled_correlations_per_reading():
+    """diagnostics() computes mean u over the valid tokens and length = valid tokens per response, per
+    reading, from the per-token arrays a setting saves."""
+    tok = CharTokenizer()
+    data = _random_setting(5)
+    d = diagnostics(data, tok)
+    truncated, length = data["truncated"], data["valid"].sum(1)
+    assert d["truncated"] == int(truncated.sum()) > 0
+    adv = np.asarray(data["advantage"], np.float64)
+    for f in data["u_forms"]:
+        mean_u = np.array([data["js"][f][i, :length[i]].mean() for i in range(len(length))])
+        ref = _reference_correlations(mean_u, adv, data["group"], length, truncated)
+        for key, (pearson, _, n, k) in ref.items():
+            c = d["readings"][f][key]
+            assert (c["n"], c["groups"]) == (n, k), (f, key)
+            np.testing.assert_allclose(c["pearson"], pearson, rtol=1e-9, err_msg=f"{f} {key}")
+
+
+def test_report_puts_q_beside_p_and_tabulates_the_advantage_diagnostic():
+    tok = CharTokenizer()
+    d = diagnostics(_random_setting(5), tok)
+    md = format_markdown(_results({"G4_T1": d}))
+    summary_head = next(line for line in md.splitlines() if line.startswith("| setting | selection |"))
+    assert "| p(o_t) | Q(o_t) |" in summary_head
+    q = d["selectors"]["ict[aligned]"]["qtok"]
+    assert f"| ICT, u aligned | {d['selectors']['ict[aligned]']['p']['mean']:.2f} ± " in md
+    assert f" | {q['mean']:.2f} ± {q['sd']:.2f} | " in md
+    assert "It cannot tell the selections apart" in md and "about 1/G for a confident model (0.250 at G = 4)" in md
+    assert "### The advantage diagnostic: corr(response mean u, A), length controlled" in md
+    for f in ("aligned", "pooled"):
+        r = d["readings"][f]
+        w, fin, part = r["adv_corr_within"], r["adv_corr_finished"], r["adv_corr_partial_length"]
+        row = next(line for line in md.splitlines() if line.startswith(f"| {f} | "))
+        assert f"| {w['pearson']:+.2f} / {w['spearman']:+.2f} ({w['n']} in {w['groups']} groups) |" in row
+        assert f"| {fin['pearson']:+.2f} / {fin['spearman']:+.2f} ({fin['n']} in {fin['groups']} groups) |" in row
+        assert f"| {part['pearson']:+.2f} ({part['n']} in {part['groups']} groups) |" in row
+
+
+def test_report_says_why_the_advantage_diagnostic_is_na():
+    tok = CharTokenizer()
+    data = _random_setting(6, p_correct=0.0)  # every response wrong: no group has a signal
+    d = diagnostics(data, tok)
+    R, t = len(data["truncated"]), int(data["truncated"].sum())
+    md = format_markdown(_results({"G4_T1": d}))
+    assert (f"- corr(mean u, A) n/a, G4_T1 (aligned, pooled): no group had responses with different advantages "
+            f"({t} of {R} responses truncated).") in md
+    assert (f"- n/a, within group (aligned, pooled): no group had two responses with different advantages ({t} of "
+            f"{R} responses truncated).") in md
+    assert "- n/a, finished only (aligned, pooled): no group had two finished responses" in md
+    assert "| aligned | n/a (0) | n/a (0 in 0 groups) | n/a (0 in 0 groups) | n/a (0 in 0 groups) |" in md
+    assert f"n/a: no group had responses with different advantages ({t} of {R} responses truncated)" in md
+    assert "none with A > 0 / none with A < 0" in md
+    # a diagnose.json computed before the correlations said why, and before the within-group ones: the
+    # reason from the setting's counts, and the table's absence explained
+    old = json.loads(json.dumps(d))
+    for r in old["readings"].values():
+        for key in ("adv_corr_within", "adv_corr_finished", "adv_corr_partial_length"):
+            del r[key]
+        del r["adv_corr"]["why"]
+    del old["truncated"]
+    md = format_markdown(_results({"G4_T1": old}))
+    assert (f"- corr(mean u, A) n/a, G4_T1 (aligned, pooled): no group had responses with different advantages "
+            f"({t} of {R} responses truncated).") in md
+    assert "Not in this diagnose.json: `ict-jax diagnose --reanalyse --out DIR` computes it" in md
+
+
+def _diagnose_seeds():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "diagnose_seeds.py"
+    spec = importlib.util.spec_from_file_location("diagnose_seeds", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_diagnose_seeds_reports_q_and_the_advantage_correlations(tmp_path, monkeypatch, capsys):
+    """benchmarks/diagnose_seeds.py: Q(o_t) beside p(o_t), and per reading the advantage correlations,
+    mean ± sd over the seeds with each seed's n / groups; reports without them read as n/a."""
+    import statistics
+
+    seeds = _diagnose_seeds()
+    tok = CharTokenizer()
+    runs = []
+    for s in (0, 1):
+        out = tmp_path / f"s{s}"
+        out.mkdir()
+        (out / "diagnose.json").write_text(json.dumps(_results({"G4_T1": diagnostics(_random_setting(10 + s), tok)},
+                                                               seed=s)))
+        runs.append(out)
+    reports = [json.loads((r / "diagnose.json").read_text()) for r in runs]
+    summary = seeds.summarise(reports)["G4_T1"]
+    per = [r["settings"]["G4_T1"] for r in reports]
+    assert summary["selections"]["ict[aligned]"]["qtok"] == [x["selectors"]["ict[aligned]"]["qtok"]["mean"]
+                                                             for x in per]
+    w = summary["readings"]["aligned"]["adv_corr_within"]
+    assert w["pearson"] == [x["readings"]["aligned"]["adv_corr_within"]["pearson"] for x in per]
+    assert w["n"] == [x["readings"]["aligned"]["adv_corr_within"]["n"] for x in per]
+    q = summary["selections"]["ict[aligned]"]["qtok"]
+    assert f"| {statistics.mean(q):.2f} ± {statistics.stdev(q):.2f} |" in seeds.table({"G4_T1": summary}, "m")
+    cell = (f"{statistics.mean(w['pearson']):+.2f} ± {statistics.stdev(w['pearson']):.2f} "
+            f"(n {w['n'][0]}/{w['groups'][0]}, {w['n'][1]}/{w['groups'][1]})")
+    corr = seeds.corr_table({"G4_T1": summary}, "m")
+    assert "| m | G 4, T 1.0 | aligned | " in corr and cell in corr
+    monkeypatch.setattr("sys.argv", ["diagnose_seeds.py", *map(str, runs), "--label", "m",
+                                     "--out", str(tmp_path / "seeds.json")])
+    seeds.main()
+    printed = capsys.readouterr().out
+    assert "| Q(o_t) |" in printed and "| within group |" in printed and cell in printed
+    saved = json.loads((tmp_path / "seeds.json").read_text())["summary"]["G4_T1"]
+    assert saved["readings"]["pooled"]["adv_corr_partial_length"]["pearson"] == [
+        x["readings"]["pooled"]["adv_corr_partial_length"]["pearson"] for x in per]
+    # reports without the within-group correlations (diagnose.json before them): n/a, nothing breaks
+    for r in reports:
+        for rd in r["settings"]["G4_T1"]["readings"].values():
+            del rd["adv_corr_within"]
+    old = seeds.summarise(reports)
+    assert old["G4_T1"]["readings"]["aligned"]["adv_corr_within"]["pearson"] == [None, None]
+    assert "| n/a (n ?, ?) |" in seeds.corr_table(old, "m")
