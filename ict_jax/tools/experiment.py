@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from ict_jax.outputs import check_output_dir, hold_output_dir
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
@@ -146,6 +147,21 @@ def _update_record(plan: Plan, plan_info: Mapping[str, Any]) -> dict[str, Any]:
     return record
 
 
+#: the persistent compilation cache of an experiment, under ``out``, unless the process already has one
+COMPILATION_CACHE = "jax_cache"
+
+
+def _use_compilation_cache(folder: Path) -> None:
+    """JAX's persistent compilation cache in ``folder`` when none is set: every chunk of a run builds the
+    same programs again (a new trainer per chunk), and loads them from the cache instead of compiling them
+    (the same executables, so the same numbers; minutes per chunk of a real model's step)."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used: decide again
+
+
 def _why(deadline: float | None) -> str:
     return "time box" if deadline is not None and time.monotonic() >= deadline else "stop requested"
 
@@ -209,6 +225,7 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
 
     with hold_output_dir(plan.out, "out"):
         plan_info = _plan_info(plan, git_state)
+        _use_compilation_cache(plan.out / COMPILATION_CACHE)
         inv_id = uuid.uuid4().hex[:12]
         inv_path = plan.out / INVOCATIONS_FILE
         append_jsonl(inv_path, {"event": "start", "id": inv_id, "start": now_iso(), "environment": environment(),
