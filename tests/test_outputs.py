@@ -1,0 +1,63 @@
+"""ict_jax.outputs.hold_output_dir: one process at a time holds an output folder; a second is refused at
+once naming the holder; the kernel releases the hold when the holder dies, so a lock file left behind by a
+killed process is never in the way."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ict_jax.outputs import OutputInUse, OutputLocationError, hold_output_dir
+
+HOLDER = """
+import sys, time
+from ict_jax.outputs import hold_output_dir
+with hold_output_dir(sys.argv[1], "out"):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_second_holder_is_refused_naming_the_first(tmp_path):
+    folder = tmp_path / "exp"
+    with hold_output_dir(folder, "out") as held:
+        assert held == folder and folder.is_dir()
+        with pytest.raises(OutputInUse, match=rf"out '.*exp' is in use by process {os.getpid()} on .* since "):
+            with hold_output_dir(folder, "out"):
+                pass
+    with hold_output_dir(folder, "out"):  # released at the end of the block
+        pass
+
+
+def test_a_killed_holder_leaves_nothing_in_the_way(tmp_path):
+    folder = tmp_path / "exp"
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(OutputInUse, match=rf"process {p.pid} "):
+            with hold_output_dir(folder, "out"):
+                pass
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    deadline = time.time() + 10
+    while True:  # the lock file is still there, with the dead holder's description: no matter
+        try:
+            with hold_output_dir(folder, "out"):
+                break
+        except OutputInUse:
+            assert time.time() < deadline
+            time.sleep(0.1)
+    assert (folder / ".lock").is_file()
+
+
+def test_a_folder_that_cannot_be_created_is_an_output_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputLocationError, match="is a file, not a folder"):
+        with hold_output_dir(tmp_path / "file" / "exp", "out"):
+            pass
