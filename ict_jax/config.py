@@ -258,7 +258,7 @@ class RLSection:
 @dataclass(frozen=True)
 class StatsSection:
     temperature: float | None = None  # T_s; None = the rollout temperature (docs/method.md notation)
-    chunk: int = 64  # largest block of positions in stats_from_hidden (docs/benchmarks.md, issue 3)
+    chunk: int = 64  # largest block of positions in stats_from_hidden (docs/benchmarks.md)
     # the reading of ICT's score u (docs/method.md §1): aligned (Pbar over the rollouts active at t, itself
     # included), loo (itself excluded), literal (sum over the active rollouts / G), pooled (the group's
     # mean over all its valid positions); docs/results.md has the evidence for the default

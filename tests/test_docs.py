@@ -1,8 +1,8 @@
-"""The documentation renders and runs as written (issue 25 items 10-12).
+"""The documentation renders and runs as written.
 
-- Every code fence of README.md and docs/*.md closes on a line of its own (README line 39 closed one with
-  text after it, so 104 lines rendered as one code block), and none is left open.
-- No unfilled placeholder (docs/config.md held LIVE0P5B, LIVE1P5B, LIVE7B).
+- Every code fence of README.md and docs/*.md closes on a line of its own (a fence closed with text after
+  it renders everything below it as one code block), and none is left open.
+- No unfilled placeholder (such as LIVE0P5B for a number still to be measured).
 - docs/method.md is the project's spec, ../shared/METHOD.md, byte for byte (where the checkout has it).
 - Every ```python block runs as written (`e2e`): the blocks of a page in order, in one namespace, in a
   fresh folder that has the repository's `configs/`, with the tiny models the blocks build themselves. A

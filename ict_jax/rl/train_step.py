@@ -35,7 +35,7 @@ One-pass head: when d loss / d logp is known before the forward pass (fused sche
 each block's softmax while the block is in memory (three vocabulary matmuls per token instead of four).
 Same gradient to float32 rounding; the other methods keep the two-pass form (:func:`loss_and_aux`).
 
-Response buckets (issue 26, docs/loss.md): :func:`make_train_step` runs a batch at its longest response
+Response buckets (docs/loss.md): :func:`make_train_step` runs a batch at its longest response
 rounded up to a bucket of ``rollout.max_new_tokens`` (:func:`bucket_of`), one program per bucket; the
 program cuts the response axis first (:func:`step_fn`), keeps the uncut width for Dr.GRPO's T and
 chooses the mask at it (:func:`plan_select`), so gradients and metrics are the uncut step's.

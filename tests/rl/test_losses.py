@@ -288,8 +288,8 @@ def test_sharded_rows_match_one_device(devices8):
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 25 item 4: dynamic sampling decided from the total reward, so with a format penalty an
-# all-wrong group whose rewards differ only by format survived. rl.adv.filter_on: correct | reward.
+# Dynamic sampling: which groups carry a signal. Decided from the total reward, an all-wrong group whose
+# rewards differ only by a format penalty would survive; rl.adv.filter_on: correct | reward.
 # ------------------------------------------------------------------------------------------------
 def test_informative_groups_hand_cases():
     from ict_jax.rl.dynamic_sampling import informative_groups

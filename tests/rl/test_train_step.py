@@ -1,4 +1,4 @@
-"""Issue 5: the single compiled train step. Micro-batching and device count do not change gradients,
+"""The single compiled train step. Micro-batching and device count do not change gradients,
 ict with rho = 1 equals dense, 20 steps compile once, and a tiny model learns a toy reward."""
 
 from __future__ import annotations
@@ -143,14 +143,14 @@ def test_eight_devices_full_matrix(method, agg, devices8):
     assert m8["mask/selected_frac"] == m1["mask/selected_frac"]
 
 
-# Micro-batches smaller than a group (issue 15): the no-grad statistics pass fixes the mask and every
+# Micro-batches smaller than a group: the no-grad statistics pass fixes the mask and every
 # denominator over the mini-batch first, so any split of its rows gives the mini-batch's gradient. The
 # old code refused these (whole groups per micro-batch and per shard).
 @pytest.mark.parametrize("method", ["ict", pytest.param("frequent", marks=pytest.mark.e2e)]
                          + [pytest.param(m, marks=pytest.mark.slow)
                                                           for m in ("entropy", "stapo", "dense", "selectable")])
 def test_micro_batches_smaller_than_a_group_give_the_same_gradients(method):
-    agg = METHOD_AGG.get(method, "seq-mean-token-mean")  # the controls (issue 16) read u like ict
+    agg = METHOD_AGG.get(method, "seq-mean-token-mean")  # the controls read u like ict
     d1, m1 = _cached_delta(method, agg, 1)
     for micro in (8, 16):  # 2 rows (half a group of G = 4), then 1 row per micro-batch
         d, m = _cached_delta(method, agg, micro)
@@ -380,8 +380,8 @@ def test_random_control_draws_afresh_in_every_mini_batch(monkeypatch):
 @pytest.mark.e2e  # three more compiled steps (14 s); the default suite checks u_form in tests/rl/test_group_stats.py
 def test_u_form_reaches_the_step_and_micro_batching_keeps_it():
     """stats.u_form is the reading of u that ICT's mask uses in the step (old-policy pass included):
-    `pooled` changes the mask and gradient, and 4 micro-batches (whole groups) or 8 (half a group each,
-    issue 15) give the gradient of one."""
+    `pooled` changes the mask and gradient, and 4 micro-batches (whole groups) or 8 (half a group each)
+    give the gradient of one."""
     agg = METHOD_AGG["ict"]
     d_aligned, m_aligned = _cached_delta("ict", agg, 1)
     d1, m1 = _cached_delta("ict", agg, 1, "stats.u_form=pooled")

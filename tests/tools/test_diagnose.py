@@ -144,7 +144,7 @@ def test_ict_under_both_tie_rules_in_the_report():
 def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch):
     """A tiny random model on the split task: every reading and selector is reported, the counts follow
     docs/method.md §2, and the JSON, Markdown and plot are written; progress lines as each setting and
-    batch starts and ends (issue 25 item 13)."""
+    batch starts and ends."""
     tok = CharTokenizer()
     model = ict_jax.init_model(ict_jax.ModelConfig.tiny(vocab_size=tok.vocab_size, num_layers=1), seed=0)
     ds = load_dataset("split?digits=2&size=3&seed=3")
@@ -226,7 +226,7 @@ def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch
 
 
 def test_diagnose_states_the_instruction_it_adds():
-    """Issue 25 item 13: the instruction each prompt gets is in the report and in --help."""
+    """The instruction each prompt gets is in the report and in --help."""
     from ict_jax.cli.main import build_parser
     from ict_jax.data.templates import BOXED_INSTRUCTION, MC_INSTRUCTION
     from ict_jax.tools.diagnose import prompt_instruction
@@ -276,8 +276,8 @@ def test_aligned_ceiling():
 
 
 def test_position_panels_draw_bins_as_steps_not_lines_between_bins(tmp_path, monkeypatch):
-    """Issue 25 item 15: diagnose's position panels joined bin means by lines (with two bins, one
-    slanted line across both). Each bin is a flat step over its positions; an empty bin is a gap."""
+    """diagnose's position panels draw each bin as a flat step over its positions (joining bin means by
+    lines would draw one slanted line across two bins); an empty bin is a gap."""
     import matplotlib
 
     matplotlib.use("Agg")
