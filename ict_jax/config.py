@@ -20,7 +20,19 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 Method = Literal["dense", "grpo", "ict", "entropy", "stapo", "random", "frequent", "selectable"]
-Scope = Literal["sequence", "group", "batch"]
+#: Candidate sets of a top-k selector (docs/method.md §2): a response, a prompt's group, the mini-batch, or
+#: (20-Entropy's official code, ``entropy`` only) each micro-batch of ``train.micro_batches``.
+Scope = Literal["sequence", "group", "batch", "micro_batch"]
+#: Which tokens a top-k cut that falls inside an exact tie keeps (docs/method.md §2, ``rl.selector.ties``):
+#: exactly k, ties to the lower flat index (``position``), or every token tied at the k-th score (``all``).
+Ties = Literal["position", "all"]
+#: The selectors whose mask is a top-k cut, and so read ``rl.selector.ties`` (``frequent`` is the complement
+#: of ICT's cut); the others (dense, stapo, selectable, a registered selector that does not read it) ignore it.
+TOPK_METHODS = ("ict", "entropy", "random", "frequent")
+#: Where the loss's denominators are counted (``rl.loss.normalize_scope``): over the mini-batch (the default:
+#: independent of memory settings) or over each micro-batch, the micro-batch losses then averaged (verl's
+#: gradient accumulation, as 20-Entropy's official code runs it).
+NormalizeScope = Literal["mini_batch", "micro_batch"]
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 #: Readings of ICT's score u (docs/method.md §1, ``stats.u_form``): what p[i,t] is compared with.
 UForm = Literal["aligned", "loo", "literal", "pooled"]
@@ -167,6 +179,8 @@ class SelectorSection:
     method: Method = "ict"
     rho: float | None = None  # None = the method's default (docs/method.md §2)
     scope: Scope | None = None  # None = the method's default (docs/method.md §2)
+    # a top-k cut inside an exact tie: keep exactly k by position, or every tied token (docs/method.md §2)
+    ties: Ties = "position"
     warmup_steps: int = 20  # Theta (docs/method.md §2)
     tau_p: float = 0.002  # STAPO probability threshold (the one place the default is written)
     # STAPO entropy quantile; None = the reading's default, STAPO_TAU_H (docs/method.md §2)
@@ -202,6 +216,9 @@ class LossSection:
     kl_masked: bool = True  # ICT Eq. 11
     loss_agg: LossAgg = "seq-mean-token-mean"  # ICT Eq. 11
     normalize_over: Literal["selected", "valid"] = "selected"
+    # the loss's denominators over the mini-batch, or over each micro-batch with the micro-batch losses
+    # averaged (20-Entropy's official code: verl's gradient accumulation); docs/loss.md
+    normalize_scope: NormalizeScope = "mini_batch"
     old_logp: Literal["recompute", "sampler"] = "recompute"
     mask_truncated: bool = False
 
@@ -241,7 +258,7 @@ class RLSection:
 @dataclass(frozen=True)
 class StatsSection:
     temperature: float | None = None  # T_s; None = the rollout temperature (docs/method.md notation)
-    chunk: int = 64  # largest block of positions in stats_from_hidden (docs/benchmarks.md, issue 3)
+    chunk: int = 64  # largest block of positions in stats_from_hidden (docs/benchmarks.md)
     # the reading of ICT's score u (docs/method.md §1): aligned (Pbar over the rollouts active at t, itself
     # included), loo (itself excluded), literal (sum over the active rollouts / G), pooled (the group's
     # mean over all its valid positions); docs/results.md has the evidence for the default
@@ -568,6 +585,9 @@ def validate(cfg: Config) -> Config:
     s = cfg.rl.selector
     if s.rho is not None:
         _check_fraction("rl.selector.rho", s.rho)
+    if s.scope == "micro_batch" and s.canonical_method != "entropy":
+        raise ConfigError(f"rl.selector.scope: 'micro_batch' is 20-Entropy's official convention and is offered "
+                          f"for method entropy only; got method {s.method!r} (use sequence, group or batch)")
     rw = cfg.rl.reward
     if not rw.correct > rw.wrong:
         raise ConfigError(f"rl.reward.correct: {rw.correct} must be greater than rl.reward.wrong={rw.wrong}")

@@ -12,7 +12,9 @@ mini-batch token counts) is gathered in a :class:`LossDenominators` pytree of fl
 once over the whole mini-batch with :func:`loss_denominators` and passed to :func:`policy_loss` for each
 micro-batch, the micro-batch losses, gradients and metrics are partial sums: summed over the
 micro-batches they equal the values of the whole mini-batch. Rows (responses) are never split, so the
-per-row denominators of ``seq-mean-token-mean`` are always computed locally.
+per-row denominators of ``seq-mean-token-mean`` are always computed locally. ``rl.loss.normalize_scope:
+micro_batch`` (20-Entropy's official code, verl's gradient accumulation) instead divides each micro-batch's
+loss by its own counts and averages the micro-batch losses (:func:`micro_batch_loss`, :func:`mini_batch_loss`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ __all__ = [
     "group_advantages",
     "k3_kl",
     "loss_denominators",
+    "micro_batch_loss",
+    "mini_batch_loss",
     "policy_loss",
     "zero_std_groups",
 ]
@@ -349,3 +353,73 @@ def policy_loss(
         "mask/selected_frac": frac(sel_b.sum(), denoms.valid_tokens),
     }
     return loss, jax.lax.stop_gradient(metrics)
+
+
+def micro_batch_loss(
+    logp: Float[Array, "B T"],
+    logp_old: Float[Array, "B T"],
+    logp_ref: Float[Array, "B T"] | None,
+    adv: Float[Array, " B"],
+    valid: Mask,
+    mask: Mask,
+    *,
+    config: LossSection,
+    denoms: LossDenominators | None,
+    micro_batches: int = 1,
+    max_new_tokens: int | None = None,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """The loss of one of a mini-batch's ``micro_batches`` micro-batches, by ``config.normalize_scope``
+    (docs/loss.md "Micro-batches"); summed over the micro-batches it is the mini-batch's loss.
+
+    - ``mini_batch`` (default): :func:`policy_loss` with the mini-batch's ``denoms`` (a partial sum).
+    - ``micro_batch`` (20-Entropy's official code: verl divides each micro-batch's loss by its own counts
+      and scales it by 1 / the number of micro-batches): :func:`policy_loss` with this micro-batch's own
+      denominators, divided by ``micro_batches``. With ``token-mean`` and ``normalize_over: selected`` the
+      mini-batch loss is (1/n) sum_m [ -sum_{M in m} surr / max(1, #M in m) ] (+ the KL term alike).
+
+    The metrics other than ``loss/policy`` and ``loss/kl`` (fractions over the mini-batch) always use
+    ``denoms``, so they stay partial sums; ``loss/policy`` and ``loss/kl`` are the terms of the loss
+    returned. ``denoms`` None: the given arrays are the whole mini-batch."""
+    loss, metrics = policy_loss(logp, logp_old, logp_ref, adv, valid, mask, config=config, denoms=denoms,
+                                max_new_tokens=max_new_tokens)
+    if config.normalize_scope == "mini_batch":
+        return loss, metrics
+    if config.normalize_scope != "micro_batch":
+        raise ValueError(f"normalize_scope: {config.normalize_scope!r}; allowed: ['mini_batch', 'micro_batch']")
+    own, own_metrics = policy_loss(logp, logp_old, logp_ref, adv, valid, mask, config=config, denoms=None,
+                                   max_new_tokens=max_new_tokens)
+    n = float(micro_batches)
+    metrics = dict(metrics, **{k: own_metrics[k] / n for k in ("loss/policy", "loss/kl")})
+    return own / n, metrics
+
+
+def mini_batch_loss(
+    logp: Float[Array, "B T"],
+    logp_old: Float[Array, "B T"],
+    logp_ref: Float[Array, "B T"] | None,
+    adv: Float[Array, " B"],
+    valid: Mask,
+    mask: Mask,
+    *,
+    config: LossSection,
+    micro_batches: int = 1,
+    max_new_tokens: int | None = None,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """The loss and metrics of a whole mini-batch cut into ``micro_batches`` contiguous micro-batches of
+    equal rows, as the train step accumulates them (:func:`micro_batch_loss` summed): under
+    ``normalize_scope: mini_batch`` the same as :func:`policy_loss` on the whole (to float32 rounding), under
+    ``micro_batch`` the mean of the micro-batches' own losses. For notebooks and tests."""
+    B = logp.shape[0]
+    if micro_batches < 1 or B % micro_batches:
+        raise ValueError(f"micro_batches={micro_batches} must be >= 1 and divide the mini-batch's {B} rows")
+    denoms = loss_denominators(valid, mask, config)
+    r = B // micro_batches
+    total, metrics = None, None
+    for i in range(micro_batches):
+        sl = slice(i * r, (i + 1) * r)
+        part = micro_batch_loss(logp[sl], logp_old[sl], None if logp_ref is None else logp_ref[sl], adv[sl],
+                                jnp.asarray(valid)[sl], jnp.asarray(mask)[sl], config=config, denoms=denoms,
+                                micro_batches=micro_batches, max_new_tokens=max_new_tokens)
+        total = part if total is None else jax.tree.map(jnp.add, total, part)
+    loss, metrics = total
+    return loss, metrics

@@ -30,7 +30,8 @@ def _masked_mean(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def step_metrics(batch: RolloutBatch, valid: Float[Array, "B T"], mask: Float[Array, "B T"], stats: TokenStats,
                  logp_old: Float[Array, "B T"], group_size: int, *, u_form: str | None = None,
-                 selector: SelectorSection | None = None, mini_batches: int = 1) -> dict[str, jax.Array]:
+                 selector: SelectorSection | None = None, mini_batches: int = 1,
+                 micro_batches: int = 1) -> dict[str, jax.Array]:
     """docs/method.md §5 metrics of the rollout batch, masks and statistics (device scalars).
 
     The train step adds the loss metrics (``loss/*``, ``kl/*``, ``clip/*``) and ``grad/norm``; the
@@ -40,8 +41,9 @@ def step_metrics(batch: RolloutBatch, valid: Float[Array, "B T"], mask: Float[Ar
     With ``u_form`` (the reading u was computed under): ``stats/u_at_ceiling``, the share of valid tokens
     whose u is within 5 % of its ceiling. With ``selector`` a top-k selector whose statistic is in
     ``stats`` (ict: u, entropy: H1): ``mask/tie_selected_frac``, the share of selected tokens its cut took
-    by the tie rule, candidate sets as the selector forms them (``batch``: one per mini-batch of
-    ``mini_batches``) (:mod:`ict_jax.rl.saturation`).
+    by the tie at its cut under the selector's ``ties`` rule, candidate sets as the selector forms them
+    (``batch``: one per mini-batch of ``mini_batches``; ``micro_batch``: one per micro-batch of
+    ``micro_batches`` in each) (:mod:`ict_jax.rl.saturation`).
     """
     rv = batch.row_valid > 0
     sel = mask * valid
@@ -75,7 +77,9 @@ def step_metrics(batch: RolloutBatch, valid: Float[Array, "B T"], mask: Float[Ar
             m["stats/u_at_ceiling"] = u_at_ceiling(stats.js, valid, group_size, u_form)
     score = getattr(stats, RANKED_BY.get(selector.canonical_method, ""), None) if selector is not None else None
     if score is not None:
-        m["mask/tie_selected_frac"] = tie_selected_frac(score, mask, valid, scope=selector.resolved_scope,
-                                                        group_size=group_size,
-                                                        set_rows=valid.shape[0] // max(mini_batches, 1))
+        scope = selector.resolved_scope
+        rows = valid.shape[0] // max(mini_batches, 1) // (max(micro_batches, 1) if scope == "micro_batch" else 1)
+        m["mask/tie_selected_frac"] = tie_selected_frac(score, mask, valid, scope=scope, group_size=group_size,
+                                                        set_rows=rows, ties=selector.ties,
+                                                        rho=selector.resolved_rho)
     return m

@@ -11,9 +11,11 @@ a cut takes by the tie rule (docs/statistics.md "u at its ceiling, and ties").
   0.497 for ``aligned`` at n = 8, 0.380 at n = 4). A rollout alone at t has ceiling 0 (u = 0 there)
   except under ``literal``, whose Q = p/G gives exactly u = ceiling = 1/2 [ln(2G/(G+1)) + ln(2/(G+1))/G].
 - :func:`u_at_ceiling`: the share of valid tokens with ceiling > 0 and u >= 0.95 ceiling.
-- :func:`tie_decided`: the selected tokens a top-k cut took by the tie rule (docs/method.md §2: ties go
-  to the lower flat index): in a candidate set whose k-th largest score s_k is also the score of a valid
-  token left out, the selected tokens with score s_k.
+- :func:`tie_decided`: the selected tokens whose selection the tie at a top-k cut decided (docs/method.md
+  §2, ``rl.selector.ties``): under ``position`` (ties to the lower flat index), in a candidate set whose
+  k-th largest score s_k is also the score of a valid token left out, the selected tokens with score s_k;
+  under ``all`` (every token tied at the cut kept), in a set with more than k valid tokens at or above
+  s_k, the selected tokens with score s_k.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from ict_jax.rl.quantile import keep_count, rho_fraction
+
 __all__ = ["CEILING_FRACTION", "RANKED_BY", "tie_decided", "tie_selected_frac", "u_at_ceiling", "u_ceiling"]
 
 #: "At its ceiling": u >= CEILING_FRACTION x ceiling (within 5 %).
 CEILING_FRACTION = 0.95
 #: The top-k selectors and the statistic (a :class:`~ict_jax.rl.token_stats.TokenStats` field) each
-#: ranks by: the ones whose cut can fall inside a tie of that statistic.
+#: ranks by: the ones whose cut can fall inside a tie of that statistic (``random``'s scores are not a
+#: statistic; ``frequent`` is the complement of ICT's cut).
 RANKED_BY = {"ict": "js", "entropy": "H1"}
 _LN2 = 0.6931471805599453
 Valid = Float[Array, "B T"] | Bool[Array, "B T"]
@@ -75,31 +80,55 @@ def u_at_ceiling(js: Float[Array, "B T"], valid: Valid, group_size: int, u_form:
 
 def _sets(x: jax.Array, scope: str, group_size: int | None, set_rows: int | None) -> jax.Array:
     """``[B, T]`` -> candidate sets ``[S, L]`` as the selectors form them (docs/method.md §2):
-    ``sequence`` a row, ``group`` G rows, ``batch`` ``set_rows`` rows (a mini-batch; None = all)."""
+    ``sequence`` a row, ``group`` G rows, ``batch`` ``set_rows`` rows (a mini-batch; None = all),
+    ``micro_batch`` ``set_rows`` rows (a micro-batch; None = all)."""
     B, T = x.shape
-    rows = {"sequence": 1, "group": group_size, "batch": set_rows or B}.get(scope)
+    rows = {"sequence": 1, "group": group_size, "batch": set_rows or B, "micro_batch": set_rows or B}.get(scope)
     if rows is None or rows < 1 or B % rows:
         raise ValueError(f"scope {scope!r} needs rows per candidate set dividing B={B}; got {rows}")
     return x.reshape(B // rows, rows * T)
 
 
 def tie_decided(score: Float[Array, "B T"], mask: Valid, valid: Valid, *, scope: str,
-                group_size: int | None = None, set_rows: int | None = None) -> Bool[Array, "B T"]:
-    """The selected tokens of a top-k ``mask`` that the tie rule decided: per candidate set (``scope``;
-    ``set_rows`` = the rows of a mini-batch under ``batch``), when a valid token left out has the k-th
-    largest score s_k (the smallest selected score), the selected tokens whose score is s_k. bool ``[B, T]``."""
+                group_size: int | None = None, set_rows: int | None = None, ties: str = "position",
+                rho: float | None = None) -> Bool[Array, "B T"]:
+    """The selected tokens of a top-k ``mask`` whose selection the tie at the cut decided, per candidate set
+    (``scope``; ``set_rows`` = the rows of a mini-batch under ``batch``, of a micro-batch under
+    ``micro_batch``). bool ``[B, T]``.
+
+    - ``ties='position'`` (the mask keeps exactly k): when a valid token left out has the k-th largest
+      score s_k (the smallest selected score), the selected tokens whose score is s_k: kept by position.
+    - ``ties='all'`` (the mask keeps every token >= s_k; ``rho`` gives k = max(1, ceil(rho n))): when more
+      than k valid tokens score >= s_k (the cut fell inside the tie), the selected tokens whose score is
+      s_k: kept because they tie. Only where ``mask`` is that cut (not during a warm-up's M = valid, unless
+      the cut itself keeps every valid token)."""
     shape = jnp.shape(score)
     s = _sets(jnp.asarray(score, jnp.float32), scope, group_size, set_rows)
     v = _sets(jnp.asarray(valid) > 0, scope, group_size, set_rows)
     sel = _sets(jnp.asarray(mask) > 0, scope, group_size, set_rows) & v
-    kth = jnp.min(jnp.where(sel, s, jnp.inf), axis=1, keepdims=True)
-    cut_in_tie = jnp.any(v & ~sel & (s == kth), axis=1, keepdims=True)
-    return (sel & (s == kth) & cut_in_tie).reshape(shape)
+    if ties == "position":
+        kth = jnp.min(jnp.where(sel, s, jnp.inf), axis=1, keepdims=True)
+        cut_in_tie = jnp.any(v & ~sel & (s == kth), axis=1, keepdims=True)
+        return (sel & (s == kth) & cut_in_tie).reshape(shape)
+    if ties != "all":
+        raise ValueError(f"ties: {ties!r}; allowed: ['position', 'all']")
+    if rho is None:
+        raise ValueError("tie_decided(ties='all') needs rho (the count k of the cut)")
+    a, b = rho_fraction(rho)
+    k = keep_count(jnp.sum(v, axis=1), a, b)[:, None]  # [S, 1]
+    desc = -jnp.sort(jnp.where(v, -s, jnp.inf), axis=1)  # valid scores descending, then -inf
+    kth = jnp.take_along_axis(desc, jnp.maximum(k - 1, 0), axis=1)  # s_k
+    at_or_above = v & (s >= kth)
+    is_cut = jnp.all(sel == at_or_above, axis=1, keepdims=True) & (k > 0)
+    cut_in_tie = jnp.sum(at_or_above, axis=1, keepdims=True) > k
+    return (sel & (s == kth) & cut_in_tie & is_cut).reshape(shape)
 
 
 def tie_selected_frac(score: Float[Array, "B T"], mask: Valid, valid: Valid, *, scope: str,
-                      group_size: int | None = None, set_rows: int | None = None) -> Float[Array, ""]:
-    """The share of selected tokens (mask and valid) that the tie rule decided (:func:`tie_decided`)."""
+                      group_size: int | None = None, set_rows: int | None = None, ties: str = "position",
+                      rho: float | None = None) -> Float[Array, ""]:
+    """The share of selected tokens (mask and valid) that the tie at the cut decided (:func:`tie_decided`)."""
     sel = (jnp.asarray(mask) > 0) & (jnp.asarray(valid) > 0)
-    ties = tie_decided(score, mask, valid, scope=scope, group_size=group_size, set_rows=set_rows)
-    return jnp.sum(ties) / jnp.maximum(jnp.sum(sel), 1)
+    tied = tie_decided(score, mask, valid, scope=scope, group_size=group_size, set_rows=set_rows, ties=ties,
+                       rho=rho)
+    return jnp.sum(tied) / jnp.maximum(jnp.sum(sel), 1)

@@ -6,14 +6,18 @@ Every mask is float32 ``[B, T]`` with values in {0., 1.} and ``M <= valid`` (the
 Counting (docs/method.md §2): a candidate set with n valid positions keeps k = 0 if n = 0, else
 k = max(1, ceil(rho n)), computed in integers from rho = a/b (:mod:`ict_jax.rl.quantile`). Candidates are
 ranked by a stable descending sort of the score with invalid positions last, ties to the lower flat
-index (row-major over the global [P*G, T] batch); positions of rank < k are kept. Candidate sets by
-scope: ``sequence`` = one response (row), ``group`` = the G responses of a prompt, ``batch`` = the
-whole mini-batch. The functions take the global arrays: under ``jit`` with a sharded batch XLA inserts
-the collectives, so the mask is the one a single device computes.
+index (row-major over the global [P*G, T] batch); positions of rank < k are kept (``ties: position``,
+the default), or every valid position whose score is >= the k-th largest score of its set (``ties: all``:
+more than k when the cut falls inside an exact tie). Candidate sets by scope: ``sequence`` = one
+response (row), ``group`` = the G responses of a prompt, ``batch`` = the whole mini-batch,
+``micro_batch`` (20-Entropy's official code) = each of :func:`select`'s ``micro_batches`` contiguous
+micro-batches. The functions take the global arrays: under ``jit`` with a sharded batch XLA inserts the
+collectives, so the mask is the one a single device computes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, NamedTuple, Protocol, Sequence
 
@@ -22,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ict_jax.config import SELECTOR_DEFAULTS, STAPO_TAU_H, SelectorSection, allow_method
+from ict_jax.config import SELECTOR_DEFAULTS, STAPO_TAU_H, SelectorSection, Ties, allow_method
 from ict_jax.rl.quantile import keep_count, rho_fraction, valid_quantile
 from ict_jax.rl.token_stats import ALL_STATS, DEFAULT_COMPUTE, TokenStats
 # RNG stream of the random selector (its id lives with every other stream's, ict_jax.rng): scores from
@@ -40,6 +44,7 @@ _STAPO = SelectorSection(method="stapo")
 Mask = Float[Array, "B T"]
 Valid = Float[Array, "B T"] | Bool[Array, "B T"]
 _SCOPES = ("sequence", "group", "batch")
+_TIES = ("position", "all")
 
 
 def _as_bool(valid) -> jax.Array:
@@ -58,17 +63,26 @@ def _sets(x: jax.Array, scope: str, group_size: int | None) -> jax.Array:
         if group_size is None or group_size < 1 or B % group_size:
             raise ValueError(f"scope 'group' needs a group_size that divides B={B}; got {group_size}")
         return x.reshape(B // group_size, group_size * T)
+    if scope == "micro_batch":
+        raise ValueError("scope 'micro_batch' splits a mini-batch into micro-batches: select(..., micro_batches=n) "
+                         "does it; on one micro-batch's arrays use scope 'batch'")
     raise ValueError(f"scope: {scope!r}; allowed: {list(_SCOPES)}")
 
 
 def topk_mask(
-    score: Float[Array, "B T"], valid: Valid, *, rho: float, scope: str, group_size: int | None = None
+    score: Float[Array, "B T"], valid: Valid, *, rho: float, scope: str, group_size: int | None = None,
+    ties: Ties = "position",
 ) -> Mask:
     """Keep the top ``k = max(1, ceil(rho n))`` valid positions of each candidate set (docs/method.md §2).
 
     Stable sort on the keys (invalid, -score): invalid last, descending score, ties to the lower flat
-    index; rank r < k is kept. ``-0.0`` and ``0.0`` compare equal. Returns float32 {0, 1}.
+    index. ``ties='position'`` (default): rank r < k is kept, exactly k. ``ties='all'``: every valid
+    position whose score is >= s_k, the score at rank k - 1 (the k-th largest), so a cut inside an exact
+    tie keeps the whole tie (more than k); elsewhere the same mask. ``-0.0`` and ``0.0`` compare equal.
+    Returns float32 {0, 1}.
     """
+    if ties not in _TIES:
+        raise ValueError(f"ties: {ties!r}; allowed: {list(_TIES)}")
     a, b = rho_fraction(rho)
     shape = score.shape
     valid = _as_bool(valid)
@@ -78,8 +92,13 @@ def topk_mask(
     k = keep_count(jnp.sum(v, axis=1), a, b)  # [S]
     idx = lax.broadcasted_iota(jnp.int32, (S, L), 1)
     # sorted position r holds flat index perm[r]; keep if r < k
-    _, _, perm = lax.sort((jnp.where(v, 0, 1).astype(jnp.int32), -s, idx), dimension=1,
-                          is_stable=True, num_keys=2)
+    _, neg_sorted, perm = lax.sort((jnp.where(v, 0, 1).astype(jnp.int32), -s, idx), dimension=1,
+                                   is_stable=True, num_keys=2)
+    if ties == "all":
+        # s_k = -neg_sorted[k - 1] (valid positions sort first, so rank k - 1 < n is valid); k = 0 keeps none
+        kth = -jnp.take_along_axis(neg_sorted, jnp.maximum(k - 1, 0)[:, None], axis=1)
+        keep = v & (s >= kth) & (k > 0)[:, None]
+        return keep.reshape(shape).astype(jnp.float32)
     keep_sorted = idx < k[:, None]
     # scatter back: sort (perm, keep) by perm
     _, keep = lax.sort((perm, keep_sorted), dimension=1, is_stable=True, num_keys=1)
@@ -93,29 +112,33 @@ def dense_mask(valid: Valid) -> Mask:
 
 def ict_mask(
     js: Float[Array, "B T"], valid: Valid, *, group_size: int | None = None, rho: float = _ICT_RHO,
-    scope: str = _ICT_SCOPE,
+    scope: str = _ICT_SCOPE, ties: Ties = "position",
 ) -> Mask:
-    """ICT: the top-rho fraction of valid tokens by u = JS(p || Pbar) (docs/method.md §1-2), per ``scope``."""
-    return topk_mask(js, valid, rho=rho, scope=scope, group_size=group_size)
+    """ICT: the top-rho fraction of valid tokens by u = JS(p || Pbar) (docs/method.md §1-2), per ``scope``;
+    ``ties`` as in :func:`topk_mask`."""
+    return topk_mask(js, valid, rho=rho, scope=scope, group_size=group_size, ties=ties)
 
 
 def entropy_mask(
     H1: Float[Array, "B T"], valid: Valid, *, group_size: int | None = None, rho: float = _ENTROPY_RHO,
-    scope: str = _ENTROPY_SCOPE,
+    scope: str = _ENTROPY_SCOPE, ties: Ties = "position",
 ) -> Mask:
     """20-Entropy: the top-rho fraction of valid tokens by Shannon entropy H1, global over the
-    mini-batch by default (docs/method.md §2)."""
-    return topk_mask(H1, valid, rho=rho, scope=scope, group_size=group_size)
+    mini-batch by default (docs/method.md §2); ``ties`` as in :func:`topk_mask`. The official code's
+    micro-batch convention is this with scope ``batch`` on one micro-batch's arrays (:func:`select` with
+    scope ``micro_batch`` does it for every micro-batch)."""
+    return topk_mask(H1, valid, rho=rho, scope=scope, group_size=group_size, ties=ties)
 
 
 def frequent_mask(
     js: Float[Array, "B T"], valid: Valid, *, group_size: int | None = None, rho: float = _ICT_RHO,
-    scope: str = _ICT_SCOPE,
+    scope: str = _ICT_SCOPE, ties: Ties = "position",
 ) -> Mask:
     """Control, the paper's "90%-frequent" tokens: the complement of ICT's mask among the valid tokens,
-    M = valid and not ict_mask(js, rho, scope), i.e. the bottom 1 - rho by u (docs/method.md §2). A
-    response whose every valid token ICT selects (n = 1 under ``sequence``) has no selected token."""
-    ict = ict_mask(js, valid, group_size=group_size, rho=rho, scope=scope)
+    M = valid and not ict_mask(js, rho, scope, ties), i.e. the bottom 1 - rho by u (docs/method.md §2);
+    under ``ties='all'`` the tokens strictly below ICT's cut. A response whose every valid token ICT
+    selects (n = 1 under ``sequence``) has no selected token."""
+    ict = ict_mask(js, valid, group_size=group_size, rho=rho, scope=scope, ties=ties)
     return (_as_bool(valid) & (ict <= 0)).astype(jnp.float32)
 
 
@@ -128,13 +151,14 @@ def selectable_mask(js: Float[Array, "B T"], valid: Valid, *, u_min: float = SEL
 
 def random_mask(
     key: Key[Array, ""] | jax.Array, valid: Valid, *, group_size: int | None = None, rho: float = _ICT_RHO,
-    scope: str = _ICT_SCOPE,
+    scope: str = _ICT_SCOPE, ties: Ties = "position",
 ) -> Mask:
     """Control: ict's counts with Uniform[0, 1) scores drawn from ``key`` (docs/method.md §2). :func:`select`
-    passes ``fold_in(fold_in(fold_in(root_key, RANDOM_MASK_STREAM), step), minibatch)``."""
+    passes ``fold_in(fold_in(fold_in(root_key, RANDOM_MASK_STREAM), step), minibatch)``. ``ties``: as in
+    :func:`topk_mask` (float32 uniforms tie rarely, so ``all`` keeps ict's counts but for such a draw)."""
     valid = _as_bool(valid)
     u = jax.random.uniform(key, valid.shape, jnp.float32)
-    return topk_mask(u, valid, rho=rho, scope=scope, group_size=group_size)
+    return topk_mask(u, valid, rho=rho, scope=scope, group_size=group_size, ties=ties)
 
 
 def stapo_quantile(H1: Float[Array, "B T"], valid: Valid, tau_h: float) -> Float[Array, ""]:
@@ -261,12 +285,12 @@ def _dense(stats, adv, valid, *, key, step, config, group_size):
 
 def _ict(stats, adv, valid, *, key, step, config, group_size):
     return ict_mask(stats.js, valid, group_size=group_size, rho=config.resolved_rho,
-                    scope=config.resolved_scope)
+                    scope=config.resolved_scope, ties=config.ties)
 
 
 def _entropy(stats, adv, valid, *, key, step, config, group_size):
     return entropy_mask(stats.H1, valid, group_size=group_size,
-                        rho=config.resolved_rho, scope=config.resolved_scope)
+                        rho=config.resolved_rho, scope=config.resolved_scope, ties=config.ties)
 
 
 def _stapo(stats, adv, valid, *, key, step, config, group_size):
@@ -282,12 +306,12 @@ def random_key(key: jax.Array, step: Any, minibatch: Any = 0) -> jax.Array:
 
 def _random(stats, adv, valid, *, key, step, config, group_size, minibatch=0):
     return random_mask(random_key(key, step, minibatch), valid, group_size=group_size, rho=config.resolved_rho,
-                       scope=config.resolved_scope)
+                       scope=config.resolved_scope, ties=config.ties)
 
 
 def _frequent(stats, adv, valid, *, key, step, config, group_size):
     return frequent_mask(stats.js, valid, group_size=group_size, rho=config.resolved_rho,
-                         scope=config.resolved_scope)
+                         scope=config.resolved_scope, ties=config.ties)
 
 
 def _selectable(stats, adv, valid, *, key, step, config, group_size):
@@ -303,6 +327,22 @@ register_selector("frequent", _frequent, warmup=True, needs=("js",))
 register_selector("selectable", _selectable, warmup=True, needs=("js",))
 
 
+def _per_micro_batch(call: Any, micro_batches: int, stats: TokenStats, adv: jax.Array, valid: jax.Array) -> jax.Array:
+    """``call(stats, adv, valid)`` on each of ``micro_batches`` contiguous row blocks of the mini-batch (the
+    train step's micro-batches, :func:`ict_jax.rl.train_step.micro_batched_grads`), as one ``vmap``; the
+    masks put back in row order."""
+    B = jnp.shape(valid)[0]
+    if micro_batches < 1 or B % micro_batches:
+        raise ValueError(f"scope 'micro_batch': micro_batches={micro_batches} must be >= 1 and divide the "
+                         f"mini-batch's {B} rows")
+
+    def split(x):
+        return None if x is None else jnp.reshape(x, (micro_batches, B // micro_batches) + jnp.shape(x)[1:])
+
+    out = jax.vmap(call)(TokenStats(*map(split, stats)), split(jnp.asarray(adv)), split(jnp.asarray(valid)))
+    return jnp.reshape(out, jnp.shape(valid))
+
+
 def select(
     method: str,
     stats: TokenStats,
@@ -314,6 +354,7 @@ def select(
     config: SelectorSection,
     group_size: int | None = None,
     minibatch: Int[Array, ""] | int = 0,
+    micro_batches: int = 1,
 ) -> Mask:
     """The train step's one entry point: the mask of ``method`` (``'grpo'`` = ``'dense'``) (docs/method.md §2).
 
@@ -322,7 +363,10 @@ def select(
     ``minibatch`` the index of the mini-batch within the rollout step (traced ints are fine). For
     ``ict``, ``random``, ``frequent`` and ``selectable`` (and selectors registered with
     ``warmup=True``), ``step < config.warmup_steps`` gives M = valid, as traced data (no
-    recompilation). ``group_size`` (G) is needed by the ``group`` scope only. ``stats`` must hold every
+    recompilation). ``group_size`` (G) is needed by the ``group`` scope only. Scope ``micro_batch``
+    (20-Entropy's official code): the mini-batch's rows are cut into ``micro_batches`` contiguous
+    micro-batches (the train step's) and the selector runs on each as on a mini-batch of scope ``batch``;
+    with ``micro_batches=1`` that is scope ``batch``. ``stats`` must hold every
     statistic the selector was registered as reading (:func:`selector_needs`; a ValueError names the
     first one missing). Returns float32 {0, 1} ``[B, T]`` with M <= valid.
     """
@@ -332,7 +376,13 @@ def select(
         raise ValueError(f"selector {method!r} needs stats.{missing[0]}; compute it in the statistics pass")
     dense = dense_mask(valid)
     extra = {"minibatch": minibatch} if takes_minibatch else {}
-    m = fn(stats, adv, valid, key=key, step=step, config=config, group_size=group_size, **extra)
+    if config.resolved_scope == "micro_batch":
+        per_set = dataclasses.replace(config, scope="batch")
+        m = _per_micro_batch(
+            lambda st, a, v: jnp.asarray(fn(st, a, v, key=key, step=step, config=per_set, group_size=group_size,
+                                            **extra), jnp.float32), micro_batches, stats, adv, valid)
+    else:
+        m = fn(stats, adv, valid, key=key, step=step, config=config, group_size=group_size, **extra)
     m = jnp.where(dense > 0, jnp.asarray(m, jnp.float32), 0.0)  # M <= valid, whatever fn returns
     if warmup:
         m = jnp.where(jnp.asarray(step) < config.warmup_steps, dense, m)

@@ -35,7 +35,7 @@ One-pass head: when d loss / d logp is known before the forward pass (fused sche
 each block's softmax while the block is in memory (three vocabulary matmuls per token instead of four).
 Same gradient to float32 rounding; the other methods keep the two-pass form (:func:`loss_and_aux`).
 
-Response buckets (issue 26, docs/loss.md): :func:`make_train_step` runs a batch at its longest response
+Response buckets (docs/loss.md): :func:`make_train_step` runs a batch at its longest response
 rounded up to a bucket of ``rollout.max_new_tokens`` (:func:`bucket_of`), one program per bucket; the
 program cuts the response axis first (:func:`step_fn`), keeps the uncut width for Dr.GRPO's T and
 chooses the mask at it (:func:`plan_select`), so gradients and metrics are the uncut step's.
@@ -61,7 +61,7 @@ from ict_jax.buckets import bucket_for, response_buckets
 from ict_jax.config import Config, LossSection, SelectorSection
 from ict_jax.rl.batch import RolloutBatch, response_extent, trim_response
 from ict_jax.rl.group_stats import GroupStatsRequest, group_stats, head_inputs
-from ict_jax.rl.losses import LossDenominators, loss_denominators, policy_loss
+from ict_jax.rl.losses import LossDenominators, loss_denominators, micro_batch_loss, policy_loss
 from ict_jax.rl.metrics import step_metrics
 from ict_jax.rl.selectors import select, selector_needs
 from ict_jax.rl.state import ModelDef, TrainState, check_lora_state, kl_reference, make_optimizer
@@ -180,7 +180,8 @@ def plan_select(plan: StepPlan, stats: TokenStats, adv: jax.Array, valid: jax.Ar
     extra = 0 if plan.response_width is None else plan.response_width - T
     widen = (lambda x: x) if extra <= 0 else (lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, extra))))
     mask = select(plan.method, TokenStats(*map(widen, stats)), adv, widen(valid), key=key, step=step,
-                  config=plan.selector, group_size=plan.group_size, minibatch=minibatch)
+                  config=plan.selector, group_size=plan.group_size, minibatch=minibatch,
+                  micro_batches=plan.micro_batches)
     return mask[:, :T]
 
 
@@ -221,8 +222,9 @@ def loss_and_aux(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, v
     if mask is None:  # fused: select from this forward's (stop-gradient) statistics
         mask = plan_select(plan, _stop(stats), mb.advantages, valid, key, step, minibatch)
         denoms = loss_denominators(valid, mask, plan.loss)
-    loss, metrics = policy_loss(stats.logp, logp_old, logp_ref, mb.advantages, valid, mask,
-                                config=plan.loss, denoms=denoms, max_new_tokens=plan.response_width)
+    loss, metrics = micro_batch_loss(stats.logp, logp_old, logp_ref, mb.advantages, valid, mask, config=plan.loss,
+                                     denoms=denoms, micro_batches=plan.micro_batches,
+                                     max_new_tokens=plan.response_width)
     return loss, (metrics, mask, _stop(stats), logp_old)
 
 
@@ -396,7 +398,8 @@ def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: 
     metrics = {k: v.mean() for k, v in lms.items()}
     metrics["train/skipped"] = lms["train/skipped"].sum()
     metrics.update(step_metrics(batch, valid, masks, stats, lp_old_used, plan.group_size, u_form=plan.u_form,
-                                selector=plan.selector, mini_batches=plan.mini_batches))
+                                selector=plan.selector, mini_batches=plan.mini_batches,
+                                micro_batches=plan.micro_batches))
     metrics["train/response_len"] = jnp.float32(batch.response_len)  # the response bucket the update ran at
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
     return new_state, metrics

@@ -4,7 +4,8 @@ For every setting (group size G x sampling temperature T) :func:`collect` sample
 a data set's prompts, scores them with the data set's verifiable reward, recomputes every response
 token's statistics (docs/method.md §1: logp, H1, H2, max_v p, and u with Q(o_t) under every reading of
 ``stats.u_form``) and selects tokens with every selector (docs/method.md §2) through the train step's
-entry point :func:`ict_jax.rl.selectors.select`, one sampling batch being the mini-batch.
+entry point :func:`ict_jax.rl.selectors.select`, one sampling batch being the mini-batch; ICT under both
+tie rules (``rl.selector.ties``: ``ict[r]`` keeps exactly k, ``ict[r,ties=all]`` every token tied at the cut).
 :func:`ict_jax.tools.diagnose_measures.diagnostics` then computes, in float64 NumPy, the paper's
 diagnostics of the selected tokens (docs/method.md §5): sorted-u curves and their elbow, p(o_t), its
 purity and max_v p, Q(o_t), the high/low-entropy ratio, the most frequent selected and unselected and
@@ -44,7 +45,8 @@ from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.tools.diagnose_measures import diagnostics, marked_examples
 from ict_jax.tools.diagnose_report import format_markdown, plot_setting
 
-__all__ = ["PAPER", "Setting", "collect", "outcome_advantages", "reanalyse", "run_diagnose", "selector_specs"]
+__all__ = ["PAPER", "Setting", "collect", "ict_all_name", "outcome_advantages", "reanalyse", "run_diagnose",
+           "selector_specs"]
 
 #: The paper's token diagnostics of ICT's selected tokens (docs/method.md §5; Qwen2.5, GSM8K / MATH).
 PAPER = {
@@ -71,17 +73,26 @@ class Setting:
         return f"G{self.group_size}_T{self.temperature:g}"
 
 
+def ict_all_name(form: str) -> str:
+    """The name of ICT's selection under ``ties: all`` in reading ``form`` (:func:`selector_specs`)."""
+    return f"ict[{form},ties=all]"
+
+
 def selector_specs(u_forms: Sequence[str], rho: float | None = None) -> dict[str, tuple[SelectorSection, str]]:
     """name -> (selector section with no warm-up, the reading of u it reads) for every selector the
-    diagnostics compare: per reading ``ict[r]``, ``frequent[r]`` (the paper's complement) and
+    diagnostics compare: per reading ``ict[r]``, ``ict[r,ties=all]`` (the same cut keeping every token
+    tied at it, ``rl.selector.ties: all``), ``frequent[r]`` (the paper's complement) and
     ``selectable[r]`` (valid and u > 0); then ``entropy``, ``stapo[low_prob_positive]``, ``stapo[valid]``,
     ``random`` (ICT's counts) and ``all`` (every valid token: the reference row). ``rho`` is ICT's (and
-    its complement's and random's) fraction, None = ``rl.selector.rho``'s default for ICT."""
+    its complement's and random's) fraction, None = ``rl.selector.rho``'s default for ICT. Every other
+    selector uses the default tie rule, ``position``."""
     specs: dict[str, tuple[SelectorSection, str]] = {}
     for form in u_forms:
         for method in ("ict", "frequent", "selectable"):
             specs[f"{method}[{form}]"] = (SelectorSection(method=method, rho=rho if method != "selectable" else None,
                                                           warmup_steps=0), form)
+            if method == "ict":
+                specs[ict_all_name(form)] = (SelectorSection(method="ict", rho=rho, ties="all", warmup_steps=0), form)
     default = u_forms[0]
     specs["entropy"] = (SelectorSection(method="entropy", warmup_steps=0), default)
     for over in ("low_prob_positive", "valid"):
@@ -176,21 +187,23 @@ def _checked_setting(setting: Setting, max_new_tokens: int) -> tuple[int, float,
 
 
 #: :func:`~ict_jax.rl.saturation.tie_decided` compiled once per candidate-set shape (not op by op)
-_tie_decided = jax.jit(tie_decided, static_argnames=("scope", "group_size", "set_rows"))
+_tie_decided = jax.jit(tie_decided, static_argnames=("scope", "group_size", "set_rows", "ties", "rho"))
 
 
 def _ties_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str, TokenStats], first: str,
               masks: Mapping[str, np.ndarray], valid: np.ndarray, G: int) -> dict[str, np.ndarray]:
-    """The selected tokens the tie rule decided (:func:`~ict_jax.rl.saturation.tie_decided`) for every top-k
-    selector (:data:`~ict_jax.rl.saturation.RANKED_BY`: ict by u of its reading, entropy by H1), one
-    sampling batch being the mini-batch (its candidate set under scope ``batch``)."""
+    """The selected tokens the tie at the cut decided (:func:`~ict_jax.rl.saturation.tie_decided`) for every
+    top-k selector (:data:`~ict_jax.rl.saturation.RANKED_BY`: ict by u of its reading, entropy by H1), under
+    its tie rule (``position``: kept by position; ``all``: kept because they tie), one sampling batch being
+    the mini-batch (its candidate set under scope ``batch``)."""
     out = {}
     for name, (cfg, form) in specs.items():
         stat = RANKED_BY.get(cfg.canonical_method)
         if stat is None:
             continue
         score = getattr(per[form] if stat == "js" else per[first], stat)
-        out[name] = np.asarray(_tie_decided(score, masks[name], valid, scope=cfg.resolved_scope, group_size=G))
+        out[name] = np.asarray(_tie_decided(score, masks[name], valid, scope=cfg.resolved_scope, group_size=G,
+                                            ties=cfg.ties, rho=cfg.resolved_rho))
     return out
 
 
@@ -311,7 +324,8 @@ def _load_arrays(path: Path, meta: Mapping[str, Any], u_forms: Sequence[str]) ->
 def reanalyse(out: str | Path, tokenizer: Any, *, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Rebuild the diagnostics of a finished :func:`run_diagnose` in ``out`` from its saved per-token arrays
     (no sampling): the advantages from correctness (:func:`outcome_advantages`), the STAPO masks from them
-    (the one selector that reads A), then :func:`diagnostics`; rewrites ``diagnose.json``,
+    (the one selector that reads A), ICT's ``ties: all`` masks and tie records from u where the arrays
+    predate them, then :func:`diagnostics`; rewrites ``diagnose.json``,
     ``diagnose.md`` and the plots. Wall and phase times are the original run's."""
     out = Path(out)
     results = json.loads((out / "diagnose.json").read_text())
@@ -323,17 +337,24 @@ def reanalyse(out: str | Path, tokenizer: Any, *, say: Callable[[str], None] = l
         data["advantage"] = outcome_advantages(data["correct"], G)
         st = TokenStats(jnp.asarray(data["logp"]), jnp.asarray(data["H1"]), None, None)
         rows_per_batch = results.get("batch_rows", 64) // G * G or G
-        for sel_name, (cfg, _) in specs.items():
-            if cfg.canonical_method != "stapo":
+        for sel_name, (cfg, form) in specs.items():
+            ict_all = cfg.canonical_method == "ict" and cfg.ties == "all"  # absent from arrays saved before it was
+            if cfg.canonical_method != "stapo" and not (ict_all and sel_name not in data["masks"]):
                 continue
-            masks = []
+            masks, ties = [], []
             for start in range(0, len(data["tokens"]), rows_per_batch):  # the original mini-batches
                 sl = slice(start, start + rows_per_batch)
-                sub = TokenStats(st.logp[sl], st.H1[sl], None, None)
-                masks.append(np.asarray(select("stapo", sub, jnp.asarray(data["advantage"][sl]),
-                                               jnp.asarray(data["valid"][sl]), key=jax.random.key(0), step=0,
-                                               config=cfg, group_size=G)) > 0)
+                sub = TokenStats(st.logp[sl], st.H1[sl], None, jnp.asarray(data["js"][form][sl]))
+                v = jnp.asarray(data["valid"][sl])
+                m = np.asarray(select(cfg.method, sub, jnp.asarray(data["advantage"][sl]), v, key=jax.random.key(0),
+                                      step=0, config=cfg, group_size=G)) > 0
+                masks.append(m)
+                if ict_all:
+                    ties.append(np.asarray(_tie_decided(sub.js, m, v, scope=cfg.resolved_scope, group_size=G,
+                                                        ties="all", rho=cfg.resolved_rho)))
             data["masks"][sel_name] = np.concatenate(masks)
+            if ict_all:
+                data["ties"][sel_name] = np.concatenate(ties)
         d = diagnostics(data, tokenizer)
         d.update(wall_s=old.get("wall_s"), setting=old["setting"], examples=marked_examples(data, tokenizer, forms[0]))
         results["settings"][name] = d

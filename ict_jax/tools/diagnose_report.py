@@ -69,6 +69,20 @@ def _tie(s: Mapping[str, Any]) -> str:
     return "n/a (no token selected)" if not s["selected"] else "n/a (arrays saved without the tie record)"
 
 
+#: ICT's selection under ``rl.selector.ties: all`` in a reading (tools.diagnose.ict_all_name; the report
+#: reads diagnose.json alone, so the name is written here too).
+def _ict_all(form: str) -> str:
+    return f"ict[{form},ties=all]"
+
+
+def _ties_all_cell(sel: Mapping[str, Any], form: str) -> str:
+    """ICT under ties: all in ``form``: selected tokens (% of valid) · the share the tie at the cut decided."""
+    s = sel.get(_ict_all(form))
+    if s is None:
+        return "n/a (not in this diagnose.json: --reanalyse adds it)"
+    return f"{s['selected']} ({100 * s['selected_frac']:.1f} %) · {_tie(s)}"
+
+
 def _mean_u_by_sign(c: Mapping[str, Any]) -> str:
     pos, neg = c.get("mean_u_pos"), c.get("mean_u_neg")
     return (f"{_num(pos) if pos is not None else 'none with A > 0'} / "
@@ -97,8 +111,11 @@ def _ict_table(d: Mapping[str, Any], paper: Mapping[str, Any], forms: list[str])
         + [f"{_num(rd[f]['u']['mean'])} · {_num(rd[f]['u']['p90'])} · {_num(rd[f]['u']['max'])} · "
            f"{_num(rd[f]['u']['zero_share'], '.2f')} · {_num(rd[f]['u'].get('u_at_ceiling'), '.2f')}" for f in forms]
         + ["", ""],
-        ["selected tokens decided by the tie rule (share)", "not given"]
+        ["ties = position (exactly k): selected tokens decided by the tie rule (share)", "not given"]
         + [_tie(sel[c]) if c.startswith("ict[") else "" for c in cols],
+        ["ties = all (every token tied at the cut kept): selected tokens (% of valid) · share in the tie at "
+         "the cut", "M = 1[u >= Percentile(u, 90)]"]
+        + [_ties_all_cell(sel, f) for f in forms] + ["", ""],
         ["mean u by position (bins of 16 tokens, every other bin)", ""]
         + [" ".join(_num(x, ".2f") for x in rd[f]["u_by_position"][::2]) for f in forms] + ["", ""],
         ["selected share by position (same bins)", "not given"]
@@ -197,7 +214,8 @@ def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
     forms = list(results["u_forms"])
     paper = results["paper"]
     head = ["setting", "selection", "p(o_t)", "Q(o_t)", "β = Σ p²", "max p", "H-ratio (median)", "top-20 % share",
-            "elbow E · knee", "u at ceiling · tie share", "forks selected", "corr(mean u, A)", "most frequent selected"]
+            "elbow E · knee", "u at ceiling · tie share (position / all)", "forks selected", "corr(mean u, A)",
+            "most frequent selected"]
     rows = [[label or "paper", "ICT (Qwen2.5, GSM8K / MATH)", f"{paper['p_mean']} ± {paper['p_sd']}", "?", "?", "?",
              " / ".join(map(str, paper["h_ratio_median"])), "", "sharp, near 10 %", "?", "", "positive",
              "content words"]]
@@ -214,8 +232,8 @@ def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
                 _h_ratio(s["h_ratio_median"], s["h_counts_median"]), f"{s['top20_share']:.2f}",
                 (f"{_num(el['E'], '.2f')} · {'none' if el['knee'] is None else format(el['knee'], '.2f')}"
                  if el else ""),
-                (f"{_num(rd[form]['u'].get('u_at_ceiling'), '.2f')} · {_num(s.get('tie_share'), '.2f')}"
-                 if form else ""),
+                (f"{_num(rd[form]['u'].get('u_at_ceiling'), '.2f')} · {_num(s.get('tie_share'), '.2f')} / "
+                 f"{_num(sel.get(_ict_all(form), {}).get('tie_share'), '.2f')}" if form else ""),
                 f"{s['forks_selected']}/{s['forks']}",
                 ("n/a" if not corr or corr.get("pearson") is None else f"{corr['pearson']:+.2f}"),
                 _tokens(s["top_selected"], 5)])
@@ -330,7 +348,7 @@ def plot_setting(d: Mapping[str, Any], path: str | Path, title: str = "") -> Non
     ax[0].set(title="sorted u / max u, mean over responses", xlabel="rank fraction", ylabel="u / max u")
     ax[1].set(title=f"mean u against position (bins of {POSITION_BIN})", xlabel="response position", ylabel="u")
     for name, s in d["selectors"].items():
-        if name.startswith("ict[") or name in ("entropy", "random"):
+        if (name.startswith("ict[") and "," not in name) or name in ("entropy", "random"):
             if d["position_bins"]:
                 ax[2].stairs(*reversed(position_steps(d["position_bins"], s["selected_by_position"])), label=name)
     ax[2].set(title=f"selected share against position (bins of {POSITION_BIN})", xlabel="response position",

@@ -1,6 +1,7 @@
 """ict_jax.rl.losses against golden values of an independent PyTorch reference (tests/rl/golden/grpo_reference.py),
 plus the semantic properties of docs/method.md §3-§4: zero gradient where M = 0, advantages that sum to zero,
-all-equal groups that do not learn, micro-batch denominators that add up to the mini-batch."""
+all-equal groups that do not learn, micro-batch denominators that add up to the mini-batch, and the
+micro-batch normaliser of 20-Entropy's official code (rl.loss.normalize_scope: micro_batch) by hand."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ict_jax.config import LossSection
-from ict_jax.rl.losses import (clipped_surrogate, group_advantages, k3_kl, loss_denominators, policy_loss, zero_std_groups)
+from ict_jax.rl.losses import (clipped_surrogate, group_advantages, k3_kl, loss_denominators, micro_batch_loss,
+                               mini_batch_loss, policy_loss, zero_std_groups)
 
 DATA = Path(__file__).parent / "golden"
 GOLDEN = json.loads((DATA / "grpo_golden.json").read_text())
@@ -286,8 +288,8 @@ def test_sharded_rows_match_one_device(devices8):
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 25 item 4: dynamic sampling decided from the total reward, so with a format penalty an
-# all-wrong group whose rewards differ only by format survived. rl.adv.filter_on: correct | reward.
+# Dynamic sampling: which groups carry a signal. Decided from the total reward, an all-wrong group whose
+# rewards differ only by a format penalty would survive; rl.adv.filter_on: correct | reward.
 # ------------------------------------------------------------------------------------------------
 def test_informative_groups_hand_cases():
     from ict_jax.rl.dynamic_sampling import informative_groups
@@ -318,3 +320,54 @@ def test_filter_on_config_key():
     assert load_config(None, ["rl.adv.filter_on=reward"]).rl.adv.filter_on == "reward"
     with pytest.raises(ConfigError, match="rl.adv.filter_on: 'score' is not allowed; allowed values: reward, correct"):
         load_config(None, ["rl.adv.filter_on=score"])
+
+
+def test_micro_batch_normaliser_hand_computed():
+    """rl.loss.normalize_scope (docs/loss.md): two micro-batches of two rows, token-mean over the selected
+    tokens M (20-Entropy's official code), computed by hand.
+
+    M = (0,0), (2,0), (3,0) (the top 20 % of H1 per micro-batch in tests/rl/test_selectors.py); A = 1, -1,
+    0.5, -0.5; r = 1 but at (2,0), r = 1.1 (inside the clip: surr = 0.55); logp_ref - logp = ln 2 at (2,0)
+    (k3 = 2 - ln 2 - 1), 0 elsewhere; kl_coef 0.1, masked.
+      micro_batch: 1/2 [ -1/1 + -(0.55 - 0.5)/2 ] + 0.1 * 1/2 [ 0/1 + k3/2 ] = -0.5125 + 0.025 k3
+      mini_batch:  -(1 + 0.55 - 0.5)/3 + 0.1 * k3/3 = -0.35 + k3/30
+    """
+    valid = jnp.array([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]], jnp.float32)
+    mask = jnp.array([[1, 0, 0], [0, 0, 0], [1, 0, 0], [1, 0, 0]], jnp.float32)
+    adv = jnp.array([1.0, -1.0, 0.5, -0.5])
+    logp = jnp.log(jnp.array([[0.5, 0.4, 0.3], [0.6, 0.2, 1.0], [0.3, 0.7, 0.8], [0.9, 0.1, 0.2]], jnp.float32))
+    logp_old = logp.at[2, 0].add(-jnp.log(1.1))
+    logp_ref = logp.at[2, 0].add(jnp.log(2.0))
+    k3 = 2.0 - math.log(2.0) - 1.0
+    cfg = LossSection(loss_agg="token-mean", normalize_over="selected", kl_coef=0.1, kl_masked=True,
+                      normalize_scope="micro_batch")
+    loss, m = mini_batch_loss(logp, logp_old, logp_ref, adv, valid, mask, config=cfg, micro_batches=2)
+    np.testing.assert_allclose(float(loss), -0.5125 + 0.025 * k3, rtol=1e-6)
+    np.testing.assert_allclose(float(m["loss/policy"]), -0.5125, rtol=1e-6)
+    np.testing.assert_allclose(float(m["loss/kl"]), k3 / 4, rtol=1e-6)
+    np.testing.assert_allclose(float(m["mask/selected_frac"]), 3 / 11, rtol=1e-6)  # over the mini-batch
+    # d loss / d logp: -A r / (#M of its micro-batch * 2) (dual clip inactive at (3,0): max(-0.5, 3 A)), and the
+    # KL's -(exp(d) - 1) * 0.1 / (2 * 2) at (2,0)
+    g = jax.grad(lambda lp: mini_batch_loss(lp, logp_old, logp_ref, adv, valid, mask, config=cfg,
+                                            micro_batches=2)[0])(logp)
+    want = np.zeros((4, 3))
+    want[0, 0], want[2, 0], want[3, 0] = -0.5, -0.5 * 1.1 / 4 - 0.1 / 4, 0.5 / 4
+    np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-7)
+    # the default, mini-batch denominators: one mean over the mini-batch's 3 selected tokens
+    mini = LossSection(loss_agg="token-mean", normalize_over="selected", kl_coef=0.1, kl_masked=True)
+    loss2, m2 = mini_batch_loss(logp, logp_old, logp_ref, adv, valid, mask, config=mini, micro_batches=2)
+    np.testing.assert_allclose(float(loss2), -0.35 + k3 / 30, rtol=1e-6)
+    whole, mw = policy_loss(logp, logp_old, logp_ref, adv, valid, mask, config=mini)
+    np.testing.assert_allclose(float(loss2), float(whole), rtol=1e-6)
+    for k in mw:
+        np.testing.assert_allclose(float(m2[k]), float(mw[k]), rtol=1e-6, atol=1e-7, err_msg=k)
+    # one micro-batch: both conventions are policy_loss on the whole, and the default path is policy_loss itself
+    one, _ = mini_batch_loss(logp, logp_old, logp_ref, adv, valid, mask, config=cfg, micro_batches=1)
+    assert float(one) == float(whole)
+    d = loss_denominators(valid[:2], mask[:2], mini)
+    a = micro_batch_loss(logp[:2], logp_old[:2], logp_ref[:2], adv[:2], valid[:2], mask[:2], config=mini, denoms=d,
+                         micro_batches=2)
+    b = policy_loss(logp[:2], logp_old[:2], logp_ref[:2], adv[:2], valid[:2], mask[:2], config=mini, denoms=d)
+    assert jax.tree.map(float, a) == jax.tree.map(float, b)
+    with pytest.raises(ValueError, match="micro_batches=3"):
+        mini_batch_loss(logp, logp_old, logp_ref, adv, valid, mask, config=cfg, micro_batches=3)

@@ -174,3 +174,73 @@ def test_step_metrics_report_both():
     m = jax.eval_shape(lambda: step_metrics(batch, jnp.asarray(valid), jnp.asarray(mask), stats, jnp.zeros((B, T)),
                                             G, selector=SelectorSection(method="dense")))
     assert "stats/u_at_ceiling" not in m and "mask/tie_selected_frac" not in m
+
+
+def test_tie_decided_under_ties_all_hand_case():
+    """ties: all keeps every token tied at the cut; the tie decided those at s_k when more than k valid
+    tokens score >= s_k, and nothing where the cut is not inside a tie or the mask is not the cut."""
+    valid = np.ones((1, 6), np.float32)
+    score = np.array([[0.5, 0.9, 0.5, 0.5, 0.1, 0.9]], np.float32)
+    topk = jax.jit(topk_mask, static_argnames=("rho", "scope", "group_size", "ties"))
+    ties = jax.jit(tie_decided, static_argnames=("scope", "group_size", "set_rows", "ties", "rho"))
+    mask = np.asarray(topk(score, valid, rho=0.5, scope="sequence", ties="all"))  # k = 3: both 0.9 and all three 0.5
+    np.testing.assert_array_equal(mask, [[1, 1, 1, 1, 0, 1]])
+    np.testing.assert_array_equal(ties(score, mask, valid, scope="sequence", ties="all", rho=0.5), [[1, 0, 1, 1, 0, 0]])
+    assert float(tie_selected_frac(score, mask, valid, scope="sequence", ties="all", rho=0.5)) == pytest.approx(3 / 5)
+    # k = 2 takes both 0.9: no tie at the cut
+    mask2 = np.asarray(topk(score, valid, rho=0.3, scope="sequence", ties="all"))
+    assert not np.asarray(ties(score, mask2, valid, scope="sequence", ties="all", rho=0.3)).any()
+    # all scores equal: the tie decided every token; a warm-up's M = valid is not the cut: nothing
+    flat = np.full((1, 6), 0.2, np.float32)
+    np.testing.assert_array_equal(ties(flat, valid, valid, scope="sequence", ties="all", rho=0.5), valid > 0)
+    assert not np.asarray(ties(score, valid, valid, scope="sequence", ties="all", rho=0.5)).any()
+    with pytest.raises(ValueError, match="needs rho"):
+        tie_decided(score, mask, valid, scope="sequence", ties="all")
+
+
+def test_tie_decided_under_ties_all_matches_reference():
+    rng = np.random.default_rng(4)
+    B, T, G = 8, 9, 4
+    valid = (rng.random((B, T)) < 0.8).astype(np.float32)
+    score = rng.integers(0, 4, (B, T)).astype(np.float32)
+    topk = jax.jit(topk_mask, static_argnames=("rho", "scope", "group_size", "ties"))
+    ties = jax.jit(tie_decided, static_argnames=("scope", "group_size", "set_rows", "ties", "rho"))
+    for scope, rows in (("sequence", 1), ("group", G), ("micro_batch", 4)):
+        select_scope = "batch" if scope == "micro_batch" else scope
+        mask = np.concatenate([np.asarray(topk(score[r:r + rows] if scope == "micro_batch" else score,
+                                               valid[r:r + rows] if scope == "micro_batch" else valid,
+                                               rho=0.3, scope=select_scope, group_size=G, ties="all"))
+                               for r in (range(0, B, rows) if scope == "micro_batch" else [0])])
+        got = np.asarray(ties(score, mask, valid, scope=scope, group_size=G, set_rows=rows, ties="all", rho=0.3))
+        want = np.zeros((B, T), bool)  # float64 loops: s_k per set, the tie at the cut when #(s >= s_k) > k
+        for s0 in range(0, B, rows):
+            s, v, m = score[s0:s0 + rows].ravel(), valid[s0:s0 + rows].ravel() > 0, mask[s0:s0 + rows].ravel() > 0
+            k = max(1, math.ceil(0.3 * v.sum() - 1e-12)) if v.any() else 0
+            if k and (v & (s >= np.sort(s[v])[::-1][k - 1])).sum() > k:
+                want[s0:s0 + rows] = (m & (s == np.sort(s[v])[::-1][k - 1])).reshape(rows, T)
+        np.testing.assert_array_equal(got, want, err_msg=scope)
+        assert want.any() and not want.all()
+        # the same mask under position: its tie share counts the tokens kept by position only
+        pos = ref_topk(score, valid, 0.3, rows).astype(np.float32)
+        assert np.asarray(ties(score, pos, valid, scope=scope, group_size=G, set_rows=rows)).sum() <= got.sum()
+
+
+def test_step_metrics_tie_share_under_both_rules():
+    B, T, G = 4, 5, 2
+    valid = np.ones((B, T), np.float32)
+    js = np.full((B, T), 0.2, np.float32)
+    js[:, 0] = 0.3  # each row: one 0.3, then four 0.2 tied; rho 0.4 -> k = 2 cuts inside the tie
+    stats = TokenStats(jnp.zeros((B, T)), jnp.ones((B, T)), jnp.ones((B, T)), jnp.asarray(js))
+    batch = RolloutBatch(tokens=jnp.zeros((B, T + 1), jnp.int32), attention_mask=jnp.ones((B, T + 1), jnp.int32),
+                         response_valid=jnp.asarray(valid), rewards=jnp.zeros(B), advantages=jnp.zeros(B),
+                         sampler_logp=jnp.zeros((B, T)), truncated=jnp.zeros(B), row_valid=jnp.ones(B),
+                         correct=jnp.zeros(B))
+    metrics = jax.jit(step_metrics, static_argnames=("group_size", "u_form", "selector", "mini_batches",
+                                                     "micro_batches"))
+    for ties, sel, share in (("position", 2, 1 / 2), ("all", 5, 4 / 5)):
+        cfg = SelectorSection(method="ict", rho=0.4, ties=ties)
+        mask = np.asarray(topk_mask(stats.js, valid, rho=0.4, scope="sequence", ties=ties))
+        assert mask.sum() == B * sel
+        m = metrics(batch, jnp.asarray(valid), jnp.asarray(mask), stats, jnp.zeros((B, T)), group_size=G,
+                    selector=cfg)
+        assert float(m["mask/tie_selected_frac"]) == pytest.approx(share), ties

@@ -514,3 +514,212 @@ def test_stapo_invariants(H, logp, adv, valid):
         q = np.quantile(H1[cand].astype(np.float64), tau_h, method="linear")
         silenced = low & (H1 < q)
         np.testing.assert_array_equal(m, ((v > 0) & ~silenced).astype(np.float32), err_msg=over)
+
+
+# ------------------------------------------------------------------------------------------------
+# rl.selector.ties: all (every token tied at the cut kept) and the micro_batch scope (docs/method.md §2)
+# ------------------------------------------------------------------------------------------------
+def ref_topk_all(score, valid, rho, scope, G):
+    """NumPy: per candidate set, every valid position whose score is >= the k-th largest valid score."""
+    B, T = score.shape
+    s, v = np.asarray(score, np.float64).reshape(-1), np.asarray(valid).reshape(-1) > 0
+    m = np.zeros(B * T)
+    for members in ref_sets(B, T, scope, G):
+        members = np.asarray(members)
+        vs = np.sort(s[members][v[members]])[::-1]
+        k = ref_k(vs.size, rho)
+        if k:
+            m[members[v[members] & (s[members] >= vs[k - 1])]] = 1.0
+    return m.reshape(B, T)
+
+
+jit_topk = jax.jit(ict_mask, static_argnames=("group_size", "rho", "scope", "ties"))
+
+
+def test_ties_all_hand_computed():
+    valid = np.ones((1, 6), np.float32)
+    score = np.array([[0.5, 0.9, 0.5, 0.5, 0.1, 0.9]], np.float32)
+    # an exact tie at the cut: k = ceil(0.5 * 6) = 3 falls inside the three 0.5s
+    np.testing.assert_array_equal(jit_topk(score, valid, rho=0.5, scope="sequence"), [[1, 1, 0, 0, 0, 1]])
+    np.testing.assert_array_equal(jit_topk(score, valid, rho=0.5, scope="sequence", ties="all"), [[1, 1, 1, 1, 0, 1]])
+    # ties not at the cut: k = ceil(0.3 * 6) = 2 takes both 0.9s: the same mask under both rules
+    for ties in ("position", "all"):
+        np.testing.assert_array_equal(jit_topk(score, valid, rho=0.3, scope="sequence", ties=ties),
+                                      [[0, 1, 0, 0, 0, 1]])
+    # every score equal: position keeps k = ceil(0.2 * 4) = 1 (the lowest valid index), all keeps every valid one
+    flat = np.full((2, 5), 0.25, np.float32)
+    v = np.array([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], np.float32)
+    np.testing.assert_array_equal(jit_topk(flat, v, rho=0.2, scope="sequence"), [[0, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(jit_topk(flat, v, rho=0.2, scope="sequence", ties="all"), v)
+    # group and batch scopes: the cut inside the tie of zeros keeps all of it; -0.0 ties with 0.0
+    zeros = np.zeros((4, 5), np.float32)
+    zeros[3, 4] = -0.0
+    zeros[2, 1] = 1.0
+    valid = np.ones((4, 5), np.float32)
+    valid[0, 0] = 0
+    m = np.asarray(jit_topk(zeros, valid, group_size=2, rho=0.2, scope="batch", ties="all"))  # n = 19, k = 4
+    np.testing.assert_array_equal(m, valid)
+    m = np.asarray(jit_topk(zeros, valid, group_size=2, rho=0.1, scope="group", ties="all"))  # k = 1, 1
+    np.testing.assert_array_equal(m[:2], valid[:2])  # group 0: all zeros tied at the cut
+    np.testing.assert_array_equal(m[2:], [[0, 1, 0, 0, 0], [0, 0, 0, 0, 0]])  # group 1: the one 1.0, no tie
+    # -inf scores: a valid -inf tied at the cut is kept; invalid positions never; n = 0 keeps nothing
+    s = np.array([[-np.inf, -np.inf, 3.0, -np.inf, 7.0], [1.0, 1.0, 1.0, 1.0, 1.0]], np.float32)
+    v = np.array([[1, 1, 1, 0, 1], [0, 0, 0, 0, 0]], np.float32)
+    np.testing.assert_array_equal(jit_topk(s, v, rho=0.6, scope="sequence", ties="all"), [[1, 1, 1, 0, 1], [0] * 5])
+    with pytest.raises(ValueError, match="ties: 'some'"):
+        ict_mask(score, valid[:1, :6], ties="some")
+
+
+@pytest.mark.parametrize("scope", ["sequence", "group", "batch"])
+@pytest.mark.parametrize("rho", [0.1, 0.3, 1.0])
+def test_ties_all_against_reference(scope, rho):
+    rng = np.random.default_rng(int(rho * 100) + len(scope))
+    score = np.round(rng.random((6, 9)), 1).astype(np.float32)  # many ties
+    valid = ragged_valid(rng, 6, 9)
+    pos = np.asarray(jit_topk(score, valid, group_size=3, rho=rho, scope=scope))
+    every = np.asarray(jit_topk(score, valid, group_size=3, rho=rho, scope=scope, ties="all"))
+    np.testing.assert_array_equal(every, ref_topk_all(score, valid, rho, scope, 3))
+    assert np.all(every >= pos)  # position's k tokens are among them
+    for fn, kw in ((entropy_mask, {}), (frequent_mask, {})):
+        got = np.asarray(fn(score, valid, group_size=3, rho=rho, scope=scope, ties="all", **kw))
+        want = every if fn is entropy_mask else valid * (1 - every)
+        np.testing.assert_array_equal(got, want, err_msg=fn.__name__)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    scores=st.lists(st.sampled_from([-np.inf, -1.0, 0.0, 0.25, 0.5, 1.0, 3.0]), min_size=N, max_size=N),
+    valid=st.lists(st.booleans(), min_size=N, max_size=N),
+    rho=st.sampled_from([0.1, 0.3, 0.5]),
+    scope=st.sampled_from(["sequence", "group", "batch"]),
+)
+def test_ties_all_invariants(scores, valid, rho, scope):
+    """Per set: at least k kept, every kept score >= every dropped one, and the same mask as ``position``
+    exactly when the cut is not inside a tie (the k-th and (k+1)-th valid scores differ, or k = n)."""
+    score = np.array(scores, np.float32).reshape(SHAPE)
+    v = np.array(valid, np.float32).reshape(SHAPE)
+    pos = np.asarray(jit_topk(score, v, group_size=2, rho=rho, scope=scope))
+    every = np.asarray(jit_topk(score, v, group_size=2, rho=rho, scope=scope, ties="all"))
+    assert set(np.unique(every)) <= {0.0, 1.0} and np.all(every <= v) and np.all(every >= pos)
+    for members in ref_sets(*SHAPE, scope, 2):
+        mm, pm = every.reshape(-1)[members], pos.reshape(-1)[members]
+        vv, ss = v.reshape(-1)[members] > 0, score.reshape(-1)[members]
+        k = ref_k(int(vv.sum()), rho)
+        assert mm.sum() >= k
+        kept, dropped = ss[mm > 0], ss[(mm == 0) & vv]
+        if len(kept) and len(dropped):
+            assert kept.min() > dropped.max()  # strictly: nothing tied with a kept token is left out
+        desc = np.sort(ss[vv])[::-1]
+        cut_in_tie = 0 < k < desc.size and desc[k - 1] == desc[k]
+        assert np.array_equal(mm, pm) == (not cut_in_tie)
+
+
+def test_select_passes_ties_to_the_topk_selectors_only():
+    score = np.array([[0.5, 0.9, 0.5, 0.5, 0.1, 0.9], [0.2, 0.2, 0.2, 0.2, 0.2, 0.2]], np.float32)
+    valid = np.ones((2, 6), np.float32)
+    stats = TokenStats(jnp.log(jnp.full((2, 6), 0.5)), jnp.asarray(score), None, jnp.asarray(score))
+    adv = jnp.ones(2)
+    key = jax.random.key(0)
+    for method in ("ict", "entropy", "frequent"):
+        for ties in ("position", "all"):
+            cfg = SelectorSection(method=method, rho=0.5, scope="sequence", ties=ties, warmup_steps=0)
+            got = np.asarray(select(method, stats, adv, valid, key=key, step=0, config=cfg))
+            cut = np.asarray(ict_mask(score, valid, rho=0.5, ties=ties))
+            np.testing.assert_array_equal(got, valid - cut if method == "frequent" else cut, err_msg=(method, ties))
+    # the all-rule mask of row 0 keeps the whole tie of 0.5s, row 1 (all equal) every token
+    np.testing.assert_array_equal(np.asarray(ict_mask(score, valid, rho=0.5, ties="all")),
+                                  [[1, 1, 1, 1, 0, 1], [1, 1, 1, 1, 1, 1]])
+    # random: Uniform[0, 1) draws do not tie here, so both rules give the same mask
+    a, b = (np.asarray(select("random", stats, adv, valid, key=key, step=0,
+                              config=SelectorSection(method="random", rho=0.5, ties=t, warmup_steps=0)))
+            for t in ("position", "all"))
+    np.testing.assert_array_equal(a, b)
+    # selectors without a cut ignore the rule
+    for method in ("dense", "stapo", "selectable"):
+        a, b = (np.asarray(select(method, stats, adv, valid, key=key, step=0,
+                                  config=SelectorSection(method=method, ties=t, warmup_steps=0)))
+                for t in ("position", "all"))
+        np.testing.assert_array_equal(a, b, err_msg=method)
+    # the warm-up still gives M = valid under ties: all
+    cfg = SelectorSection(method="ict", rho=0.5, ties="all", warmup_steps=3)
+    np.testing.assert_array_equal(np.asarray(select("ict", stats, adv, valid, key=key, step=2, config=cfg)), valid)
+
+
+def test_micro_batch_scope_hand_computed():
+    """20-Entropy as its official code runs it: the top max(1, ceil(0.2 n)) by H1 within each micro-batch.
+    Two micro-batches of two rows: n = 5 (k = 1) and n = 6 (k = 2); over the mini-batch n = 11 (k = 3)."""
+    H1 = jnp.array([[0.9, 0.8, 0.1], [0.7, 0.2, 0.0], [0.5, 0.4, 0.3], [0.6, 0.05, 0.01]], jnp.float32)
+    valid = jnp.array([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]], jnp.float32)
+    stats = TokenStats(None, H1, None, None)
+    adv = jnp.zeros(4)
+    key = jax.random.key(0)
+    micro = SelectorSection(method="entropy", scope="micro_batch")
+    got = select("entropy", stats, adv, valid, key=key, step=0, config=micro, micro_batches=2)
+    np.testing.assert_array_equal(got, [[1, 0, 0], [0, 0, 0], [1, 0, 0], [1, 0, 0]])
+    mini = select("entropy", stats, adv, valid, key=key, step=0, config=SelectorSection(method="entropy"),
+                  micro_batches=2)  # the default scope, batch: the mini-batch's top 3, all in the first micro-batch
+    np.testing.assert_array_equal(mini, [[1, 1, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]])
+    # one micro-batch is the mini-batch: scope batch, bit for bit
+    one = select("entropy", stats, adv, valid, key=key, step=0, config=micro, micro_batches=1)
+    np.testing.assert_array_equal(one, mini)
+    # each micro-batch on its own, as entropy_mask with scope batch on its arrays
+    for sl in (slice(0, 2), slice(2, 4)):
+        np.testing.assert_array_equal(got[sl], entropy_mask(H1[sl], valid[sl], rho=0.2, scope="batch"))
+    # ties: all inside micro-batches: the second micro-batch's 0.5 ties with a new 0.5 at the cut
+    tied = H1.at[3, 1].set(0.5)
+    got = select("entropy", stats._replace(H1=tied), adv, valid, key=key, step=0, micro_batches=2,
+                 config=SelectorSection(method="entropy", scope="micro_batch", ties="all"))
+    np.testing.assert_array_equal(got, [[1, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 0]])
+    with pytest.raises(ValueError, match="micro_batches=3"):
+        select("entropy", stats, adv, valid, key=key, step=0, config=micro, micro_batches=3)
+    with pytest.raises(ValueError, match="micro_batches=n"):
+        entropy_mask(H1, valid, scope="micro_batch")
+
+
+def test_micro_batch_scope_is_for_entropy_only():
+    from ict_jax.config import ConfigError, load_config
+
+    cfg = load_config(None, ["rl.selector.method=entropy", "rl.selector.scope=micro_batch", "rl.selector.ties=all"])
+    assert cfg.rl.selector.resolved_scope == "micro_batch" and cfg.rl.selector.ties == "all"
+    assert load_config(None, []).rl.selector.ties == "position"
+    for method in ("ict", "random", "frequent"):
+        with pytest.raises(ConfigError, match="rl.selector.scope: 'micro_batch' .* for method entropy only"):
+            load_config(None, [f"rl.selector.method={method}", "rl.selector.scope=micro_batch"])
+    with pytest.raises(ConfigError, match="rl.selector.ties: 'some' is not allowed"):
+        load_config(None, ["rl.selector.ties=some"])
+
+
+def test_mesh_8_devices_ties_all_and_micro_batch_scope(devices8):
+    """ties: all and the micro_batch scope on a (2, 2, 2) mesh give the masks of one device, with cuts
+    inside exact ties under every scope."""
+    rng = np.random.default_rng(5)
+    B, T = 8, 12
+    score = np.round(rng.random((B, T)), 1).astype(np.float32)  # ties at most cuts
+    valid = ragged_valid(rng, B, T, empty_row=False)
+    stats = lambda s: TokenStats(None, s, None, s)  # noqa: E731
+    cases = [("ict", "sequence", 1), ("ict", "group", 1), ("ict", "batch", 1), ("entropy", "batch", 1),
+             ("entropy", "micro_batch", 2), ("entropy", "micro_batch", 4)]
+
+    def masks(s, v):
+        return [select(m, stats(s), jnp.zeros(B), v, key=jax.random.key(0), step=0, group_size=2, micro_batches=n,
+                       config=SelectorSection(method=m, scope=sc, rho=0.25, ties=t, warmup_steps=0))
+                for m, sc, n in cases for t in ("position", "all")]
+
+    f = jax.jit(masks)
+    one = f(*jax.device_put((score, valid), devices8[0]))
+    mesh = Mesh(np.array(devices8).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    row = NamedSharding(mesh, P(("data", "fsdp")))
+    eight = f(jax.device_put(score, row), jax.device_put(valid, row))
+    differ = 0
+    for i, (a, b) in enumerate(zip(one, eight)):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=str(cases[i // 2]))
+    for (_, sc, n), pos, every in zip(cases, one[::2], one[1::2]):
+        pos, every = np.asarray(pos), np.asarray(every)
+        if sc != "micro_batch":
+            np.testing.assert_array_equal(every, ref_topk_all(score, valid, 0.25, sc, 2))
+        else:
+            for r in range(0, B, B // n):
+                np.testing.assert_array_equal(every[r:r + B // n],
+                                              ref_topk_all(score[r:r + B // n], valid[r:r + B // n], 0.25, "batch", 2))
+        differ += int(not np.array_equal(pos, every))
+    assert differ >= 4  # the draw puts cuts inside ties: the rules differ there

@@ -1,9 +1,10 @@
-"""Issue 5: the single compiled train step. Micro-batching and device count do not change gradients,
+"""The single compiled train step. Micro-batching and device count do not change gradients,
 ict with rho = 1 equals dense, 20 steps compile once, and a tiny model learns a toy reward."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import chex
 import jax
@@ -67,8 +68,9 @@ def _grad_recorder() -> optax.GradientTransformation:
         lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
 
 
-def _param_delta(cfg, mesh=None):
-    """The exact gradient of one step (recorded by the optimizer: no clipping, no Adam)."""
+def _param_delta(cfg, mesh=None, batch=None):
+    """The exact gradient of one step (recorded by the optimizer: no clipping, no Adam) on ``batch``
+    (default: :func:`_batch`)."""
     tx = _grad_recorder()
     model = ict_jax.init_model(MODEL, seed=1, mesh=mesh)
     state = init_train_state(cfg, model, tx=tx)
@@ -76,7 +78,7 @@ def _param_delta(cfg, mesh=None):
     ref = None
     if cfg.rl.loss.kl_coef > 0:
         ref = jax.tree.map(lambda a: a * 1.01, jax.tree.map(jnp.copy, state.params))  # a reference != policy
-    batch = _batch()
+    batch = _batch() if batch is None else batch
     if mesh is not None:
         batch = ict_jax.sharding.shard_batch(batch, mesh)
     new, metrics = step(state, batch, ref)
@@ -141,14 +143,14 @@ def test_eight_devices_full_matrix(method, agg, devices8):
     assert m8["mask/selected_frac"] == m1["mask/selected_frac"]
 
 
-# Micro-batches smaller than a group (issue 15): the no-grad statistics pass fixes the mask and every
+# Micro-batches smaller than a group: the no-grad statistics pass fixes the mask and every
 # denominator over the mini-batch first, so any split of its rows gives the mini-batch's gradient. The
 # old code refused these (whole groups per micro-batch and per shard).
 @pytest.mark.parametrize("method", ["ict", pytest.param("frequent", marks=pytest.mark.e2e)]
                          + [pytest.param(m, marks=pytest.mark.slow)
                                                           for m in ("entropy", "stapo", "dense", "selectable")])
 def test_micro_batches_smaller_than_a_group_give_the_same_gradients(method):
-    agg = METHOD_AGG.get(method, "seq-mean-token-mean")  # the controls (issue 16) read u like ict
+    agg = METHOD_AGG.get(method, "seq-mean-token-mean")  # the controls read u like ict
     d1, m1 = _cached_delta(method, agg, 1)
     for micro in (8, 16):  # 2 rows (half a group of G = 4), then 1 row per micro-batch
         d, m = _cached_delta(method, agg, micro)
@@ -378,8 +380,8 @@ def test_random_control_draws_afresh_in_every_mini_batch(monkeypatch):
 @pytest.mark.e2e  # three more compiled steps (14 s); the default suite checks u_form in tests/rl/test_group_stats.py
 def test_u_form_reaches_the_step_and_micro_batching_keeps_it():
     """stats.u_form is the reading of u that ICT's mask uses in the step (old-policy pass included):
-    `pooled` changes the mask and gradient, and 4 micro-batches (whole groups) or 8 (half a group each,
-    issue 15) give the gradient of one."""
+    `pooled` changes the mask and gradient, and 4 micro-batches (whole groups) or 8 (half a group each)
+    give the gradient of one."""
     agg = METHOD_AGG["ict"]
     d_aligned, m_aligned = _cached_delta("ict", agg, 1)
     d1, m1 = _cached_delta("ict", agg, 1, "stats.u_form=pooled")
@@ -460,3 +462,109 @@ def test_a_registered_selector_gets_a_statistic_the_step_does_not_compute_by_def
     _assert_close_trees(d4, d1)
     assert m4["mask/selected_frac"] == m1["mask/selected_frac"]
 
+
+
+# ------------------------------------------------------------------------------------------------
+# rl.selector.ties: all, and 20-Entropy as its official code runs it (docs/method.md §2)
+# ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _lone_tail_batch() -> RolloutBatch:
+    """:func:`_batch` with the first response of each group 6 tokens long and the others 2: positions 2-5 of
+    that response have no sibling, so u = 0 exactly there (docs/method.md §1), and at rho 0.5 its k = 3 cut
+    falls inside that tie of zeros (at most positions 0 and 1 have u > 0)."""
+    b = _batch()
+    lengths = np.tile([LR, 2, 2, 2], P)
+    rv = (np.arange(LR)[None] < lengths[:, None]).astype(np.float32)
+    am = np.asarray(b.attention_mask).copy()
+    am[:, LP:] = rv.astype(am.dtype)
+    return b.replace(response_valid=jnp.asarray(rv), attention_mask=jnp.asarray(am))
+
+
+@functools.lru_cache(maxsize=None)
+def _ties_delta(ties, micro, mesh_shape=None):
+    cfg = _config("ict", "seq-mean-token-mean", micro, "rl.selector.rho=0.5", f"rl.selector.ties={ties}")
+    mesh = None if mesh_shape is None else ict_jax.make_mesh(*mesh_shape)
+    return _param_delta(cfg, mesh, _lone_tail_batch())
+
+
+def test_ties_all_in_the_compiled_step_with_micro_batches():
+    """ICT under ties: all keeps the whole tie at its cut in the compiled step (k varies per row): more
+    tokens than position's exact k, the tie share counts them, and 4 micro-batches (the old-policy pass,
+    the no-grad statistics pass) give the one-batch gradient, mask and metrics, as under position."""
+    dp, mp = _ties_delta("position", 1)
+    da, ma = _ties_delta("all", 1)
+    # per group: the lone row keeps k = 3 (position) or all 6 (all: 3 more tied zeros); the others 1 of 2
+    n_valid = P * (LR + 3 * 2)
+    assert mp["mask/selected_frac"] == pytest.approx(P * (3 + 3 * 1) / n_valid)
+    assert ma["mask/selected_frac"] == pytest.approx(P * (6 + 3 * 1) / n_valid)
+    # the tie decided 1 of position's 3 (or 2, when u(t=0) rounds to 0 too) and 4 (or 5) of all's 6 a group
+    assert 0 < mp["mask/tie_selected_frac"] < ma["mask/tie_selected_frac"] < 1
+    assert not np.allclose(jax.tree.leaves(da)[0], jax.tree.leaves(dp)[0])
+    for ties, (d1, m1) in (("position", (dp, mp)), ("all", (da, ma))):
+        d4, m4 = _ties_delta(ties, 4)
+        _assert_close_trees(d4, d1)
+        np.testing.assert_allclose(m4["loss/total"], m1["loss/total"], rtol=1e-5, atol=1e-7)
+        assert m4["mask/selected_frac"] == m1["mask/selected_frac"]
+        assert m4["mask/tie_selected_frac"] == m1["mask/tie_selected_frac"]
+
+
+def test_ties_all_on_eight_devices(devices8):
+    """ties: all on a (2, 2, 2) mesh gives the gradients, loss and mask of one device, fused and with a
+    group spread over the 4 batch shards (4 micro-batches)."""
+    da, ma = _ties_delta("all", 1)
+    for micro in (1, 4):
+        d8, m8 = _ties_delta("all", micro, (2, 2, 2))
+        _assert_close_trees(d8, da)
+        np.testing.assert_allclose(m8["loss/total"], ma["loss/total"], rtol=1e-5, atol=1e-7)
+        assert m8["mask/selected_frac"] == ma["mask/selected_frac"]
+
+
+def _official(micro, *extra, mesh=None, batch=None):
+    cfg = _config("entropy", "token-mean", micro, "rl.selector.rho=0.2", *extra,
+                  f"train.prompts_per_step={P if batch is None else batch.rewards.shape[0] // G}")
+    return _param_delta(cfg, mesh, batch)
+
+
+OFFICIAL = ("rl.selector.scope=micro_batch", "rl.loss.normalize_scope=micro_batch")
+
+
+def _halves():
+    b = _batch()
+    half = P * G // 2
+    return [jax.tree.map(lambda a, sl=sl: a[sl], b) for sl in (slice(0, half), slice(half, None))]
+
+
+def test_entropy_official_convention_is_the_mean_of_its_micro_batches():
+    """rl.selector.scope: micro_batch + rl.loss.normalize_scope: micro_batch with 2 micro-batches (2 groups
+    each): the top 20 % by H1 within each micro-batch and each micro-batch's token-mean over its own selected
+    tokens, averaged (verl's gradient accumulation). Each half alone, as a mini-batch of one micro-batch, has
+    exactly that mask and loss, so the step's gradient is the mean of the halves' gradients."""
+    d, m = _official(2, *OFFICIAL)
+    halves = [_official(1, *OFFICIAL, batch=h) for h in _halves()]
+    want = jax.tree.map(lambda a, b: (a + b) / 2, halves[0][0], halves[1][0])
+    _assert_close_trees(d, want)
+    np.testing.assert_allclose(m["loss/total"], (halves[0][1]["loss/total"] + halves[1][1]["loss/total"]) / 2,
+                               rtol=1e-5, atol=1e-7)
+    # k = ceil(0.2 n) per micro-batch: the selected counts add up
+    n = [float(np.asarray(h.response_valid).sum()) for h in _halves()]
+    sel = sum(math.ceil(0.2 * k) for k in n)
+    assert m["mask/selected_frac"] == pytest.approx(sel / sum(n))
+    # the mini-batch default differs: one top 20 % over the 4 groups, one token-mean over it
+    d_default, m_default = _official(2)
+    assert m_default["mask/selected_frac"] == pytest.approx(math.ceil(0.2 * sum(n)) / sum(n))
+    assert not np.allclose(np.asarray(jax.tree.leaves(d_default)[0]), np.asarray(jax.tree.leaves(d)[0]))
+    # one micro-batch: the micro_batch scope is the batch scope and the normaliser the mini-batch's, bit for bit
+    one, m_one = _official(1, *OFFICIAL)
+    ref, m_ref = _official(1)
+    _assert_close_trees(one, ref, rtol=0, atol=0)
+    assert m_one == m_ref
+
+
+def test_entropy_official_convention_on_eight_devices(devices8):
+    """On a (2, 2, 2) mesh each micro-batch (8 rows over 4 batch shards) is still one candidate set and one
+    normaliser: the gradients of one device (the official code's per-rank micro-batch is not reproduced)."""
+    d1, m1 = _official(2, *OFFICIAL)
+    d8, m8 = _official(2, *OFFICIAL, mesh=ict_jax.make_mesh(data=2, fsdp=2, tensor=2))
+    _assert_close_trees(d8, d1)
+    np.testing.assert_allclose(m8["loss/total"], m1["loss/total"], rtol=1e-5, atol=1e-7)
+    assert m8["mask/selected_frac"] == m1["mask/selected_frac"]

@@ -113,11 +113,38 @@ def test_diagnostics_hand_computed():
     assert "0.18 ± 0.09" in md and "1.03 / 0.99" in md and "ICT, u aligned" in md
 
 
+def test_ict_under_both_tie_rules_in_the_report():
+    """ICT's rows come under both tie rules (rl.selector.ties): ``ict[r]`` (position, exactly k) and
+    ``ict[r,ties=all]`` (every token tied at the cut); the report gives each its selected count and tie share."""
+    tok = CharTokenizer()
+    specs = selector_specs(["aligned"], rho=0.3)
+    assert specs["ict[aligned]"][0].ties == "position" and specs["ict[aligned,ties=all]"][0].ties == "all"
+    assert specs["ict[aligned,ties=all]"][0].resolved_rho == 0.3 and specs["ict[aligned,ties=all]"][1] == "aligned"
+    assert all(cfg.ties == "position" for name, (cfg, _) in specs.items() if "ties=all" not in name)
+    data = _synthetic(tok)
+    data["masks"]["ict[aligned,ties=all]"] = np.array([[0, 1, 1, 1], [0, 1, 0, 0]], bool)
+    data["ties"] = {"ict[aligned]": np.array([[0, 1, 0, 0], [0, 0, 0, 0]], bool),
+                    "ict[aligned,ties=all]": np.array([[0, 0, 1, 1], [0, 0, 0, 0]], bool)}
+    d = diagnostics(data, tok)
+    s = d["selectors"]["ict[aligned,ties=all]"]
+    assert s["selected"] == 4 and s["selected_frac"] == 0.5 and s["tie_share"] == 0.5
+    assert d["selectors"]["ict[aligned]"]["tie_share"] == 1 / 3
+    results = {"title": "t", "dataset": "x", "prompts": 1, "max_new_tokens": 4, "u_forms": ["aligned"], "rho": 0.1,
+               "seed": 0, "template": "none", "paper": PAPER,
+               "settings": {"G2_T1": d | {"setting": {"group_size": 2, "temperature": 1.0}}}}
+    md = format_markdown(results)
+    assert "| ties = position (exactly k): selected tokens decided by the tie rule (share) | not given | 0.33 |" in md
+    assert "| ties = all (every token tied at the cut kept)" in md and "| 4 (50.0 %) · 0.50 |" in md
+    assert "tie share (position / all)" in md and "· 0.33 / 0.50 |" in md
+    del d["selectors"]["ict[aligned,ties=all]"]  # a diagnose.json from before: n/a and how to add it
+    assert "n/a (not in this diagnose.json: --reanalyse adds it)" in format_markdown(results)
+
+
 @pytest.mark.e2e  # a whole diagnose run (12 s)
 def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch):
     """A tiny random model on the split task: every reading and selector is reported, the counts follow
     docs/method.md §2, and the JSON, Markdown and plot are written; progress lines as each setting and
-    batch starts and ends (issue 25 item 13)."""
+    batch starts and ends."""
     tok = CharTokenizer()
     model = ict_jax.init_model(ict_jax.ModelConfig.tiny(vocab_size=tok.vocab_size, num_layers=1), seed=0)
     ds = load_dataset("split?digits=2&size=3&seed=3")
@@ -142,6 +169,9 @@ def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch
         assert 0.0 <= d["readings"][form]["u"]["u_at_ceiling"] <= 1.0
         assert 0.0 <= d["selectors"][f"ict[{form}]"]["tie_share"] <= 1.0
     assert 0.0 <= d["selectors"]["entropy"]["tie_share"] <= 1.0 and d["selectors"]["random"]["tie_share"] is None
+    for form in U_FORMS:  # ties: all keeps position's tokens and every token tied at the cut
+        pos, every = d["selectors"][f"ict[{form}]"], d["selectors"][f"ict[{form},ties=all]"]
+        assert every["selected"] >= pos["selected"] and 0.0 <= every["tie_share"] <= 1.0
     saved = json.loads((tmp_path / "diagnose.json").read_text())
     assert saved["settings"]["G2_T1"]["valid_tokens"] == n_valid
     md = (tmp_path / "diagnose.md").read_text()
@@ -167,8 +197,12 @@ def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch
         del r["adv_corr"]["why"]
     (tmp_path / "diagnose.json").write_text(json.dumps(old))
     assert "Not in this diagnose.json" in format_markdown(old)
+    # arrays saved before ICT's ties: all selection existed: reanalyse recomputes it (and its tie record) from u
+    arrays = dict(np.load(tmp_path / "G2_T1.npz"))
+    np.savez_compressed(tmp_path / "G2_T1.npz", **{k: v for k, v in arrays.items() if "ties=all" not in k})
     # the report rebuilt from the saved arrays, without sampling, gives the same diagnostics
     again = reanalyse(tmp_path, tok)["settings"]["G2_T1"]
+    assert set(np.load(tmp_path / "G2_T1.npz").files) == set(arrays)
     for key in ("valid_tokens", "accuracy", "readings", "selectors"):
         assert json.dumps(again[key], sort_keys=True) == json.dumps(d[key], sort_keys=True), key
     assert "Not in this diagnose.json" not in (tmp_path / "diagnose.md").read_text()
@@ -192,7 +226,7 @@ def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch
 
 
 def test_diagnose_states_the_instruction_it_adds():
-    """Issue 25 item 13: the instruction each prompt gets is in the report and in --help."""
+    """The instruction each prompt gets is in the report and in --help."""
     from ict_jax.cli.main import build_parser
     from ict_jax.data.templates import BOXED_INSTRUCTION, MC_INSTRUCTION
     from ict_jax.tools.diagnose import prompt_instruction
@@ -242,8 +276,8 @@ def test_aligned_ceiling():
 
 
 def test_position_panels_draw_bins_as_steps_not_lines_between_bins(tmp_path, monkeypatch):
-    """Issue 25 item 15: diagnose's position panels joined bin means by lines (with two bins, one
-    slanted line across both). Each bin is a flat step over its positions; an empty bin is a gap."""
+    """diagnose's position panels draw each bin as a flat step over its positions (joining bin means by
+    lines would draw one slanted line across two bins); an empty bin is a gap."""
     import matplotlib
 
     matplotlib.use("Agg")
