@@ -97,7 +97,9 @@ class LoraSection:
 
 
 def _validate_lora(lora: LoraSection) -> None:
-    """One-line errors for ``model.lora`` (ranges are checked with the other numeric fields)."""
+    """One-line errors for ``model.lora`` (ranges are checked with the other numeric fields). With LoRA off
+    (``enabled: false``) every other key must keep its default: a setting that would do nothing is an
+    error naming it, not a run that silently trains every parameter."""
     if lora.dropout != 0:
         raise ConfigError(f"model.lora.dropout: {lora.dropout} is not supported; only 0 (the ratio r = pi / pi_old "
                           "and the token statistics need a deterministic policy forward, and the sampler has none)")
@@ -112,6 +114,15 @@ def _validate_lora(lora: LoraSection) -> None:
         except re.error as e:
             raise ConfigError(f"model.lora.target_regex: {lora.target_regex!r} is not a regular expression ({e})") \
                 from None
+    if not lora.enabled:  # a LoRA setting with LoRA off would do nothing: the whole model would train
+        default = LoraSection()
+        for f in dataclasses.fields(lora):
+            value = getattr(lora, f.name)
+            if f.name != "enabled" and value != getattr(default, f.name):
+                shown = list(value) if isinstance(value, tuple) else value
+                raise ConfigError(f"model.lora.{f.name}: {shown!r} is set but model.lora.enabled is false, so it would "
+                                  "do nothing (every parameter would train): set model.lora.enabled=true for "
+                                  f"adapters, or leave model.lora.{f.name} out")
 
 
 @dataclass(frozen=True)
