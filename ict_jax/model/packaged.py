@@ -38,6 +38,8 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from ict_jax.model.gguf_reader import gguf_extent
+
 __all__ = ["PackagedModel", "KNOWN_MODELS", "Part", "package_roots", "is_split_spec", "split_model_for",
            "find_parts", "parts_missing", "cache_dir", "cached_path", "cache_status", "assemble", "packaged_model_path",
            "verify_cached", "model_report", "CACHE_ENV", "GGUF_MAGIC"]
@@ -331,10 +333,16 @@ def _copy_parts(parts: list[Part], out: BinaryIO) -> tuple[int, str]:
 
 
 def _gguf_extent(path: Path) -> int:
-    """The bytes a GGUF file's header describes: the end of its last tensor's data."""
-    from gguf import GGUFReader  # gguf: optional, only for GGUF files
+    """The bytes a GGUF file's header describes: the end of its last tensor's data (the header walked
+    alone, :func:`~ict_jax.model.gguf_reader.gguf_extent`; the full reader only for a version or tensor
+    type that walk does not know)."""
+    try:
+        extent = gguf_extent(path)
+        if extent is not None:
+            return extent
+        from gguf import GGUFReader  # gguf: optional, only for GGUF files
 
-    try:  # not open_gguf: a file being assembled is read once and never again under this name
+        # not open_gguf: a file being assembled is read once and never again under this name
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError) as e:
         raise ValueError(f"not a readable GGUF file ({e})") from None
