@@ -672,6 +672,11 @@ def from_dict(data: dict[str, Any]) -> Config:
     return validate(_build(Config, data, ""))
 
 
+def json_copy(tree: typing.Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of a plain config tree (nested dicts and lists), safe to modify."""
+    return {k: json_copy(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v for k, v in tree.items()}
+
+
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = data
@@ -712,14 +717,17 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Load defaults <- YAML file <- ``key=value`` overrides, validated.
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (), *,
+                base: typing.Mapping[str, Any] | None = None) -> Config:
+    """Load defaults <- ``base`` <- YAML file <- ``key=value`` overrides, validated.
 
-    A YAML may name a ``base:`` file (relative to itself) that it overlays.
+    A YAML may name a ``base:`` file (relative to itself) that it overlays. ``base``: a plain config tree
+    under everything else (a run's recorded ``config.json``: what ``ict-jax train --resume`` without
+    ``--config`` continues).
     """
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = json_copy(base) if base is not None else {}
     if path is not None:
-        data = _load_yaml(Path(path), seen=())
+        data = _deep_merge(data, _load_yaml(Path(path), seen=()))
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(data, key, value)
