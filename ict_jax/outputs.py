@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["OutputLocationError", "OutputInUse", "check_output_dir", "check_output_file", "hold_output_dir",
-           "has_entries", "os_error_line", "USER_PATH_ERRNOS", "LOCK_FILE"]
+           "has_entries", "numbered_dir", "os_error_line", "USER_PATH_ERRNOS", "LOCK_FILE"]
 
 #: errno values of an ``OSError`` that describe the user's paths or disk, not a bug: the command line
 #: reports them as one line with exit code 2 (cli/main.py).
@@ -107,6 +107,22 @@ def has_entries(path: str | os.PathLike) -> bool:
     what decides that a run directory or an output folder already holds results."""
     folder = Path(path)
     return folder.is_dir() and any(p.name != LOCK_FILE for p in folder.iterdir())
+
+
+def numbered_dir(path: str | os.PathLike) -> Path:
+    """Create and return the first of ``path``, ``path-2``, ``path-3``, ... that does not exist yet (each
+    try an atomic ``mkdir``: two processes never get the same folder): a default output folder that
+    never replaces an earlier result."""
+    base = Path(path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        folder = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            n += 1
 
 
 def _lock(folder: Path, what: str) -> int:

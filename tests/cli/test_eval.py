@@ -75,6 +75,30 @@ def test_eval_cli_end_to_end(assets, tmp_path, capsys):
     assert len({r["response"] for r in rows}) > 1  # sampled, not one repeated string
 
 
+def test_eval_without_out_never_replaces_an_earlier_result(assets, tmp_path, capsys, monkeypatch):
+    """Without --out the results go to runs/eval_out, then runs/eval_out-2, ...; a --out named that holds a
+    result is written over with a line that says so."""
+    monkeypatch.chdir(tmp_path)
+    args = [a for a in _args(assets, "x", "--n", "2", "--k", "1", "--limit", "1") if a not in ("--out", "x")]
+    assert main(args) == 0
+    first = (tmp_path / "runs" / "eval_out" / "eval.json").read_text()
+    assert "writing to runs/eval_out (no --out given)" in capsys.readouterr().out
+    assert main(args + ["--seed", "9"]) == 0
+    assert "wrote runs/eval_out-2/eval.json" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "eval_out" / "eval.json").read_text() == first  # untouched
+    assert json.loads((tmp_path / "runs" / "eval_out-2" / "eval.json").read_text())["settings"]["seed"] == 9
+    assert main(args + ["--out", "runs/eval_out"]) == 0
+    assert "--out runs/eval_out holds an earlier result (eval.json): it is replaced" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["eval_out", "eval_out-2"]
+
+
+def test_the_default_output_files_are_ignored_by_git():
+    from pathlib import Path
+
+    ignored = (Path(__file__).resolve().parents[2] / ".gitignore").read_text().splitlines()
+    assert {"runs/", "eval_out/", "inspect.html"} <= set(ignored)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--n", "4", "--k", "1,8"], "every k must be between 1 and --n=4"),
     (["--benchmarks", "math500"], "no 'math500' files"),
