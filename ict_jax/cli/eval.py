@@ -202,6 +202,7 @@ def eval_main(args: argparse.Namespace) -> int:
     from ict_jax.data.datasets import load_dataset
     from ict_jax.data.prompts import prompt_fits
     from ict_jax.data.templates import template_dataset, template_mismatch
+    from ict_jax.heartbeat import Heartbeat
     from ict_jax.model.tokenizers import UnknownCharacterError
     from ict_jax.outputs import check_output_dir
     from ict_jax.rewards.checks import CUSTOM_KIND
@@ -241,7 +242,10 @@ def eval_main(args: argparse.Namespace) -> int:
     overlong = {name: sum(n > s["max_prompt_len"] for n in ls) for name, ls in lengths.items()}
     _refuse(overlong, args.skip_overlong, f"longer than --max-prompt-len={s['max_prompt_len']} tokens after templating "
             "(never truncated): raise --max-prompt-len or pass --skip-overlong")
-    model, tok, where = load_run_model(args.model, mesh=mesh, dtype=args.dtype, tokenizer=tokenizer)
+    with Heartbeat(lambda line: print(f"ict-jax eval: {line}", file=sys.stderr, flush=True),
+                   enabled=not args.no_progress) as beat:
+        beat.phase(f"loading {args.model}")  # a real model's first load: a minute or more
+        model, tok, where = load_run_model(args.model, mesh=mesh, dtype=args.dtype, tokenizer=tokenizer)
     limit = model.config.max_position_embeddings
     no_room = {name: sum(n <= s["max_prompt_len"] and not prompt_fits(n, s["max_new_tokens"], limit) for n in ls)
                for name, ls in lengths.items()}

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
+from ict_jax.heartbeat import duration
 from ict_jax.sharding import to_host
 
 #: Metrics shown in the progress bar and the compact lines (short label -> key).
@@ -35,14 +36,8 @@ def metrics_to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(np.asarray(v)) for k, v in values.items()}
 
 
-def format_duration(seconds: float) -> str:
-    """``75`` -> ``1m15s``, ``3725`` -> ``1h02m``, ``9`` -> ``9s``."""
-    s = int(round(max(0.0, seconds)))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+#: ``75`` -> ``1m15s``, ``3725`` -> ``1h02m``, ``9`` -> ``9s`` (the heartbeat's and eval's format)
+format_duration = duration
 
 
 def compact_line(phase: str, step: int, total: int, metrics: Mapping[str, float], eta_s: float | None) -> str:

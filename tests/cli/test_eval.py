@@ -92,6 +92,39 @@ def test_eval_without_out_never_replaces_an_earlier_result(assets, tmp_path, cap
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["eval_out", "eval_out-2"]
 
 
+def test_eval_prints_a_heartbeat_while_a_batch_samples(assets, tmp_path, capsys, monkeypatch):
+    """Redirected, `ict-jax eval` says at least every $ICT_JAX_HEARTBEAT_S seconds how far it is (one batch of
+    a real model takes minutes; here a sampler call of the tiny model is made to take 0.5 s, the interval
+    0.05 s)."""
+    import time
+
+    import ict_jax.sampling.text_generation as text_generation
+
+    real = text_generation.make_text_generator
+
+    def slow_text_generator(*a, **k):
+        gen = real(*a, **k)
+
+        class Slow:
+            def __call__(self, prompts, n):
+                time.sleep(0.5)
+                return gen(prompts, n)
+
+            def __getattr__(self, name):
+                return getattr(gen, name)
+
+        return Slow()
+
+    monkeypatch.setattr(text_generation, "make_text_generator", slow_text_generator)
+    monkeypatch.setenv("ICT_JAX_HEARTBEAT_S", "0.05")
+    args = [a for a in _args(assets, tmp_path / "out", "--n", "2", "--k", "1") if a != "--no-progress"]
+    assert main(args) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert any(ln.startswith("eval 0/3 problems  elapsed ") and ln.endswith(
+        "(gsm8k_test: sampling problems 1-2 of 3, 2 responses each)") for ln in err), err
+    assert any(ln.startswith("eval 2/3 problems") for ln in err), err
+
+
 def test_the_default_output_files_are_ignored_by_git():
     from pathlib import Path
 
