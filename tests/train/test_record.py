@@ -603,6 +603,27 @@ def test_compact_lines_and_the_table():
     assert short_benchmark_name("file:/data/x/test.jsonl?reward=math") == "file:test.jsonl"
 
 
+def test_compact_lines_get_a_heartbeat_while_a_step_runs(tmp_path, monkeypatch, capsys):
+    """A step of a real model on a CPU takes minutes: between compact lines a heartbeat line comes whenever
+    $ICT_JAX_HEARTBEAT_S seconds pass without one (here 0.05 s), with the steps done and the time."""
+    from ict_jax.train.logs import RunLogger
+
+    monkeypatch.setenv("ICT_JAX_HEARTBEAT_S", "0.05")
+    log = RunLogger(tmp_path / "run", total_steps=2, progress=False, print_every=None, tensorboard=False, desc="rl")
+    time.sleep(0.3)  # the first step (compiling)
+    log.log(0, {"reward/mean": 0.5})
+    time.sleep(0.3)
+    log.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert any(ln.startswith("rl 0/2 steps  ") and "since the start  (" in ln and ln.endswith(" in rl)")
+               for ln in lines), lines
+    assert "rl 1/2  reward 0.500" in lines
+    assert any(ln.startswith("rl 1/2 steps  ") and "since the last step" in ln for ln in lines), lines
+    n = len(lines)
+    time.sleep(0.2)
+    assert capsys.readouterr().err == "" and n == len(lines)  # closed: no more lines
+
+
 def test_first_ctrl_c_asks_to_stop_after_the_step_the_second_stops_at_once():
     from ict_jax.train.trainer import stop_after_step
 
