@@ -714,7 +714,7 @@ def test_wall_s_counts_an_interrupted_invocation(tmp_path):
     cfg = load_config(DEMO, TINY + ["train.sft_steps=0", "data.eval=[]", "train.steps=2", "mesh.data=-1",
                                      "mesh.tensor=2", f"run_dir={tmp_path / 'run'}"])
 
-    def interrupted():
+    def interrupted(*_):
         time.sleep(0.3)
         raise Interrupted("interrupted at RL step 1/2")
 
@@ -725,7 +725,7 @@ def test_wall_s_counts_an_interrupted_invocation(tmp_path):
     first = read_summary(tmp_path / "run")
     assert first["status"] == "running" and first["wall_s"] >= 0.3
 
-    def failed():
+    def failed(*_):
         time.sleep(0.2)
         raise RuntimeError("a bug")
 
