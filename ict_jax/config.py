@@ -97,7 +97,9 @@ class LoraSection:
 
 
 def _validate_lora(lora: LoraSection) -> None:
-    """One-line errors for ``model.lora`` (ranges are checked with the other numeric fields)."""
+    """One-line errors for ``model.lora`` (ranges are checked with the other numeric fields). With LoRA off
+    (``enabled: false``) every other key must keep its default: a setting that would do nothing is an
+    error naming it, not a run that silently trains every parameter."""
     if lora.dropout != 0:
         raise ConfigError(f"model.lora.dropout: {lora.dropout} is not supported; only 0 (the ratio r = pi / pi_old "
                           "and the token statistics need a deterministic policy forward, and the sampler has none)")
@@ -112,6 +114,15 @@ def _validate_lora(lora: LoraSection) -> None:
         except re.error as e:
             raise ConfigError(f"model.lora.target_regex: {lora.target_regex!r} is not a regular expression ({e})") \
                 from None
+    if not lora.enabled:  # a LoRA setting with LoRA off would do nothing: the whole model would train
+        default = LoraSection()
+        for f in dataclasses.fields(lora):
+            value = getattr(lora, f.name)
+            if f.name != "enabled" and value != getattr(default, f.name):
+                shown = list(value) if isinstance(value, tuple) else value
+                raise ConfigError(f"model.lora.{f.name}: {shown!r} is set but model.lora.enabled is false, so it would "
+                                  "do nothing (every parameter would train): set model.lora.enabled=true for "
+                                  f"adapters, or leave model.lora.{f.name} out")
 
 
 @dataclass(frozen=True)
@@ -661,6 +672,11 @@ def from_dict(data: dict[str, Any]) -> Config:
     return validate(_build(Config, data, ""))
 
 
+def json_copy(tree: typing.Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of a plain config tree (nested dicts and lists), safe to modify."""
+    return {k: json_copy(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v for k, v in tree.items()}
+
+
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = data
@@ -701,14 +717,17 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Load defaults <- YAML file <- ``key=value`` overrides, validated.
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (), *,
+                base: typing.Mapping[str, Any] | None = None) -> Config:
+    """Load defaults <- ``base`` <- YAML file <- ``key=value`` overrides, validated.
 
-    A YAML may name a ``base:`` file (relative to itself) that it overlays.
+    A YAML may name a ``base:`` file (relative to itself) that it overlays. ``base``: a plain config tree
+    under everything else (a run's recorded ``config.json``: what ``ict-jax train --resume`` without
+    ``--config`` continues).
     """
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = json_copy(base) if base is not None else {}
     if path is not None:
-        data = _load_yaml(Path(path), seen=())
+        data = _deep_merge(data, _load_yaml(Path(path), seen=()))
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(data, key, value)

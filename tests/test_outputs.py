@@ -61,3 +61,20 @@ def test_a_folder_that_cannot_be_created_is_an_output_error(tmp_path):
     with pytest.raises(OutputLocationError, match="is a file, not a folder"):
         with hold_output_dir(tmp_path / "file" / "exp", "out"):
             pass
+
+
+def test_a_folder_the_hold_created_and_left_empty_is_removed_and_the_lock_file_holds_nothing(tmp_path):
+    from ict_jax.outputs import has_entries
+
+    folder = tmp_path / "a" / "run"
+    with hold_output_dir(folder, "run_dir"):
+        assert folder.is_dir() and not has_entries(folder)  # the lock file alone is no content
+    assert not folder.exists() and (tmp_path / "a").is_dir()  # only the folder it created, nothing written
+    with hold_output_dir(folder, "run_dir"):
+        (folder / "metrics.jsonl").write_text("{}\n")
+        assert has_entries(folder)
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "metrics.jsonl"]
+    (folder / "metrics.jsonl").unlink()
+    with hold_output_dir(folder, "run_dir"):  # it existed before this hold: kept
+        pass
+    assert folder.is_dir() and not has_entries(folder) and not has_entries(tmp_path / "missing")

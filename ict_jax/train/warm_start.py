@@ -121,7 +121,7 @@ def run_sft(parts: RunParts, state: TrainState, start_logger: StartLogger, *, re
                 if stop.requested and done < steps:
                     ckpt.wait()
                     raise Interrupted(f"interrupted at SFT step {done}/{steps}; its checkpoint is in {directory}: "
-                                      "continue with --resume")
+                                      f"continue with --resume run_dir={cfg.run_dir}")
     return sft_state, last
 
 

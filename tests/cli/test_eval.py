@@ -75,6 +75,63 @@ def test_eval_cli_end_to_end(assets, tmp_path, capsys):
     assert len({r["response"] for r in rows}) > 1  # sampled, not one repeated string
 
 
+def test_eval_without_out_never_replaces_an_earlier_result(assets, tmp_path, capsys, monkeypatch):
+    """Without --out the results go to runs/eval_out, then runs/eval_out-2, ...; a --out named that holds a
+    result is written over with a line that says so."""
+    monkeypatch.chdir(tmp_path)
+    args = [a for a in _args(assets, "x", "--n", "2", "--k", "1", "--limit", "1") if a not in ("--out", "x")]
+    assert main(args) == 0
+    first = (tmp_path / "runs" / "eval_out" / "eval.json").read_text()
+    assert "writing to runs/eval_out (no --out given)" in capsys.readouterr().out
+    assert main(args + ["--seed", "9"]) == 0
+    assert "wrote runs/eval_out-2/eval.json" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "eval_out" / "eval.json").read_text() == first  # untouched
+    assert json.loads((tmp_path / "runs" / "eval_out-2" / "eval.json").read_text())["settings"]["seed"] == 9
+    assert main(args + ["--out", "runs/eval_out"]) == 0
+    assert "--out runs/eval_out holds an earlier result (eval.json): it is replaced" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["eval_out", "eval_out-2"]
+
+
+def test_eval_prints_a_heartbeat_while_a_batch_samples(assets, tmp_path, capsys, monkeypatch):
+    """Redirected, `ict-jax eval` says at least every $ICT_JAX_HEARTBEAT_S seconds how far it is (one batch of
+    a real model takes minutes; here a sampler call of the tiny model is made to take 0.5 s, the interval
+    0.05 s)."""
+    import time
+
+    import ict_jax.sampling.text_generation as text_generation
+
+    real = text_generation.make_text_generator
+
+    def slow_text_generator(*a, **k):
+        gen = real(*a, **k)
+
+        class Slow:
+            def __call__(self, prompts, n):
+                time.sleep(0.5)
+                return gen(prompts, n)
+
+            def __getattr__(self, name):
+                return getattr(gen, name)
+
+        return Slow()
+
+    monkeypatch.setattr(text_generation, "make_text_generator", slow_text_generator)
+    monkeypatch.setenv("ICT_JAX_HEARTBEAT_S", "0.05")
+    args = [a for a in _args(assets, tmp_path / "out", "--n", "2", "--k", "1") if a != "--no-progress"]
+    assert main(args) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert any(ln.startswith("eval 0/3 problems  elapsed ") and ln.endswith(
+        "(gsm8k_test: sampling problems 1-2 of 3, 2 responses each)") for ln in err), err
+    assert any(ln.startswith("eval 2/3 problems") for ln in err), err
+
+
+def test_the_default_output_files_are_ignored_by_git():
+    from pathlib import Path
+
+    ignored = (Path(__file__).resolve().parents[2] / ".gitignore").read_text().splitlines()
+    assert {"runs/", "eval_out/", "inspect.html"} <= set(ignored)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--n", "4", "--k", "1,8"], "every k must be between 1 and --n=4"),
     (["--benchmarks", "math500"], "no 'math500' files"),

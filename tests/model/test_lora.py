@@ -73,6 +73,22 @@ def test_lora_config_errors_are_one_line(override, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("override,value", [("model.lora.rank=4", "4"), ("model.lora.alpha=8", "8.0"),
+                                            ("model.lora.targets=q_proj", "['q_proj']"),
+                                            ("model.lora.target_regex=.*q_proj", "'.*q_proj'"),
+                                            ("model.lora.base_dtype=bfloat16", "'bfloat16'")])
+def test_a_lora_setting_while_lora_is_off_is_an_error_naming_it(override, value):
+    """A LoRA key set without model.lora.enabled would do nothing (every parameter trains): refused, by name;
+    the same key with LoRA on, and LoRA off at the defaults, load."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).startswith(f"{key}: {value} is set but model.lora.enabled is false, so it would do nothing")
+    assert "model.lora.enabled=true" in str(e.value) and "\n" not in str(e.value)
+    assert load_config(None, [override, "model.lora.enabled=true"]).model.lora.enabled
+    assert not load_config(None, ["model.lora.enabled=false", "model.lora.rank=16"]).model.lora.enabled
+
+
 def test_target_regex_reads_like_peft_target_modules():
     on = dict(enabled=True, rank=2)
     assert lora_spec(LoraSection(**on, target_regex=r".*\.(q|v)_proj"), 3).targets == ("q_proj", "v_proj")

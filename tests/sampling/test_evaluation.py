@@ -143,3 +143,25 @@ def test_progress_is_lines_not_carriage_return_frames_when_redirected():
     quiet = io.StringIO()
     Progress(10, enabled=False, stream=quiet).update(10)
     assert quiet.getvalue() == ""
+
+
+def test_a_slow_sampler_call_gets_heartbeat_lines_when_redirected(pool, monkeypatch, capsys):
+    """One sampler call of a real model on a CPU takes minutes: off a terminal, a line at least every
+    $ICT_JAX_HEARTBEAT_S seconds with the problems done, the time and the batch being sampled."""
+    import time
+
+    monkeypatch.setenv("ICT_JAX_HEARTBEAT_S", "0.1")
+    ds = Dataset("slow", [Example(f"q{i}", "1") for i in range(6)], scorer="gsm8k")
+
+    def slow(prompts, n):
+        time.sleep(0.6)
+        return [["\\boxed{1}"] * n for _ in prompts]
+
+    evaluate(slow, {"slow": ds}, pool, n=2, ks=(1,), batch_size=2, print_table=False)
+    lines = capsys.readouterr().err.splitlines()
+    beats = [ln for ln in lines if "elapsed" in ln]
+    assert any(ln.startswith("eval 0/6 problems  elapsed ") and ln.endswith(
+        "(slow: sampling problems 1-2 of 6, 2 responses each)") for ln in beats), lines
+    # batch b is scored while batch b + 1 is sampled: 2 problems are done while the third batch samples
+    assert any(ln.startswith("eval 2/6 problems  elapsed ") and "ETA " in ln and "sampling problems 5-6 of 6" in ln
+               for ln in beats), lines

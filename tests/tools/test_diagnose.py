@@ -225,6 +225,38 @@ def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch
     assert "--prompts SRC is required (except with --reanalyse)" in capsys.readouterr().err
 
 
+@pytest.mark.e2e  # a diagnose run of a tiny model (~11 s: its programs compile)
+def test_diagnose_says_what_runs_at_least_every_heartbeat(monkeypatch):
+    """Inside a setting a phase of a real model takes minutes (a sampler call, the statistics): a heartbeat
+    line names the phase that runs whenever the interval passes without a line (here 0.05 s, a sampler
+    call made to take 0.4 s)."""
+    import time
+
+    import ict_jax.tools.diagnose as diagnose_mod
+
+    real = diagnose_mod.make_generate_fn
+
+    def slow_generate_fn(*a, **k):
+        gen = real(*a, **k)
+
+        def slow(*args):
+            time.sleep(0.4)
+            return gen(*args)
+
+        return slow
+
+    monkeypatch.setattr(diagnose_mod, "make_generate_fn", slow_generate_fn)
+    tok = CharTokenizer()
+    model = ict_jax.init_model(ict_jax.ModelConfig.tiny(vocab_size=tok.vocab_size, num_layers=1), seed=0)
+    said: list[str] = []
+    run_diagnose(model, tok, load_dataset("split?digits=2&size=2&seed=3"), settings=[Setting(2, 1.0)],
+                 u_forms=("aligned",), max_new_tokens=4, batch_rows=4, template="none", say=said.append,
+                 heartbeat_s=0.05)
+    beats = [s for s in said if ": still running, " in s]
+    assert any(s.startswith("G2_T1: sampling prompts 1-2 of 2 (compiling first): still running, ") for s in beats), said
+    assert said[0] == "G2_T1: setting 1 of 1 (G = 2, T = 1.0)" and said[-1].startswith("G2_T1: done in "), said
+
+
 def test_diagnose_states_the_instruction_it_adds():
     """The instruction each prompt gets is in the report and in --help."""
     from ict_jax.cli.main import build_parser

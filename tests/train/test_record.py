@@ -26,6 +26,7 @@ import pytest
 
 from ict_jax.cli.main import main as cli_main
 from ict_jax.train.logs import read_metrics, summary_table, truncate_metrics
+from ict_jax.train.record import read_resumes
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -50,7 +51,8 @@ def train(run: Path, *extra: str) -> tuple[int, str, str]:
 
 
 def snapshot(run: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    """Every file of a run directory but the hold's lock file (the Trainer holds the directory, docs/checkpoints.md)."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
 @pytest.fixture(scope="module")
@@ -472,6 +474,49 @@ def _recorded_run(tmp_path: Path, *overrides: str) -> tuple[Path, list[str]]:
     return run, args
 
 
+def test_resume_alone_continues_the_run_from_its_recorded_config(tmp_path):
+    """`ict-jax train --resume run_dir=R` (no --config) continues R from its config.json: only the overrides
+    on that command line count as changes, checked by the resume rules; with --config C as well, C's
+    values count too, as before."""
+    run, _ = _recorded_run(tmp_path)
+    before = snapshot(run)
+    rc, out, err = run_cli("train", "--resume", f"run_dir={run}")
+    assert (rc, out) == (0, "") and err.strip() == f"{run}: finished at step 2; nothing to do (raise train.steps to train it further)"
+    rc, _, err = run_cli("train", "--resume", f"run_dir={run}", "rl.selector.method=grpo")
+    assert rc == 2 and err.startswith("ict-jax train: error: --resume: rl.selector.method ('ict' -> 'grpo') would "
+                                      "change how the run trains; a resumed run keeps those settings"), err
+    rc, out, err = run_cli("train", "--resume", f"run_dir={run}", "train.eval_every=7", "--print-config")
+    import yaml
+
+    printed = yaml.safe_load(out)
+    assert rc == 0 and printed["train"]["eval_every"] == 7 and printed["model"]["preset"] == "tiny"
+    assert printed["rollout"]["max_new_tokens"] == 6 and printed["run_dir"] == str(run)
+    rc, _, err = run_cli("sft", "--resume", f"run_dir={run}", "--print-config")
+    assert rc == 0
+    # --config as well: the config file's values are changes too (the demo's model and lengths here)
+    rc, _, err = run_cli("train", "--config", str(DEMO), "--resume", f"run_dir={run}")
+    assert rc == 2 and "would change how the run trains" in err and "model.preset ('tiny' -> 'demo')" in err, err
+    # what a config-less command needs
+    rc, _, err = run_cli("train", "--resume", "train.steps=3")
+    assert rc == 2 and err.strip() == "ict-jax train: error: --resume without --config: name the run to continue with run_dir=DIR"
+    rc, _, err = run_cli("train", f"run_dir={run}")
+    assert rc == 2 and "--config is required (only --resume may leave it out" in err
+    rc, _, err = run_cli("train", "--resume", f"run_dir={tmp_path / 'none'}")
+    assert rc == 2 and "config.json' does not exist: no run is recorded in run_dir" in err
+    assert snapshot(run) == before
+
+
+@pytest.mark.e2e  # two short trainings (~1 min on 2 cores)
+def test_resume_alone_trains_on_from_the_recorded_config(tmp_path):
+    run = tmp_path / "run"
+    rc, _, err = train(run, "train.steps=1", "train.sft_steps=0", "data.eval=[]")
+    assert rc == 0, err
+    rc, _, err = run_cli("train", "--resume", f"run_dir={run}", "train.steps=2", "--no-progress")
+    assert rc == 0, err
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl", "rl")] == [0, 1]
+    assert read_resumes(run)[-1]["changes"] == {"train.steps": [1, 2]}
+
+
 def test_finished_run_resumed_is_a_no_op_and_changes_are_refused_first(tmp_path):
     run, args = _recorded_run(tmp_path)
     before = snapshot(run)
@@ -556,6 +601,27 @@ def test_compact_lines_and_the_table():
     assert short_benchmark_name("gym:chain_sum?size=5", ["gym:chain_sum?size=5", "gym:chain_sum?size=9"]) == \
         "gym:chain_sum?size=5"  # two benchmarks of one base keep their options
     assert short_benchmark_name("file:/data/x/test.jsonl?reward=math") == "file:test.jsonl"
+
+
+def test_compact_lines_get_a_heartbeat_while_a_step_runs(tmp_path, monkeypatch, capsys):
+    """A step of a real model on a CPU takes minutes: between compact lines a heartbeat line comes whenever
+    $ICT_JAX_HEARTBEAT_S seconds pass without one (here 0.05 s), with the steps done and the time."""
+    from ict_jax.train.logs import RunLogger
+
+    monkeypatch.setenv("ICT_JAX_HEARTBEAT_S", "0.05")
+    log = RunLogger(tmp_path / "run", total_steps=2, progress=False, print_every=None, tensorboard=False, desc="rl")
+    time.sleep(0.3)  # the first step (compiling)
+    log.log(0, {"reward/mean": 0.5})
+    time.sleep(0.3)
+    log.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert any(ln.startswith("rl 0/2 steps  ") and "since the start  (" in ln and ln.endswith(" in rl)")
+               for ln in lines), lines
+    assert "rl 1/2  reward 0.500" in lines
+    assert any(ln.startswith("rl 1/2 steps  ") and "since the last step" in ln for ln in lines), lines
+    n = len(lines)
+    time.sleep(0.2)
+    assert capsys.readouterr().err == "" and n == len(lines)  # closed: no more lines
 
 
 def test_first_ctrl_c_asks_to_stop_after_the_step_the_second_stops_at_once():
@@ -648,7 +714,7 @@ def test_wall_s_counts_an_interrupted_invocation(tmp_path):
     cfg = load_config(DEMO, TINY + ["train.sft_steps=0", "data.eval=[]", "train.steps=2", "mesh.data=-1",
                                      "mesh.tensor=2", f"run_dir={tmp_path / 'run'}"])
 
-    def interrupted():
+    def interrupted(*_):
         time.sleep(0.3)
         raise Interrupted("interrupted at RL step 1/2")
 
@@ -659,7 +725,7 @@ def test_wall_s_counts_an_interrupted_invocation(tmp_path):
     first = read_summary(tmp_path / "run")
     assert first["status"] == "running" and first["wall_s"] >= 0.3
 
-    def failed():
+    def failed(*_):
         time.sleep(0.2)
         raise RuntimeError("a bug")
 

@@ -120,6 +120,102 @@ def test_existing_run_dir_is_never_overwritten(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------
+# One run per run directory: the Trainer holds it from the start to close()
+# ------------------------------------------------------------------------------------------------
+#: a first run in its slow start-up: a real Trainer whose build (the model load) takes two minutes
+SLOW_FIRST_RUN = """
+import sys, time
+import ict_jax.train.trainer as trainer_mod
+from ict_jax.config import load_config
+
+def slow_build(*a, **k):
+    print("building", flush=True)
+    time.sleep(120)
+
+trainer_mod.build_parts = slow_build
+trainer_mod.Trainer(load_config(sys.argv[1], sys.argv[2:]))
+"""
+
+
+class _Built(Exception):
+    """Raised by a stand-in build_parts: the Trainer got past its hold of the run directory."""
+
+
+def _stand_in_build(cfg, *, resume=False, **kwargs):
+    from ict_jax.train.resume import check_run_dir
+
+    check_run_dir(Path(cfg.run_dir), resume)  # what the real build checks first: the lock file holds no run
+    raise _Built
+
+
+def test_a_second_run_on_a_held_run_dir_is_refused_at_once_naming_the_holder(tmp_path, capsys, monkeypatch):
+    import ict_jax.train.trainer as trainer_mod
+    from ict_jax.outputs import OutputInUse, hold_output_dir
+
+    run = tmp_path / "run"
+    args = [*TINY, "train.steps=2", f"run_dir={run}"]
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    first = subprocess.Popen([sys.executable, "-c", SLOW_FIRST_RUN, str(DEMO), *args], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "building"  # the first run holds run_dir, loading its model
+        t0 = time.perf_counter()
+        rc, err = _cli(["train", "--config", str(DEMO), *args, "--no-progress"], capsys)
+        assert time.perf_counter() - t0 < 10, "refused at once, before anything is built"
+        assert rc == 2 and len(err.splitlines()) == 1, err
+        assert f"run_dir '{run}' is in use by process {first.pid} on " in err and "(nothing was written)" in err
+        assert sorted(p.name for p in run.iterdir()) == [".lock"]
+        with pytest.raises(OutputInUse, match=rf"process {first.pid} "):  # --resume too
+            trainer_mod.Trainer(load_config(DEMO, args), resume=True)
+    finally:
+        first.kill()
+        first.wait()
+    # the killed holder's lock file is no obstacle: neither to the hold nor to "a new run needs an empty run_dir"
+    monkeypatch.setattr(trainer_mod, "build_parts", _stand_in_build)
+    deadline = time.time() + 10
+    while True:
+        try:
+            with pytest.raises(_Built):
+                trainer_mod.Trainer(load_config(DEMO, args))
+            break
+        except OutputInUse:  # the kernel releases the dead process's flock at once; allow it a moment
+            assert time.time() < deadline
+            time.sleep(0.1)
+    # a Trainer that failed in its start-up released the directory; in-process holders exclude each other too
+    with hold_output_dir(run, "run_dir"):
+        with pytest.raises(OutputInUse, match=rf"process {os.getpid()} "):
+            trainer_mod.Trainer(load_config(DEMO, args))
+
+
+def test_the_run_dir_is_released_on_every_exit_path(tmp_path, monkeypatch):
+    import ict_jax.train.trainer as trainer_mod
+    from ict_jax.outputs import OutputInUse, hold_output_dir
+
+    run = tmp_path / "run"
+    args = [*TINY, "train.steps=2", f"run_dir={run}"]
+    monkeypatch.setattr(trainer_mod, "build_parts", _stand_in_build)
+    with pytest.raises(_Built):  # a new run that failed before writing: released, no directory left behind
+        trainer_mod.Trainer(load_config(DEMO, args))
+    assert not run.exists()
+    # a finished run resumed: held while the Trainer is open, released when its block ends
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(load_config(DEMO, args).to_dict()))
+    (run / "summary.json").write_text(json.dumps({"status": "finished", "steps": 2}))
+    with trainer_mod.Trainer(load_config(DEMO, args), resume=True) as t:
+        assert t.finished is not None
+        with pytest.raises(OutputInUse, match=rf"process {os.getpid()} "):
+            with hold_output_dir(run, "run_dir"):
+                pass
+    with hold_output_dir(run, "run_dir"):
+        pass
+    t = trainer_mod.Trainer(load_config(DEMO, args), resume=True)
+    t.close()
+    with hold_output_dir(run, "run_dir"):
+        pass
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.json", "summary.json"]
+
+
+# ------------------------------------------------------------------------------------------------
 # Resume: bitwise identical to an uninterrupted run (CPU), after a SIGKILL
 # ------------------------------------------------------------------------------------------------
 def _train_proc(run: Path, steps: int, *extra: str) -> subprocess.Popen:
