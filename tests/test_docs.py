@@ -243,3 +243,171 @@ def test_a_fresh_venvs_pip_resolves_every_documented_extra(tmp_path):
         assert "does not provide the extra" not in out, out
         first = re.split(r"[=<>\[;! ]", extras[name][0])[0]
         assert r.returncode != 0 and f"No matching distribution found for {first}" in out, (name, out)
+
+
+# ------------------------------------------------------------------------------------------------
+# Every result table of docs/results.md names its record and a reproducing command, or is marked
+# historical with the commit it was measured at
+# ------------------------------------------------------------------------------------------------
+RESULTS = ROOT / "docs" / "results.md"
+#: the first header cell of a table that documents a command's options or outputs: it holds no result
+REFERENCE_TABLES = {"option", "key", "column"}
+_TABLE_ROW = re.compile(r"^\s{0,3}\|")
+_TABLE_RULE = re.compile(r"^\s{0,3}\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?\s*$")
+_HEADING = re.compile(r"^#{1,6}\s")
+_MARK = re.compile(r"^(?:\*\*|\*|_)?(?P<kind>Records?|Historical):")
+_MEASURED = re.compile(r"measured at commit (?P<commit>[0-9a-f]{7,40}) \((?P<date>\d{4}-\d{2}-\d{2})\)")
+_COMMIT_DATE = re.compile(r"\bcommit (?P<commit>[0-9a-f]{7,40}) \((?P<date>\d{4}-\d{2}-\d{2})\)")
+_LINK = re.compile(r"\]\((?P<target>[^)\s#]+)(?:#[^)\s]*)?\)")
+_COMMAND_SPAN = re.compile(r"`(?:ict-jax|python) [^`]+`")
+_REPRODUCE = re.compile(r"\breproduce(?: [^:.;]{1,40})?:")
+RECORD_SUFFIXES = (".json", ".jsonl", ".md")
+
+
+def _commit_date(commit: str) -> str | None:
+    """The commit's date (YYYY-MM-DD) in this checkout's git history; None where git cannot say (no git,
+    a shallow clone): then the commits are not checked."""
+    import subprocess
+
+    try:
+        shallow = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"],
+                                 capture_output=True, text=True, timeout=30)
+        if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+            return None
+        r = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%ad", "--date=short", f"{commit}^{{commit}}"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else "unknown commit"
+
+
+def result_table_problems(text: str, page_dir: Path, commit_date=_commit_date) -> list[str]:
+    """Each result table must be followed, before the next table or heading, by a paragraph that starts
+    ``Record:`` (or ``Records:``) or ``Historical:``.
+
+    - A record names at least one existing record file by a Markdown link (``.json``, ``.jsonl``, or a
+      ``.md`` report; relative to the page) and how to reproduce it: ``reproduce:`` (or ``reproduce the
+      ... rows:``) followed by a command in a code span (`` `ict-jax ...` `` or `` `python ...` ``), or by
+      "the [first, second, ...] command(s) above" where the section shows such a command in a code block
+      before the table.
+    - A historical mark says ``measured at commit <hash> (<YYYY-MM-DD>)``, ``no record kept`` and ``the
+      command of that time``.
+    - Every ``commit <hash> (<date>)`` in a mark names a commit of this history with that date
+      (where git can tell). Tables whose first header cell is one of :data:`REFERENCE_TABLES` document a
+      command and need no mark. Returns the problems, one line each."""
+    lines = text.split("\n")
+    problems: list[str] = []
+    in_fence, section_start, code_lines = False, 0, []  # code_lines: (line index, text) of code blocks
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if re.match(r"^ {0,3}(`{3,}|~{3,})", line):
+            in_fence = not in_fence
+            i += 1
+            continue
+        if in_fence or line.startswith("    "):
+            code_lines.append((i, line))
+            i += 1
+            continue
+        if _HEADING.match(line):
+            section_start = i
+            i += 1
+            continue
+        if not (_TABLE_ROW.match(line) and i + 1 < len(lines) and _TABLE_RULE.match(lines[i + 1])):
+            i += 1
+            continue
+        start, header = i, line.strip().strip("|").split("|")[0].strip().lower()
+        while i < len(lines) and _TABLE_ROW.match(lines[i]):
+            i += 1
+        if header in REFERENCE_TABLES:
+            continue
+        # the paragraphs between the table's end and the next table or heading
+        j, paragraphs, current = i, [], []
+        while j < len(lines) and not _HEADING.match(lines[j]) and not (
+                _TABLE_ROW.match(lines[j]) and j + 1 < len(lines) and _TABLE_RULE.match(lines[j + 1])):
+            if lines[j].strip():
+                current.append(lines[j].strip())
+            elif current:
+                paragraphs.append(" ".join(current))
+                current = []
+            j += 1
+        if current:
+            paragraphs.append(" ".join(current))
+        marks = [p for p in paragraphs if _MARK.match(p)]
+        where = f"the table at line {start + 1} ({lines[start].strip()[:50]}...)"
+        if not marks:
+            problems.append(f"{where}: no 'Record:' or 'Historical:' paragraph after it")
+            continue
+        for mark in marks:
+            for m in _COMMIT_DATE.finditer(mark):
+                date = commit_date(m["commit"])
+                if date is not None and date != m["date"]:
+                    problems.append(f"{where}: commit {m['commit']} is dated {date}, not {m['date']}")
+            if _MARK.match(mark)["kind"] == "Historical":
+                missing = [s for s in ("measured at commit", "no record kept", "the command of that time")
+                           if s not in mark]
+                if missing or not _MEASURED.search(mark):
+                    problems.append(f"{where}: a historical mark says 'measured at commit <hash> (<date>)', "
+                                    f"'no record kept' and 'the command of that time' (missing: {missing})")
+                continue
+            records = [t for t in (m["target"] for m in _LINK.finditer(mark)) if t.endswith(RECORD_SUFFIXES)]
+            missing = [t for t in records if not (page_dir / t).is_file()]
+            if not records or missing:
+                problems.append(f"{where}: its record links no existing record file ({missing or 'no link'})")
+            command = _REPRODUCE.search(mark)
+            above = any(re.search(r"\b(ict-jax|python) ", code) for k, code in code_lines if section_start < k < start)
+            if command is None or not (_COMMAND_SPAN.search(mark, command.end()) or (
+                    re.match(r"\s*the (?:\w+ )?commands? above", mark[command.end():]) and above)):
+                problems.append(f"{where}: its record says no 'reproduce:' command (a code span, or 'the "
+                                f"command above' with a command in a code block of the section before the table)")
+    return problems
+
+
+def test_every_result_table_names_its_record_or_is_historical():
+    problems = result_table_problems(RESULTS.read_text(), RESULTS.parent)
+    assert not problems, "docs/results.md:\n" + "\n".join(problems)
+
+
+def test_the_result_table_check_on_hand_cases(tmp_path):
+    (tmp_path / "r.json").write_text("{}")
+    table = "| method | P@1 |\n|---|---|\n| ict | 0.5 |\n"
+    never = lambda commit: None  # noqa: E731 - no git history consulted
+    check = lambda text: result_table_problems(text, tmp_path, commit_date=never)  # noqa: E731
+    # a table with neither mark fails; so does a mark after the next heading or after the next table
+    assert check(f"# A\n\n{table}\nText.\n") == ["the table at line 3 (| method | P@1 |...): no 'Record:' or "
+                                               "'Historical:' paragraph after it"]
+    assert len(check(f"# A\n\n{table}\n# B\n\nRecord: [r](r.json); reproduce: `python x.py`\n")) == 1
+    assert len(check(f"# A\n\n{table}\n{table}\nRecord: [r](r.json); reproduce: `python x.py`\n")) == 1
+    # a record: an existing file and a command
+    assert check(f"# A\n\n{table}\nRecord: [r](r.json); reproduce: `python x.py --seed 0`.\n") == []
+    assert check(f"# A\n\n```bash\nict-jax eval --n 4\n```\n\n{table}\nRecord: [r](r.json); reproduce: the command "
+                 "above.\n") == []
+    assert len(check(f"# A\n\n{table}\nRecord: [r](r.json); reproduce: the command above.\n")) == 1  # none above
+    assert len(check(f"# A\n\n{table}\nRecord: [r](missing.json); reproduce: `python x.py`\n")) == 1
+    assert len(check(f"# A\n\n{table}\nRecord: [r](r.json).\n")) == 1  # no command
+    assert check(f"# A\n\n    python x.py\n\n{table}\nRecords: [r](r.json); reproduce the ict rows: the first command "
+                 "above.\n") == []
+    # historical: the commit, its date, no record, the command of that time
+    good = "Historical: measured at commit abc1234 (2026-11-22), no record kept; the command of that time was `x`."
+    assert check(f"# A\n\n{table}\n{good}\n") == []
+    assert len(check(f"# A\n\n{table}\nHistorical: measured long ago.\n")) == 1
+    assert check(f"# A\n\n{table}\n{good}\n".replace("no record kept", "gone")) != []
+    dated = lambda commit: "2026-11-23"  # noqa: E731
+    assert result_table_problems(f"# A\n\n{table}\n{good}\n", tmp_path, commit_date=dated) == [
+        "the table at line 3 (| method | P@1 |...): commit abc1234 is dated 2026-11-23, not 2026-11-22"]
+    also = "Record: [r](r.json), code of commit abc1234 (2026-11-22); reproduce: `python x.py`."
+    assert len(result_table_problems(f"# A\n\n{table}\n{also}\n", tmp_path, commit_date=dated)) == 1
+    # a table that documents a command's options needs no mark; a code block's pipes are no table
+    assert check("# A\n\n| option | meaning |\n|---|---|\n| `--n` | samples |\n") == []
+    assert check(f"# A\n\n```\n{table}```\n") == []
+
+
+def test_the_result_table_check_fails_on_results_md_without_a_mark():
+    """The real page with one mark taken out is caught: the check reads what the page holds."""
+    text = RESULTS.read_text()
+    marks = [m for m in re.finditer(r"^(Records?|Historical):", text, flags=re.M)]
+    assert len(marks) >= 10
+    m = marks[len(marks) // 2]
+    broken = text[:m.start()] + "Notes:" + text[m.end():]
+    problems = result_table_problems(broken, RESULTS.parent)
+    assert len(problems) == 1 and "no 'Record:' or 'Historical:' paragraph" in problems[0], problems
