@@ -271,7 +271,7 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
                    "frozen": per_device_bytes(state.frozen) if state.frozen is not None else 0}  # a LoRA base
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     P, G, Lp, N = cfg.train.prompts_per_step, cfg.rollout.num_samples, prompt_len(cfg), cfg.rollout.max_new_tokens
-    bucket = N if response_len is None else int(response_len)  # the step's response bucket (issue 26)
+    bucket = N if response_len is None else int(response_len)  # the step's response bucket
     if not 1 <= bucket <= N:
         raise ValueError(f"response_len {bucket}: the step's response bucket is 1..rollout.max_new_tokens={N}")
     # rows a pass processes at once: a gradient micro-batch, or a chunk of the old-policy pass (whole groups)

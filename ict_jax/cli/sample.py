@@ -48,8 +48,7 @@ def _template(tok, chat: bool | None) -> str:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    """The flags, before anything loads (issue 25 item 8: `-n 0` loaded the model first, then named an
-    internal parameter)."""
+    """The flags, checked before anything loads, each error naming its flag (not an internal parameter)."""
     from ict_jax.cli.errors import UserError
 
     if args.num_samples < 1:

@@ -278,7 +278,7 @@ def decode_response(tokenizer: Any, tokens: Sequence[int], valid: Sequence[Any] 
     without the tokenizer's EOS ids (``tokenizer.eos_ids``), decoded with special tokens skipped. Used by
     training (rewards), evaluation, the inspector, diagnose and ``ict-jax sample``."""
     ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-    if valid is not None:  # a numpy mask, not a Python loop over every position (issue 26: it grew with N)
+    if valid is not None:  # a numpy mask, not a Python loop over every position (its time grew with N)
         keep = np.asarray(valid).reshape(-1).astype(bool)
         n = min(ids.size, keep.size)  # as zip would pair them
         ids = ids[:n][keep[:n]]

@@ -3,7 +3,7 @@
 A run executes three programs:
 
 - ``step``: the train step (:func:`ict_jax.rl.train_step.make_train_step`), ``(state, batch, ref_params)
-  -> (state, metrics)``, P x G rows; one executable per response bucket (issue 26, docs/loss.md): the
+  -> (state, metrics)``, P x G rows; one executable per response bucket (docs/loss.md): the
   batch comes in at ``rollout.max_new_tokens`` response positions and the executable of its bucket
   (:func:`ict_jax.rl.train_step.bucket_of`) cuts them inside the program;
 - ``generate``: the rollout sampler (:func:`ict_jax.sampling.sampler.make_generate_fn`), G samples a

@@ -1,4 +1,4 @@
-"""Former home of a run's assembly (``build_run``, ``Run``, ``run_eval``), split by issue 24 into
+"""Former home of a run's assembly (``build_run``, ``Run``, ``run_eval``), now split into
 ``train.parts`` (the frozen :class:`~ict_jax.train.parts.RunParts`, :func:`~ict_jax.train.parts.build_parts`),
 ``train.programs``, ``train.resume``, ``train.model_source``, ``train.training_data``,
 ``train.evaluation`` and ``train.distributed``. The names below still resolve here, with a
