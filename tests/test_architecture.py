@@ -263,7 +263,7 @@ def test_no_function_is_over_80_lines():
 
 
 def test_the_trainer_keeps_the_loop_only():
-    """``Trainer`` stays a loop with hooks (issue 24: under 200 lines; the parts live in train/'s modules)."""
+    """``Trainer`` stays a loop with hooks (under 200 lines; the parts live in train/'s modules)."""
     tree = ast.parse(MODULES["train.trainer"].read_text())
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
     assert trainer.end_lineno - trainer.lineno + 1 < 200

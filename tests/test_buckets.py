@@ -1,4 +1,4 @@
-"""Issue 26: pay for the tokens generated, not for max_new_tokens.
+"""Pay for the tokens generated, not for max_new_tokens.
 
 The train step cuts the response axis to the longest response of the batch rounded up to a bucket and
 must give the uncut step's gradients and metrics (every method, micro-batches, the 8-device mesh); one

@@ -29,7 +29,7 @@ METHODS = ("grpo", "ict", "entropy", "stapo", "random")
 EXPECTED = {f"qwen2p5_{s}_{m}.yaml" for s in SIZES for m in METHODS} | {"smollm2_135m_ict.yaml",
                                                                          "smollm2_135m_grpo.yaml"} | {
     "qwen2p5_coder_0p5b_cpu_ict.yaml", "qwen2p5_coder_0p5b_cpu_grpo.yaml"}
-CPU_RECIPES = {"qwen2p5_coder_0p5b_cpu_ict.yaml", "qwen2p5_coder_0p5b_cpu_grpo.yaml"}  # the real 0.5B on one CPU device (issue 23)
+CPU_RECIPES = {"qwen2p5_coder_0p5b_cpu_ict.yaml", "qwen2p5_coder_0p5b_cpu_grpo.yaml"}  # the real 0.5B on one CPU device
 OTHERS_ALLOWED = {"demo.yaml", "demo_arith.yaml", "demo_scratchpad.yaml", "demo_controls.yaml"}  # the built-in demo task: loaded and traced here too
 RECIPES = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 BASES = sorted(p.name for p in (CONFIGS / "base").glob("*.yaml"))
@@ -151,7 +151,7 @@ def test_train_step_traces(name):
     cfg = _load(name, TINY)
     t = cfg.train
     # a small multiple of mini x micro: mini^2 x micro prompts (make_train_step's no-grad statistics pass
-    # over a mini-batch currently splits it into mini x micro chunks, reported to the lead)
+    # over a mini-batch currently splits it into mini x micro chunks)
     P = t.mini_batches ** 2 * t.micro_batches
     cfg = cfg.replace(**{"train.prompts_per_step": P})
     G, Lp, Lr = cfg.rollout.num_samples, cfg.rollout.max_prompt_len, cfg.rollout.max_new_tokens
@@ -261,14 +261,14 @@ def test_section_given_a_value(tmp_path):
 
 def test_missing_base_and_invalid_yaml(tmp_path):
     assert "nope.yaml" in _error(tmp_path, "base: nope.yaml\n")
-    # issue 25 item 8: the line and column of the YAML error (it was lost)
+    # the line and column of the YAML error (it was lost)
     assert "not valid YAML at line 2, column 1: expected ',' or ']'" in _error(tmp_path, "rl: [unclosed\n")
     assert "at line 3, column 10: mapping values are not allowed here" in _error(  # the second colon
         tmp_path, "train:\n  steps: 3\n  keep: a: b\n")
 
 
 def test_a_config_folder_is_not_said_to_be_missing(tmp_path):
-    """Issue 25 item 8: `--config configs` said the folder "does not exist"."""
+    """`--config configs` said the folder "does not exist"."""
     (tmp_path / "a.yaml").write_text("seed: 1\n")
     with pytest.raises(ConfigError, match=r"is a folder: name a YAML file in it \(a.yaml, \.\.\.\)"):
         load_config(tmp_path)
@@ -294,7 +294,7 @@ def test_bad_override_on_a_recipe(override, key):
 
 
 # --------------------------------------------------------------------------------------------------
-# Issue 17 item 6: every numeric field has a range (finite, sign, fractions), named in the error
+# Every numeric field has a range (finite, sign, fractions), named in the error
 # --------------------------------------------------------------------------------------------------
 def _numeric_fields():
     import dataclasses
@@ -380,7 +380,7 @@ def test_nan_learning_rate_exits_2_before_training(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------------
-# Issue 17 item 11: the override examples of docs/config.md are what load_config does
+# The override examples of docs/config.md are what load_config does
 # --------------------------------------------------------------------------------------------------
 def _documented_overrides():
     doc = (CONFIGS.parent / "docs" / "config.md").read_text()
@@ -417,7 +417,7 @@ def test_docs_override_examples_hold(override, result):
 
 
 # --------------------------------------------------------------------------------------------------
-# Issue 17 item 18: --print-config (the resolved tree, every default) and --version
+# --print-config (the resolved tree, every default) and --version
 # --------------------------------------------------------------------------------------------------
 def test_print_config_prints_the_resolved_tree_and_exits(tmp_path, capsys):
     import yaml

@@ -1,4 +1,4 @@
-"""Issue 8: the embedded default, `ict-jax train --config configs/demo.yaml`."""
+"""The embedded default, `ict-jax train --config configs/demo.yaml`."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_demo_shortened_end_to_end(tmp_path):
 def test_demo_full_improves_held_out_accuracy_by_a_tenth(tmp_path):
     """The README's main command: RL must lift accuracy (P@1, n = 4, temperature 0.6) on 256 fixed
     held-out problems by >= 0.10 absolute over the SFT warm start, at seed 0. Measured on the project's
-    AMD EPYC (issue 24's RNG streams, 500 SFT steps): 0.366 -> 0.768 (+0.401); seeds 1 and 2 gained
+    AMD EPYC (the RNG streams derived per step, 500 SFT steps): 0.366 -> 0.768 (+0.401); seeds 1 and 2 gained
     +0.086 and +0.110 (docs/results.md)."""
     summary = _run(tmp_path / "demo", timeout=1800)
     before, after = summary["eval_after_sft"][EVAL], summary["eval_final"][EVAL]

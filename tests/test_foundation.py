@@ -1,4 +1,4 @@
-"""Issue 2 without PyTorch: presets, mesh factory, rule table, config validation, sharded init."""
+"""The model's foundation without PyTorch: presets, mesh factory, rule table, config validation, sharded init."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_config_yaml_base_and_overrides(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 25 item 15
+# The parameter count
 # ------------------------------------------------------------------------------------------------
 def test_param_count_of_a_model_and_a_clear_error(tiny_model, tiny_config):
     """param_count(model) failed with a deep flax AttributeError; it counts a model's own parameters."""

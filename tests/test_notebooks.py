@@ -76,7 +76,7 @@ def test_01_token_selection_on_the_tiny_model(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_01_token_selection_on_the_real_qwen(tmp_path, monkeypatch):
     """Notebook 01's default when the real Qwen2.5-Coder-0.5B-Instruct is installed: a word problem through
-    its chat template, rewards from the stated answer, ICT's tokens marked in the answers (issue 23)."""
+    its chat template, rewards from the stated answer, ICT's tokens marked in the answers."""
     from ict_jax.model.packaged import parts_missing
 
     missing = parts_missing("qwen2.5-coder-0.5b-instruct")

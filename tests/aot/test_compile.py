@@ -1,4 +1,4 @@
-"""Issue 15: ``ict-jax compile``. The HLO reader against a hand-written module, topology names and
+"""``ict-jax compile``. The HLO reader against a hand-written module, topology names and
 ``mesh.target``, the analytic estimates, compiling a run's programs for the local devices (8 CPU
 devices) and, with the tpu extra (libtpu), for a TPU v5e slice: memory, fit, collectives and the
 memory-discipline checks; exit codes 0 / 2 / 3 of the command."""
@@ -275,7 +275,7 @@ def test_local_compile_reports_every_program(local_reports):
 
 @pytest.mark.e2e
 def test_step_at_a_smaller_response_bucket(local_reports):
-    """Issue 26: the step is built at the largest response bucket by default (max_new_tokens = 40: the
+    """The step is built at the largest response bucket by default (max_new_tokens = 40: the
     run's memory); ``response_len`` builds another, which needs less."""
     full = local_reports[0][0]
     assert full.positions == 40
@@ -397,7 +397,7 @@ def test_a_config_that_does_not_fit_exits_3_with_one_line(tmp_path, capsys):
     rc, text, err = _cli(["compile", "--config", RECIPE, "--topology", "v5e:2x2", "--program", "step",
                           "mesh.data=4", "mesh.fsdp=1", "train.micro_batches=1", "--json", str(out)], capsys)
     assert rc == 3
-    # issue 25 item 13: a progress line as each program starts and ends (compile printed nothing for
+    # a progress line as each program starts and ends (compile printed nothing for
     # minutes), then the one line of exit code 3
     lines = err.splitlines()
     assert lines[0] == "[compile] step: compiling for v5e:2x2 ..."

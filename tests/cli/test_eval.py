@@ -242,7 +242,7 @@ def test_resolve_pkg_path_without_importing_the_package():
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 25 item 1 (+ issue 24, "the eval settings in four places"): `ict-jax eval --model runs/demo`
+# A run's evaluation settings, in one place. `ict-jax eval --model runs/demo` once
 # applied the command line's defaults (qwen_chat, 1,024 new tokens), not the run's, and scored 0.00.
 # A run directory (or a model exported from one) brings its settings, flags override them, the output
 # says which were used; one source per default (the config tree).
@@ -390,7 +390,7 @@ def test_one_source_for_every_eval_default():
                                                                      "max_new_tokens", "max_prompt_len", "seed"))
 
 
-# Issue 25 item 2: a prompt plus max_new_tokens past the model's max_position_embeddings was accepted.
+# A prompt plus max_new_tokens past the model's max_position_embeddings was accepted.
 def test_text_generator_refuses_prompts_past_the_models_positions(tiny_config):
     from ict_jax import init_model
 

@@ -1,4 +1,4 @@
-"""Issue 17, bad files and command lines: an unreadable safetensors file, a run directory given as a
+"""Bad files and command lines: an unreadable safetensors file, a run directory given as a
 model, `--mesh -1,1,1`, `pkg:` with the pip name, absl noise from export/inspect, the modes of saved
 model folders. A tiny run directory (config, one checkpoint, its SFT model) is built without training."""
 
@@ -55,7 +55,7 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------------------------------------------
-# Item 7: a truncated or corrupted model.safetensors is one line naming the file, exit 2
+# A truncated or corrupted model.safetensors is one line naming the file, exit 2
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("damage", ["truncated", "header", "empty"])
 def test_unreadable_safetensors_is_one_line_naming_the_file(tmp_path, capsys, damage):
@@ -75,7 +75,7 @@ def test_unreadable_safetensors_is_one_line_naming_the_file(tmp_path, capsys, da
 
 
 # ------------------------------------------------------------------------------------------------
-# Item 8: a run directory where a model is expected: its last checkpoint (or its SFT model)
+# A run directory where a model is expected: its last checkpoint (or its SFT model)
 # ------------------------------------------------------------------------------------------------
 def test_run_directory_as_model_uses_its_last_checkpoint(run_dir, capsys):
     from ict_jax.model.loading import load_model_and_tokenizer
@@ -110,7 +110,7 @@ def test_run_directory_with_only_its_sft_model(run_dir, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Item 9: --mesh -1,1,1 (the documented form) is a value, not a flag
+# --mesh -1,1,1 (the documented form) is a value, not a flag
 # ------------------------------------------------------------------------------------------------
 def test_negative_mesh_values_are_values():
     assert join_negative_values(["info", "--mesh", "-1,1,1"]) == ["info", "--mesh=-1,1,1"]
@@ -126,7 +126,7 @@ def test_info_with_the_documented_mesh_form(capsys):
 
 
 # ------------------------------------------------------------------------------------------------
-# Item 10: pkg: takes the distribution name (pip's) and the import name
+# pkg: takes the distribution name (pip's) and the import name
 # ------------------------------------------------------------------------------------------------
 def test_pkg_spec_accepts_distribution_and_import_names():
     from ict_jax.model.loading import resolve_path
@@ -150,7 +150,7 @@ def test_pkg_spec_accepts_distribution_and_import_names():
 
 
 # ------------------------------------------------------------------------------------------------
-# Item 16: export and inspect print no absl WARNING lines (errors included)
+# Export and inspect print no absl WARNING lines (errors included)
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.e2e  # CLI subprocesses (13 s)
 def test_export_and_inspect_print_no_library_noise(run_dir, tmp_path):
@@ -167,7 +167,7 @@ def test_export_and_inspect_print_no_library_noise(run_dir, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Item 17: saved model folders follow the user's umask
+# Saved model folders follow the user's umask
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_saved_model_folder_follows_the_umask(tmp_path, umask):
@@ -182,7 +182,7 @@ def test_saved_model_folder_follows_the_umask(tmp_path, umask):
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 25 item 5: an output location that cannot be written was a Python traceback (exit 1), some of
+# An output location that cannot be written was a Python traceback (exit 1), some of
 # them after minutes of work. Now every command that writes checks it first: one line, exit 2.
 # /proc/x/... cannot be created, even by root; /etc/hostname/... lies under a file.
 # ------------------------------------------------------------------------------------------------
@@ -257,10 +257,10 @@ def test_oserror_on_a_users_path_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 25 item 2: a prompt plus max_new_tokens past the model's max_position_embeddings generated
-# garbage; item 8: `sample --temperature 0` / `-n 0` named internal parameters, `-n 0` after loading.
+# A prompt plus max_new_tokens past the model's max_position_embeddings generated
+# garbage; `sample --temperature 0` / `-n 0` named internal parameters, `-n 0` after loading.
 # ------------------------------------------------------------------------------------------------
-LONG = "12+" * 700 + "5="  # 2,102 characters: the issue's prompt; the tiny preset has 2,048 positions
+LONG = "12+" * 700 + "5="  # 2,102 characters; the tiny preset has 2,048 positions
 
 
 @pytest.mark.parametrize("argv, message", [

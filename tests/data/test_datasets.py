@@ -433,7 +433,7 @@ def test_tfds_missing_is_one_line_naming_the_extra(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 17 item 19: a generic task from a JSONL / Parquet file (docs/data.md "Your own task file")
+# A generic task from a JSONL / Parquet file (docs/data.md "Your own task file")
 # ------------------------------------------------------------------------------------------------
 def test_file_task_from_jsonl_and_parquet(tmp_path):
     import pyarrow as pa
@@ -469,7 +469,7 @@ def test_file_task_from_jsonl_and_parquet(tmp_path):
     ("ok.jsonl", ['{"question": "1?", "solution": "1"}'], "ValueError", "reward='nope' is not a reward kind"),
     ("ok.txt", ['x'], "ValueError", "expected a .jsonl, .parquet, .csv file"),
     ("missing.jsonl", None, "FileNotFoundError", "file:missing.jsonl: no such file"),
-    # issue 25 item 8: a null field is null (not missing); the column of invalid JSON is the line's own
+    # a null field is null (not missing); the column of invalid JSON is the line's own
     # (json counted the trailing newline as a second line: "column 1"); a non-UTF-8 file names its line
     ("bad.jsonl", ['{"question": "1?", "solution": "1"}', '{"question": null, "solution": "2"}'], "DataError",
      "bad.jsonl:2: field 'question' is null; expected str"),

@@ -1,4 +1,4 @@
-"""LoRA in the model (issue 27): the config, the adapters' forward against transformers + PEFT, the base
+"""LoRA in the model: the config, the adapters' forward against transformers + PEFT, the base
 with the adapters off, merging, the sampler, the mesh, and the PEFT adapter format both ways."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 2: Qwen2 parity with transformers' PyTorch model (layered), KV cache, mesh, presets, HF I/O."""
+"""Qwen2 parity with transformers' PyTorch model (layered), KV cache, mesh, presets, HF I/O."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ TEXTS = ["Hello world", "  leading spaces and\ttabs\n\nnew lines", "déjà vu �
 # First in this file on purpose: it runs `ict-jax train` in a subprocess before the module's `pair` fixture
 # loads two models (the RL step's ~15.5 GiB and the pair's ~6 GiB do not fit a 24 GiB machine together).
 def test_one_rl_step_of_the_cpu_ict_recipe_writes_its_record(tmp_path):
-    """Issue 23 item 4: one RL step of configs/qwen2p5_coder_0p5b_cpu_ict.yaml on the real 0.5B, with the
+    """One RL step of configs/qwen2p5_coder_0p5b_cpu_ict.yaml on the real 0.5B, with the
     smallest overrides that keep it the recipe (same model, data, method, memory settings): 1 step, 1
     prompt x G 8, 48 new tokens, ICT's mask from the first step (no dense warm-up), no evaluation. Asserts
     the record (summary.json finished, its memory block, one metrics row) and finite metrics. Measured:

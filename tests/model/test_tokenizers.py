@@ -82,10 +82,10 @@ def test_char_tokenizer_round_trip_and_specials():
     assert tok.decode(ids) == "1+2="
     assert tok.decode(ids, skip_special_tokens=False) == "<bos>1+2=<eos>"
     assert tok.encode("<b") == [tok.vocab["<"], tok.vocab["b"]]  # not a special: plain characters
-    assert tok.unk_id not in tok.encode(text)  # <unk> is never produced by encode (issue 25, item 3)
+    assert tok.unk_id not in tok.encode(text)  # <unk> is never produced by encode
 
 
-# Issue 25 item 3: characters outside the alphabet were mapped to <unk> and dropped by decode, so
+# Characters outside the alphabet were mapped to <unk> and dropped by decode, so
 # decode(encode("９５=🙂é")) == "=": a user's data changed without a word. They are refused now.
 @pytest.mark.parametrize("text, char, position", [("９５=🙂é", "９", 0), ("12=🙂", "🙂", 3), ("caf\u00e9", "é", 3),
                                                   ("a\tb", "\t", 1)])

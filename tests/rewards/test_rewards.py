@@ -346,7 +346,7 @@ def test_unpicklable_meta_fails_the_caller_only(pool):
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 17 item 12: "The answer is X" counts only as a final statement (docs/rewards.md, rule 3)
+# "The answer is X" counts only as a final statement (docs/rewards.md, rule 3)
 # ------------------------------------------------------------------------------------------------
 FINAL_STATEMENT = [  # (response, extracted answer or None): the table of docs/rewards.md
     ("Check if the answer is indeed 10...", None),  # a check, not a statement
@@ -416,7 +416,7 @@ def test_sft_target_is_read_back_correct_by_every_kind():
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 17 item 19: a custom reward function, run in the killable workers with the same time limit
+# A custom reward function, run in the killable workers with the same time limit
 # ------------------------------------------------------------------------------------------------
 CUSTOM_MODULE = '''
 import os, time
@@ -487,7 +487,7 @@ def test_reward_pool_time_limit_default_is_the_configs():
     assert inspect.signature(RewardPool).parameters["time_limit"].default == RewardSection().time_limit
 
 
-# Issue 25 item 7: docs/rewards.md's RewardPool example in a plain script (no `if __name__ == "__main__":`)
+# docs/rewards.md's RewardPool example in a plain script (no `if __name__ == "__main__":`)
 # failed with "reward worker ... died during start-up": each worker re-runs the script (forkserver/spawn)
 # and reaches RewardPool(...) again. The worker now stops there and the parent says so.
 @pytest.mark.e2e  # two Python processes with their worker pools: ~10-20 s on 2 cores

@@ -1,4 +1,4 @@
-"""LoRA in the train step (issue 27): only the adapters are differentiated and in the optimizer state,
+"""LoRA in the train step: only the adapters are differentiated and in the optimizer state,
 their gradient is the chain rule of the full-parameter gradient, the KL reference is the base model with
 the adapters off (no copy), every method and schedule runs, and the compiled step holds neither Adam
 moments of the base nor a reference copy."""

@@ -43,7 +43,7 @@ def test_aggregate_and_table():
     assert res["benchmarks"]["b"]["pass@1"] == 1.0
     assert res["average"] == {"pass@1": pytest.approx(0.5625), "pass@4": 0.75}
     table = format_table(res)
-    # issue 25 item 14: fractions with three decimals, the one convention of every table (was percent)
+    # fractions with three decimals, the one convention of every table (was percent)
     assert table.splitlines()[1].split() == ["a", "2", "0.125", "0.500"]
     assert table.splitlines()[-1].split() == ["average", "3", "0.562", "0.750"]
     with pytest.raises(ValueError, match="samples < k"):
@@ -124,7 +124,7 @@ def test_public_names():
 
 
 def test_progress_is_lines_not_carriage_return_frames_when_redirected():
-    """Issue 25 item 14: eval's tqdm bar wrote \\r frames into redirected logs. Off a terminal, a line
+    """eval's tqdm bar wrote \\r frames into redirected logs. Off a terminal, a line
     about every fifth of the problems (the trainer's compact lines are the model)."""
     import io
 

@@ -1,4 +1,4 @@
-"""The jitted sampler (issue 4) against references: a full forward without cache, float64 NumPy, and
+"""The jitted sampler against references: a full forward without cache, float64 NumPy, and
 the 1-device run. One tiny model, a handful of compiled programs shared through module fixtures."""
 
 import jax

@@ -1,4 +1,4 @@
-"""Issue 8 item 2: ``ict-jax compare`` (one warm start, every method x seed, table + plots, resumable)
+"""``ict-jax compare`` (one warm start, every method x seed, table + plots, resumable)
 and the table maths on hand-made metrics rows."""
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ def test_rho_ablation_selects_fewer_tokens_at_smaller_rho(tmp_path):
 
 
 def test_a_comparison_that_failed_at_start_up_does_not_block_the_corrected_rerun(tmp_path, capsys, monkeypatch):
-    """Issue 25 item 9: a compare that failed at start-up (here: the warm start's data file does not
+    """A compare that failed at start-up (here: the warm start's data file does not
     exist) left compare_config.json, and the corrected rerun was refused as "another config". The record
     guards results: while the folder holds none, a rerun with another config replaces it; once a run has
     produced something, another config is still refused."""

@@ -306,7 +306,7 @@ def test_cli_export(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 25 item 6: a full disk. Orbax wrote ~380 lines of tracebacks and the failed background save
+# A full disk. Orbax wrote ~380 lines of tracebacks and the failed background save
 # surfaced at the next save, steps later. Now: one line naming the step, the reason, the checkpoint that
 # is intact and a log with the details; at the first check after the failure; earlier checkpoints intact.
 # ------------------------------------------------------------------------------------------------

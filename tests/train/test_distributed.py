@@ -1,4 +1,4 @@
-"""Issue 7: two processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) give the
+"""Two processes x 4 CPU devices (jax.distributed on localhost, gloo collectives) give the
 parameters and per-step statistics of one process with 8 devices.
 
 The tiny random model never earns a reward on `arith`, so its RL gradient is rounding residue (norm
@@ -25,7 +25,7 @@ from test_trainer import DEMO, TINY  # the same folder (pytest puts a test file'
 pytestmark = pytest.mark.slow
 
 # response buckets (2, 4, 6) of max_new_tokens 6: every process must cut the update and grow the decode cache
-# alike (the longest response of the global batch), or the processes' programs would not match (issue 26)
+# alike (the longest response of the global batch), or the processes' programs would not match
 ARGS = TINY + ["train.steps=2", "train.save_every=2", "train.prompts_per_step=8", "mesh.data=-1",
                "rl.loss.kl_coef=0.01", "optim.lr=0", "train.sft_steps=4", "rollout.min_response_bucket=2"]
 STATS = ("reward/mean", "response/length_mean", "stats/H1_mean", "stats/H2_mean", "stats/js_mean",

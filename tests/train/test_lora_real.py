@@ -1,4 +1,4 @@
-"""The done-when of issue 27 on the real Qwen2.5-Coder-0.5B-Instruct (slow: ~15-25 min on 2 cores; skipped,
+"""LoRA end to end on the real Qwen2.5-Coder-0.5B-Instruct (slow: ~15-25 min on 2 cores; skipped,
 with the install line, when the model's parts are not installed).
 
 A LoRA run of the real-0.5B CPU recipe (configs/qwen2p5_coder_0p5b_cpu_ict.yaml: P 2 x G 8, 128 + 256

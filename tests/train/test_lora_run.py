@@ -1,4 +1,4 @@
-"""LoRA through a whole run (issue 27): the trainer builds the model with adapters and trains only them,
+"""LoRA through a whole run: the trainer builds the model with adapters and trains only them,
 checkpoints hold the adapters and the base model's identity, a resume is bitwise like an uninterrupted
 run and refuses another base, and every command that reads a run (sample, eval, inspect, export) reads
 a LoRA run; ``ict-jax compile`` builds the LoRA train state (base frozen, adapters and their moments, no

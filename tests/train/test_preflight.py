@@ -116,7 +116,7 @@ def test_the_cpu_budget_keeps_what_the_process_holds_outside_jax_arrays(monkeypa
 
 
 def test_an_oversized_run_stops_with_one_line_exit_3_and_writes_nothing(tmp_path, monkeypatch, capsys, devices8):
-    """Issue 23's pre-flight on a tiny model with a tiny budget: the refusal comes before the weights load
+    """The memory pre-flight on a tiny model with a tiny budget: the refusal comes before the weights load
     and before anything is written (a corrected rerun needs no --resume)."""
     from ict_jax.cli.main import main
 

@@ -35,7 +35,7 @@ def run_parts(tmp_path_factory, devices8):
 
 @pytest.mark.e2e  # lowers the three programs twice (~10 s on 2 cores)
 def test_training_and_compile_build_the_same_programs(run_parts):
-    """The done-when of issue 24: the programs a run trains with (built from its real state) and those
+    """The programs a run trains with (built from its real state) and those
     ``ict-jax compile`` checks (built from the config alone) lower to the same modules."""
     from ict_jax.aot.compile import build_programs, get_target, run_mesh, target_model_config
 
@@ -104,7 +104,7 @@ def test_a_program_compiles_once_per_shape_and_runs_that_executable(devices8):
 
 
 def test_run_parts_are_frozen_and_typed():
-    """RunParts: frozen, and no field typed Any (issue 24); the train state is not among them."""
+    """RunParts: frozen, and no field typed Any; the train state is not among them."""
     import dataclasses
     import typing
 

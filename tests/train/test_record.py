@@ -1,4 +1,4 @@
-"""Issue 17: a run's record is never lost or mislabelled (summary sections, config on resume, one row per
+"""A run's record is never lost or mislabelled (summary sections, config on resume, one row per
 step, SFT checkpoints and resume), and the logs a person reads (compact lines, the before/after table,
 TensorBoard tags and steps, W&B).
 
@@ -65,7 +65,7 @@ def finished(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------------
-# Items 13, 14: what a person reads; the summary's sections
+# What a person reads; the summary's sections
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_non_tty_output_is_compact_and_ends_with_the_before_after_table(finished):
@@ -158,7 +158,7 @@ def test_metrics_png_has_the_eval_curve_and_smoothed_panels(finished):
 
 
 # ------------------------------------------------------------------------------------------------
-# Items 1, 2, 3: resume of a finished run, with changed settings, of a missing directory
+# Resume of a finished run, with changed settings, of a missing directory
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_resume_of_a_finished_run_is_a_no_op(finished):
@@ -235,7 +235,7 @@ def test_truncate_metrics_keeps_the_rows_below_each_phase_limit(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Item 5: SFT checkpoints; `ict-jax sft --resume`; `train --resume` continues SFT, then RL
+# SFT checkpoints; `ict-jax sft --resume`; `train --resume` continues SFT, then RL
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_sft_saves_checkpoints_and_sft_resume_continues(tmp_path):
@@ -306,7 +306,7 @@ def _cli_proc(run: Path, *extra: str) -> subprocess.Popen:
 def test_ctrl_c_during_sft_then_resume_is_bitwise_identical(tmp_path, lora):
     """Ctrl-C (SIGINT) during SFT saves an SFT checkpoint (exit 130); `train --resume` continues SFT and
     then RL, and the final RL checkpoint and every logged row equal an uninterrupted run's. With LoRA
-    (issue 27) the SFT checkpoints hold the adapters on the preset base, then RL trains fresh adapters
+    the SFT checkpoints hold the adapters on the preset base, then RL trains fresh adapters
     on the merged warm start."""
     from flax import nnx
 
@@ -355,7 +355,7 @@ def test_ctrl_c_during_sft_then_resume_is_bitwise_identical(tmp_path, lora):
 
 
 # ------------------------------------------------------------------------------------------------
-# Item 19 in the trainer: rl.reward.fn scores every training response, in the workers
+# A custom reward in the trainer: rl.reward.fn scores every training response, in the workers
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_training_with_a_custom_reward_function_and_a_file_task(tmp_path, monkeypatch):
@@ -386,7 +386,7 @@ def test_training_with_a_custom_reward_function_and_a_file_task(tmp_path, monkey
 
 
 # ------------------------------------------------------------------------------------------------
-# Item 15: Weights & Biases, offline (no network), the same metric names as metrics.jsonl
+# Weights & Biases, offline (no network), the same metric names as metrics.jsonl
 # ------------------------------------------------------------------------------------------------
 def _wandb_history(run_file: Path) -> list[dict]:
     """The history rows of a W&B offline run file (its LevelDB-log framing read by hand)."""
@@ -664,7 +664,7 @@ def test_an_extension_that_crashed_is_not_taken_for_finished(tmp_path, monkeypat
 
 
 def test_a_tensorboard_writer_that_died_on_a_full_disk_is_an_error_not_a_hang(tmp_path, monkeypatch, capfd):
-    """Issue 25 item 6: tensorboardX writes events from a thread; when a write fails (a full disk) the
+    """tensorboardX writes events from a thread; when a write fails (a full disk) the
     thread ends and the next events block forever on its full queue: the run hung. Now the next log
     raises the write's OSError naming the folder, and the dying thread prints no traceback."""
     import errno
@@ -705,7 +705,7 @@ def test_a_tensorboard_writer_that_died_on_a_full_disk_is_an_error_not_a_hang(tm
 
 
 def test_wall_s_counts_an_interrupted_invocation(tmp_path):
-    """Issue 25 item 15: summary.json's wall_s is documented "over all invocations" but left out an
+    """summary.json's wall_s is documented "over all invocations" but left out an
     invocation that was interrupted (Ctrl-C) or stopped by an error. Both now count."""
     from ict_jax.config import load_config
     from ict_jax.train.record import read_summary
@@ -737,7 +737,7 @@ def test_wall_s_counts_an_interrupted_invocation(tmp_path):
 
 
 def test_a_row_is_written_whole_or_not_at_all_and_a_half_row_is_not_read(tmp_path):
-    """Issue 25 item 6, "nothing lost": on a full disk metrics.jsonl got half a row, and the resumed run
+    """A full disk loses nothing: on a full disk metrics.jsonl got half a row, and the resumed run
     then failed on it (JSONDecodeError, exit 1). A failed write is cut back to where the row began, and a
     half row at the end of a file (from a crash mid-write) is skipped by the readers."""
     import errno

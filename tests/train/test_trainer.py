@@ -1,4 +1,4 @@
-"""Issue 7: the trainer end to end on a tiny model with the CharTokenizer and the procedural arith task;
+"""The trainer end to end on a tiny model with the CharTokenizer and the procedural arith task;
 bad input; resume after SIGKILL (slow, subprocess)."""
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _final_params(run: Path):
     return meta["step"], jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
 
-# with LoRA (issue 27): SFT and RL on adapters; a format penalty gives the random model's groups nonzero
+# with LoRA: SFT and RL on adapters; a format penalty gives the random model's groups nonzero
 # advantages, so that RL moves the adapters (all-zero rewards would leave B = 0 and the check empty)
 LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "rl.reward.no_answer=-1"]
 
@@ -371,7 +371,7 @@ def test_dapo_dynamic_sampling_refills_dropped_groups(tmp_path):
         batch, info = collect_rollout(parts, t.state, 0, score=fake_score)
         first_batches = list(batches)
 
-        # Issue 25 item 4: with a format penalty, group 0 is all wrong and differs only by format.
+        # With a format penalty, group 0 is all wrong and differs only by format.
         # filter_on=correct (the default) drops and refills it; filter_on=reward keeps it.
         def format_only(parts, pb, tokens, valid):
             r = np.zeros(P * G, np.float32)
@@ -449,7 +449,7 @@ def test_rollout_chunks_sample_the_prompts_in_sequential_calls(tmp_path):
 
 @pytest.mark.e2e
 def test_the_step_runs_each_batch_at_its_response_bucket(tmp_path):
-    """Issue 26 through the run's step program: response buckets (2, 4, 6) of max_new_tokens 6. The
+    """Response buckets through the run's step program: buckets (2, 4, 6) of max_new_tokens 6. The
     pre-flight compiles the largest (the uncut step, bucket 6); each step runs at the bucket of its
     batch's longest response (``train/response_len``), the others compiled on first use, one executable
     per bucket met and nothing else. The spy ends every response after 1, 3, then 6 tokens (its validity
