@@ -1,4 +1,4 @@
-"""The embedded demo's RL with LoRA, over seeds, beside the full-parameter demo (issue 27; docs/results.md).
+"""The embedded demo's RL with LoRA, over seeds, beside the full-parameter demo (docs/results.md).
 
     python benchmarks/demo_lora.py                       # seeds 0 1 2 into runs/demo_lora
     python benchmarks/demo_lora.py --seeds 0 --out-dir runs/x

@@ -1,4 +1,4 @@
-"""The paper's token diagnostics over seeds: mean ± sd of ``ict-jax diagnose`` reports of one model (issue 23).
+"""The paper's token diagnostics over seeds: mean ± sd of ``ict-jax diagnose`` reports of one model.
 
     python benchmarks/diagnose_seeds.py runs/diagnose_q05_s0 runs/diagnose_q05_s1 --label "Qwen2.5-Coder-0.5B" \
         --out benchmarks/results/diagnose_q05.json

@@ -1,4 +1,4 @@
-"""What the response length costs (issue 26): step and rollout time vs rollout.max_new_tokens at a fixed
+"""What the response length costs: step and rollout time vs rollout.max_new_tokens at a fixed
 answer length, the update at a realistic length distribution, and the compile count and time per bucket;
 "before" (rollout.min_response_bucket: null: every update and decode step at max_new_tokens) and "after"
 (response buckets, the default) in one run.

@@ -1,4 +1,4 @@
-"""Compiled memory of the train step with and without LoRA (issue 27), from abstract arguments only.
+"""Compiled memory of the train step with and without LoRA, from abstract arguments only.
 
     python benchmarks/lora_memory.py                       # Qwen2.5-0.5B shape, the CPU setting below
     python benchmarks/lora_memory.py --preset qwen2p5_1p5b --rank 64

@@ -1,4 +1,4 @@
-"""Compiled memory and step time of the real Qwen2.5-0.5B CPU setting with and without LoRA (issue 27).
+"""Compiled memory and step time of the real Qwen2.5-0.5B CPU setting with and without LoRA.
 
     python benchmarks/lora_real_step.py [--model qwen2.5-coder-0.5b-instruct] [--steps 2]
 

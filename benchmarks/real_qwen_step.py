@@ -1,4 +1,4 @@
-"""The real Qwen2.5-Coder-0.5B's RL step on this CPU (issue 23 item 3): time split and memory, read from
+"""The real Qwen2.5-Coder-0.5B's RL step on this CPU: time split and memory, read from
 finished runs of the CPU recipes and from `ict-jax compile --topology local --json`.
 
     flock /work/notes/realmodel.lock nice ict-jax train --config configs/qwen2p5_coder_0p5b_cpu_ict.yaml \\

@@ -1,4 +1,4 @@
-"""Benchmark: dense vs chunked token statistics at the Qwen2.5-0.5B head (issue 3).
+"""Benchmark: dense vs chunked token statistics at the Qwen2.5-0.5B head.
 
 value_and_grad of a masked loss (ICT mask from the group-mean JS, a token-mean policy-gradient-like
 term on logp) through (a) full logits ``[B, T, V]`` + ``stats_from_logits`` and (b) ``stats_from_hidden``

@@ -27,7 +27,8 @@ GIB = 1024 ** 3
 
 # name -> the arguments of `ict-jax compile` (docs/tpu.md's tables). "--topology" absent: the recipe's
 # mesh.target. Recipes as shipped, on their own slice and on others (the `-1` mesh axis takes the chips),
-# the settings before issue 15, --fit, and 7B at fsdp 8 -> 16 -> 32 with 4 rows a chip a micro-batch.
+# the recipes' earlier settings (before they were fitted to their slices), --fit, and 7B at fsdp
+# 8 -> 16 -> 32 with 4 rows a chip a micro-batch.
 _0P5B, _1P5B, _7B = ("configs/qwen2p5_0p5b_ict.yaml", "configs/qwen2p5_1p5b_ict.yaml", "configs/qwen2p5_7b_ict.yaml")
 JOBS: dict[str, list[str]] = {
     # every recipe as shipped on its mesh.target: all three programs
@@ -35,7 +36,7 @@ JOBS: dict[str, list[str]] = {
     "1p5b_shipped": ["--config", _1P5B],
     "1p5b_fit_v5e8": ["--config", _1P5B, "--topology", "v5e:2x4", "--fit", "--max-compiles", "3"],
     "7b_shipped": ["--config", _7B],
-    # the recipes before issue 15
+    # the recipes' earlier settings, before they were fitted to their slices
     "0p5b_before_v5e8": ["--config", _0P5B, "--program", "step", "mesh.data=-1", "mesh.fsdp=1",
                          "train.micro_batches=2"],
     "1p5b_before_v5e8": ["--config", _1P5B, "--program", "step", "mesh.tensor=1", "train.micro_batches=4"],
@@ -55,7 +56,7 @@ JOBS: dict[str, list[str]] = {
                          "model.remat=full", "stats.chunk=64"],
     "7b_v5e32_m2_full": ["--config", _7B, "--topology", "v5e:4x8", "--program", "step", "train.micro_batches=2",
                          "model.remat=full", "stats.chunk=64"],
-    # LoRA (issue 27): the 7B on one v5e-8 host, base frozen in bfloat16, rank 16 on the seven projections;
+    # LoRA: the 7B on one v5e-8 host, base frozen in bfloat16, rank 16 on the seven projections;
     # every program (the full-parameter step does not fit here: 7b_v5e8_m8_full)
     "7b_lora_v5e8": ["--config", _7B, "--topology", "v5e:2x4", "model.lora.enabled=true",
                      "model.lora.base_dtype=bfloat16", "mesh.data=1", "mesh.fsdp=8", "train.micro_batches=8",

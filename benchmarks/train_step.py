@@ -6,7 +6,7 @@
     python benchmarks/train_step.py --skip-memory --torch-stats   # + a PyTorch step with the same statistics
     python benchmarks/train_step.py --mfu            # GPU/TPU: JAX step alone at the 0.5B shape, bf16, MFU
 
-Timing (issue 5): both sides run the same dense GRPO update from the same random weights (transformers
+Timing: both sides run the same dense GRPO update from the same random weights (transformers
 ``Qwen2ForCausalLM``, saved and loaded with ``ict_jax.load_hf``) on the same rollout batch:
 one forward over prompt + response, float32 log-probs of the response tokens at temperature T, docs/method.md §4's
 clipped surrogate (eps 0.2/0.2, dual clip 3) with ``seq-mean-token-mean`` aggregation, kl_coef = 0 (no
