@@ -411,3 +411,63 @@ def test_the_result_table_check_fails_on_results_md_without_a_mark():
     broken = text[:m.start()] + "Notes:" + text[m.end():]
     problems = result_table_problems(broken, RESULTS.parent)
     assert len(problems) == 1 and "no 'Record:' or 'Historical:' paragraph" in problems[0], problems
+
+
+# ------------------------------------------------------------------------------------------------
+# User-facing text names topics, not the project's history: what changed when belongs in the git log
+# ------------------------------------------------------------------------------------------------
+#: where a reader meets the project's text; docs/experiments/ and configs/experiments/ hold experiments'
+#: records and plans, written as they ran
+HISTORY_FREE = ["README.md", "docs", "ict_jax", "tests", "benchmarks", "notebooks", "configs"]
+HISTORY_EXEMPT = ["docs/experiments", "configs/experiments"]
+HISTORY_SUFFIXES = {".md", ".py", ".yaml", ".yml", ".toml", ".txt", ".sh", ""}
+#: a reference to a work item (the word issue and a number, singular or plural, any case) or a note of
+#: which session of work did something (an ordinal or "this" before the word, and the like)
+HISTORY = re.compile(r"\bissues? #?[0-9]+"
+                     r"|\b(?:first|second|third|fourth|fifth|earlier|previous|this|that|next|last|later) session\b"
+                     r"|\bin (?:this|that|any) session\b", re.IGNORECASE)
+
+
+def history_notes(root: Path) -> list[str]:
+    """``path:line: text`` of every history note in the user-facing files under ``root``."""
+    found = []
+    for name in HISTORY_FREE:
+        base = root / name
+        files = [base] if base.is_file() else sorted(f for f in base.rglob("*") if f.is_file()) if base.is_dir() else []
+        for f in files:
+            rel = f.relative_to(root).as_posix()
+            if f.suffix not in HISTORY_SUFFIXES or any(rel.startswith(e + "/") for e in HISTORY_EXEMPT):
+                continue
+            if "__pycache__" in rel or "/." in "/" + rel:
+                continue
+            try:
+                text = f.read_text()
+            except (UnicodeDecodeError, OSError):
+                continue
+            for i, line in enumerate(text.splitlines(), 1):
+                if HISTORY.search(line):
+                    found.append(f"{rel}:{i}: {line.strip()[:100]}")
+    return found
+
+
+def test_user_facing_text_names_topics_not_the_projects_history():
+    found = history_notes(ROOT)
+    assert not found, ("name the topic, not the work item or session (the git log keeps the history):\n"
+                       + "\n".join(found))
+
+
+def test_the_history_scan_finds_a_note_added_back(tmp_path):
+    word, session = "Issue", "session"  # spelled apart, so that this file itself passes the scan
+    (tmp_path / "docs" / "experiments").mkdir(parents=True)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "README.md").write_text("# ict_jax\n\nThe trainer end to end.\n")
+    (tmp_path / "docs" / "experiments" / "report.md").write_text(f"Run for {word.lower()} 33.\n")  # exempt
+    (tmp_path / "tests" / "test_x.py").write_text('"""Scope="session" fixtures are no history."""\n')
+    assert history_notes(tmp_path) == []
+    (tmp_path / "tests" / "test_x.py").write_text(f'"""{word} 7: the trainer end to end."""\n')
+    (tmp_path / "docs" / "a.md").write_text(f"Measured in the third {session} (no GPU in this {session}).\n"
+                                           f"(see {word.lower()}s 5)\n")
+    assert history_notes(tmp_path) == [
+        f"docs/a.md:1: Measured in the third {session} (no GPU in this {session}).",
+        f"docs/a.md:2: (see {word.lower()}s 5)",
+        f"tests/test_x.py:1: \"\"\"{word} 7: the trainer end to end.\"\"\""]
