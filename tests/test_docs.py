@@ -224,7 +224,9 @@ def _wheel_of_the_metadata(out: Path) -> Path:
 def test_a_fresh_venvs_pip_resolves_every_documented_extra(tmp_path):
     """The pip that ``python -m venv`` brings (23.2 with Python 3.11: it does not normalise the name typed)
     resolves each documented extra to its requirements: offline, the first of them is the one it cannot
-    find; an extra it does not know would be a warning and "Would install ict_jax" alone."""
+    find; an extra it does not know would be a warning and "Would install ict_jax" alone. pip runs outside the
+    checkout and without the tests' PYTHONPATH: on its path, an editable install's ict_jax.egg-info in the
+    checkout would read as ict_jax already installed, with every base requirement."""
     import subprocess
     import sys
 
@@ -234,11 +236,12 @@ def test_a_fresh_venvs_pip_resolves_every_documented_extra(tmp_path):
         pytest.skip(f"python -m venv failed here: {made.stderr.strip()[-200:]}")
     wheels = _wheel_of_the_metadata(tmp_path)
     extras = _extras()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    # no PIP_* settings, and no PYTHONPATH: conftest puts the checkout on it for the CLI's subprocesses
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
     for name in sorted(documented_extras()):
         r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--isolated", "install", "--dry-run",
                             "--no-index", "--find-links", str(wheels), f"ict_jax[{name}]"],
-                           capture_output=True, text=True, env=env)
+                           capture_output=True, text=True, env=env, cwd=tmp_path)
         out = r.stdout + r.stderr
         assert "does not provide the extra" not in out, out
         first = re.split(r"[=<>\[;! ]", extras[name][0])[0]
