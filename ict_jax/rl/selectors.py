@@ -279,6 +279,12 @@ def selector_needs(method: str) -> tuple[str, ...]:
     return DEFAULT_COMPUTE if needs is None else needs
 
 
+def selector_warmup(method: str) -> bool:
+    """Whether the warm-up applies to the selector ``method`` (``grpo`` = ``dense``): its first
+    ``rl.selector.warmup_steps`` RL steps train on every valid token (:func:`select`)."""
+    return _entry(method).warmup
+
+
 def _dense(stats, adv, valid, *, key, step, config, group_size):
     return dense_mask(valid)
 

@@ -28,7 +28,8 @@ from ict_jax.config import eval_settings
 from ict_jax.heartbeat import Heartbeat, duration
 from ict_jax.rewards.pool import RewardPool
 
-__all__ = ["EVAL_DEFAULTS", "pass_at_k", "aggregate", "format_table", "evaluate", "evaluate_benchmarks"]
+__all__ = ["EVAL_DEFAULTS", "pass_at_k", "standard_error", "aggregate", "format_table", "evaluate",
+           "evaluate_benchmarks"]
 
 _DEFAULTS = eval_settings()
 #: docs/method.md §6: samples per problem, the k reported, and the sampling settings of the eval generate_fn;
@@ -52,41 +53,72 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
 
 
-def aggregate(correct: Mapping[str, Sequence[Sequence[bool]]], ks: Sequence[int] = EVAL_DEFAULTS["ks"]) -> dict:
-    """Per-benchmark and average pass@k. ``correct[benchmark][problem]`` lists the correctness of that
-    problem's samples (n may differ between problems, but every n must be >= max(ks)).
+def standard_error(values: Sequence[float]) -> float | None:
+    """The standard error of the mean of ``values``: their sample sd (ddof 1) / sqrt(len); None with fewer
+    than 2 values."""
+    if len(values) < 2:
+        return None
+    return float(np.std(np.asarray(values, np.float64), ddof=1) / np.sqrt(len(values)))
 
-    Returns ``{"benchmarks": {name: {"problems", "samples", "pass@k"...}}, "average": {"pass@k"...}}``
-    with fractions in [0, 1]; the average is the unweighted mean over benchmarks with problems."""
+
+def aggregate(correct: Mapping[str, Sequence[Sequence[bool]]], ks: Sequence[int] = EVAL_DEFAULTS["ks"]) -> dict:
+    """Per-benchmark and average pass@k, with their standard errors. ``correct[benchmark][problem]`` lists
+    the correctness of that problem's samples (n may differ between problems, but every n must be >= max(ks)).
+
+    Returns ``{"benchmarks": {name: {"problems", "samples", "pass@k"..., "se": {"pass@k"...}}},
+    "average": {"pass@k"..., "se": {"pass@k"...}}}`` with fractions in [0, 1]; the average is the
+    unweighted mean over benchmarks with problems. ``se``: the standard error of each pass@k over the
+    benchmark's problems, i.e. the sample sd (ddof 1) of the per-problem pass@k estimates (for pass@1: each
+    problem's correct / n) divided by sqrt(problems), the problems taken as a sample of the benchmark's
+    (the n samples' own noise is inside each problem's value); None with fewer than 2 problems. The
+    average's: sqrt(sum of the benchmarks' se^2) / benchmarks (independent benchmarks); None when a
+    benchmark's is."""
     out: dict[str, Any] = {"benchmarks": {}, "average": {}}
     for name, rows in correct.items():
         ns = [len(r) for r in rows]
         if rows and min(ns) < max(ks):
             raise ValueError(f"aggregate: {name}: a problem has {min(ns)} samples < k={max(ks)}")
         entry: dict[str, Any] = {"problems": len(rows), "samples": int(sum(ns))}
+        se: dict[str, float | None] = {}
         for k in ks:
             vals = [pass_at_k(len(r), int(sum(map(bool, r))), k) for r in rows]
             entry[f"pass@{k}"] = float(np.mean(vals)) if vals else float("nan")
+            se[f"pass@{k}"] = standard_error(vals)
+        entry["se"] = se
         out["benchmarks"][name] = entry
     scored = [b for b in out["benchmarks"].values() if b["problems"]]
+    avg_se: dict[str, float | None] = {}
     for k in ks:
-        out["average"][f"pass@{k}"] = float(np.mean([b[f"pass@{k}"] for b in scored])) if scored else float("nan")
+        key = f"pass@{k}"
+        out["average"][key] = float(np.mean([b[key] for b in scored])) if scored else float("nan")
+        ses = [b["se"][key] for b in scored]
+        avg_se[key] = (float(np.sqrt(np.sum(np.square(ses))) / len(ses))
+                       if ses and all(x is not None for x in ses) else None)
+    out["average"]["se"] = avg_se
     return out
+
+
+def _cell(entry: Mapping[str, Any], col: str) -> str:
+    """``0.379 ± 0.049`` (pass@k ± its standard error), or ``0.379`` when there is none."""
+    se = (entry.get("se") or {}).get(col)
+    return f"{entry[col]:.3f}" + (f" ± {se:.3f}" if se is not None else "")
 
 
 def format_table(results: Mapping[str, Any], ks: Sequence[int] | None = None) -> str:
     """The per-benchmark + average table of :func:`aggregate` / :func:`evaluate` results: pass@k as
-    fractions with three decimals, the one convention of every table (eval, train, compare, docs)."""
+    fractions with three decimals, the one convention of every table (eval, train, compare, docs), each
+    ± its standard error over problems (:func:`aggregate`'s ``se``) where there is one."""
     ks = list(ks or [int(key[5:]) for key in results["average"] if key.startswith("pass@")])
     names = list(results["benchmarks"])
     w = max([len("benchmark"), len("average")] + [len(n) for n in names])
     cols = [f"pass@{k}" for k in ks]
-    lines = [f"{'benchmark':<{w}}  {'problems':>8}  " + "  ".join(f"{c:>8}" for c in cols)]
-    for name in names:
-        b = results["benchmarks"][name]
-        lines.append(f"{name:<{w}}  {b['problems']:>8d}  " + "  ".join(f"{b[c]:>8.3f}" for c in cols))
-    total = sum(b["problems"] for b in results["benchmarks"].values())
-    lines.append(f"{'average':<{w}}  {total:>8d}  " + "  ".join(f"{results['average'][c]:>8.3f}" for c in cols))
+    rows = [(name, results["benchmarks"][name]["problems"], results["benchmarks"][name]) for name in names]
+    rows.append(("average", sum(b["problems"] for b in results["benchmarks"].values()), results["average"]))
+    cells = [[_cell(entry, c) for c in cols] for _, _, entry in rows]
+    cw = [max([8] + [len(r[j]) for r in cells]) for j in range(len(cols))]
+    lines = [f"{'benchmark':<{w}}  {'problems':>8}  " + "  ".join(f"{c:>{cw[j]}}" for j, c in enumerate(cols))]
+    for (name, problems, _), cs in zip(rows, cells):
+        lines.append(f"{name:<{w}}  {problems:>8d}  " + "  ".join(f"{x:>{cw[j]}}" for j, x in enumerate(cs)))
     return "\n".join(lines)
 
 

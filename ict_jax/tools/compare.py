@@ -8,7 +8,8 @@ Layout under ``out`` (``--out``)::
       sft_model/          its HF checkpoint: ``model.path`` of every RL run
       warmstart.json      SFT metrics, the warm start's pass@k on ``data.eval``, wall time
     runs/<group>_s<seed>/ one RL run (``group`` = the method, or ``ict_rho<r>`` for the sparsity ablation)
-    results.json          per group: final P@k, steps to the target reward, final H1 / H2, wall time
+    results.json          per group: final P@k, steps to the target reward, the selected fraction after the
+                          warm-up, final H1 / H2, wall time
     results.md            the same as a Markdown table
     reward.png H1.png H2.png   per group: mean curve over seeds vs step, min-max band
 
@@ -32,8 +33,9 @@ import jax
 
 from ict_jax.config import EXTRA_METHODS, Config, ConfigError, Method, load_config
 from ict_jax.outputs import check_output_dir, has_entries
-from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, RunSpec, collect, format_markdown,
-                                          has_checkpoint, is_finite, pass_at_k, plot_groups)
+from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, RunSpec, collect, dense_steps,
+                                          format_markdown, has_checkpoint, is_finite, pass_at_k, plot_groups,
+                                          selection_warnings)
 from ict_jax.train.record import run_finished
 from ict_jax.train.trainer import Trainer, TrainingDiverged
 
@@ -289,7 +291,10 @@ def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | None
     done: dict[str, str] = {}
     for spec, rc in zip(specs, run_cfgs):
         done[spec.name] = run_one(rc, spec, progress=progress, say=say)
-    groups, curves = collect(specs, target_reward)
+    groups, curves = collect(specs, target_reward, {s.name: dense_steps(s.method, rc.rl.selector.warmup_steps)
+                                                    for s, rc in zip(specs, run_cfgs)})
+    for line in selection_warnings(groups):
+        say(line)
     results = {
         "config": str(config) if not isinstance(config, Config) else None, "overrides": list(overrides),
         "out": str(out), "methods": methods, "seeds": seeds, "rhos": rhos, "target_reward": target_reward,

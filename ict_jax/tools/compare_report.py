@@ -8,6 +8,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from ict_jax.rl.selectors import selector_warmup
 from ict_jax.train.logs import read_metrics
 from ict_jax.train.record import read_summary, run_finished
 
@@ -95,16 +96,73 @@ def mean_sd(values: Iterable[float | None]) -> dict[str, Any]:
     return {"mean": mean, "sd": sd, "n": n}
 
 
+# --------------------------------------------------------------------------------------------------
+# The selected fraction: did a sparse method select anything less than every token?
+# --------------------------------------------------------------------------------------------------
+#: The methods that train on every valid token by design (dense GRPO): selecting everything is their method.
+DENSE_METHODS = ("dense", "grpo")
+#: A step's ``mask/selected_frac`` at or above this counts as every valid token (sum M / sum valid in float32).
+ALL_SELECTED = 1.0 - 1e-6
+
+
+def dense_steps(method: str, warmup_steps: int) -> int:
+    """The RL steps at the start of a run of ``method`` that train on every valid token by design: the
+    warm-up's ``warmup_steps`` (``rl.selector.warmup_steps``) for a selector the warm-up applies to
+    (ict, random, frequent, selectable; :func:`ict_jax.rl.selectors.selector_warmup`), else 0."""
+    return int(warmup_steps) if selector_warmup(method) else 0
+
+
+def selection(rows: Sequence[Mapping[str, Any]], dense: int = 0) -> dict[str, Any]:
+    """What a run selected: ``selected_frac``, the mean of ``mask/selected_frac`` over its sparse steps (the
+    RL steps from 0-based step ``dense`` on, after the warm-up; None when there is none), ``sparse_steps``
+    (how many logged it), ``dense_steps`` (``dense``), ``steps`` (the RL steps that logged it at all) and
+    ``all_selected``: True when every sparse step selected every valid token (:data:`ALL_SELECTED`) or
+    every step logged lies inside the warm-up, so that the run trained as dense GRPO; None when no step
+    logged the metric."""
+    vals = [(int(r["step"]), float(r["mask/selected_frac"])) for r in rows if is_finite(r.get("mask/selected_frac"))]
+    sparse = [v for s, v in vals if s >= dense]
+    return {"selected_frac": math.fsum(sparse) / len(sparse) if sparse else None, "sparse_steps": len(sparse),
+            "dense_steps": int(dense), "steps": len(vals),
+            "all_selected": all(v >= ALL_SELECTED for v in sparse) if vals else None}
+
+
+def selected_everything(method: str, sel: Mapping[str, Any] | None) -> bool:
+    """Whether a run of a sparse ``method`` (every method but dense GRPO) selected every valid token on
+    every sparse step (:func:`selection`'s ``all_selected``): it trained as dense GRPO did."""
+    return method not in DENSE_METHODS and bool((sel or {}).get("all_selected"))
+
+
+def selection_warning(name: str, method: str, sels: Mapping[Any, Mapping[str, Any] | None]) -> str | None:
+    """The warning line for ``name`` (a method, group or arm) of selector ``method`` whose runs (seed ->
+    :func:`selection`) include one that selected everything (:func:`selected_everything`); None if none did."""
+    seeds = [s for s, sel in sels.items() if selected_everything(method, sel)]
+    if not seeds:
+        return None
+    which = [sels[s] for s in seeds]
+    in_warmup = [s for s, sel in zip(seeds, which) if not sel["sparse_steps"]]
+    how = []
+    if len(in_warmup) < len(seeds):
+        n = sum(sel["sparse_steps"] for sel in which if sel["sparse_steps"])
+        how.append(f"selected fraction 1.000 on every one of its {n} sparse step(s)")
+    if in_warmup:
+        how.append("every RL step inside the dense warm-up (rl.selector.warmup_steps "
+                   + ", ".join(sorted({str(sels[s]["dense_steps"]) for s in in_warmup})) + ")")
+    return (f"WARNING: {name} ({method}) selected every valid token in {len(seeds)} of {len(sels)} run(s) (seed "
+            f"{', '.join(map(str, seeds))}: {'; '.join(how)}): it trained as dense GRPO, so its numbers repeat "
+            "GRPO's and its curves hide GRPO's; it is no evidence about the method.")
+
+
 def run_result(rl_rows: Sequence[Mapping[str, Any]], final_evals: Mapping[str, Any] | None,
-               target: float, wall_s: float | None = None) -> dict[str, Any]:
+               target: float, wall_s: float | None = None, *, dense: int = 0) -> dict[str, Any]:
     """One run's numbers: final P@k (averaged over benchmarks, and per benchmark), steps to target, final
-    H1 / H2."""
+    H1 / H2, and what it selected (:func:`selection` after ``dense`` warm-up steps)."""
     return {"pass": {f"pass@{k}": v for k, v in pass_at_k(final_evals).items()},
             "pass_by_bench": {b: {f"pass@{k}": v for k, v in vals.items()}
                               for b, vals in pass_by_benchmark(final_evals).items()},
             "steps_to_target": steps_to_target(rl_rows, target),
             "H1": tail_mean(rl_rows, "stats/H1_mean"), "H2": tail_mean(rl_rows, "stats/H2_mean"),
-            "reward": tail_mean(rl_rows, "reward/mean"), "steps": len(rl_rows), "wall_s": wall_s}
+            "reward": tail_mean(rl_rows, "reward/mean"), "selection": selection(rl_rows, dense),
+            "steps": len(rl_rows), "wall_s": wall_s}
 
 
 def aggregate_group(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -117,7 +175,9 @@ def aggregate_group(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"pass": {k: mean_sd(r["pass"].get(k) for r in runs) for k in names}, "pass_by_bench": by_bench,
             "steps_to_target": {**mean_sd(r["steps_to_target"] for r in runs), "n_runs": len(runs)},
             "H1": mean_sd(r["H1"] for r in runs), "H2": mean_sd(r["H2"] for r in runs),
-            "reward": mean_sd(r["reward"] for r in runs), "wall_s": mean_sd(r["wall_s"] for r in runs)}
+            "reward": mean_sd(r["reward"] for r in runs),
+            "selected_frac": mean_sd((r.get("selection") or {}).get("selected_frac") for r in runs),
+            "wall_s": mean_sd(r["wall_s"] for r in runs)}
 
 
 def _fmt(stat: Mapping[str, Any], digits: int = 3) -> str:
@@ -136,6 +196,35 @@ def _fmt_steps(stat: Mapping[str, Any]) -> str:
     return s if stat["n"] == stat["n_runs"] else f"{s} ({stat['n']}/{stat['n_runs']} reached)"
 
 
+def _group_selections(g: Mapping[str, Any]) -> dict[str, Mapping[str, Any] | None]:
+    """seed -> the run's :func:`selection` (None in a results.json written before it was recorded)."""
+    return {seed: r.get("selection") for seed, r in (g.get("runs") or {}).items()}
+
+
+def _fmt_selected(g: Mapping[str, Any]) -> str:
+    """The table cell of a group's selected fraction: mean ± sd over seeds, marked when a sparse method's
+    run selected every token, or 'warm-up only' when no run got past its warm-up."""
+    sels = _group_selections(g)
+    cell = _fmt(g.get("selected_frac") or {})
+    if cell == "n/a" and any(sel and sel["steps"] for sel in sels.values()):
+        return "n/a (warm-up only)"
+    return cell + all_selected_mark(g.get("method", ""), sels)
+
+
+def all_selected_mark(method: str, sels: Mapping[Any, Mapping[str, Any] | None]) -> str:
+    """`` (all: seed 0, 2)``: the seeds (of seed -> :func:`selection`) whose run of a sparse ``method``
+    selected every valid token (:func:`selected_everything`); empty when none did."""
+    seeds = [str(s) for s, sel in sels.items() if selected_everything(method, sel)]
+    return f" (all: seed {', '.join(seeds)})" if seeds else ""
+
+
+def selection_warnings(groups: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One warning line per group of a sparse method in which a run selected every valid token
+    (:func:`selection_warning`): the comparison's table and output print them."""
+    lines = [selection_warning(g["group"], g.get("method", ""), _group_selections(g)) for g in groups]
+    return [line for line in lines if line]
+
+
 def format_markdown(results: Mapping[str, Any]) -> str:
     """The results table (one row per group, plus the warm start's P@k) and the caveat under it. With
     several eval benchmarks the table has a P@k column per benchmark (b1, b2, ... named under it) after
@@ -151,28 +240,35 @@ def format_markdown(results: Mapping[str, Any]) -> str:
     head = (["method", "rho", "seeds"] + [f"P@{k}" for k in ks]
             + [f"P@{k} b{i + 1}" for i in range(len(benches)) for k in ks]
             + [f"steps to reward ≥ {target:g} (MA{results.get('window', MA_WINDOW)})",
-               f"H1 (last {LAST_STEPS})", f"H2 (last {LAST_STEPS})", "wall s / run"])
+               "selected (after warm-up)", f"H1 (last {LAST_STEPS})", f"H2 (last {LAST_STEPS})", "wall s / run"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if ws.get("eval"):
         p = pass_at_k(ws["eval"])
         cells = ["warm start (SFT)", "", ""] + [f"{p[k]:.3f}" if k in p else "n/a" for k in ks]
         cells += [f"{ws_by_bench[b][k]:.3f}" if k in ws_by_bench.get(b, {}) else "n/a" for b in benches for k in ks]
-        lines.append("| " + " | ".join(cells + ["", "", "", f"{ws['wall_s']:.0f}" if ws.get("wall_s") else ""]) + " |")
+        lines.append("| " + " | ".join(cells + ["", "", "", "", f"{ws['wall_s']:.0f}" if ws.get("wall_s") else ""])
+                     + " |")
     for g in groups:
         rho = "" if g["rho"] is None else f"{g['rho']:g}"
         cells = [g["group"], rho, str(len(g["seeds"]))]
         cells += [_fmt(g["pass"].get(f"pass@{k}", {})) for k in ks]
         cells += [_fmt(g.get("pass_by_bench", {}).get(b, {}).get(f"pass@{k}", {})) for b in benches for k in ks]
-        cells += [_fmt_steps(g["steps_to_target"]), _fmt(g["H1"]), _fmt(g["H2"]), _fmt(g["wall_s"], 0)]
+        cells += [_fmt_steps(g["steps_to_target"]), _fmt_selected(g), _fmt(g["H1"]), _fmt(g["H2"]),
+                  _fmt(g["wall_s"], 0)]
         lines.append("| " + " | ".join(cells) + " |")
     n = max((len(g["seeds"]) for g in groups), default=0)
-    notes = [
+    warnings = selection_warnings(groups)
+    notes = ([""] + [f"**{w}**" for w in warnings] if warnings else []) + [
         "",
         f"Mean ± sample sd over {n} seed(s) (no sd with one seed). P@k: final evaluation on data.eval "
         f"({', '.join(results.get('eval', [])) or 'none'}), averaged over benchmarks"
         + ("; " + "; ".join(f"b{i + 1} = {b}" for i, b in enumerate(benches)) if benches else "") + ". Steps to "
         f"target: the first RL step whose trailing {results.get('window', MA_WINDOW)}-step moving average of "
-        f"reward/mean reaches {target:g}, averaged over the seeds that reached it. H1 / H2: stats/H1_mean, "
+        f"reward/mean reaches {target:g}, averaged over the seeds that reached it. Selected: mask/selected_frac "
+        "(selected / valid tokens) averaged over each run's RL steps after the selector's warm-up "
+        "(rl.selector.warmup_steps, for ict, random, frequent, selectable); (all: seed s): the run of a sparse "
+        "method at seed s selected every valid token on every such step (or had none), i.e. trained as dense "
+        "GRPO. H1 / H2: stats/H1_mean, "
         f"stats/H2_mean averaged over the last {LAST_STEPS} RL steps.",
         "",
         f"**{INCONCLUSIVE}**",
@@ -188,8 +284,9 @@ def has_checkpoint(run_dir: Path) -> bool:
     return ck.is_dir() and any(d.is_dir() and d.name.isdigit() for d in ck.iterdir())
 
 
-def read_run(run_dir: Path, target: float) -> dict[str, Any] | None:
-    """A finished run's numbers (None until its ``summary.json`` says it finished)."""
+def read_run(run_dir: Path, target: float, dense: int = 0) -> dict[str, Any] | None:
+    """A finished run's numbers (None until its ``summary.json`` says it finished); ``dense``: its warm-up
+    steps (:func:`dense_steps`)."""
     if not run_finished(run_dir):
         return None
     summary = read_summary(run_dir)
@@ -199,17 +296,19 @@ def read_run(run_dir: Path, target: float) -> dict[str, Any] | None:
     if not evals and metrics.is_file():  # fall back on the last logged evaluation
         ev_rows = read_metrics(metrics, "eval")
         evals = ev_rows[-1] if ev_rows else None
-    return run_result(rl_rows, evals, target, summary.get("wall_s"))
+    return run_result(rl_rows, evals, target, summary.get("wall_s"), dense=dense)
 
 
-def collect(specs: Sequence[RunSpec], target: float) -> tuple[list[dict[str, Any]], dict[str, dict[int, list]]]:
-    """(groups for results.json, {group: {seed: RL metrics rows}} for the plots) from the finished runs."""
+def collect(specs: Sequence[RunSpec], target: float, dense: Mapping[str, int] | None = None,
+            ) -> tuple[list[dict[str, Any]], dict[str, dict[int, list]]]:
+    """(groups for results.json, {group: {seed: RL metrics rows}} for the plots) from the finished runs.
+    ``dense``: run name -> its warm-up steps (:func:`dense_steps`; missing: 0)."""
     groups: dict[str, dict[str, Any]] = {}
     curves: dict[str, dict[int, list]] = {}
     for spec in specs:
         g = groups.setdefault(spec.group, {"group": spec.group, "method": spec.method, "rho": spec.rho,
                                            "overrides": dict(spec.overrides), "seeds": [], "runs": {}})
-        res = read_run(spec.run_dir, target)
+        res = read_run(spec.run_dir, target, (dense or {}).get(spec.name, 0))
         if res is None:
             continue
         g["seeds"].append(spec.seed)

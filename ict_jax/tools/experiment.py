@@ -37,7 +37,7 @@ from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (CHUNKS_FILE, INVOCATIONS_FILE, PLAN_FILE, RECORD_FILE, STATUS_FILE,
                                              append_jsonl, build_record, run_status, steps_done, write_json)
-from ict_jax.tools.experiment_report import REPORT_FILE, write_report
+from ict_jax.tools.experiment_report import REPORT_FILE, selection_warnings, write_report
 from ict_jax.tools.provenance import code_commit, environment, file_commit, now_iso
 from ict_jax.train.logs import read_metrics
 from ict_jax.train.stopping import TrainingDiverged
@@ -265,6 +265,8 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
                 say(f"{plan.name}: {stopped}; {record['status']['steps_done']}/{record['status']['steps_planned']} "
                     f"steps, {record['status']['runs_finished']}/{record['status']['runs']} runs finished; record "
                     f"{plan.record / RECORD_FILE}, report {plan.record / REPORT_FILE}")
+                for line in selection_warnings(record):
+                    say(line)
             except Exception as e:  # noqa: BLE001 - the error that stopped the experiment is the one raised
                 say(f"{plan.name}: {stopped}; the record could not be rebuilt ({type(e).__name__}: {e})")
                 if stopped == "finished":
@@ -272,9 +274,10 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
     return record
 
 
-def rebuild_report(plan_path: str | Path) -> Path:
+def rebuild_report(plan_path: str | Path, *, say: Callable[[str], None] = _say) -> Path:
     """The report of the plan's experiment rebuilt from its ``experiment.json`` alone (nothing is run and
-    no run directory is read); returns the report's path."""
+    no run directory is read); returns the report's path. ``say`` gets the record's warnings (an arm of a
+    sparse method that selected every token, :func:`~ict_jax.tools.experiment_report.selection_warnings`)."""
     plan = load_plan(plan_path)
     path = plan.record / RECORD_FILE
     if not path.is_file():
@@ -283,4 +286,7 @@ def rebuild_report(plan_path: str | Path) -> Path:
     if record.get("plan_sha256") != plan.sha256:
         raise PlanError(f"plan {str(plan.path)!r} is not the plan of the record {str(path)!r} (sha256 "
                         f"{plan.sha256[:12]} vs {str(record.get('plan_sha256'))[:12]})")
-    return write_report(record, plan.record)
+    out = write_report(record, plan.record)
+    for line in selection_warnings(record):
+        say(line)
+    return out

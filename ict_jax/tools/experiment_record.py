@@ -7,6 +7,7 @@ Layout (docs/experiments.md)::
     {"format": 1, "plan": {...}, "plan_file", "plan_sha256", "plan_text", "plan_git": {commit, clean, ...},
      "environment": {...}  (the first invocation's), "invocations": [...], "status": {...},
      "runs": {"<arm>_s<seed>": {arm, seed, run_dir, status, steps_done, metrics: [per-step rows],
+                                selection: {selected_frac, sparse_steps, dense_steps, steps, all_selected},
                                 eval_final, wall_s, chunks: [...], outcomes: {name: value}}},
      "base": {status, eval_final, run_dir} | null,
      "design": {n_seeds, df, assumed_sd, alpha, power, mde, note},
@@ -22,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ict_jax.tools.compare_report import has_checkpoint, pass_at_k
+from ict_jax.tools.compare_report import dense_steps, has_checkpoint, pass_at_k, selection
 from ict_jax.tools.experiment_plan import Outcome, Plan, RunSpec, base_run, differing_keys, plan_runs
 from ict_jax.tools.experiment_stats import mean_sd, minimum_detectable_effect, paired_differences
 from ict_jax.train.checkpoints import Checkpointer
@@ -141,8 +142,10 @@ def read_run(spec: RunSpec, steps: int, chunks: Sequence[Mapping[str, Any]]) -> 
     done = steps_done(d, steps)
     if status != "diverged":  # rows past the last checkpoint are logged again when the run resumes
         rl_rows = [r for r in rl_rows if int(r["step"]) < done]
+    selector = spec.config.rl.selector
     out = {"arm": spec.arm, "seed": spec.seed, "run_dir": str(d), "status": status, "steps_done": done,
            "metrics": _json_rows(rl_rows), "evals": _json_rows(eval_rows),
+           "selection": selection(rl_rows, dense_steps(selector.method, selector.warmup_steps)),
            "eval_final": summary.get("eval_final") if status == "finished" else None,
            "wall_s": summary.get("wall_s"), "chunks": [c for c in chunks if c.get("run") == spec.name]}
     if status == "diverged":

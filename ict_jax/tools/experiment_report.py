@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ict_jax.tools.compare_report import pass_at_k
+from ict_jax.tools.compare_report import all_selected_mark, pass_at_k, selected_everything, selection_warning
 from ict_jax.tools.experiment_stats import mean_sd
 
-__all__ = ["FIGURES", "REPORT_FILE", "format_report", "write_report", "plot_metric"]
+__all__ = ["FIGURES", "REPORT_FILE", "format_report", "write_report", "plot_metric", "selection_warnings"]
 
 REPORT_FILE = "report.md"
 #: figure file -> (metrics key, title): every arm's curve per seed against the RL step
@@ -73,6 +73,30 @@ def _outcome_section(o: Mapping[str, Any], arms: Sequence[str], seeds: Sequence[
     return lines
 
 
+def _arm_selections(record: Mapping[str, Any], arm: str) -> dict[int, Mapping[str, Any] | None]:
+    """seed -> the arm's run's selection (None in a record written before it was recorded)."""
+    return {r["seed"]: r.get("selection") for r in record["runs"].values() if r["arm"] == arm}
+
+
+def selection_warnings(record: Mapping[str, Any]) -> list[str]:
+    """One warning line per arm of a sparse method (every method but dense GRPO) with a run that selected
+    every valid token on every RL step after its warm-up, or never got past the warm-up
+    (:func:`~ict_jax.tools.compare_report.selection_warning`): the report and the command print them."""
+    lines = [selection_warning(arm, spec["method"], _arm_selections(record, arm))
+             for arm, spec in record["plan"]["arms"].items()]
+    return [line for line in lines if line]
+
+
+def _selected_cell(sel: Mapping[str, Any] | None, method: str) -> str:
+    """One run's selected fraction after its warm-up and the steps it is over, for the runs table."""
+    if not sel or not sel.get("steps"):
+        return "n/a"
+    if not sel["sparse_steps"]:
+        return f"n/a (all {sel['steps']} in warm-up)"
+    cell = f"{sel['selected_frac']:.3f} ({sel['sparse_steps']})"
+    return cell + (" (all)" if selected_everything(method, sel) else "")
+
+
 def format_report(record: Mapping[str, Any], figures: Sequence[str] = tuple(FIGURES)) -> str:
     """The Markdown report of ``record`` (``experiment.json``), naming ``figures`` (files beside it)."""
     plan, status, design = record["plan"], record["status"], record["design"]
@@ -91,6 +115,9 @@ def format_report(record: Mapping[str, Any], figures: Sequence[str] = tuple(FIGU
         f"{plan['steps']} RL steps each, in chunks of {plan['chunk_steps']}; arms of one seed share the data order, "
         "the sampler keys and the initial weights, so differences are paired by seed.",
         f"- Stopping rule: {plan['stopping_rule'].strip()}",
+    ]
+    lines += [f"- **{w}**" for w in selection_warnings(record)]
+    lines += [
         "",
         "## Arms",
         "",
@@ -147,17 +174,22 @@ def _evaluation_lines(record: Mapping[str, Any], arms: Sequence[str]) -> list[st
         base = record.get("base")
         if base is not None:
             p = pass_at_k(base.get("eval_final"))
-            rows.append([f"base (seed {base['seed']})"] + [_num(p.get(k)) for k in ks])
+            rows.append([f"base (seed {base['seed']})"] + [_num(p.get(k)) for k in ks] + [""])
         for a in arms:
             vals = [pass_at_k(r.get("eval_final")) for r in record["runs"].values() if r["arm"] == a]
             cells = []
             for k in ks:
                 xs = [v[k] for v in vals if k in v]
                 cells.append(_mean_sd(mean_sd(xs)))
-            rows.append([a] + cells)
-        lines += _table(["model"] + [f"P@{k}" for k in ks], rows)
+            sels = _arm_selections(record, a)
+            cell = _mean_sd(mean_sd((sel or {}).get("selected_frac") for sel in sels.values()))
+            rows.append([a] + cells + [cell + all_selected_mark(record["plan"]["arms"][a]["method"], sels)])
+        lines += _table(["model"] + [f"P@{k}" for k in ks] + ["selected (after warm-up)"], rows)
         lines += ["", "P@k averaged over the evaluation's benchmarks: " + ", ".join(
-            f"`{b}`" for b in _benchmarks(record)) + "; mean ± sd over seeds."]
+            f"`{b}`" for b in _benchmarks(record)) + "; mean ± sd over seeds. Selected: each run's "
+            "mask/selected_frac (selected / valid tokens) averaged over its RL steps after the selector's warm-up "
+            "(the runs table below), mean ± sd over seeds; (all: seed s): the run of a sparse method at seed s "
+            "selected every valid token on every such step (or had none), i.e. trained as dense GRPO."]
     else:
         lines += ["No final evaluation recorded yet."]
     return lines
@@ -173,9 +205,15 @@ def _runs_lines(record: Mapping[str, Any]) -> list[str]:
         p = pass_at_k(r.get("eval_final"))
         wall = sum(float(c.get("wall_s") or 0.0) for c in r["chunks"]) if r["chunks"] else None
         rows.append([name, r["status"], f"{r['steps_done']}/{plan['steps']}", str(len(r["chunks"])),
+                     _selected_cell(r.get("selection"), plan["arms"][r["arm"]]["method"]),
                      _duration(wall), ", ".join(f"P@{k} {v:.3f}" for k, v in p.items()) or "n/a"])
-    lines += _table(["run", "status", "steps", "chunks", "wall time (chunks)", "final evaluation"], rows)
-    lines += ["", "Wall time: the sum of the run's chunks, each with its model load, compilation and, in the last, "
+    lines += _table(["run", "status", "steps", "chunks", "selected (sparse steps)", "wall time (chunks)",
+                     "final evaluation"], rows)
+    lines += ["", "Selected: the mean of mask/selected_frac (selected / valid tokens) over the run's RL steps after "
+              "the selector's warm-up (rl.selector.warmup_steps, for ict, random, frequent, selectable), with the "
+              "number of those steps; (all): a sparse method selected every valid token on every one of them.",
+              "",
+              "Wall time: the sum of the run's chunks, each with its model load, compilation and, in the last, "
               "the final evaluation."]
     return lines
 

@@ -52,7 +52,7 @@ def test_eval_cli_end_to_end(assets, tmp_path, capsys):
     res = json.loads((out / "eval.json").read_text())
     b = res["benchmarks"]["gsm8k_test"]
     assert b["problems"] == 3 and b["samples"] == 12 and b["skipped_overlong"] == 0
-    assert set(res["average"]) == {"pass@1", "pass@4"} and res["n"] == 4 and res["ks"] == [1, 4]
+    assert set(res["average"]) == {"pass@1", "pass@4", "se"} and res["n"] == 4 and res["ks"] == [1, 4]
     assert res["settings"]["temperature"] == 0.6 and res["settings"]["top_p"] == 0.95
     # 3 problems in batches of 2 prompts (the second padded to 2): one program, one bucket
     assert res["compiled_programs"] == 1
@@ -62,6 +62,12 @@ def test_eval_cli_end_to_end(assets, tmp_path, capsys):
     assert rows[0]["prompt"].endswith("<eos><assistant>") and QUESTIONS[0][0] in rows[0]["prompt"]
     # pass@1 is the mean of the per-sample correctness written to the JSONL
     assert b["pass@1"] == pytest.approx(np.mean([r["correct"] for r in rows]))
+    # eval.json holds P@1's standard error over the problems: sd (ddof 1) of each problem's correct / n over
+    # sqrt(problems), by hand from the JSONL; printed beside P@1
+    per_problem = [np.mean([r["correct"] for r in rows if r["index"] == i]) for i in range(3)]
+    assert b["se"]["pass@1"] == pytest.approx(np.std(per_problem, ddof=1) / np.sqrt(3), abs=1e-12)
+    assert res["average"]["se"]["pass@1"] == pytest.approx(b["se"]["pass@1"])  # one benchmark
+    assert f"{b['pass@1']:.3f} ± {b['se']['pass@1']:.3f}" in printed
 
     # the responses are exactly what the generator gives for the same templated prompts and seed
     model, tok = load_model_and_tokenizer(assets / "model", tokenizer="char")

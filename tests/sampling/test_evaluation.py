@@ -39,13 +39,25 @@ def test_pass_at_k_large_n_stable():
 
 def test_aggregate_and_table():
     res = aggregate({"a": [[True, False, False, False], [False] * 4], "b": [[True] * 4]}, ks=(1, 4))
-    assert res["benchmarks"]["a"] == {"problems": 2, "samples": 8, "pass@1": 0.125, "pass@4": 0.5}
-    assert res["benchmarks"]["b"]["pass@1"] == 1.0
-    assert res["average"] == {"pass@1": pytest.approx(0.5625), "pass@4": 0.75}
+    # se: sample sd (ddof 1) of the per-problem pass@k over sqrt(problems): a's pass@1 values 0.25 and 0,
+    # sd 0.25 / sqrt(2), se 0.125; pass@4 values 1 and 0, se 0.5; b has one problem, so no se, nor the average
+    assert res["benchmarks"]["a"] == {"problems": 2, "samples": 8, "pass@1": 0.125, "pass@4": 0.5,
+                                      "se": {"pass@1": pytest.approx(0.125), "pass@4": pytest.approx(0.5)}}
+    assert res["benchmarks"]["b"]["pass@1"] == 1.0 and res["benchmarks"]["b"]["se"] == {"pass@1": None, "pass@4": None}
+    assert res["average"] == {"pass@1": pytest.approx(0.5625), "pass@4": 0.75, "se": {"pass@1": None, "pass@4": None}}
     table = format_table(res)
-    # fractions with three decimals, the one convention of every table (was percent)
-    assert table.splitlines()[1].split() == ["a", "2", "0.125", "0.500"]
+    # fractions with three decimals, the one convention of every table (was percent), ± the standard error
+    assert table.splitlines()[1].split() == ["a", "2", "0.125", "±", "0.125", "0.500", "±", "0.500"]
+    assert table.splitlines()[2].split() == ["b", "1", "1.000", "1.000"]
     assert table.splitlines()[-1].split() == ["average", "3", "0.562", "0.750"]
+    # the average's se: sqrt(sum of the benchmarks' se^2) / benchmarks
+    two = aggregate({"a": [[True, False], [False, False]], "c": [[True, True], [True, False], [False, False]]},
+                    ks=(1,))
+    se_a, se_c = 0.25, 0.5 / math.sqrt(3)  # values (0.5, 0): sd 0.5 / sqrt(2); (1, 0.5, 0): sd 0.5
+    assert two["benchmarks"]["a"]["se"]["pass@1"] == pytest.approx(se_a)
+    assert two["benchmarks"]["c"]["se"]["pass@1"] == pytest.approx(se_c)
+    assert two["average"]["se"]["pass@1"] == pytest.approx(math.sqrt(se_a ** 2 + se_c ** 2) / 2)
+    assert format_table(two).splitlines()[-1].split()[2:] == ["0.375", "±", f"{math.hypot(se_a, se_c) / 2:.3f}"]
     with pytest.raises(ValueError, match="samples < k"):
         aggregate({"a": [[True, False]]}, ks=(4,))
 
@@ -91,7 +103,15 @@ def test_evaluate_writes_table_json_jsonl(pool, tmp_path, capsys):
 
     printed = capsys.readouterr().out
     assert "gsm_fake" in printed and "mc_fake" in printed and "average" in printed
-    assert json.loads((tmp_path / "out" / "eval.json").read_text()) == json.loads(json.dumps(res))
+    saved = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert saved == json.loads(json.dumps(res))
+    # the saved standard error of P@1 over gsm_fake's 7 problems, by hand: per-problem c / 4
+    p1 = [c / n for c in counts]
+    mean = sum(p1) / 7
+    assert saved["benchmarks"]["gsm_fake"]["se"]["pass@1"] == pytest.approx(
+        math.sqrt(sum((x - mean) ** 2 for x in p1) / 6) / math.sqrt(7))
+    assert saved["benchmarks"]["mc_fake"]["se"] == {"pass@1": 0.0, "pass@4": 0.0}  # every problem 1 of 4 right
+    assert f"± {saved['benchmarks']['gsm_fake']['se']['pass@1']:.3f}" in printed
     lines = [json.loads(x) for x in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     assert len(lines) == (7 + 3) * n
     first = lines[0]

@@ -97,9 +97,11 @@ def test_group_aggregate_and_markdown_table():
     assert rows[1][0] == "warm start (SFT)" and rows[1][3] == "0.125" and rows[1][4] == "n/a"
     assert rows[2][:5] == ["ict", "", "3", "0.600 ± 0.100", "0.900 ± 0.100"]
     assert rows[2][5] == "1.5 ± 0.7 (2/3 reached)"
-    assert rows[2][6] == "2.000 ± 1.000" and rows[2][7] == "2.000 ± 0.000" and rows[2][8] == "20 ± 10"
+    assert rows[2][6] == "n/a"  # no step logged mask/selected_frac
+    assert rows[2][7] == "2.000 ± 1.000" and rows[2][8] == "2.000 ± 0.000" and rows[2][9] == "20 ± 10"
     assert rows[3][:6] == ["ict_rho0.2", "0.2", "1", "0.250", "n/a", "never"]
-    assert rows[4] == ["stapo", "", "0"] + ["n/a"] * 6  # no finished run (e.g. every seed diverged)
+    assert rows[4] == ["stapo", "", "0"] + ["n/a"] * 7  # no finished run (e.g. every seed diverged)
+    assert "WARNING" not in md
     assert "within one standard deviation" in md and "inconclusive" in md
 
 
@@ -138,6 +140,62 @@ def test_markdown_has_a_column_per_eval_benchmark():
     assert rows[1][3:6] == ["0.300", "0.100", "0.500"]
     assert rows[2][3:6] == ["0.500 ± 0.141", "0.300 ± 0.141", "0.700 ± 0.141"]
     assert "b1 = a; b2 = b?force_x=true" in md
+
+
+def _sel_rows(fracs):
+    return [{"step": i, "phase": "rl", "reward/mean": 0.5, "mask/selected_frac": f} for i, f in enumerate(fracs)]
+
+
+def test_selected_fraction_after_the_warm_up_by_hand():
+    """mask/selected_frac averaged over the steps after the warm-up; a run that selected every token there, or
+    never left the warm-up, is flagged (it trained as dense GRPO)."""
+    from ict_jax.tools.compare_report import dense_steps, selected_everything, selection
+
+    assert dense_steps("ict", 2) == 2 and dense_steps("random", 2) == 2 and dense_steps("selectable", 2) == 2
+    assert dense_steps("stapo", 2) == 0 and dense_steps("entropy", 2) == 0 and dense_steps("grpo", 2) == 0
+    s = selection(_sel_rows([1.0, 1.0, 0.1, 0.2, "nan"]), dense=2)  # steps 2, 3 count; "nan" is left out
+    assert s == {"selected_frac": pytest.approx(0.15), "sparse_steps": 2, "dense_steps": 2, "steps": 4,
+                 "all_selected": False}
+    stapo = selection(_sel_rows([1.0, 1.0, 1.0]))  # STAPO silenced no token
+    assert stapo == {"selected_frac": 1.0, "sparse_steps": 3, "dense_steps": 0, "steps": 3, "all_selected": True}
+    warm = selection(_sel_rows([1.0, 1.0, 1.0]), dense=20)  # every step inside a 20-step warm-up
+    assert warm == {"selected_frac": None, "sparse_steps": 0, "dense_steps": 20, "steps": 3, "all_selected": True}
+    assert selection([{"step": 0, "reward/mean": 0.5}])["all_selected"] is None  # nothing logged: nothing to say
+    assert selected_everything("stapo", stapo) and selected_everything("ict", warm)
+    assert not selected_everything("grpo", stapo) and not selected_everything("dense", stapo)
+    assert not selected_everything("ict", s) and not selected_everything("ict", None)
+
+
+def test_a_sparse_method_that_selected_everything_is_a_column_and_a_warning():
+    """The hand case of a short comparison: STAPO silenced no token (its row equals GRPO's), ICT's runs never
+    left the warm-up on one seed; the table shows the selected fraction, the warnings name them."""
+    target = 0.5
+    r = lambda fracs, dense=0: run_result(_sel_rows(fracs), {"eval/x/pass@1": 0.5}, target, 1.0,  # noqa: E731
+                                          dense=dense)
+    groups = [
+        {"group": "ict", "method": "ict", "rho": None, "seeds": [0, 1],
+         "runs": {"0": r([1.0, 0.1, 0.12], dense=1), "1": r([1.0, 1.0, 1.0], dense=3)}},
+        {"group": "grpo", "method": "grpo", "rho": None, "seeds": [0, 1],
+         "runs": {"0": r([1.0, 1.0, 1.0]), "1": r([1.0, 1.0, 1.0])}},
+        {"group": "stapo", "method": "stapo", "rho": None, "seeds": [0, 1],
+         "runs": {"0": r([1.0, 1.0, 1.0]), "1": r([1.0, 1.0, 1.0])}},
+        {"group": "entropy", "method": "entropy", "rho": None, "seeds": [0],
+         "runs": {"0": r([0.2, 0.2, 0.2])}},
+    ]
+    groups = [{**g, **aggregate_group(list(g["runs"].values()))} for g in groups]
+    assert groups[0]["selected_frac"] == {"mean": pytest.approx(0.11), "sd": None, "n": 1}  # seed 1: no sparse step
+    md = format_markdown({"target_reward": target, "eval": ["x"], "warmstart": {}, "groups": groups})
+    rows = _table_rows(md)
+    col = rows[0].index("selected (after warm-up)")
+    assert [row[col] for row in rows[1:]] == ["0.110 (all: seed 1)", "1.000 ± 0.000",
+                                              "1.000 ± 0.000 (all: seed 0, 1)", "0.200"]
+    warnings = [line for line in md.splitlines() if "WARNING" in line]
+    assert len(warnings) == 2
+    assert warnings[0] == ("**WARNING: ict (ict) selected every valid token in 1 of 2 run(s) (seed 1: every RL step "
+                           "inside the dense warm-up (rl.selector.warmup_steps 3)): it trained as dense GRPO, so its "
+                           "numbers repeat GRPO's and its curves hide GRPO's; it is no evidence about the method.**")
+    assert warnings[1].startswith("**WARNING: stapo (stapo) selected every valid token in 2 of 2 run(s) (seed 0, 1: "
+                                  "selected fraction 1.000 on every one of its 6 sparse step(s))")
 
 
 @pytest.mark.parametrize("args,message", [
@@ -194,6 +252,7 @@ class _FakeTrainer:
     calls: list = []
     configs: dict = {}  # run folder name -> the Config the run was given
     diverge: set = set()  # methods whose train() raises TrainingDiverged
+    select_all: set = set()  # methods that log mask/selected_frac 1.0 on every step (STAPO silencing nothing)
 
     def __init__(self, cfg, resume=False, progress=True):
         self.cfg, self.run = cfg, Path(cfg.run_dir)
@@ -223,14 +282,22 @@ class _FakeTrainer:
             raise TrainingDiverged("3 non-finite updates in a row")
         if not (self.run / "metrics.jsonl").is_file():
             log = RunLogger(self.run, total_steps=steps, progress=False, tensorboard=False)
+            warm = self.cfg.rl.selector.warmup_steps if method in ("ict", "random") else 0
             for s in range(steps):
-                log.log(s, {"reward/mean": 0.25 * (s + 1), "stats/H1_mean": 2.0 - 0.1 * s, "stats/H2_mean": 1.0})
+                sel = 1.0 if s < warm or method in ("grpo", "dense") or method in _FakeTrainer.select_all else 0.1
+                log.log(s, {"reward/mean": 0.25 * (s + 1), "stats/H1_mean": 2.0 - 0.1 * s, "stats/H2_mean": 1.0,
+                            "mask/selected_frac": sel})
             log.close()
             (self.run / "checkpoints" / str(steps)).mkdir(parents=True)
         p1 = 0.5 if method == "ict" else 0.375
         summary = {"eval_final": {"eval/arith/pass@1": p1, "eval/arith/pass@2": p1 + 0.25}, "wall_s": 2.0}
         (self.run / "summary.json").write_text(json.dumps(summary))
         return summary
+
+
+def res_selection(out: Path, group: str, seed: str = "0") -> dict:
+    groups = json.loads((out / "results.json").read_text())["groups"]
+    return next(g for g in groups if g["group"] == group)["runs"][seed]["selection"]
 
 
 def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeypatch):
@@ -271,7 +338,13 @@ def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeyp
     # reward 0.25, 0.5, 0.75: the 5-step moving average reaches 0.5 at step 3 ((.25 + .5 + .75) / 3)
     assert rows[2][:6] == ["ict", "", "1", "0.500", "0.750", "3.0"]
     assert rows[3][:6] == ["grpo", "", "1", "0.375", "0.625", "3.0"]
-    assert rows[4] == ["stapo", "", "0"] + ["n/a"] * 6  # diverged: left out of the table
+    assert rows[4] == ["stapo", "", "0"] + ["n/a"] * 7  # diverged: left out of the table
+    # selected after the warm-up (TINY: rl.selector.warmup_steps=1, ICT only): ict steps 1-2, grpo steps 0-2
+    assert rows[0][6] == "selected (after warm-up)" and rows[2][6] == "0.100" and rows[3][6] == "1.000"
+    assert res_selection(out, "ict") == {"selected_frac": pytest.approx(0.1), "sparse_steps": 2, "dense_steps": 1,
+                                         "steps": 3, "all_selected": False}
+    assert res_selection(out, "grpo")["dense_steps"] == 0 and res_selection(out, "grpo")["all_selected"] is True
+    assert "WARNING" not in md and "WARNING" not in cap.err  # dense GRPO selecting everything is its method
     res = json.loads((out / "results.json").read_text())
     assert res["runs"] == {"ict_s0": "started", "grpo_s0": "started", "stapo_s0": "diverged"}
     assert res["groups"][0]["runs"]["0"]["H1"] == pytest.approx(1.9)  # tail mean of 2.0, 1.9, 1.8
@@ -297,6 +370,32 @@ def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeyp
     assert cli_main(argv + ["train.steps=4"]) == 2
     assert "holds a comparison made with another config (differs in train.steps)" in capsys.readouterr().err
     assert _FakeTrainer.calls == [("grpo_s0", True)]
+
+
+def test_compare_warns_when_a_sparse_method_selected_every_token(tmp_path, capsys, monkeypatch):
+    """`ict-jax compare --config`: STAPO silenced no token, so its row equals GRPO's. The table shows the
+    selected fraction and a warning, and the command prints the warning."""
+    import ict_jax.tools.compare
+
+    monkeypatch.setattr(ict_jax.tools.compare, "Trainer", _FakeTrainer)
+    monkeypatch.setattr(_FakeTrainer, "calls", [])
+    monkeypatch.setattr(_FakeTrainer, "configs", {})
+    monkeypatch.setattr(_FakeTrainer, "diverge", set())
+    monkeypatch.setattr(_FakeTrainer, "select_all", {"stapo"})
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", "--config", str(DEMO), "--methods", "grpo,stapo", "--seeds", "1", "--out", str(out),
+                     "--no-progress", *TINY]) == 0
+    cap = capsys.readouterr()
+    md = (out / "results.md").read_text()
+    rows = _table_rows(md)
+    col = rows[0].index("selected (after warm-up)")
+    assert [r[0] for r in rows[2:]] == ["grpo", "stapo"]
+    assert rows[2][col] == "1.000" and rows[3][col] == "1.000 (all: seed 0)"
+    assert rows[2][3:col] == rows[3][3:col]  # the same numbers as GRPO's
+    warning = ("WARNING: stapo (stapo) selected every valid token in 1 of 1 run(s) (seed 0: selected fraction 1.000 "
+               "on every one of its 3 sparse step(s)): it trained as dense GRPO")
+    assert warning in md and f"[compare] {warning}" in cap.err and md in cap.out
+    assert "grpo (grpo) selected" not in md
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,7 +432,10 @@ def test_compare_two_methods_writes_table_and_plots_and_resumes(tmp_path, capsys
         assert set(p) == {1, 2} and run["pass"] == {"pass@1": p[1], "pass@2": p[2]}
         assert row[3] == f"{p[1]:.3f}" and row[4] == f"{p[2]:.3f}"  # one seed: no sd
         assert run["steps"] == 3 and run["steps_to_target"] == 1 and row[5] == "1.0"  # target 0: step 1
-        assert math.isfinite(run["H1"]) and run["H1"] > 0 and row[6] == f"{run['H1']:.3f}"
+        assert math.isfinite(run["H1"]) and run["H1"] > 0 and row[7] == f"{run['H1']:.3f}"
+        sel = run["selection"]  # TINY's 1-step warm-up applies to ict, not grpo
+        assert sel["dense_steps"] == (1 if g["group"] == "ict" else 0) and sel["sparse_steps"] == 3 - sel["dense_steps"]
+        assert row[6] == f"{sel['selected_frac']:.3f}" and (sel["selected_frac"] < 0.5) == (g["group"] == "ict")
     assert "inconclusive" in md
     for png in ("reward.png", "H1.png", "H2.png"):
         data = (out / png).read_bytes()

@@ -198,6 +198,51 @@ def test_record_outcomes_and_paired_differences_from_run_directories(tmp_path):
     assert rec["design"]["mde"] == pytest.approx(minimum_detectable_effect(0.05, 2))
 
 
+def test_record_and_report_show_the_selected_fraction_and_warn_when_a_sparse_arm_selected_everything(tmp_path):
+    """The hand case of a short plan: STAPO silenced no token (its curve is GRPO's), an ICT arm's 5-step warm-up
+    covered all 3 steps; the record holds each run's selection, the report shows it and warns about both."""
+    text = PLAN.format(config=DEMO, out=tmp_path / "s")
+    text = text.replace("arms:\n", "arms:\n  stapo: {method: stapo}\n"
+                        "  ict_warm: {method: ict, overrides: {rl.selector.warmup_steps: 5}}\n")
+    plan = load_plan(_plan(tmp_path, "s", text))
+    fracs = {"ict": [0.1, 0.12, 0.14], "grpo": [1.0] * 3, "stapo": [1.0] * 3, "ict_warm": [1.0] * 3}
+    for arm, fs in fracs.items():
+        d = plan.out / "runs" / f"{arm}_s0"
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"phase": "rl", "step": s, "reward/mean": 0.5,
+                                                             "mask/selected_frac": f}) + "\n"
+                                                 for s, f in enumerate(fs)))
+        (d / "summary.json").write_text(json.dumps({"status": "finished", "steps": 3,
+                                                    "eval_final": {"eval/e/pass@1": 0.5}}))
+    rec = build_record(plan, plan_info={"sha256": plan.sha256, "text": plan.text})
+    sel = {name: r["selection"] for name, r in rec["runs"].items()}
+    assert sel["ict_s0"] == {"selected_frac": pytest.approx(0.12), "sparse_steps": 3, "dense_steps": 0, "steps": 3,
+                             "all_selected": False}
+    assert sel["stapo_s0"]["all_selected"] and sel["grpo_s0"]["all_selected"]  # grpo: by design, no warning
+    assert sel["ict_warm_s0"] == {"selected_frac": None, "sparse_steps": 0, "dense_steps": 5, "steps": 3,
+                                  "all_selected": True}
+    from ict_jax.tools.experiment_report import format_report, selection_warnings
+
+    warnings = selection_warnings(json.loads(json.dumps(rec)))
+    assert [w.split(" (")[0] for w in warnings] == ["WARNING: stapo", "WARNING: ict_warm"]
+    assert "selected fraction 1.000 on every one of its 3 sparse step(s)" in warnings[0]
+    assert "every RL step inside the dense warm-up (rl.selector.warmup_steps 5)" in warnings[1]
+    md = format_report(json.loads(json.dumps(rec)))
+    assert all(f"- **{w}**" in md for w in warnings)
+    lines = md.splitlines()
+    runs = lines.index("## Runs")
+    head = [c.strip() for c in lines[runs + 2].strip("|").split("|")]
+    col = head.index("selected (sparse steps)")
+    cells = {r[0]: r[col] for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[runs + 4:runs + 8])}
+    assert cells == {"stapo_s0": "1.000 (3) (all)", "ict_warm_s0": "n/a (all 3 in warm-up)", "ict_s0": "0.120 (3)",
+                     "grpo_s0": "1.000 (3)"}
+    ev = lines.index("## Held-out evaluation")
+    assert lines[ev + 2] == "| model | P@1 | selected (after warm-up) |"
+    assert lines[ev + 4:ev + 8] == ["| stapo | 0.500 (n 1) | 1.000 (n 1) (all: seed 0) |",
+                                    "| ict_warm | 0.500 (n 1) | n/a (all: seed 0) |",
+                                    "| ict | 0.500 (n 1) | 0.120 (n 1) |", "| grpo | 0.500 (n 1) | 1.000 (n 1) |"]
+
+
 # ------------------------------------------------------------------------------------------------
 # The plan's checks
 # ------------------------------------------------------------------------------------------------
