@@ -179,11 +179,10 @@ if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
     sys.meta_path.append(_MovedModuleFinder())
 
 # What the command line does before JAX starts, for library and notebook use too: with libtpu installed
-# on a machine without a TPU (or a GPU), JAX_PLATFORMS=cpu, so that JAX's first use prints no libtpu
-# warnings (ict_jax.platform.use_cpu_without_accelerators; only when JAX is not imported yet and
-# JAX_PLATFORMS is unset: import ict_jax before jax, docs/tpu.md).
-if "jax" not in sys.modules:
-    importlib.import_module(".platform", __name__).use_cpu_without_accelerators()
+# on a machine without a TPU (or a GPU), select the CPU, so that JAX's backend start prints no libtpu
+# warnings (ict_jax.platform.use_cpu_without_accelerators: JAX_PLATFORMS=cpu, and jax_platforms in a JAX
+# imported before ict_jax whose backends have not started; only when JAX_PLATFORMS is unset; docs/tpu.md).
+importlib.import_module(".platform", __name__).use_cpu_without_accelerators()
 
 
 def _resolve(module: str, name: str) -> Any:

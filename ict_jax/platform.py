@@ -1,10 +1,11 @@
 """What accelerators this machine has, read from the operating system without importing JAX (the
-command line must decide ``JAX_PLATFORMS`` before JAX starts; docs/tpu.md)."""
+command line must decide ``JAX_PLATFORMS`` before JAX starts its backends; docs/tpu.md)."""
 
 from __future__ import annotations
 
 import glob
 import os
+import sys
 
 #: The PCI vendor id of Google's TPU chips (what JAX's own TPU detection reads).
 GOOGLE_PCI_VENDOR = "0x1ae0"
@@ -30,11 +31,16 @@ def nvidia_gpu_present() -> bool:
 
 def use_cpu_without_accelerators() -> bool:
     """With libtpu installed (the ``tpu`` extra) on a machine without TPU chips or NVIDIA GPUs, JAX would
-    start the TPU runtime, which prints several lines of warnings (TPU_ACCELERATOR_TYPE,
-    TPU_WORKER_HOSTNAMES) before falling back to the CPU. Then, and only when ``JAX_PLATFORMS`` is unset,
-    set ``JAX_PLATFORMS=cpu``: the same devices, no noise. It must run before JAX is imported (JAX reads the
-    variable then); the command line and ``import ict_jax`` call it. Compiling for a TPU topology works
-    either way. Returns True when it set the variable (docs/tpu.md)."""
+    start the TPU runtime when it initialises its backends (the first ``jax.devices()``, array or
+    computation), and libtpu prints five lines of warnings and errors (TPU_ACCELERATOR_TYPE,
+    TPU_WORKER_HOSTNAMES) before JAX falls back to the CPU. Then, and only when ``JAX_PLATFORMS`` is unset,
+    select the CPU: the same devices, no noise. Returns True when it did (docs/tpu.md).
+
+    It sets ``JAX_PLATFORMS=cpu`` (read by a JAX imported later, and by child processes) and, when JAX is
+    already imported, its ``jax_platforms`` option, which JAX reads at backend initialisation: so
+    ``import jax`` before ``import ict_jax`` is quiet too, as long as JAX has not started its backends yet
+    and ``jax_platforms`` was not set. The command line and ``import ict_jax`` call it. Compiling for a
+    TPU topology works either way."""
     import importlib.util
 
     if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
@@ -42,6 +48,26 @@ def use_cpu_without_accelerators() -> bool:
     if tpu_chips_present() or nvidia_gpu_present():
         return False
     os.environ["JAX_PLATFORMS"] = "cpu"
+    _select_cpu_in_imported_jax()
+    return True
+
+
+def _select_cpu_in_imported_jax() -> bool:
+    """``jax_platforms = "cpu"`` in a JAX that is already imported (JAX reads the environment variable once,
+    at its import), unless its backends have started or the option is set: True when it set it. It never
+    imports JAX itself."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    try:
+        if bridge is not None and bridge.backends_are_initialized():
+            return False  # the backends exist: the option would change nothing (and the noise was printed)
+        if jax.config.jax_platforms:
+            return False  # the user's choice
+        jax.config.update("jax_platforms", "cpu")
+    except AttributeError:  # a JAX still being imported, or one without these names
+        return False
     return True
 
 

@@ -169,3 +169,63 @@ def test_import_ict_jax_chooses_the_cpu_when_libtpu_has_no_tpu(tmp_path):
                          and not nvidia_gpu_present()) else "None"
     assert run.stdout.strip() == expected
     assert "TPU_ACCELERATOR_TYPE" not in run.stderr and "TPU_WORKER_HOSTNAMES" not in run.stderr
+
+
+#: what libtpu prints when JAX starts its TPU runtime on a machine without a TPU (docs/tpu.md)
+_LIBTPU_NOISE = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "libtpu", "InitGoogle", "Source Location Trace")
+
+
+def test_import_jax_before_ict_jax_prints_no_libtpu_lines(tmp_path):
+    """The order users write (the docs' snippets did): `import jax` first, then `import ict_jax`, then JAX's
+    first use. libtpu's lines come when JAX starts its backends, after both imports; `import ict_jax` sets
+    the imported JAX's `jax_platforms` to cpu, so stderr holds none of them."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from ict_jax.platform import nvidia_gpu_present, tpu_chips_present
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (the `tpu` extra): JAX starts no TPU runtime, there is nothing to quiet")
+    if tpu_chips_present() or nvidia_gpu_present():
+        pytest.skip("this machine has an accelerator: JAX should start it, and ict_jax leaves the platforms alone")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    code = ("import jax\nimport numpy as np\n\nimport ict_jax\n\n"
+            "tok = ict_jax.CharTokenizer()\n"
+            "x = jax.numpy.asarray(np.asarray([tok.encode('95=')], np.int32))\n"
+            "print(jax.devices()[0].platform, jax.config.jax_platforms, int(x.sum()))\n")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[:2] == ["cpu", "cpu"], run.stdout
+    noise = [line for line in run.stderr.splitlines() if any(s in line for s in _LIBTPU_NOISE)]
+    assert not noise, run.stderr
+
+
+def test_an_imported_jax_gets_the_cpu_only_before_its_backends_start(monkeypatch):
+    """`_select_cpu_in_imported_jax` on stand-ins for JAX: nothing without an imported JAX; the option set
+    only when JAX's backends have not started and the user set no `jax_platforms`."""
+    import sys
+    import types
+
+    from ict_jax.platform import _select_cpu_in_imported_jax
+
+    updates = []
+
+    def fake_jax(platforms, started):
+        config = types.SimpleNamespace(jax_platforms=platforms, update=lambda k, v: updates.append((k, v)))
+        monkeypatch.setitem(sys.modules, "jax", types.SimpleNamespace(config=config))
+        monkeypatch.setitem(sys.modules, "jax._src.xla_bridge",
+                            types.SimpleNamespace(backends_are_initialized=lambda: started))
+
+    fake_jax(None, started=True)
+    assert not _select_cpu_in_imported_jax() and updates == []  # too late: the backends exist
+    fake_jax("tpu", started=False)
+    assert not _select_cpu_in_imported_jax() and updates == []  # the user's choice
+    fake_jax(None, started=False)
+    assert _select_cpu_in_imported_jax() and updates == [("jax_platforms", "cpu")]
+    monkeypatch.setitem(sys.modules, "jax", types.SimpleNamespace())  # a JAX still being imported
+    assert not _select_cpu_in_imported_jax()
+    monkeypatch.delitem(sys.modules, "jax")
+    assert not _select_cpu_in_imported_jax()  # no JAX imported: JAX_PLATFORMS does it at JAX's import
