@@ -1,9 +1,14 @@
 """Compile, without running, the programs a training run uses: for a TPU slice (through libtpu, on any
 machine) or for the local devices (docs/tpu.md).
 
-A run compiles three programs, built by the run's own builder (:func:`ict_jax.train.programs.build_programs`,
-which training calls too: what compile checks is what training runs):
+A run compiles four programs (three without an SFT warm start), built by the run's own builder
+(:func:`ict_jax.train.programs.build_programs`, which training calls too: what compile checks is what
+training runs):
 
+- ``sft``: the SFT step of the warm start (:func:`ict_jax.rl.sft.make_sft_step`), ``train.sft_batch_size``
+  rows of ``rollout.max_prompt_len + max_new_tokens`` tokens, with the SFT optimizer's state (the only
+  optimizer state alive during the warm start); compiled by default when ``train.sft_steps > 0``
+  (:func:`run_programs`);
 - ``step``: :func:`ict_jax.rl.train_step.make_train_step` at the recipe's batch geometry
   (P x G rows, the largest prompt bucket + ``max_new_tokens``), with the reference parameters when
   ``kl_coef > 0``; by default its largest response bucket (``max_new_tokens``: the memory a run needs),
@@ -58,10 +63,11 @@ from ict_jax.train.model_source import preset_config, run_tokenizer, with_lora
 from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
 from ict_jax.train.programs import per_device_bytes
 from ict_jax.train.programs import (PLACEHOLDER_IDS, PROGRAM_NAMES, TokenIds, abstract_batch,  # noqa: F401
-                                    abstract_reference, kv_cache_dtype, prompt_len, sampler_prompts)
+                                    abstract_reference, kv_cache_dtype, prompt_len, sampler_prompts, sft_len)
 from ict_jax.train.programs import build_programs as build_run_programs
 
-#: The programs of a run, in the order they are compiled (``train.programs``).
+#: Every program a run may compile, in the order a run executes them (``train.programs``); a run of a config
+#: compiles :func:`run_programs`.
 PROGRAMS = PROGRAM_NAMES
 TPU_EXTRA = "pip install 'ict_jax[tpu]'"
 GIB = 1024 ** 3
@@ -254,6 +260,12 @@ class CompileJob:
     info: dict[str, Any]  # shapes the discipline checks need
 
 
+def run_programs(cfg: Config) -> tuple[str, ...]:
+    """The programs ``ict-jax compile`` compiles for a run of ``cfg`` by default: the SFT step when the run
+    has SFT steps (``train.sft_steps > 0``), then the train step and the two samplers."""
+    return (("sft",) if cfg.train.sft_steps > 0 else ()) + ("step", "generate", "eval")
+
+
 def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
                    names: Sequence[str] = PROGRAMS, response_len: int | None = None) -> list[CompileJob]:
     """The named programs of a run of ``cfg`` on ``mesh``, built by the run's own builder
@@ -293,6 +305,12 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
             info = dict(common, rows=pass_rows // batch_shards, positions=bucket,
                         block=stats_block(bucket, cfg.stats.chunk))
             out.append(CompileJob(name, functools.partial(program.lower, shape), 0, per_device_bytes(args), info))
+            continue
+        if name == "sft":  # one batch, no micro-batches; the log-probs of every position after the first
+            positions = sft_len(cfg) - 1
+            info = dict(common, rows=cfg.train.sft_batch_size // batch_shards, positions=positions,
+                        block=stats_block(positions, min(cfg.stats.chunk, positions)))
+            out.append(CompileJob(name, program.lower, 0, per_device_bytes(args), info))
             continue
         rows = sampler_prompts(name, cfg) * (cfg.data.eval_n if name == "eval" else G)
         info = dict(common, rows=rows // batch_shards, positions=N, block=1, cache_slots=Lp + N - 1,
@@ -375,9 +393,9 @@ def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hl
       (so the parameters, the optimizer state and the reference are held 1/fsdp a device);
     - ``no [rows, T, V]``: no array with a vocabulary dimension (the embedding, the unembedding and
       their gradients aside) holds more vocabulary rows than one block of the statistics,
-      ``[rows, stats.chunk positions, V]`` (step), or one decode step's ``[rows, V]`` (samplers): the
-      dense logits of a batch's response positions never exist;
-    - ``layer-wise gathers`` (step): no all-gather returns a stacked ``[layers, ...]`` weight: FSDP
+      ``[rows, stats.chunk positions, V]`` (step, sft), or one decode step's ``[rows, V]`` (samplers):
+      the dense logits of a batch's positions never exist;
+    - ``layer-wise gathers`` (step, sft): no all-gather returns a stacked ``[layers, ...]`` weight: FSDP
       gathers one layer at a time inside the layer scan; the largest all-gather is at most the
       embedding or one layer's weights;
     - ``kv cache`` (generate, eval): an array of the expected per-device cache shape
@@ -409,7 +427,7 @@ def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hl
     checks.append(Check("no [rows, T, V]", n <= i["rows"] * block,
                         f"largest vocabulary-wide array (weights aside) {biggest if biggest is not None else '-'}: "
                         f"{n:,} vocabulary rows; at most {what} = {i['rows'] * block:,}{dense}"))
-    if program.name == "step":
+    if program.name in ("step", "sft"):
         L = i["num_layers"]
         stacked = [c for c in _gathers(items) if c.result.dims[:1] == (L,) and c.result.elements in i["stacked"]]
         largest = max((c.bytes for c in _gathers(items)), default=0)
@@ -496,17 +514,18 @@ def compile_program(program: CompileJob, target: Target, mesh: jax.sharding.Mesh
     return rep
 
 
-def compile_run(cfg: Config, target: Target, programs: Sequence[str] = PROGRAMS, *,
+def compile_run(cfg: Config, target: Target, programs: Sequence[str] | None = None, *,
                 on_report: Callable[[ProgramReport], None] | None = None, analyse: bool = True,
                 dump_dir: str | Path | None = None, on_start: Callable[[str], None] | None = None,
                 response_len: int | None = None) -> tuple[list[ProgramReport], str]:
-    """Compile ``programs`` of a run of ``cfg`` for ``target`` -> (reports, the model's source).
+    """Compile ``programs`` (default :func:`run_programs`) of a run of ``cfg`` for ``target`` -> (reports,
+    the model's source).
     ``on_start(name)`` is called as each program starts, ``on_report(report)`` as it ends (progress).
     ``response_len``: the step's response bucket (default the largest, ``rollout.max_new_tokens``)."""
     mc, source = target_model_config(cfg, target.platform)
     mesh = run_mesh(cfg, target)
     reports = []
-    for program in build_programs(cfg, mc, mesh, programs, response_len):
+    for program in build_programs(cfg, mc, mesh, run_programs(cfg) if programs is None else programs, response_len):
         if on_start is not None:
             on_start(program.name)
         rep = compile_program(program, target, mesh, analyse=analyse, dump_dir=dump_dir)

@@ -26,13 +26,15 @@ from ict_jax.model.config import ModelConfig
 from ict_jax.sharding import make_mesh
 from ict_jax.aot.compile import (
     CHIP_SPECS,
-    PROGRAMS,
+    PROGRAMS,  # noqa: F401 - importable from here as before
     ProgramReport,
     Target,
     build_programs,
     compile_program,
     fmt_bytes,
     prompt_len,
+    run_programs,
+    sft_len,
     target_model_config,
 )
 
@@ -70,6 +72,7 @@ class FitResult:
     candidates: int
     headroom: float
     lora: bool = False  # the run trains LoRA adapters (model.lora.enabled)
+    sft: bool = False  # the SFT step was among the programs (train.sft_batch_size is not a knob here)
 
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "candidates": self.candidates, "headroom": self.headroom, "tried": self.tried,
@@ -94,7 +97,9 @@ def estimate_memory(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> dict[st
     """Per-device bytes of each program under the overrides ``ov`` (mesh, micro_batches, remat, chunk):
     the state's shards, the gradient and optimizer temporaries, the saved activations of the
     gradient pass by remat mode, one layer's attention and MLP working set, the statistics block, and
-    the sampler's KV cache. An estimate to order and prune candidates; compiling decides."""
+    the sampler's KV cache; the SFT step holds the parameters, its own optimizer state (RL's and the
+    reference do not exist yet) and one batch of ``train.sft_batch_size`` rows. An estimate to order and
+    prune candidates; compiling decides."""
     data, fsdp, tensor = _mesh_sizes(ov)
     shards = data * fsdp
     pb, cb = (4 if mc.param_dtype == "float32" else 2), (4 if mc.resolved_compute_dtype() == "float32" else 2)
@@ -118,10 +123,17 @@ def estimate_memory(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> dict[st
     k = max((d for d in range(1, micro + 1) if per_mini % d == 0 and (per_mini // d) % shards == 0), default=1)
     old_rows = P * G / (t.mini_batches * k) / shards
     heads, f_loc = H / tensor, F / tensor
-    saved = {"none": T * (cb * (4 * D + 2 * KV * hd + 3 * f_loc) + heads * T * (4 + cb)),
-             "block": T * cb * (3 * D + 2 * KV * hd + 2 * f_loc),
-             "full": T * cb * D}[ov["model.remat"]]
-    layer_work = max(rows * (heads * T * T * (8 + cb) + T * f_loc * cb * 4 + T * D * 4 * 4),  # a backward
+
+    def saved_at(T: int) -> float:  # a row's activations kept for the backward pass, per layer
+        return {"none": T * (cb * (4 * D + 2 * KV * hd + 3 * f_loc) + heads * T * (4 + cb)),
+                "block": T * cb * (3 * D + 2 * KV * hd + 2 * f_loc),
+                "full": T * cb * D}[ov["model.remat"]]
+
+    def backward(rows: float, T: int) -> float:  # one layer's working set of a backward pass
+        return rows * (heads * T * T * (8 + cb) + T * f_loc * cb * 4 + T * D * 4 * 4)
+
+    saved = saved_at(T)
+    layer_work = max(backward(rows, T),
                      old_rows * (heads * T * T * (4 + cb) + T * f_loc * cb * 3 + T * D * 4 * 3))  # a no-grad forward
     head = rows * ov["stats.chunk"] * V / tensor * 4 * 5 + V * D * cb / tensor
     grads = trained * 4 * 4  # accumulator, a micro-batch's gradient, the optimizer's update temporaries
@@ -136,6 +148,10 @@ def estimate_memory(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> dict[st
         cache = 2 * L * r * KV / (tensor if KV % tensor == 0 else 1) * (Lp + N - 1) * hd * cb
         prefill = prompts / shards * (heads * Lp * (Lp + N) * (4 + cb) + Lp * (f_loc * cb * 3 + D * 4 * 3))
         out[name] = int(params + opt + ref + cache + prefill + r * V * 4 * 4 + gathered + V * D * cb)
+    Ts, sft_rows = sft_len(cfg), t.sft_batch_size / shards  # one batch, no micro-batches
+    sft_head = sft_rows * min(ov["stats.chunk"], Ts - 1) * V / tensor * 4 * 5 + V * D * cb / tensor
+    out["sft"] = int(params + opt + grads + sft_rows * L * saved_at(Ts) + backward(sft_rows, Ts) + sft_head
+                     + gathered + sft_rows * Ts * 4 * 3)
     return out
 
 
@@ -219,13 +235,16 @@ def candidate_settings(cfg: Config, mc: ModelConfig, chips: int) -> list[dict[st
     return out
 
 
-def search(cfg: Config, target: Target, *, programs: Sequence[str] = PROGRAMS, max_compiles: int = 4,
+def search(cfg: Config, target: Target, *, programs: Sequence[str] | None = None, max_compiles: int = 4,
            headroom: float = 0.05, log: Callable[[str], None] | None = None) -> FitResult:
-    """The cheapest candidate (estimated step time) whose programs all compile and leave ``headroom``
+    """The cheapest candidate (estimated step time) whose ``programs`` (default: those the run executes,
+    ``aot.compile.run_programs``) all compile and leave ``headroom``
     (a fraction of the HBM) free on ``target``. Until a compile has missed, candidates estimated up to
     10% above that budget are compiled (the estimate errs both ways); after a miss, only those whose
     estimate, scaled by the largest measured / estimated ratio so far, is within the budget."""
     log = log or (lambda line: None)
+    programs = run_programs(cfg) if programs is None else tuple(programs)
+    sft = "sft" in programs
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom {headroom}: must be in [0, 1)")
     mc0, source = target_model_config(cfg, target.platform)
@@ -268,16 +287,18 @@ def search(cfg: Config, target: Target, *, programs: Sequence[str] = PROGRAMS, m
             f"({verdict}), {sum(r.compile_s for r in reports):.0f} s")
         if ok:
             return FitResult(target.name, cand, tried, reports, dict(mesh.shape), source, len(scored), headroom,
-                             cfg.model.lora.enabled)
+                             cfg.model.lora.enabled, sft)
         if measured and est:  # the estimate was off: trust it less from here on
             scale, slack = max(scale, measured / est), 1.0
-    return FitResult(target.name, None, tried, [], {}, source, len(scored), headroom, cfg.model.lora.enabled)
+    return FitResult(target.name, None, tried, [], {}, source, len(scored), headroom, cfg.model.lora.enabled, sft)
 
 
-def no_fit_hint(lora: bool) -> str:
+def no_fit_hint(lora: bool, sft: bool = False) -> str:
     """What to change when no setting :func:`candidate_settings` varies fits (the pre-flight's refusal and
-    ``--fit`` say it): the knobs it does not vary, and LoRA adapters unless the run (``lora``) has them."""
-    return ("lower train.prompts_per_step, rollout.num_samples or rollout.max_new_tokens"
+    ``--fit`` say it): the knobs it does not vary (with the SFT step among the programs, ``sft``, its batch
+    too), and LoRA adapters unless the run (``lora``) has them."""
+    return ("lower " + ("train.sft_batch_size, " if sft else "")
+            + "train.prompts_per_step, rollout.num_samples or rollout.max_new_tokens"
             + ("" if lora else ", or train LoRA adapters (model.lora.enabled=true)"))
 
 
@@ -286,9 +307,9 @@ def format_fit(result: FitResult) -> str:
         if not result.tried:  # every candidate's estimate was over the budget: nothing was worth compiling
             return (f"--fit: none of the {result.candidates} settings of micro_batches, remat, stats.chunk, "
                     f"rollout.chunks or the mesh is estimated to fit {result.target} with {result.headroom:.0%} "
-                    f"headroom, so none was compiled; {no_fit_hint(result.lora)}")
+                    f"headroom, so none was compiled; {no_fit_hint(result.lora, result.sft)}")
         return (f"--fit: none of the {len(result.tried)} settings compiled fits {result.target} with "
-                f"{result.headroom:.0%} headroom; {no_fit_hint(result.lora)}")
+                f"{result.headroom:.0%} headroom; {no_fit_hint(result.lora, result.sft)}")
     b = result.best
     live = max(r.live for r in result.reports)
     return (f"--fit: the cheapest setting that fits {result.target} with {result.headroom:.0%} headroom: "

@@ -21,9 +21,10 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", default=None, metavar="NAME|local",
                    help="a TPU topology as libtpu names it (v5e:2x4, v6e:2x4, v5p:2x2x1, ...; needs the tpu extra) "
                         "or 'local' for this machine's devices; default: the config's mesh.target, else local")
-    p.add_argument("--program", default="all", choices=("step", "generate", "eval", "all"),
-                   help="which program to compile: the train step, the rollout sampler, the evaluation sampler, "
-                        "or all three (default)")
+    p.add_argument("--program", default="all", choices=("sft", "step", "generate", "eval", "all"),
+                   help="which program to compile: the SFT step, the train step, the rollout sampler, the "
+                        "evaluation sampler, or all the run executes (default: the SFT step when train.sft_steps "
+                        "> 0, then the other three)")
     p.add_argument("--response-len", type=int, default=None, metavar="N",
                    help="build the train step at response bucket N (1..rollout.max_new_tokens); default: the "
                         "largest, max_new_tokens, whose memory a run needs (a run compiles one step per "
@@ -43,7 +44,7 @@ def compile_main(args: argparse.Namespace) -> int:
     from ict_jax.cli.errors import UserError
     from ict_jax.config import load_config
     from ict_jax.outputs import check_output_dir, check_output_file
-    from ict_jax.aot.compile import PROGRAMS, compile_run, get_target, with_run_budget
+    from ict_jax.aot.compile import compile_run, get_target, run_programs, with_run_budget
     from ict_jax.aot.report import not_fitting_line, render, to_json
     from ict_jax.aot.fit import format_fit, search
 
@@ -60,7 +61,7 @@ def compile_main(args: argparse.Namespace) -> int:
         raise UserError(f"--response-len {args.response_len}: the step's response bucket is "
                         f"1..rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
     target = with_run_budget(get_target(args.topology if args.topology is not None else cfg.mesh.target), cfg)
-    programs = PROGRAMS if args.program == "all" else (args.program,)
+    programs = run_programs(cfg) if args.program == "all" else (args.program,)
     fit = None
     if args.fit:
         result = search(cfg, target, programs=programs, max_compiles=args.max_compiles, headroom=args.headroom,

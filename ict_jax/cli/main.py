@@ -82,7 +82,7 @@ def does_not_fit_line(e) -> str:
         return f"{e}; no estimate of settings that fit ({type(err).__name__}: {err})"
     if best is None:
         return (f"{e}; no setting of micro_batches, remat, stats.chunk, rollout.chunks or the mesh is estimated "
-                f"to fit: {no_fit_hint(e.config.model.lora.enabled)}")
+                f"to fit: {no_fit_hint(e.config.model.lora.enabled, 'sft' in measured)}")
     return (f"{e}; estimated to fit: {changed(best, e.config, e.mesh)} "
             "(an estimate: `ict-jax compile --fit` confirms it by compiling)")
 

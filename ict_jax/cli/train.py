@@ -120,8 +120,9 @@ def sft_main(args: argparse.Namespace) -> int:
         _say(f"{cfg.run_dir}: the SFT warm start is finished ({out}); nothing to do "
              "(`ict-jax train --resume` goes on with RL)")
         return 0
-    # the SFT warm start alone runs no RL program: no RL pre-flight (docs/memory.md)
-    with Trainer(cfg, resume=args.resume, progress=not args.no_progress, preflight=False) as trainer:
+    # the SFT warm start alone: the pre-flight checks the programs it runs, the SFT step (and the evaluation
+    # sampler with data.eval), not RL's (docs/memory.md)
+    with Trainer(cfg, resume=args.resume, progress=not args.no_progress, rl=False) as trainer:
         summary = trainer.warm_start()  # also writes <run_dir>/sft_model
     _print_summary(summary)
     return 0

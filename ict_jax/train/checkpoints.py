@@ -87,18 +87,22 @@ def abstract_train_state(config: Any, model_config: Any, *, mesh: jax.sharding.M
     (``model_config.lora``) its ``params`` are the adapters and ``frozen`` the base, as
     ``rl.state.split_trainable`` splits the model."""
     graphdef, params, frozen = _abstract_params(model_config, mesh)
-    tx = tx or make_optimizer(config)
-    opt_sh = opt_state_shardings(tx, params)
-    opt_shapes = jax.eval_shape(tx.init, params)
-    if opt_sh is None:
-        opt_state = abstract_tree(opt_shapes)
-    else:
-        opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                 opt_shapes, opt_sh)
+    opt_state = abstract_opt_state(tx or make_optimizer(config), params)
     rep = _default_sharding() if mesh is None else replicated(mesh)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     return TrainState(params=params, opt_state=opt_state, step=jax.ShapeDtypeStruct((), np.int32, sharding=rep),
                       rng=jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep), graphdef=graphdef, frozen=frozen)
+
+
+def abstract_opt_state(tx: Any, params: Any) -> Any:
+    """``tx.init(params)`` as ShapeDtypeStructs placed as ``rl.state.init_opt_state`` places it (moments
+    sharded as their parameter, counts replicated); ``params``: arrays or ShapeDtypeStructs. Nothing is
+    allocated."""
+    opt_sh = opt_state_shardings(tx, params)
+    opt_shapes = jax.eval_shape(tx.init, params)
+    if opt_sh is None:
+        return abstract_tree(opt_shapes)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_shapes, opt_sh)
 
 
 def _abstract_params(model_config: Any, mesh: jax.sharding.Mesh | None) -> tuple[Any, Any, Any]:

@@ -1,11 +1,14 @@
-"""The RL loop's hooks (levanter's ``add_hook(fn, every=N)`` is the model): functions of a
-:class:`StepInfo`, registered once, called after every N-th RL step in registration order; end hooks are
-called once after the loop (also when a resumed run had no step left to do).
+"""The training loop's hooks (levanter's ``add_hook(fn, every=N)`` is the model): functions of a
+:class:`StepInfo`, registered once per phase (the SFT warm start, RL; ``train.phase``), called after every
+N-th step of their phase in registration order; end hooks are called once after the RL loop (also when a
+resumed run had no step left to do).
 
-The trainer registers (``Trainer.add_default_hooks``): the profiler (``--profile-steps``), the check of
-background checkpoint saves, the non-finite guard, the evaluation every ``train.eval_every`` steps and the
-checkpoint every ``train.save_every`` steps (and at the end and on Ctrl-C); at the end: the last save
-finished, the final evaluation, the summary. A user adds their own with ``trainer.add_hook(fn, every=N)``.
+The trainer registers (``Trainer.add_default_hooks``) for RL: the profiler (``--profile-steps``), the check
+of background checkpoint saves, the non-finite guard, the evaluation every ``train.eval_every`` steps and
+the checkpoint every ``train.save_every`` steps (and at the end and on Ctrl-C); at the end: the last save
+finished, the final evaluation, the summary. For SFT (``train.warm_start.sft_phase``): the check of
+background saves and the checkpoint every ``train.sft_save_every`` steps and on Ctrl-C (its end is the
+``sft_model``). A user adds their own with ``trainer.add_hook(fn, every=N, phase="rl" | "sft")``.
 """
 
 from __future__ import annotations
@@ -31,14 +34,17 @@ MAX_NONFINITE_IN_A_ROW = 3
 
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
-    """What a hook sees after an RL step: ``step`` rollout batches done, the new ``state``, the step's
-    logged ``metrics``; ``final``: ``step == train.steps``; ``stopping``: Ctrl-C asked to stop now."""
+    """What a hook sees after a step of ``phase`` ("rl" or "sft"): ``step`` steps of the phase done (RL:
+    rollout batches), the new ``state`` (SFT: the SFT state), the step's logged ``metrics``; ``final``: the
+    phase's last step (``train.steps``, ``train.sft_steps``); ``stopping``: Ctrl-C (or a pause) asked to
+    stop now."""
 
     step: int
     state: TrainState
     metrics: Mapping[str, float]
     final: bool = False
     stopping: bool = False
+    phase: str = "rl"
 
 
 Hook = Callable[[StepInfo], None]
@@ -98,6 +104,22 @@ def checkpoint_health(checkpointer: Checkpointer) -> Hook:
     return lambda info: checkpointer.check()
 
 
+def count_nonfinite(step: Callable[[TrainState, int], tuple[TrainState, dict[str, float]]]
+                    ) -> Callable[[TrainState, int], tuple[TrainState, dict[str, float]]]:
+    """A phase's step function (``train.phase.PhaseStep``) whose metrics also count the non-finite updates
+    in a row (``train/nonfinite_in_a_row``, from the step's ``train/skipped``), what :func:`nonfinite_guard`
+    and :func:`save_checkpoint` read; the count starts at 0 with each phase run."""
+    streak = 0
+
+    def counted(state: TrainState, s: int) -> tuple[TrainState, dict[str, float]]:
+        nonlocal streak
+        state, metrics = step(state, s)
+        streak = streak + 1 if metrics.get("train/skipped", 0) > 0 else 0
+        metrics["train/nonfinite_in_a_row"] = float(streak)
+        return state, metrics
+    return counted
+
+
 def nonfinite_guard(run_dir: Path) -> Hook:
     """Stops the run with :class:`TrainingDiverged` after :data:`MAX_NONFINITE_IN_A_ROW` non-finite updates
     in a row (each skipped inside the step; the metric ``train/nonfinite_in_a_row``)."""
@@ -109,18 +131,25 @@ def nonfinite_guard(run_dir: Path) -> Hook:
     return guard
 
 
-def save_checkpoint(parts: RunParts) -> Hook:
-    """A checkpoint every ``train.save_every`` steps, at the end and on Ctrl-C; none right after a
-    non-finite update (the last checkpoint stays a good one)."""
-    every = parts.config.train.save_every
+def save_checkpoint(parts: RunParts, phase: str = "rl", checkpointer: Checkpointer | None = None) -> Hook:
+    """The checkpoint cadence of both phases, in ``checkpointer`` (default the RL one, ``parts.checkpointer``)
+    with ``parts.checkpoint_meta``: a checkpoint every ``train.save_every`` steps (SFT:
+    ``train.sft_save_every``), at the end of RL (SFT's end is saved as the ``sft_model`` instead) and on
+    Ctrl-C or a pause; none right after a non-finite update (the last checkpoint stays a good one)."""
+    t = parts.config.train
+    every = t.save_every if phase == "rl" else t.sft_save_every
+    ckpt = parts.checkpointer if checkpointer is None else checkpointer
+    at_end = phase == "rl"
 
     def save(info: StepInfo) -> None:
+        if info.final and not at_end:
+            return
         if not ((every and info.step % every == 0) or info.final or info.stopping):
             return
         if info.metrics.get("train/nonfinite_in_a_row", 0):
             parts.logger.message(f"step {info.step}: checkpoint skipped after a non-finite update")
             return
-        parts.checkpointer.save(info.step, info.state, parts.checkpoint_meta(info.step))
+        ckpt.save(info.step, info.state, parts.checkpoint_meta(info.step, phase))
     return save
 
 

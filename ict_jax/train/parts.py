@@ -1,7 +1,10 @@
 """A run's parts, built once from a :class:`Config` (:func:`build_parts`): the frozen, typed
 :class:`RunParts` (mesh, model config, tokenizer, training prompts and their iterator, the compiled
-programs, the reward workers, the checkpointer, the logger) beside the train state and the KL reference,
-which are passed and returned, never kept in the parts.
+programs, the reward workers, the checkpointer, the logger) beside the state of the phase the run starts
+in and the KL reference, which are passed and returned, never kept in the parts. A run with SFT steps
+ahead of it (``train.resume.sft_ahead``) starts with its SFT state (the parameters and the SFT
+optimizer's state) and no reference: RL's optimizer state and its reference are built when SFT ends
+(``train.warm_start.start_rl``), so that the warm start never holds two optimizer states.
 
 Everything that reads user input (the run directory, the resume rules, the batch geometry, the data
 sets, the model, a custom reward function) is checked before anything is written."""
@@ -27,6 +30,7 @@ from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.tokenizers import Tokenizer
 from ict_jax.rewards.checks import CUSTOM_KIND, RewardSpec
 from ict_jax.rewards.pool import RewardPool
+from ict_jax.rl.sft import make_sft_optimizer
 from ict_jax.rl.state import TrainState, init_train_state, reference_params
 from ict_jax.rl.train_step import check_batch_geometry
 from ict_jax.sharding import check_prompts_divide, make_mesh
@@ -39,7 +43,7 @@ from ict_jax.train.programs import (RunPrograms, TokenIds, build_programs, has_r
                                     same_layout)
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
 from ict_jax.train.resume import (SFT_CHECKPOINTS, ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
-                                  resume_point)
+                                  resume_point, sft_ahead)
 from ict_jax.train.tracking import WandbTracker, require_wandb
 from ict_jax.train.training_data import TrainingPrompts, encode_training_data
 
@@ -67,13 +71,17 @@ class RunParts:
     resumed: bool  # an RL checkpoint was restored
     lora_base: LoraBase | None = None  # the base under a LoRA run's adapters (model.lora); None otherwise
     memory: FitCheck | None = None  # the memory pre-flight's numbers (None: not checked)
+    sft_ahead: bool = False  # SFT steps are ahead: the run starts in the SFT phase, with its SFT state
 
-    def checkpoint_meta(self, step: int) -> dict[str, Any]:
-        """What an RL checkpoint records beside the arrays: the data position, the run's settings (and a
-        LoRA run's base model, :meth:`base_meta`)."""
-        return {"data": self.iterator.state_dict(), "config": self.config.to_dict(),
-                "model_config": dataclasses.asdict(self.model_config), "tokenizer": self.tokenizer_spec,
-                "step": step, **self.base_meta("rl")}
+    def checkpoint_meta(self, step: int, phase: str = "rl") -> dict[str, Any]:
+        """What a checkpoint of ``phase`` ("rl" or "sft") records beside the arrays, for both phases: the
+        phase, the step, the run's settings (and a LoRA run's base model, :meth:`base_meta`); an RL
+        checkpoint also the data position."""
+        meta = {"phase": phase, "config": self.config.to_dict(), "model_config": dataclasses.asdict(self.model_config),
+                "tokenizer": self.tokenizer_spec, "step": step, **self.base_meta(phase)}
+        if phase == "rl":
+            meta["data"] = self.iterator.state_dict()
+        return meta
 
     def base_meta(self, phase: str) -> dict[str, Any]:
         """``{"base_model": identity}`` of a LoRA run's base in ``phase`` ("sft" or "rl"; ``train.lora_base``),
@@ -122,6 +130,10 @@ def run_mesh_checked(cfg: Config) -> Mesh:
         check_prompts_divide(t.prompts_per_step // cfg.rollout.chunks, mesh)
     except ValueError as e:
         raise ConfigError(f"rollout.chunks: {cfg.rollout.chunks} chunks of train.prompts_per_step: {e}") from None
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if t.sft_steps > 0 and t.sft_batch_size % shards:  # the SFT step splits its rows over data x fsdp
+        raise ConfigError(f"train.sft_batch_size: {t.sft_batch_size} rows do not split over data x fsdp = {shards} "
+                          "shards; use a multiple of it")
     return mesh
 
 
@@ -141,16 +153,21 @@ def check_resumed_base(lora_base: LoraBase, run_dir: Path) -> None:
 
 
 def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, model: Qwen2 | None = None,
-                tokenizer: Tokenizer | None = None,
-                preflight: bool = True) -> tuple[RunParts, TrainState, nnx.State | None]:
-    """``(parts, train state, KL reference parameters or None)`` of a run of ``cfg``: a new run, or with
-    ``resume`` the one in ``run_dir`` continued (its last RL checkpoint restored into the state).
-    ``model``/``tokenizer``: use these instead of ``model.path`` / ``model.preset``. ``progress``: a
-    bar on a terminal (else compact lines). ``preflight``: compile the RL programs and check that they fit
-    the machine's memory (``train.preflight``, ``train.memory_check``) before anything is written; a run
-    that would not fit raises :class:`~ict_jax.train.preflight.DoesNotFit` with nothing written."""
+                tokenizer: Tokenizer | None = None, preflight: bool = True,
+                rl: bool = True) -> tuple[RunParts, TrainState, nnx.State | None]:
+    """``(parts, state, KL reference parameters or None)`` of a run of ``cfg``: a new run, or with
+    ``resume`` the one in ``run_dir`` continued (its last RL checkpoint restored into the state). The
+    state is that of the phase the run starts in: with SFT steps ahead (``parts.sft_ahead``) the SFT state
+    (the SFT optimizer's state; no reference: both of RL's are built when SFT ends), else the RL train
+    state. ``model``/``tokenizer``: use these instead of ``model.path`` / ``model.preset``. ``progress``: a
+    bar on a terminal (else compact lines). ``preflight``: compile the programs the run executes (the SFT
+    step when SFT is ahead; with ``rl`` the RL programs: ``rl`` False is the warm start alone) and check
+    that they fit the machine's memory (``train.preflight``, ``train.memory_check``) before anything is
+    written; a run that would not fit raises :class:`~ict_jax.train.preflight.DoesNotFit` with nothing
+    written."""
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, resume)
+    ahead = sft_ahead(cfg, run_dir, resume)
     previous = read_config(run_dir) if resume else None
     changes = check_resume(previous, cfg) if previous is not None else {}
     if cfg.logging.wandb:
@@ -174,34 +191,41 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
         mc = model.config
     prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=mc.max_position_embeddings)
     iterator = PromptIterator(prompts.encoded, cfg.train.prompts_per_step, seed=cfg.seed)
-    state = init_train_state(cfg, model) if model is not None else abstract_train_state(cfg, mc, mesh=mesh)
+    state = start_state(cfg, model, ahead) if model is not None else abstract_train_state(cfg, mc, mesh=mesh)
     programs = build_programs(cfg, mesh, mc, state, TokenIds.of(tokenizer))
     # the memory pre-flight: in seconds, before the reward workers start and the weights load (both counted)
-    fit = compile_and_check(cfg, programs) if preflight else None
+    fit = compile_and_check(cfg, programs, sft=ahead, rl=rl) if preflight else None
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:
         if model is None:
-            model, state, programs = _load_weights(cfg, mesh, tokenizer, programs, weights)
+            model, state, programs = _load_weights(cfg, mesh, tokenizer, programs, weights, ahead)
         lora_base = None if model.config.lora is None else LoraBase(
             loaded_identity(cfg, model, weights=weights, given=tok_spec == "given"), run_dir, cfg.train.sft_steps > 0)
         if resume and lora_base is not None:  # before anything is written
             check_resumed_base(lora_base, run_dir)
         parts, state, ref = _start_run(cfg, run_dir, resume, changes, progress, mesh, model, tokenizer, tok_spec,
-                                       prompts, iterator, programs, pool, state, lora_base)
-        return dataclasses.replace(parts, memory=fit), state, ref
+                                       prompts, iterator, programs, pool, state, lora_base, ahead)
+        return dataclasses.replace(parts, memory=fit, sft_ahead=ahead), state, ref
     except BaseException:
         pool.close()
         raise
 
 
+def start_state(cfg: Config, model: Qwen2, sft: bool) -> TrainState:
+    """The state a run starts with from ``model``: with SFT ahead (``sft``) the SFT state (the parameters
+    and the SFT optimizer's fresh state, ``rl.sft.make_sft_optimizer``), else the RL train state."""
+    return init_train_state(cfg, model, tx=make_sft_optimizer(cfg) if sft else None)
+
+
 def _load_weights(cfg: Config, mesh: Mesh, tokenizer: Tokenizer, programs: RunPrograms,
-                  weights: Path | None = None) -> tuple[Qwen2, TrainState, RunPrograms]:
-    """The model's weights (``weights``: a resumed LoRA run's warm start, its base) and the train state, for
-    programs built (and maybe compiled) from the abstract state; programs built again from the real state if
-    its structure, shapes or shardings differ (never expected: a warning says so)."""
+                  weights: Path | None = None, sft: bool = False) -> tuple[Qwen2, TrainState, RunPrograms]:
+    """The model's weights (``weights``: a resumed LoRA run's warm start, its base) and the start state
+    (:func:`start_state`), for programs built (and maybe compiled) from the abstract state; programs built
+    again from the real state if its structure, shapes or shardings differ (never expected: a warning says
+    so)."""
     model, _, _ = build_model_and_tokenizer(cfg, mesh, weights=weights)
-    state = init_train_state(cfg, model)
-    if not same_layout(abstract_tree(state), programs.step.abstract()[0]):
+    state = start_state(cfg, model, sft)
+    if not same_layout(abstract_tree(state), (programs.sft if sft else programs.step).abstract()[0]):
         log.warning("the loaded model's train state differs from the one compiled before loading; compiling again")
         programs = build_programs(cfg, mesh, model.config, state, TokenIds.of(tokenizer))
     return model, state, programs
@@ -209,10 +233,10 @@ def _load_weights(cfg: Config, mesh: Mesh, tokenizer: Tokenizer, programs: RunPr
 
 def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress: bool, mesh: Mesh, model: Qwen2,
                tokenizer: Tokenizer, tok_spec: str, prompts: TrainingPrompts, iterator: PromptIterator,
-               programs: RunPrograms, pool: RewardPool, state: TrainState, lora_base: LoraBase | None
-               ) -> tuple[RunParts, TrainState, nnx.State | None]:
+               programs: RunPrograms, pool: RewardPool, state: TrainState, lora_base: LoraBase | None,
+               sft: bool = False) -> tuple[RunParts, TrainState, nnx.State | None]:
     """The writing half of :func:`build_parts`: the run directory, checkpoints and resume, the record,
-    the logger."""
+    the logger. With SFT ahead (``sft``) the state is the SFT state and there is no reference yet."""
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep)
     rl_step = checkpointer.latest_step() if resume else None
@@ -222,7 +246,7 @@ def _start_run(cfg: Config, run_dir: Path, resume: bool, changes: dict, progress
         log.info("resumed from step %d", int(jax.device_get(state.step)))
     point = resume_point(cfg, run_dir, rl_step) if resume else None
     ref = None
-    if has_reference(cfg, state):
+    if has_reference(cfg, state) and not sft:
         ref = reference_params(reference_model(cfg, run_dir, model, rl_step is not None, mesh),
                                reference_dtype(model.config))
     if jax.process_index() == 0:

@@ -6,7 +6,10 @@ and what they will need compared with what the machine gives the run.
 before it writes anything. Per device, a program needs what the compiler counts
 (``memory_analysis()``: arguments + outputs - aliased + temporaries + code) plus the run's long-lived
 arrays that are not its arguments (:func:`resident_bytes`: while a sampler runs, the optimizer state and
-the KL reference stay in memory). The machine gives (:func:`machine_budget`):
+the KL reference stay in memory; during the SFT warm start nothing of RL's exists yet, so the SFT step
+holds only its own arguments: the parameters, the SFT optimizer's state and its batch). A run with SFT
+steps ahead of it checks the SFT step too (:func:`programs_to_check`). The machine gives
+(:func:`machine_budget`):
 
 - CPU: the host's budget (``ict_jax.memory.host_budget``: this process's resident set + MemAvailable,
   bounded by a cgroup or ``ulimit -v``), shared by the mesh's local devices (each holds its shard; a
@@ -91,11 +94,12 @@ class ProgramNeed:
 def resident_bytes(programs: RunPrograms, name: str) -> int:
     """Per-device bytes of the run's long-lived arrays (the train state and the KL reference: the step's
     arguments but its batch) that program ``name`` does not take as arguments: 0 for the step; the
-    optimizer state and the reference for a sampler (which takes the model's weights only)."""
+    optimizer state and the reference for a sampler (which takes the model's weights only); 0 for the SFT
+    step, whose state is the only one alive during the warm start (RL's is built when it ends)."""
+    if name in ("step", "sft"):
+        return 0
     state, _, ref = programs.step.abstract()
     run = per_device_bytes((state, ref))
-    if name == "step":
-        return 0
     return max(0, run - per_device_bytes(programs.by_name()[name].abstract()[0]))
 
 
@@ -167,7 +171,8 @@ def machine_budget(devices: Sequence[jax.Device], *, reward_workers: int = 0) ->
     return None if found is None else MachineBudget(platform, found, 1, 0, 0.0)
 
 
-_TITLES = {"step": "the train step", "generate": "the rollout sampler", "eval": "the evaluation sampler"}
+_TITLES = {"sft": "the SFT step (sft)", "step": "the train step", "generate": "the rollout sampler",
+           "eval": "the evaluation sampler"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,22 +249,28 @@ def check_fits(config: Config, programs: RunPrograms, compiled: Mapping[str, jax
     raise DoesNotFit(check, config, programs.mesh.shape)
 
 
-def programs_to_check(config: Config) -> Sequence[str]:
-    """The programs a run executes, the step first: the evaluation sampler only with ``data.eval``."""
-    return ("step", "generate", "eval") if config.data.eval else ("step", "generate")
+def programs_to_check(config: Config, *, sft: bool | None = None, rl: bool = True) -> Sequence[str]:
+    """The programs a run executes, in the order it runs them: the SFT step when SFT steps are ahead of it
+    (``sft``; default: ``train.sft_steps > 0``, a new run's), then with ``rl`` the train step and the
+    rollout sampler, and the evaluation sampler with ``data.eval`` (which evaluates after SFT too: ``rl``
+    False is the warm start alone, ``ict-jax sft``)."""
+    sft = config.train.sft_steps > 0 if sft is None else sft
+    names = (("sft",) if sft else ()) + (("step", "generate") if rl else ())
+    return names + (("eval",) if config.data.eval else ())
 
 
-def compile_and_check(config: Config, programs: RunPrograms, *,
-                      machine: MachineBudget | None = None) -> FitCheck | None:
-    """Compile the run's programs (:func:`programs_to_check`) at their largest shapes, one at a time, each
-    checked as it compiles (:func:`check_fits`): a step that does not fit stops the run before the
-    samplers compile. The budget is read before the first compile (the compiler's own working memory is
-    freed for the programs). Returns the last check (None without programs)."""
+def compile_and_check(config: Config, programs: RunPrograms, *, machine: MachineBudget | None = None,
+                      sft: bool | None = None, rl: bool = True) -> FitCheck | None:
+    """Compile the run's programs (:func:`programs_to_check` of ``sft`` and ``rl``) at their largest
+    shapes, one at a time in the order the run executes them, each checked as it compiles
+    (:func:`check_fits`): a program that does not fit stops the run before the next one compiles. The
+    budget is read before the first compile (the compiler's own working memory is freed for the
+    programs). Returns the last check (None without programs)."""
     if machine is None and config.train.memory_check != "off":
         machine = machine_budget(list(programs.mesh.devices.flat), reward_workers=config.rl.reward.workers)
     compiled: dict[str, jax.stages.Compiled] = {}
     check = None
-    for name in programs_to_check(config):
+    for name in programs_to_check(config, sft=sft, rl=rl):
         compiled[name] = programs.by_name()[name].compile()
         check = check_fits(config, programs, {name: compiled[name]}, machine=machine)
     if check is not None and len(compiled) > 1:

@@ -1,7 +1,12 @@
 """The one builder of a run's compiled programs (docs/architecture.md): :func:`build_programs`.
 
-A run executes three programs:
+A run executes four programs (three without an SFT warm start):
 
+- ``sft``: the SFT step of the warm start (:func:`ict_jax.rl.sft.make_sft_step`), ``(SFT state, tokens,
+  attention_mask, loss_mask) -> (SFT state, metrics)``, ``train.sft_batch_size`` rows of
+  ``rollout.max_prompt_len + rollout.max_new_tokens`` tokens (``train.warm_start.sft_batch``); its state
+  holds the SFT optimizer's state (``train.sft_lr``), the only optimizer state alive during SFT: RL's is
+  built when SFT ends;
 - ``step``: the train step (:func:`ict_jax.rl.train_step.make_train_step`), ``(state, batch, ref_params)
   -> (state, metrics)``, P x G rows; one executable per response bucket (docs/loss.md): the
   batch comes in at ``rollout.max_new_tokens`` response positions and the executable of its bucket
@@ -15,9 +20,11 @@ A run executes three programs:
 Both samplers hold their KV cache in ``rollout.kv_cache_dtype`` (:func:`kv_cache_dtype`), the KL reference
 is in the model's compute dtype (:func:`reference_dtype`): written here once for every caller.
 
-Training builds them from its real train state, ``ict-jax compile`` (:mod:`ict_jax.aot.compile`) from an
-abstract one (``jax.ShapeDtypeStruct`` leaves carrying the run's shardings): the same function, so what
-compile checks is what training runs (tests/train/test_programs.py compares the lowered modules).
+Training builds them from its real state (its SFT state when SFT is ahead: the programs read the structure,
+shapes and shardings of its parameters, and each takes the state of its own optimizer), ``ict-jax
+compile`` (:mod:`ict_jax.aot.compile`) from an abstract one (``jax.ShapeDtypeStruct`` leaves carrying the
+run's shardings): the same function, so what compile checks is what training runs
+(tests/train/test_programs.py compares the lowered modules).
 
 Each :class:`Program` carries its abstract arguments for every shape it may be called at (a shape key:
 the rows and the lengths) and compiles each shape once, ahead of time, from them
@@ -26,8 +33,9 @@ compile every program at its largest shapes before anything is sampled, read ``m
 exactly what it will execute (the pre-flight, ``ict_jax.train.preflight``), and shapes met later (a
 shorter prompt bucket; response-length buckets) are compiled on first use. The largest shape is the
 largest of every bucket: the step's key ``(rows, prompt bucket, response width, response bucket)`` is
-largest at the uncut width (``max_new_tokens``, the program a bucket of ``max_new_tokens`` runs), and the
-samplers have one shape, their decode phases (the response buckets of the KV cache) inside the program.
+largest at the uncut width (``max_new_tokens``, the program a bucket of ``max_new_tokens`` runs), the
+samplers have one shape, their decode phases (the response buckets of the KV cache) inside the program,
+and so has the SFT step.
 """
 
 from __future__ import annotations
@@ -45,15 +53,17 @@ from ict_jax.buckets import make_buckets
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.tokenizers import Tokenizer
 from ict_jax.rl.batch import RolloutBatch
-from ict_jax.rl.state import TrainState
+from ict_jax.rl.sft import make_sft_step
+from ict_jax.rl.state import TrainState, make_optimizer
 from ict_jax.rl.train_step import bucket_of, make_train_step
 from ict_jax.sampling.sampler import GenerateFn, Rollout, make_generate_fn
 from ict_jax.sampling.text_generation import generator_key
 from ict_jax.sharding import BATCH_AXES, batch_sharding, place, replicated, shard_batch, to_host
-from ict_jax.train.checkpoints import abstract_tree
+from ict_jax.train.checkpoints import abstract_opt_state, abstract_tree
 
-#: The programs of a run, in the order they are compiled.
-PROGRAM_NAMES = ("step", "generate", "eval")
+#: The programs of a run, in the order a run executes (and compiles) them: the SFT step (a run with
+#: ``train.sft_steps``), the train step, the rollout sampler, the evaluation sampler.
+PROGRAM_NAMES = ("sft", "step", "generate", "eval")
 
 #: A program's shapes: (rows, lengths...) of its batch arguments (the step's last: its response bucket).
 ShapeKey = tuple[int, ...]
@@ -123,9 +133,10 @@ class RunPrograms:
     eval: Program
     chunks: int  # rollout.chunks: generate calls a rollout batch takes
     mesh: Mesh
+    sft: Program  # the SFT step (train.sft_steps > 0: the warm start's; built for every run, compiled when run)
 
     def by_name(self) -> dict[str, Program]:
-        return {"step": self.step, "generate": self.generate, "eval": self.eval}
+        return {"sft": self.sft, "step": self.step, "generate": self.generate, "eval": self.eval}
 
     def compile(self, names: Sequence[str] = PROGRAM_NAMES) -> dict[str, jax.stages.Compiled]:
         """Each named program compiled at its largest shapes (once: a later call of the program runs it)."""
@@ -193,6 +204,26 @@ def abstract_batch(config: Config, mesh: Mesh, prompt_len_: int | None = None, r
                         truncated=s((B,), f32), row_valid=s((B,), f32), correct=s((B,), f32))
 
 
+def sft_len(config: Config) -> int:
+    """Tokens of an SFT row: the prompt left-padded to ``rollout.max_prompt_len`` (not a bucket: the SFT
+    batch has one shape), the target right-padded to ``rollout.max_new_tokens``."""
+    return config.rollout.max_prompt_len + config.rollout.max_new_tokens
+
+
+def abstract_sft_batch(config: Config, mesh: Mesh, shape: tuple[int, int] | None = None
+                       ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """(tokens, attention_mask, loss_mask) of one SFT step, abstract: int32 ``shape`` each (default
+    ``[train.sft_batch_size, sft_len]``), rows over ('data', 'fsdp')."""
+    shape = (config.train.sft_batch_size, sft_len(config)) if shape is None else tuple(shape)
+    return tuple(jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(mesh, 2)) for _ in range(3))
+
+
+def with_optimizer(state: TrainState, tx: Any) -> TrainState:
+    """``state`` (abstract) with ``tx``'s optimizer state, abstract and placed as ``init_opt_state`` places
+    it, in place of its own: what a program of that optimizer takes."""
+    return state.replace(opt_state=abstract_opt_state(tx, state.params))
+
+
 def abstract_reference(params: Any, dtype: str) -> Any:
     """The KL reference parameters (``rl.state.reference_params``: the policy's in the compute dtype,
     the same shardings), abstract."""
@@ -239,18 +270,34 @@ def has_reference(config: Config, state: TrainState) -> bool:
 # ------------------------------------------------------------------------------------------------
 def build_programs(config: Config, mesh: Mesh, model_config: ModelConfig, state: TrainState,
                    tokens: TokenIds = PLACEHOLDER_IDS) -> RunPrograms:
-    """The programs of a run of ``config`` on ``mesh``. ``state``: the run's train state, real (training)
-    or abstract (``ict-jax compile``: ``train.checkpoints.abstract_train_state``); only its structure,
-    shapes, shardings and graph are read. ``model_config`` gives the compute dtype of the KL reference;
-    ``tokens``: the tokenizer's EOS and pad ids. Nothing is compiled here."""
-    abstract_state = abstract_tree(state)
+    """The programs of a run of ``config`` on ``mesh``. ``state``: the run's train state or SFT state, real
+    (training) or abstract (``ict-jax compile``: ``train.checkpoints.abstract_train_state``); only the
+    structure, shapes, shardings and graph of its parameters, step and key are read: the train step takes
+    the RL optimizer's state (``rl.state.make_optimizer``), the SFT step the SFT optimizer's
+    (``rl.sft.make_sft_optimizer``), each built abstract here. ``model_config`` gives the compute dtype of
+    the KL reference; ``tokens``: the tokenizer's EOS and pad ids. Nothing is compiled here."""
+    abstract_state = with_optimizer(abstract_tree(state), make_optimizer(config))
     ref = abstract_reference(abstract_state.params, reference_dtype(model_config)) \
         if has_reference(config, state) else None
     platform = mesh.devices.flat[0].platform
     return RunPrograms(step=_step_program(config, mesh, abstract_state, ref),
                        generate=_sampler_program("generate", config, mesh, abstract_state, tokens, platform),
                        eval=_sampler_program("eval", config, mesh, abstract_state, tokens, platform),
-                       chunks=config.rollout.chunks, mesh=mesh)
+                       chunks=config.rollout.chunks, mesh=mesh, sft=_sft_program(config, mesh, abstract_state))
+
+
+def _sft_program(config: Config, mesh: Mesh, state: TrainState) -> Program:
+    """The SFT step (:func:`ict_jax.rl.sft.make_sft_step`'s jitted update, its state donated): shape key
+    (rows, tokens), one shape, ``(train.sft_batch_size, sft_len)``."""
+    sft = make_sft_step(config, mesh)
+    sft_state = with_optimizer(state, sft.tx)
+
+    def lower(*args: Any) -> jax.stages.Lowered:
+        with jax.set_mesh(mesh):
+            return sft.jitted.lower(*args)
+
+    return Program("sft", lower, lambda k: (sft_state, *abstract_sft_batch(config, mesh, k)),
+                   lambda args: tuple(args[1].shape), (config.train.sft_batch_size, sft_len(config)))
 
 
 def _step_program(config: Config, mesh: Mesh, state: TrainState, ref: Any) -> Program:

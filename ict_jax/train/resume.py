@@ -65,11 +65,21 @@ class ResumePoint:
 
 
 def finished_sft_steps(directory: Path) -> int | None:
-    """The latest finished SFT checkpoint's step in ``directory`` (None when there is none)."""
+    """The latest finished checkpoint's step in ``directory`` (an SFT or RL checkpoint folder; None when
+    there is none)."""
     if not directory.is_dir():
         return None
     with Checkpointer(directory, read_only=True) as ck:
         return ck.latest_step()
+
+
+def sft_ahead(cfg: Config, run_dir: Path, resume: bool) -> bool:
+    """Whether a run of ``cfg`` in ``run_dir`` has SFT steps ahead of it: ``train.sft_steps > 0`` and, when
+    resumed, neither a finished warm start (``<run_dir>/sft_model``) nor an RL checkpoint to continue
+    from. Such a run starts in the SFT phase: its state is an SFT state, RL's is built when SFT ends."""
+    if cfg.train.sft_steps <= 0:
+        return False
+    return not resume or not ((run_dir / SFT_MODEL).is_dir() or finished_sft_steps(run_dir / "checkpoints") is not None)
 
 
 def resume_point(cfg: Config, run_dir: Path, rl_step: int | None) -> ResumePoint:

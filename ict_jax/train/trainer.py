@@ -1,9 +1,12 @@
-"""The RL loop: draw prompts -> generate G responses each -> score -> advantages -> train step, with hooks.
+"""The run: the SFT warm start, then RL (draw prompts -> generate G responses each -> score -> advantages ->
+train step), each a phase of the one loop (``train.phase.run_phase``), with hooks.
 
 The only module that knows every other one (docs/architecture.md). :class:`Trainer` builds a run's parts
 once (``train.parts.build_parts``: mesh, model, data, the compiled programs, reward workers,
 checkpoints, logger), compiles every program before anything is sampled (the pre-flight point,
-``train.preflight``), runs the SFT warm start (``train.warm_start``), then per RL step s:
+``train.preflight``), runs the SFT warm start as a phase (``train.warm_start.sft_phase``: one call of the
+``sft`` program a step, its checkpoints and hooks), builds RL's state when it ends, then runs the RL
+phase (:meth:`Trainer.rl_phase`), per RL step s:
 
 1. a rollout batch (``train.rollout.collect_rollout``: the next P prompts, G responses each from the
    current policy with key ``fold_in(fold_in(root, SAMPLER_STREAM), s)``, scored by the reward workers);
@@ -15,8 +18,9 @@ checkpoints, logger), compiles every program before anything is sampled (the pre
 A non-finite loss or gradient skips that update inside the step (``train/skipped``); three such steps in
 a row stop the run with :class:`TrainingDiverged`, leaving the last good checkpoint intact. Every random
 stream is ``fold_in(root, STREAM)`` then ``fold_in(step)`` (``ict_jax.rng``) and the data position is
-saved with the checkpoint, so ``--resume`` continues exactly. The train state is passed to each part and
-returned; the trainer holds the current one (:attr:`Trainer.state`), replaced after each phase and step.
+saved with the checkpoint, so ``--resume`` continues exactly. The state is passed to each part and
+returned; the trainer holds the current one (:attr:`Trainer.state`: the SFT state during the warm start,
+then the RL train state), replaced after each phase and step.
 """
 
 from __future__ import annotations
@@ -29,20 +33,24 @@ from typing import Any, Callable
 from ict_jax.config import Config
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.tokenizers import Tokenizer
+from ict_jax.rl.state import TrainState
 from ict_jax.rng import SAMPLER_STREAM  # noqa: F401 - its former home (docs/sampler.md)
 from ict_jax.sharding import to_host
 from ict_jax.train.evaluation import Evaluator
 from ict_jax.train.hooks import (MAX_NONFINITE_IN_A_ROW, Hook, Hooks, ProfileHook, StepInfo,  # noqa: F401
-                                 checkpoint_health, evaluate_every, final_evaluation, finish_summary,
-                                 nonfinite_guard, save_checkpoint)
+                                 checkpoint_health, count_nonfinite, evaluate_every, final_evaluation,
+                                 finish_summary, nonfinite_guard, save_checkpoint)
 from ict_jax.train.logs import RunLogger, metrics_to_floats
 from ict_jax.train.parts import build_parts
+from ict_jax.train.phase import Phase, PhaseEnd, run_phase
 from ict_jax.train.preflight import programs_to_check
 from ict_jax.train.resume import SFT_MODEL, eval_on_record, finished_run, hold_run_dir
 from ict_jax.train.rollout import collect_rollout
 from ict_jax.train.stopping import Interrupted, TrainingDiverged, stop_after_step  # noqa: F401 - public here
 from ict_jax.train.summary import RunSummary
-from ict_jax.train.warm_start import warm_start as run_warm_start
+from ict_jax.train.warm_start import load_warm_start, run_warm_start, save_warm_start, sft_state, start_rl
+
+PHASES = ("sft", "rl")
 
 
 class Trainer:
@@ -52,8 +60,10 @@ class Trainer:
     checkpoint, else its finished SFT warm start, else its last SFT checkpoint. A finished run whose
     ``train.steps`` was not raised is not built at all: :attr:`finished` holds its summary and
     :meth:`train` returns it unchanged. ``profile_steps``: ``(first, stop)`` RL steps traced.
-    ``preflight``: compile the RL programs and check their memory before anything is written
-    (``train.preflight``; :class:`~ict_jax.train.preflight.DoesNotFit` when they would not fit).
+    ``preflight``: compile the programs the run executes (the SFT step when SFT is ahead, the RL programs
+    unless ``rl`` is False: the warm start alone, ``ict-jax sft``) and check their memory before anything
+    is written (``train.preflight``; :class:`~ict_jax.train.preflight.DoesNotFit` when they would not fit).
+    :attr:`state`: the SFT state (the only optimizer state alive) until the warm start ends, then RL's.
 
     The run directory is held from the start (``train.resume.hold_run_dir``, before the model loads) until
     :meth:`close` / the ``with`` block's end: a second Trainer on it, in this process or another, is
@@ -61,10 +71,11 @@ class Trainer:
 
     def __init__(self, config: Config, *, resume: bool = False, progress: bool = True,
                  profile_steps: tuple[int, int] | None = None, model: Qwen2 | None = None,
-                 tokenizer: Tokenizer | None = None, preflight: bool = True):
-        self.cfg, self.resume, self.run_dir = config, resume, Path(config.run_dir)
-        self.parts, self.summary, self.hooks = None, None, Hooks()
+                 tokenizer: Tokenizer | None = None, preflight: bool = True, rl: bool = True):
+        self.cfg, self.resume, self.run_dir, self.rl = config, resume, Path(config.run_dir), rl
+        self.parts, self.summary, self.hooks, self.sft_hooks = None, None, Hooks(), Hooks()
         self.state = self.ref_params = None
+        self.phase = "rl"  # the phase self.state belongs to: "sft" (an SFT state) or "rl"
         self.paused: int | None = None  # the step a paused run stopped at (run_loop's pause)
         self._hold = contextlib.ExitStack()  # the run directory, held until close() (before anything slow)
         self._hold.enter_context(hold_run_dir(self.run_dir, resume))
@@ -73,7 +84,9 @@ class Trainer:
             if self.finished is not None:
                 return
             self.parts, self.state, self.ref_params = build_parts(config, resume=resume, progress=progress,
-                                                                  model=model, tokenizer=tokenizer, preflight=preflight)
+                                                                  model=model, tokenizer=tokenizer, preflight=preflight,
+                                                                  rl=rl)
+            self.phase = "sft" if self.parts.sft_ahead else "rl"
             self.summary = RunSummary(self.run_dir, resume=resume)
             self.evaluator = Evaluator(self.parts, eval_on_record(self.run_dir, self.parts.resume_point))
             self.add_default_hooks(profile_steps)
@@ -81,9 +94,12 @@ class Trainer:
             self.close()
             raise
 
-    def add_hook(self, fn: Hook, every: int = 1) -> None:
-        """``fn(StepInfo)`` after every ``every``-th RL step, after the hooks registered before it."""
-        self.hooks.add(fn, every)
+    def add_hook(self, fn: Hook, every: int = 1, phase: str = "rl") -> None:
+        """``fn(StepInfo)`` after every ``every``-th step of ``phase`` ("rl", or "sft": the warm start's
+        steps, ``StepInfo.state`` its SFT state), after the hooks registered before it."""
+        if phase not in PHASES:
+            raise ValueError(f"add_hook: phase {phase!r}; the phases are {', '.join(PHASES)}")
+        (self.hooks if phase == "rl" else self.sft_hooks).add(fn, every)
 
     def add_default_hooks(self, profile_steps: tuple[int, int] | None = None) -> None:
         parts, cfg = self.parts, self.cfg
@@ -109,15 +125,33 @@ class Trainer:
     def compile(self) -> None:
         """Every program of the run compiled at its largest shapes before anything is sampled (the memory
         pre-flight in ``build_parts`` compiled and checked them already: then this reuses them)."""
-        self.parts.programs.compile(programs_to_check(self.cfg))
+        self.parts.programs.compile(programs_to_check(self.cfg, sft=self.parts.sft_ahead, rl=self.rl))
+
+    def run_phase(self, phase: Phase, state: TrainState, start: int,
+                  pause: Callable[[int], bool] | None = None) -> PhaseEnd:
+        """The run's one loop, ``train.phase.run_phase``, over ``phase`` from ``start``; :attr:`state` follows it."""
+        self.state = state
+        return run_phase(phase, state, start, self.logger, run_dir=self.run_dir, pause=pause,
+                         on_state=lambda new: setattr(self, "state", new))
 
     def sft(self) -> dict[str, float]:
-        """The SFT warm start (``train.warm_start``), or a finished one loaded; RL then starts from it.
-        Returns the last SFT step's metrics ({} without ``train.sft_steps``)."""
+        """The SFT warm start as a phase of the run's loop (``train.warm_start.run_warm_start``), or a finished
+        one loaded (``<run_dir>/sft_model``); then RL's state and reference, built once the SFT state is
+        dropped (``start_rl``). Returns the last SFT step's metrics ({} without ``train.sft_steps``)."""
         if self.cfg.train.sft_steps <= 0:
             return {}
-        self.state, self.ref_params, last = run_warm_start(self.parts, self.state, self.logger, resume=self.resume)
-        return self.summary.get("sft") or {} if last is None else last
+        if (self.run_dir / SFT_MODEL).is_dir():  # finished before: the RL phase starts from it
+            self.state = self.ref_params = None
+            self.state, self.ref_params, self.phase = *load_warm_start(self.parts), "rl"
+            return self.summary.get("sft") or {}
+        state = self.state if self.phase == "sft" else sft_state(self.parts, self.state)
+        self.state, self.ref_params, self.phase = None, None, "sft"  # nothing of RL's is alive during SFT
+        model, last = run_warm_start(self.parts, state, self.run_phase, resume=self.resume,
+                                     hooks=self.sft_hooks.step_hooks)
+        self.state = state = None  # the SFT optimizer state goes before RL's is built
+        self.state, self.ref_params, self.phase = *start_rl(self.parts, model), "rl"
+        save_warm_start(self.parts, self.state)
+        return last
 
     def warm_start(self) -> dict[str, Any]:
         """:meth:`sft` and its evaluation (with ``data.eval``), each recorded in ``summary.json`` as it
@@ -140,7 +174,8 @@ class Trainer:
         return self.evaluator.evaluate_and_log(self.state, step, label)
 
     def rl_step(self, step: int) -> dict[str, float]:
-        """One RL step from :attr:`state`: a rollout batch, one update; returns the step's metrics."""
+        """One RL step from :attr:`state` (replaced by the new one): a rollout batch, one update; returns
+        the step's metrics."""
         batch, times = collect_rollout(self.parts, self.state, step)
         t0 = time.perf_counter()
         self.state, metrics = self.parts.programs.step(self.state, batch, self.ref_params)
@@ -150,38 +185,25 @@ class Trainer:
         times["throughput/tokens_per_s"] = n_tokens / max(1e-9, times["time/rollout_s"] + times["time/update_s"])
         return {**m, **times}
 
+    def rl_phase(self) -> Phase:
+        """RL as a phase of the run's loop: ``train.steps`` steps of :meth:`rl_step` (with the non-finite
+        updates in a row, ``train.hooks.count_nonfinite``), the RL checkpoints and :attr:`hooks`."""
+        def step(state: TrainState, s: int) -> tuple[TrainState, dict[str, float]]:
+            self.state = state
+            metrics = self.rl_step(s)
+            return self.state, metrics
+
+        return Phase("rl", "RL", self.cfg.train.steps, count_nonfinite(step), self.parts.checkpointer, self.hooks)
+
     def run_loop(self, pause: Callable[[int], bool] | None = None) -> dict[str, float]:
-        """RL steps from the state's step to ``train.steps``, each followed by the hooks; Ctrl-C stops after
-        the step in progress (its checkpoint saved). ``pause(done)``, asked after each step's hooks: True
-        ends the loop there with a checkpoint of that step (:attr:`paused`), to be continued by a resumed
-        run exactly as if it had not stopped. Returns the last step's metrics."""
-        steps = self.cfg.train.steps
-        start = int(to_host(self.state.step))
-        logger = self.logger("rl", steps, start)
-        if start:
-            logger.message(f"resuming RL at step {start}/{steps}")
-        self.hooks.begin(start)
-        streak, last = 0, {}
+        """RL steps from the state's step to ``train.steps`` (:meth:`rl_phase` in :meth:`run_phase`); Ctrl-C
+        stops after the step in progress (its checkpoint saved). ``pause(done)``: True ends the loop there
+        with a checkpoint of that step (:attr:`paused`), continued by a resumed run exactly as if it had not
+        stopped. Returns the last step's metrics."""
         self.paused = None
-        with stop_after_step(logger.message) as stop:
-            for step in range(start, steps):
-                last = self.rl_step(step)
-                streak = streak + 1 if last.get("train/skipped", 0) > 0 else 0
-                last["train/nonfinite_in_a_row"] = float(streak)
-                logger.log(step, last)
-                done = step + 1
-                pausing = done < steps and pause is not None and bool(pause(done))
-                self.hooks.run(StepInfo(done, self.state, last, final=done == steps,
-                                        stopping=stop.requested or pausing))
-                if stop.requested and done < steps:
-                    self.parts.checkpointer.wait()
-                    raise Interrupted(f"interrupted at RL step {done}/{steps}; checkpoints are in "
-                                      f"{self.run_dir / 'checkpoints'}: continue with --resume run_dir={self.run_dir}")
-                if pausing:
-                    self.parts.checkpointer.wait()
-                    self.paused = done
-                    break
-        return last
+        end = self.run_phase(self.rl_phase(), self.state, int(to_host(self.state.step)), pause)
+        self.paused = end.paused
+        return end.last
 
     def train(self, pause: Callable[[int], bool] | None = None) -> dict[str, Any]:
         """SFT warm start (if configured and not finished before), then RL; returns the summary, also

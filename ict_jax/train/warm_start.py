@@ -1,23 +1,30 @@
-"""The SFT warm start and the switch to RL.
+"""The SFT warm start as a phase of the run, and the switch to RL.
 
 ``train.sft_steps`` supervised steps on the training prompts' targets (``rewards.checks.sft_target``),
-with their own checkpoints (``<run_dir>/checkpoints_sft``, every ``train.sft_save_every`` steps and on
-Ctrl-C); a resumed run continues from the last one. Step s trains on the batch drawn by the SFT-order
-stream at s (``ict_jax.rng.numpy_rng(seed, SFT_ORDER_STREAM, s)``): nothing is replayed on resume. The
-finished warm start is saved as ``<run_dir>/sft_model`` (a Hugging Face directory), from which a
-resumed run starts RL instead of training again.
+run by the run's one loop (``train.phase.run_phase``, through ``Trainer.sft``) as the phase
+:func:`sft_phase` builds: its step is the run's ``sft`` program (``train.programs``, compiled and checked
+by the memory pre-flight like the others), its checkpoints go to ``<run_dir>/checkpoints_sft`` (every
+``train.sft_save_every`` steps and on Ctrl-C, ``train.hooks.save_checkpoint``); a resumed run continues
+from the last one (:func:`resume_sft`). Step s trains on the batch drawn by the SFT-order stream at s
+(``ict_jax.rng.numpy_rng(seed, SFT_ORDER_STREAM, s)``): nothing is replayed on resume. The finished warm
+start is saved as ``<run_dir>/sft_model`` (a Hugging Face directory), from which a resumed run starts RL
+instead of training again.
 
-RL then starts from the warm-started policy with a fresh RL optimizer state, and the KL reference is
-that policy (:func:`start_rl`). With LoRA (``model.lora.enabled``) the warm start trains adapters; RL then
-starts from the base with those adapters merged into it (the ``sft_model``) and fresh adapters, so that
-the KL reference (the base with the adapters off) is the warm-started policy here too (docs/lora.md).
+During SFT the only optimizer state alive is SFT's (the state ``train.parts.build_parts`` starts such a
+run with, :func:`sft_state` otherwise). When SFT ends its state is dropped and RL starts from the
+warm-started policy with a fresh RL optimizer state, and the KL reference is that policy
+(:func:`start_rl`). With LoRA (``model.lora.enabled``) the warm start trains adapters; RL then starts
+from the base with those adapters merged into it (the ``sft_model``) and fresh adapters, so that the KL
+reference (the base with the adapters off) is the warm-started policy here too (docs/lora.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
-from typing import Callable
+import warnings
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,21 +35,21 @@ from ict_jax.model.adapters import merge_adapters
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.weights import load_hf, save_hf
 from ict_jax.rewards.checks import sft_target
-from ict_jax.rl.sft import make_sft_step, sft_arrays
-from ict_jax.rl.state import TrainState, init_opt_state, init_train_state, reference_params
+from ict_jax.rl.sft import make_sft_optimizer, sft_arrays
+from ict_jax.rl.state import TrainState, check_lora_state, init_opt_state, init_train_state, reference_params
 from ict_jax.rng import SFT_ORDER_STREAM, numpy_rng
 from ict_jax.sharding import to_host
 from ict_jax.train.checkpoints import Checkpointer
-from ict_jax.train.stopping import Interrupted, stop_after_step
-from ict_jax.train.logs import RunLogger, metrics_to_floats
+from ict_jax.train.hooks import Hook, Hooks, checkpoint_health, save_checkpoint
+from ict_jax.train.logs import metrics_to_floats
 from ict_jax.train.model_source import model_overrides, with_adapters
 from ict_jax.train.parts import RunParts
+from ict_jax.train.phase import Phase, PhaseEnd, StartLogger, run_phase
 from ict_jax.train.programs import has_reference, reference_dtype
 from ict_jax.train.resume import SFT_CHECKPOINTS, SFT_MODEL
 
-#: ``(phase, total steps, first step) -> the run's logger, started for the phase``
-StartLogger = Callable[[str, int, int], RunLogger]
-
+#: ``(phase, state, first step) -> how it ended``: the run's loop (``Trainer.run_phase``)
+RunPhase = Callable[[Phase, TrainState, int], PhaseEnd]
 
 @dataclasses.dataclass(frozen=True)
 class SftData:
@@ -77,10 +84,66 @@ def sft_batch(parts: RunParts, data: SftData, step: int) -> tuple[jax.Array, ...
     return tuple(map(jnp.asarray, arrays))
 
 
+def sft_state(parts: RunParts, state: TrainState) -> TrainState:
+    """The SFT state from a train state: its parameters with the SFT optimizer's fresh state (what
+    ``train.parts.build_parts`` starts a run with SFT ahead with). ``state``'s own optimizer state is not
+    kept: drop ``state`` so that only one optimizer state stays alive."""
+    return state.replace(opt_state=init_opt_state(make_sft_optimizer(parts.config), state.params))
+
+
+@contextlib.contextmanager
+def sft_phase(parts: RunParts, hooks: Sequence[tuple[Hook, int]] = ()) -> Iterator[Phase]:
+    """The SFT warm start as a :class:`~ict_jax.train.phase.Phase` of ``train.sft_steps`` steps, while the
+    block runs (its checkpointer, ``<run_dir>/checkpoints_sft``, is closed after it): each step one call
+    of the run's ``sft`` program on :func:`sft_batch`; the hooks: the check of background saves, the
+    checkpoint cadence (``train.sft_save_every``, Ctrl-C; ``train.hooks.save_checkpoint``), then
+    ``hooks`` (``(fn, every)``, the user's, ``Trainer.add_hook(..., phase="sft")``)."""
+    cfg, program = parts.config, parts.programs.sft
+    data = sft_data(parts)
+
+    def step(state: TrainState, s: int) -> tuple[TrainState, dict[str, float]]:
+        state, metrics = program(state, *sft_batch(parts, data, s))
+        return state, metrics_to_floats(metrics)
+
+    with Checkpointer(parts.run_dir / SFT_CHECKPOINTS, keep=cfg.train.keep) as ckpt:
+        phase_hooks = Hooks()
+        phase_hooks.add(checkpoint_health(ckpt))
+        phase_hooks.add(save_checkpoint(parts, "sft", ckpt))
+        for fn, every in hooks:
+            phase_hooks.add(fn, every)
+        yield Phase("sft", "SFT", cfg.train.sft_steps, step, ckpt, phase_hooks,
+                    resuming="resuming the SFT warm start at step {start}/{steps}")
+
+
+def resume_sft(parts: RunParts, phase: Phase, state: TrainState, *, resume: bool) -> tuple[TrainState, int]:
+    """``(state, first step)`` of the SFT phase: with ``resume``, the last checkpoint in
+    ``<run_dir>/checkpoints_sft`` restored into ``state`` (a LoRA run's base was checked against it,
+    ``train.parts``), else ``state`` from step 0."""
+    check_lora_state(parts.config, state)
+    start = phase.checkpointer.latest_step() if resume else None
+    if start is None:
+        return state, 0
+    state, _ = phase.checkpointer.restore(state)
+    return state, start
+
+
+def run_warm_start(parts: RunParts, state: TrainState, run: RunPhase, *, resume: bool,
+                   hooks: Sequence[tuple[Hook, int]] = ()) -> tuple[Qwen2, dict[str, float]]:
+    """SFT from the SFT ``state`` as a phase of the run's loop, ``run(phase, state, start)``
+    (``Trainer.run_phase``, ``train.phase.run_phase``), resumed from its last checkpoint with ``resume``:
+    ``(the warm-started model, the last SFT step's metrics)``. The SFT state is not kept: once the caller
+    drops its own reference, the SFT optimizer's state is gone and RL's may be built (:func:`start_rl`)."""
+    with sft_phase(parts, hooks) as phase:
+        state, start = resume_sft(parts, phase, state, resume=resume)
+        end = run(phase, state, start)
+    return end.state.model(), end.last
+
+
 def start_rl(parts: RunParts, model: Qwen2) -> tuple[TrainState, nnx.State | None]:
     """(train state, KL reference or None) of RL starting from ``model`` (the warm start) with a fresh RL
     optimizer state; the reference is the warm-started policy. A model with LoRA adapters has them merged
-    into its base first; a LoRA run then trains fresh adapters on that base (its KL reference)."""
+    into its base first; a LoRA run then trains fresh adapters on that base (its KL reference). Call it
+    once the SFT state is dropped: the RL optimizer state is allocated here."""
     if model.config.lora is not None:
         model = merge_adapters(model)
     state = init_train_state(parts.config, with_adapters(parts.config, model))
@@ -88,41 +151,12 @@ def start_rl(parts: RunParts, model: Qwen2) -> tuple[TrainState, nnx.State | Non
     return state, ref
 
 
-def run_sft(parts: RunParts, state: TrainState, start_logger: StartLogger, *, resume: bool
-            ) -> tuple[TrainState, dict[str, float]]:
-    """SFT from ``state``'s policy with a fresh SFT optimizer -> (the SFT state, the last step's metrics).
-    ``resume``: continue from the last checkpoint in ``<run_dir>/checkpoints_sft``. Ctrl-C saves a
-    checkpoint after the step in progress and raises :class:`Interrupted`."""
-    cfg, steps = parts.config, parts.config.train.sft_steps
-    sft = make_sft_step(cfg, parts.mesh)
-    sft_state = TrainState(params=state.params, opt_state=init_opt_state(sft.tx, state.params), step=state.step,
-                           rng=state.rng, graphdef=state.graphdef, frozen=state.frozen)
-    data = sft_data(parts)
-    meta = {"phase": "sft", "config": cfg.to_dict(), "model_config": dataclasses.asdict(parts.model_config),
-            "tokenizer": parts.tokenizer_spec, **parts.base_meta("sft")}
-    directory = parts.run_dir / SFT_CHECKPOINTS
-    with Checkpointer(directory, keep=cfg.train.keep) as ckpt:
-        start = ckpt.latest_step() if resume else None
-        if start is not None:  # a LoRA run's base was checked against this checkpoint's (train.parts)
-            sft_state, _ = ckpt.restore(sft_state)
-        start = start or 0
-        logger = start_logger("sft", steps, start)
-        if start:
-            logger.message(f"resuming the SFT warm start at step {start}/{steps}")
-        last: dict[str, float] = {}
-        with stop_after_step(logger.message) as stop:
-            for s in range(start, steps):
-                sft_state, m = sft(sft_state, *sft_batch(parts, data, s))
-                last = metrics_to_floats(m)
-                logger.log(s, last, phase="sft")
-                done, every = s + 1, cfg.train.sft_save_every
-                if done < steps and ((every and done % every == 0) or stop.requested):
-                    ckpt.save(done, sft_state, meta)
-                if stop.requested and done < steps:
-                    ckpt.wait()
-                    raise Interrupted(f"interrupted at SFT step {done}/{steps}; its checkpoint is in {directory}: "
-                                      f"continue with --resume run_dir={cfg.run_dir}")
-    return sft_state, last
+def load_warm_start(parts: RunParts) -> tuple[TrainState, nnx.State | None]:
+    """(train state, KL reference or None) of RL starting from a finished warm start,
+    ``<run_dir>/sft_model`` (:func:`start_rl`)."""
+    cfg = parts.config
+    model = load_hf(parts.run_dir / SFT_MODEL, mesh=parts.mesh, dtype=cfg.model.param_dtype, **model_overrides(cfg))
+    return start_rl(parts, model)
 
 
 def save_warm_start(parts: RunParts, state: TrainState) -> None:
@@ -136,17 +170,41 @@ def save_warm_start(parts: RunParts, state: TrainState) -> None:
         shutil.rmtree(parts.run_dir / SFT_CHECKPOINTS, ignore_errors=True)
 
 
+# ------------------------------------------------------------------------------------------------
+# Former entry points: the warm start outside the Trainer (the loop is train.phase.run_phase)
+# ------------------------------------------------------------------------------------------------
+def run_sft(parts: RunParts, state: TrainState, start_logger: StartLogger, *, resume: bool
+            ) -> tuple[TrainState, dict[str, float]]:
+    """SFT from ``state``'s policy with a fresh SFT optimizer -> (the SFT state, the last step's metrics).
+    ``resume``: continue from the last checkpoint in ``<run_dir>/checkpoints_sft``. Ctrl-C saves a
+    checkpoint after the step in progress and raises :class:`~ict_jax.train.stopping.Interrupted`.
+    Deprecated: ``Trainer.sft`` runs the warm start as a phase of the run's loop."""
+    warnings.warn("ict_jax.train.warm_start.run_sft is deprecated: use Trainer.sft (the warm start as a phase of "
+                  "the run's loop, ict_jax.train.phase.run_phase)", DeprecationWarning, stacklevel=2)
+    ends: list[PhaseEnd] = []
+
+    def run(phase: Phase, state: TrainState, start: int) -> PhaseEnd:
+        ends.append(run_phase(phase, state, start, start_logger, run_dir=parts.run_dir))
+        return ends[-1]
+
+    run_warm_start(parts, sft_state(parts, state), run, resume=resume)
+    return ends[-1].state, ends[-1].last
+
+
 def warm_start(parts: RunParts, state: TrainState, start_logger: StartLogger, *, resume: bool
                ) -> tuple[TrainState, nnx.State | None, dict[str, float] | None]:
     """The warm start and the switch to RL: ``(RL start state, KL reference or None, the last SFT step's
     metrics)``; the metrics are None when a finished warm start (``<run_dir>/sft_model``) was loaded
-    instead of trained."""
-    cfg = parts.config
-    sft_dir = parts.run_dir / SFT_MODEL
-    if sft_dir.is_dir():  # finished before: the RL phase starts from it
-        model = load_hf(sft_dir, mesh=parts.mesh, dtype=cfg.model.param_dtype, **model_overrides(cfg))
-        return *start_rl(parts, model), None
-    sft_state, last = run_sft(parts, state, start_logger, resume=resume)
-    rl_state, ref = start_rl(parts, sft_state.model())
+    instead of trained. Deprecated: ``Trainer.sft`` does this within the run's loop."""
+    warnings.warn("ict_jax.train.warm_start.warm_start is deprecated: use Trainer.sft (the warm start as a phase "
+                  "of the run's loop, ict_jax.train.phase.run_phase)", DeprecationWarning, stacklevel=2)
+    if (parts.run_dir / SFT_MODEL).is_dir():  # finished before: the RL phase starts from it
+        return *load_warm_start(parts), None
+
+    def run(phase: Phase, state: TrainState, start: int) -> PhaseEnd:
+        return run_phase(phase, state, start, start_logger, run_dir=parts.run_dir)
+
+    model, last = run_warm_start(parts, sft_state(parts, state), run, resume=resume)
+    rl_state, ref = start_rl(parts, model)
     save_warm_start(parts, rl_state)
     return rl_state, ref, last

@@ -17,7 +17,7 @@ import pytest
 from ict_jax.config import ConfigError, load_config, parse_topology
 from ict_jax.model.config import ModelConfig
 from ict_jax.aot import hlo
-from ict_jax.aot.compile import PROGRAMS, Target, compile_run, get_target, per_device_bytes
+from ict_jax.aot.compile import PROGRAMS, Target, compile_run, get_target, per_device_bytes, run_programs
 from ict_jax.aot.fit import candidate_settings, estimate_memory, estimate_seconds, search
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
@@ -192,6 +192,26 @@ def test_memory_estimate_moves_the_right_way():
     assert step(data=1, fsdp=8) < step(data=8, fsdp=1)  # sharded state
 
 
+def test_the_sft_step_estimate_holds_one_optimizer_state_and_grows_with_its_batch():
+    """The SFT step's estimate: its batch (train.sft_batch_size) and remat move it; micro-batches, the
+    rollout's chunks and the KL reference do not (none of them exists during the warm start); with it
+    among the programs, the knobs left to change name its batch."""
+    from ict_jax.aot.fit import no_fit_hint
+
+    cfg = load_config(RECIPE, ["train.sft_steps=10"])
+    mc = ModelConfig.qwen2p5_0p5b(compute_dtype="bfloat16")
+
+    def sft(bs=32, kl=0.001, **kw):
+        return estimate_memory(cfg.replace(**{"train.sft_batch_size": bs, "rl.loss.kl_coef": kl}), mc, _ov(**kw))["sft"]
+
+    assert sft(bs=16) < sft(bs=32) < sft(bs=64)
+    assert sft(remat="full") < sft(remat="block") < sft(remat="none")
+    assert sft(micro=2) == sft(micro=8) and sft(kl=0.0) == sft(kl=0.1)
+    assert sft(bs=8) < estimate_memory(cfg, mc, _ov())["step"]  # the train step's state adds the reference
+    assert "lower train.sft_batch_size, train.prompts_per_step" in no_fit_hint(False, sft=True)
+    assert "sft_batch_size" not in no_fit_hint(False)
+
+
 def test_rollout_chunks_trade_generate_memory_for_decode_time():
     """generate's row chunking: the sampler's estimate falls with rollout.chunks, the step's does not
     move, and the estimated time grows (more decode loops), so --fit takes it only when needed."""
@@ -236,7 +256,7 @@ def test_candidate_settings_follow_the_train_steps_geometry(devices8):
 @pytest.fixture(scope="session")
 def local_reports(devices8):
     cfg = load_config(RECIPE, TINY + ["mesh.data=2", "mesh.fsdp=4"])
-    return compile_run(cfg, get_target("local"), PROGRAMS)
+    return compile_run(cfg, get_target("local"))  # the programs the run executes: no SFT in the recipe
 
 
 def test_local_generate_with_rollout_chunks_holds_a_smaller_cache(local_reports, devices8):
@@ -255,7 +275,7 @@ def test_local_generate_with_rollout_chunks_holds_a_smaller_cache(local_reports,
 def test_local_compile_reports_every_program(local_reports):
     reports, source = local_reports
     assert source.startswith("preset tiny")
-    assert [r.program for r in reports] == list(PROGRAMS)
+    assert [r.program for r in reports] == ["step", "generate", "eval"] == list(PROGRAMS[1:])
     budget = get_target("local").budget  # the pre-flight's budget (docs/memory.md; the tests fix it: conftest)
     assert budget is not None and budget.devices == 8
     for r in reports:  # CPU: each device's share of the host's memory (read live: it moves between reads)
@@ -271,6 +291,22 @@ def test_local_compile_reports_every_program(local_reports):
     assert {c.name for c in step.checks} == {"arguments", "no [rows, T, V]", "layer-wise gathers"}
     assert {c.name for c in gen.checks} == {"arguments", "no [rows, T, V]", "kv cache"}
     assert step.collectives["all-gather"]["count"] > 0  # FSDP gathers the weights
+
+
+def test_a_run_with_sft_steps_compiles_the_sft_step_first_and_it_keeps_the_discipline(devices8):
+    """With train.sft_steps the run executes the SFT step before anything else: compile's default programs
+    start with it; compiled (FSDP over 4 of the 8 devices) it takes the parameters, the SFT optimizer's
+    state and its batch, nothing of RL's stays resident beside it, and it keeps the step's memory
+    discipline (no dense [rows, T, V] logits, layer-wise gathers)."""
+    cfg = load_config(RECIPE, TINY + ["mesh.data=2", "mesh.fsdp=4", "train.sft_steps=10", "train.sft_batch_size=16"])
+    assert run_programs(cfg) == PROGRAMS == ("sft", "step", "generate", "eval")
+    (sft,), _ = compile_run(cfg, get_target("local"), ("sft",))
+    assert sft.program == "sft" and sft.compiled and sft.fits and sft.resident == 0 and sft.aliased > 0
+    assert sft.positions == 32 + 40 - 1  # the log-probs of every position after the first
+    assert {c.name for c in sft.checks} == {"arguments", "no [rows, T, V]", "layer-wise gathers"}
+    failed = [c for c in sft.checks if not c.ok]
+    assert not failed, failed
+    assert sft.collectives["all-gather"]["count"] > 0  # FSDP gathers the weights
 
 
 @pytest.mark.e2e
@@ -362,7 +398,7 @@ def test_missing_libtpu_names_the_extra(monkeypatch, capsys):
 def tpu_reports():
     cfg = load_config(RECIPE, TINY + ["mesh.data=1", "mesh.fsdp=-1"])
     target = get_target("v5e:2x2")
-    return cfg, target, compile_run(cfg, target, PROGRAMS)[0]
+    return cfg, target, compile_run(cfg, target)[0]
 
 
 @needs_libtpu

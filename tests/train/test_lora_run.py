@@ -280,7 +280,7 @@ def test_a_changed_base_is_refused_on_resume_and_on_load(lora_runs, reward_dir, 
     assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "--format", "peft"]) == 2
 
 
-@pytest.mark.e2e  # lowers the three programs twice and compiles the step (~20 s)
+@pytest.mark.e2e  # lowers the four programs twice and compiles the step (~20 s)
 def test_compile_builds_the_lora_run_training_builds(tmp_path, devices8):
     """ict-jax compile (abstract state from the config) and training (real state) lower the same LoRA
     programs on a 4 x 1 x 2 mesh; the compiled step's arguments are the base once, the adapters and their
@@ -298,9 +298,10 @@ def test_compile_builds_the_lora_run_training_builds(tmp_path, devices8):
         # compile resolves compute_dtype "auto" for the target (float32 on CPU); training resolves it at use
         assert mc == parts.model_config.replace(compute_dtype="float32") and "LoRA rank 4" in source
         jobs = build_programs(cfg, mc, run_mesh(cfg, target))
+        assert [job.name for job in jobs] == ["sft", "step", "generate", "eval"]  # the SFT step on adapters too
         for job in jobs:
             assert job.lower().as_text() == parts.programs.by_name()[job.name].lower().as_text(), job.name
-        step = jobs[0]
+        step = jobs[1]
         args = parts.programs.step.abstract()
         assert args[2] is None  # the step takes no reference parameters
         want = per_device_bytes(state.frozen) + 3 * per_device_bytes(state.params) + per_device_bytes(args[1])

@@ -75,6 +75,19 @@ def test_the_samplers_leave_the_optimizer_state_and_the_reference_resident(tiny_
         assert resident_bytes(programs, name) == others > per_device_bytes(ref) > 0
 
 
+def test_the_sft_step_holds_the_parameters_one_optimizer_state_and_its_batch(tiny_programs):
+    """During SFT nothing of RL's exists (its optimizer state and the KL reference are built when SFT ends):
+    the SFT step's need is its own arguments, the SFT state (parameters, the SFT optimizer's state, step,
+    key) and its batch, with nothing resident beside them."""
+    cfg, programs, state, per_device_bytes = tiny_programs
+    sft_state, *batch = programs.sft.abstract()
+    assert resident_bytes(programs, "sft") == 0
+    assert per_device_bytes(sft_state.opt_state) == per_device_bytes(state.opt_state)  # one Adam state: 2 moments
+    assert per_device_bytes(programs.sft.abstract()) == per_device_bytes((state, *batch))
+    assert [b.shape for b in batch] == [(cfg.train.sft_batch_size, cfg.rollout.max_prompt_len
+                                         + cfg.rollout.max_new_tokens)] * 3
+
+
 class _Compiled:
     """A compiled program's memory analysis, by hand."""
 
@@ -106,6 +119,12 @@ def test_the_programs_checked_are_the_ones_a_run_executes():
     cfg = load_config(DEMO, TINY)
     assert programs_to_check(cfg) == ("step", "generate", "eval")  # the demo evaluates
     assert programs_to_check(cfg.replace(**{"data.eval": ()})) == ("step", "generate")
+    # SFT steps ahead (a new run with train.sft_steps; a resumed one before its warm start finished): the SFT
+    # step first; the warm start alone (ict-jax sft) runs it and the evaluation after it
+    sft = cfg.replace(**{"train.sft_steps": 5})
+    assert programs_to_check(sft) == ("sft", "step", "generate", "eval")
+    assert programs_to_check(sft, sft=False) == ("step", "generate", "eval")  # its warm start finished
+    assert programs_to_check(sft, rl=False) == ("sft", "eval")
 
 
 def test_the_cpu_budget_keeps_what_the_process_holds_outside_jax_arrays(monkeypatch):
@@ -127,6 +146,47 @@ def test_an_oversized_run_stops_with_one_line_exit_3_and_writes_nothing(tmp_path
     assert err.count("\n") == 1 and err.startswith("ict-jax train: error: the train step needs ")
     assert "of cpu memory (ICT_JAX_MEMORY_BUDGET: 1.17 GiB, less " in err and "estimated to fit" in err
     assert not run_dir.exists()
+
+
+# the tiny model with a warm start whose batch (256 rows of 8 + 6 tokens) makes the SFT step the largest program by
+# far (~4x the train step's bytes a device: 32 rollouts a step)
+BIG_SFT = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=8", "rollout.max_new_tokens=6",
+           "rollout.max_prompt_len=8", "stats.chunk=6", "train.sft_steps=2", "train.sft_batch_size=256",
+           "train.steps=1", "rl.reward.workers=1", "data.eval=[]"]
+
+
+def test_a_run_whose_sft_step_does_not_fit_is_refused_naming_it_and_writes_nothing(tmp_path, monkeypatch, capsys,
+                                                                                   devices8):
+    """A budget between the RL programs' needs and the SFT step's: `ict-jax train` and `ict-jax sft` are
+    refused by the pre-flight (exit 3, one line naming the SFT step), before the weights load and before
+    anything is written; with the SFT warm start finished, the same budget lets the run through the check."""
+    from ict_jax.cli.main import main
+    from ict_jax.train import preflight
+    from ict_jax.train.checkpoints import abstract_train_state
+    from ict_jax.train.model_source import run_architecture
+    from ict_jax.train.parts import run_mesh_checked
+    from ict_jax.train.programs import TokenIds, build_programs
+
+    cfg = load_config(DEMO, BIG_SFT).replace(**{"train.memory_check": "off"})
+    mesh, (mc, tok, _) = run_mesh_checked(cfg), run_architecture(cfg)
+    programs = build_programs(cfg, mesh, mc, abstract_train_state(cfg, mc, mesh=mesh), TokenIds.of(tok))
+    check = preflight.compile_and_check(cfg, programs, sft=True)  # memory_check off: every program, none refused
+    need = {n.name: n.device_bytes for n in check.needs}
+    assert list(need) == ["sft", "step", "generate"] and check.worst.name == "sft"
+    assert need["sft"] > 2 * max(need["step"], need["generate"])
+    per_device = (need["sft"] + max(need["step"], need["generate"])) // 2
+    devices = len(mesh.devices.flat)
+    machine = MachineBudget("cpu", Budget(per_device * devices, "test budget"), devices, 0, 0.0)
+    monkeypatch.setattr(preflight, "machine_budget", lambda *args, **kwargs: machine)
+    for command in ("train", "sft"):
+        run_dir = tmp_path / command
+        assert main([command, "--config", str(DEMO), *BIG_SFT, f"run_dir={run_dir}", "--no-progress"]) == 3
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"ict-jax {command}: error: the SFT step (sft) needs "), err
+        assert "estimated to fit: " in err or "train.sft_batch_size" in err  # what to change
+        assert not run_dir.exists()
+    # the same run past its warm start (sft_model there, resumed): the SFT step is not checked, the rest fits
+    assert preflight.compile_and_check(load_config(DEMO, BIG_SFT), programs, sft=False, machine=machine).fits
 
 
 def test_compile_for_the_local_machine_reports_the_same_budget(tmp_path, monkeypatch, capsys, devices8):

@@ -1,6 +1,7 @@
-"""train/programs.py: the one builder of a run's programs. Training (real train state) and ``ict-jax
-compile`` (abstract train state, ``aot.compile``) build the same computations; a program compiles once
-per shape from its abstract arguments and calling it runs that executable."""
+"""train/programs.py: the one builder of a run's programs. Training (its real state: the SFT state of a run
+with SFT ahead) and ``ict-jax compile`` (abstract train state, ``aot.compile``) build the same
+computations, the SFT step among them; a program compiles once per shape from its abstract arguments and
+calling it runs that executable."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from ict_jax.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
-# the tiny trainer run of tests/train/test_trainer.py, with the KL reference and an evaluation set (every argument
-# of every program), on a 4 x 1 x 2 mesh of the 8 test devices
+# the tiny trainer run of tests/train/test_trainer.py, with SFT steps ahead (training builds the programs from its
+# SFT state), the KL reference and an evaluation set (every argument of every program), on a 4 x 1 x 2 mesh of
+# the 8 test devices
 TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
-        "rollout.max_prompt_len=16", "train.sft_steps=0", "rl.selector.warmup_steps=1", "train.steps=1",
+        "rollout.max_prompt_len=16", "train.sft_steps=2", "train.sft_batch_size=8", "rl.selector.warmup_steps=1",
+        "train.steps=1",
         "data.train=[\"arith?digits=1&size=64\"]", "data.eval=[\"split?digits=1&size=4&seed=5\"]", "data.eval_n=2",
         "data.eval_k=[1,2]", "stats.chunk=8", "rl.reward.workers=1", "rl.loss.kl_coef=0.01", "mesh.data=-1",
         "mesh.tensor=2"]
@@ -33,23 +36,39 @@ def run_parts(tmp_path_factory, devices8):
     parts.close()
 
 
-@pytest.mark.e2e  # lowers the three programs twice (~10 s on 2 cores)
-def test_training_and_compile_build_the_same_programs(run_parts):
-    """The programs a run trains with (built from its real state) and those
-    ``ict-jax compile`` checks (built from the config alone) lower to the same modules."""
-    from ict_jax.aot.compile import build_programs, get_target, run_mesh, target_model_config
+def test_a_run_has_four_programs_the_sft_step_first():
+    from ict_jax.aot.compile import PROGRAMS, run_programs
+    from ict_jax.train.programs import PROGRAM_NAMES
 
-    cfg, parts, _, _ = run_parts
+    assert PROGRAM_NAMES == PROGRAMS == ("sft", "step", "generate", "eval")
+    cfg = load_config(DEMO, TINY)
+    assert run_programs(cfg) == PROGRAM_NAMES  # ict-jax compile's default: the SFT step when the run has SFT steps
+    assert run_programs(cfg.replace(**{"train.sft_steps": 0})) == ("step", "generate", "eval")
+
+
+@pytest.mark.e2e  # lowers the four programs twice (~10 s on 2 cores)
+def test_training_and_compile_build_the_same_programs(run_parts):
+    """The programs a run trains with (built from its real state: here its SFT state, SFT being ahead)
+    and those ``ict-jax compile`` checks (built from the config alone) lower to the same modules."""
+    from ict_jax.aot.compile import build_programs, get_target, run_mesh, target_model_config
+    from ict_jax.train.checkpoints import abstract_tree
+    from ict_jax.train.programs import same_layout
+
+    cfg, parts, state, ref = run_parts
+    assert parts.sft_ahead and ref is None  # the warm start holds no KL reference and no RL optimizer state
+    assert same_layout(abstract_tree(state), parts.programs.sft.abstract()[0])  # the state is the sft program's
     target = get_target("local")
     mc, source = target_model_config(cfg, target.platform)
     assert source == "preset tiny" and mc.vocab_size == parts.model_config.vocab_size  # sized to the char tokenizer
     jobs = build_programs(cfg, mc, run_mesh(cfg, target))
-    assert [j.name for j in jobs] == ["step", "generate", "eval"]
+    assert [j.name for j in jobs] == ["sft", "step", "generate", "eval"]
+    texts = {}
     for job in jobs:
         trained = parts.programs.by_name()[job.name].lower().as_text()
-        assert job.lower().as_text() == trained, f"{job.name}: compile and training lower different modules"
+        texts[job.name] = job.lower().as_text()
+        assert texts[job.name] == trained, f"{job.name}: compile and training lower different modules"
     # the modules are not trivially equal: the rollout and evaluation samplers differ (G, temperature)
-    assert jobs[1].lower().as_text() != jobs[2].lower().as_text()
+    assert texts["generate"] != texts["eval"]
 
 
 @pytest.mark.e2e  # compiles and runs the tiny evaluation sampler twice (~10 s)

@@ -50,14 +50,32 @@ def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
     cfg = load_config(DEMO, TINY + [f"rl.selector.method={method}", "train.steps=2", "train.save_every=2",
                                      f"run_dir={tmp_path / 'run'}", "rl.loss.kl_coef=0.01",
                                      "mesh.data=-1", "mesh.tensor=2"])  # 4 x 1 x 2 on the 8 test devices
+    others = jax.live_arrays()  # other tests' arrays (session fixtures): held, so that no id of theirs is reused
+    seen = {id(a) for a in others}
+    during_sft = []
+
+    def live_during_sft(info):  # after each SFT step: every JAX array of this run, each device's shard counted
+        live = [a for a in jax.live_arrays() if id(a) not in seen]
+        during_sft.append((info.phase, info.step, _shard_bytes(live), _shard_bytes(jax.tree.leaves(info.state))))
+
     with Trainer(cfg, progress=False) as t:
+        assert t.parts.sft_ahead and t.phase == "sft" and t.ref_params is None
+        t.add_hook(live_during_sft, phase="sft")
         summary = t.train()
         compiled = {name: list(p.executables) for name, p in t.parts.programs.by_name().items()}
     # the programs compiled before the first step (the pre-flight point) are the ones the run executed:
-    # one shape each (the largest prompt bucket is the only one of rollout.max_prompt_len 16; the step's
-    # (rows, prompt bucket, response width, response bucket): max_new_tokens 6 is its only response bucket,
-    # below rollout.min_response_bucket 16), nothing else
-    assert compiled == {"step": [(16, 16, 6, 6)], "generate": [(4, 16)], "eval": []}, compiled
+    # one shape each (the SFT step's (rows, tokens): train.sft_batch_size 8 x (16 + 6); the largest prompt
+    # bucket is the only one of rollout.max_prompt_len 16; the step's (rows, prompt bucket, response width,
+    # response bucket): max_new_tokens 6 is its only response bucket, below rollout.min_response_bucket 16),
+    # nothing else
+    assert compiled == {"sft": [(8, 22)], "step": [(16, 16, 6, 6)], "generate": [(4, 16)], "eval": []}, compiled
+    # during SFT the live arrays are the SFT state (parameters, one Adam state, step, key) and at most its
+    # batch: no RL optimizer state and no KL reference (kl_coef > 0) beside them (each a multiple of the
+    # parameters: 2x and 1x)
+    batch = 3 * 8 * 22 * 4  # tokens, attention and loss masks: int32 [sft_batch_size, 16 + 6]
+    assert [(p, s) for p, s, _, _ in during_sft] == [("sft", 1), ("sft", 2)]
+    for _, step, live, state in during_sft:
+        assert live <= state + batch, f"SFT step {step}: {live} bytes of live arrays > the SFT state's {state} + {batch}"
     run = tmp_path / "run"
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
@@ -72,7 +90,8 @@ def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
     # the pre-flight's numbers (docs/memory.md): each program a device, the budget, the predicted and the
     # measured peak of this process
     mem = summary["memory"]
-    assert set(mem["programs"]) == {"step", "generate"} and mem["budget"]["platform"] == "cpu"
+    assert set(mem["programs"]) == {"sft", "step", "generate"} and mem["budget"]["platform"] == "cpu"
+    assert mem["programs"]["sft"]["resident"] == 0  # nothing of RL's is alive during SFT
     assert mem["budget"]["devices"] == 8 and 0 < mem["budget"]["per_device"] < mem["budget"]["total"]
     need = max(p["device_bytes"] for p in mem["programs"].values())
     assert mem["predicted_peak"] == mem["budget"]["outside"] + 8 * need and mem["peak_rss"] > 0
@@ -82,6 +101,11 @@ def _cli(args: list[str], capsys) -> tuple[int, str]:
     rc = cli_main(args)
     err = capsys.readouterr().err.strip()
     return rc, err
+
+
+def _shard_bytes(arrays) -> int:
+    """Bytes of ``arrays``, each device's shard counted once (a replicated array once per device)."""
+    return sum(s.data.nbytes for a in arrays if not a.is_deleted() for s in a.addressable_shards)
 
 
 @pytest.mark.parametrize("override,message", [
