@@ -33,9 +33,20 @@ import jax
 
 from ict_jax.config import EXTRA_METHODS, Config, ConfigError, Method, load_config
 from ict_jax.outputs import check_output_dir, has_entries
-from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, RunSpec, collect, dense_steps,
-                                          format_markdown, has_checkpoint, is_finite, pass_at_k, plot_groups,
-                                          selection_warnings)
+from ict_jax.tools.compare_report import (
+    INCONCLUSIVE,
+    LAST_STEPS,
+    MA_WINDOW,
+    RunSpec,
+    collect,
+    dense_steps,
+    format_markdown,
+    has_checkpoint,
+    is_finite,
+    pass_at_k,
+    plot_groups,
+    selection_warnings,
+)
 from ict_jax.train.record import run_finished
 from ict_jax.train.trainer import Trainer, TrainingDiverged
 

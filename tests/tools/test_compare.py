@@ -13,8 +13,15 @@ import pytest
 from ict_jax.cli.main import main as cli_main
 from ict_jax.config import load_config
 from ict_jax.tools.compare import plan_runs, run_config
-from ict_jax.tools.compare_report import (aggregate_group, format_markdown, mean_sd, pass_at_k, run_result,
-                                          steps_to_target, tail_mean)
+from ict_jax.tools.compare_report import (
+    aggregate_group,
+    format_markdown,
+    mean_sd,
+    pass_at_k,
+    run_result,
+    steps_to_target,
+    tail_mean,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
