@@ -10,7 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ict_jax"
 
 # package -> what it may import (packages or single modules of ict_jax). docs/architecture.md, "The layer rule".
 ALLOWED: dict[str, set[str]] = {
-    "config": set(),
+    "deprecation": set(),
+    "config": {"deprecation"},
     "sharding": set(),
     "platform": set(),
     "outputs": set(),
@@ -24,13 +25,13 @@ ALLOWED: dict[str, set[str]] = {
     "rl": {"config", "sharding", "rng", "buckets"},
     "sampling": {"config", "sharding", "rng", "buckets", "model", "data", "rewards", "outputs", "heartbeat"},
     "train": {"config", "sharding", "rng", "buckets", "model", "data", "rewards", "rl", "sampling", "outputs",
-              "memory", "heartbeat"},
+              "memory", "heartbeat", "deprecation"},
     "aot": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards", "rl",
-            "sampling", "train", "heartbeat"},
+            "sampling", "train", "heartbeat", "deprecation"},
     "tools": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards",
-              "rl", "sampling", "train", "aot", "heartbeat"},
+              "rl", "sampling", "train", "aot", "heartbeat", "deprecation"},
     "cli": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards",
-            "rl", "sampling", "train", "tools", "aot", "cli", "heartbeat", ""},
+            "rl", "sampling", "train", "tools", "aot", "cli", "heartbeat", "deprecation", ""},
 }
 
 

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from rl.test_train_step import LP, LR, MODEL, _batch, _config, _grad_recorder  # tests/ is on sys.path (tests/rl: a namespace package)
 
 import ict_jax
 from ict_jax.buckets import bucket_for, make_buckets, response_buckets
@@ -27,6 +26,15 @@ from ict_jax.rl.batch import RolloutBatch, response_extent, trim_response
 from ict_jax.rl.losses import policy_loss
 from ict_jax.rl.state import init_train_state
 from ict_jax.rl.train_step import bucket_of, make_train_step
+
+from rl.test_train_step import (  # tests/ is on sys.path (tests/rl: a namespace package)
+    LP,
+    LR,
+    MODEL,
+    _batch,
+    _config,
+    _grad_recorder,
+)
 
 W = 16  # the uncut response width (max_new_tokens) of the wide batch; its responses are 2..LR = 6 long
 MIN_BUCKET = 4  # buckets (4, 8, 16): the wide batch runs at 8

@@ -34,13 +34,12 @@ from flax import nnx
 
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import load_model_and_tokenizer, load_model_tokenizer, load_tokenizer_spec
-from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.peft import export_model
+from ict_jax.model.qwen2 import Qwen2
 from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings, split_trainable
 from ict_jax.sharding import replicated, state_shardings
+from ict_jax.train.checkpoint_errors import CheckpointWriteError, OrbaxLogCapture, QuietEventLoopTracebacks, write_error
 from ict_jax.train.lora_base import load_base, peft_base_name
-from ict_jax.train.checkpoint_errors import (CheckpointWriteError, OrbaxLogCapture, QuietEventLoopTracebacks,
-                                            write_error)
 
 FORMAT = 1  # meta["format"]: bump when the saved items change
 _ITEMS = ("params", "opt", "meta")

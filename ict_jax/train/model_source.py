@@ -13,12 +13,11 @@ import jax
 from ict_jax.config import Config, ConfigError
 from ict_jax.model.adapters import add_adapters
 from ict_jax.model.config import ModelConfig
-from ict_jax.model.loading import (load_model_and_tokenizer, load_model_config, load_model_tokenizer,
-                                   load_tokenizer_spec)
+from ict_jax.model.loading import load_model_and_tokenizer, load_model_config, load_model_tokenizer, load_tokenizer_spec
 from ict_jax.model.lora import lora_spec
 from ict_jax.model.qwen2 import Qwen2, init_model
-from ict_jax.model.weights import load_hf
 from ict_jax.model.tokenizers import Tokenizer
+from ict_jax.model.weights import load_hf
 from ict_jax.rng import INIT_STREAM, root_key, stream_key
 
 #: presets sized for the tokenizer of the run: their vocabulary is the tokenizer's (the demo's 100 ids)

@@ -11,9 +11,9 @@ import pytest
 
 from ict_jax import CharTokenizer
 from ict_jax.cli.main import main
-from ict_jax.sampling.text_generation import make_text_generator
 from ict_jax.data.templates import template_dataset
 from ict_jax.model.loading import load_model_and_tokenizer, resolve_path
+from ict_jax.sampling.text_generation import make_text_generator
 
 # ~20-character questions: with the qwen_chat template and the boxed instruction each prompt is
 # 100-128 CharTokenizer ids, i.e. all in the 128 bucket of make_buckets(256).

@@ -19,11 +19,11 @@ import pytest
 from flax import nnx
 
 import ict_jax
-from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, load_params_from_checkpoint
 from ict_jax.config import load_config
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import init_train_state
 from ict_jax.rl.train_step import make_train_step
+from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, load_params_from_checkpoint
 
 P, G, LP, LR = 2, 4, 3, 5
 MODEL = ict_jax.ModelConfig.tiny()

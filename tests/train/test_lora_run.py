@@ -34,8 +34,8 @@ TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4"
 
 def _adapters(run: Path) -> dict:
     """{path: array} of the adapters in the run's latest RL checkpoint (its params item)."""
-    from ict_jax.train.checkpoints import load_params_from_checkpoint
     from ict_jax.model.adapters import split_adapters
+    from ict_jax.train.checkpoints import load_params_from_checkpoint
 
     model, _ = load_params_from_checkpoint(run)
     _, adapters, _ = split_adapters(model)

@@ -250,8 +250,9 @@ def _train_proc(run: Path, steps: int, *extra: str) -> subprocess.Popen:
 
 
 def _final_params(run: Path):
-    from ict_jax.train.checkpoints import load_params_from_checkpoint
     from flax import nnx
+
+    from ict_jax.train.checkpoints import load_params_from_checkpoint
 
     model, meta = load_params_from_checkpoint(run / "checkpoints")
     return meta["step"], jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
