@@ -74,7 +74,7 @@ def test_01_token_selection_on_the_tiny_model(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("real_model")  # one real model in memory at a time (CI runs -n 2 --dist loadgroup)
+@pytest.mark.real_model
 def test_01_token_selection_on_the_real_qwen(tmp_path, monkeypatch):
     """Notebook 01's default when the real Qwen2.5-Coder-0.5B-Instruct is installed: a word problem through
     its chat template, rewards from the stated answer, ICT's tokens marked in the answers."""

@@ -34,7 +34,7 @@ LORA = ["model.lora.enabled=true", "optim.lr=1e-5", "rl.loss.kl_coef=0.001"]  # 
 
 
 MISSING = parts_missing(SPEC)  # None when the parts are installed
-pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.xdist_group("real_model"),
+pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.real_model,
               pytest.mark.skipif(MISSING is not None, reason=f"real Qwen2.5 parts: {MISSING}")]
 
 
