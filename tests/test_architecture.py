@@ -284,9 +284,10 @@ ACROSS_MODULES = {
                               "resume, compile and the commands that read it",
     "train/test_lora_real.py": "the real Qwen2.5-0.5B through a LoRA run, its resume and its PEFT export (slow)",
 }
-#: test files at the top of tests/: the project as a whole, or a top-level module of ict_jax
+#: test files at the top of tests/: the project as a whole, a top-level module of ict_jax, or a test-support
+#: module at the top of tests/ (test_covering.py: covering.py, the slow matrices' covering designs)
 TOP_LEVEL = {"test_architecture.py", "test_docs.py", "test_notebooks.py", "test_configs.py", "test_demo.py",
-             "test_foundation.py"}
+             "test_foundation.py", "test_covering.py"}
 DATA_FOLDERS = {"rl/golden"}  # reference data, not tests
 
 
