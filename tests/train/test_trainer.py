@@ -4,6 +4,7 @@ bad input; resume after SIGKILL (slow, subprocess)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -50,10 +51,15 @@ def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
     cfg = load_config(DEMO, TINY + [f"rl.selector.method={method}", "train.steps=2", "train.save_every=2",
                                      f"run_dir={tmp_path / 'run'}", "rl.loss.kl_coef=0.01",
                                      "mesh.data=-1", "mesh.tensor=2"])  # 4 x 1 x 2 on the 8 test devices
-    held = _buffers(jax.live_arrays())  # other tests' device buffers (session fixtures)
+    # other tests' device buffers (session fixtures), kept alive to the end: a buffer is known by its address,
+    # and a freed one's address can be given to a buffer of this run, which would then be left uncounted
+    gc.collect()
+    keep = jax.live_arrays()
+    held = _buffers(keep)
     during_sft = []
 
     def live_during_sft(info):  # after each SFT step: every device buffer of this run, each counted once
+        gc.collect()  # arrays no longer referenced but not yet collected are not the run's memory
         live = sum(n for k, n in _buffers(jax.live_arrays()).items() if k not in held)
         during_sft.append((info.phase, info.step, live, sum(_buffers(jax.tree.leaves(info.state)).values())))
 
@@ -75,6 +81,7 @@ def test_each_method_trains_logs_every_metric_and_checkpoints(method, tmp_path):
     assert [(p, s) for p, s, _, _ in during_sft] == [("sft", 1), ("sft", 2)]
     for _, step, live, state in during_sft:
         assert state <= live <= state + batch, f"SFT step {step}: {live} bytes of live arrays; the SFT state's {state} + {batch}"
+    del keep
     run = tmp_path / "run"
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
