@@ -39,6 +39,10 @@ _CACHE = pathlib.Path(os.environ.get("ICT_JAX_TEST_CACHE", pathlib.Path(__file__
 os.environ["ICT_JAX_TEST_CACHE"] = str(_CACHE)
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+# the subprocesses read JAX's options from their environment: a run started again (resumed, or the
+# uninterrupted twin of an interrupted one) loads the programs its first start compiled
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_CACHE)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
 jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -5,8 +5,8 @@ A LoRA run of the real-0.5B CPU recipe (configs/qwen2p5_coder_0p5b_cpu_ict.yaml:
 remat full) with docs/lora.md's overrides for it (rank 16 on the seven projections, lr 10x, the KL term back
 at paper_common's 0.001: its reference is the base, free) trains 1 RL step, resumes for a second, and
 exports a PEFT adapter that ``peft`` loads onto transformers' Qwen2 read from the same GGUF with our greedy
-output token for token; its compiled step (at the recipe's P 2) needs at most 60 % of the full-parameter
-recipe's. The smallest run that still proves each of these: one prompt a step instead of the recipe's 2, one
+output token for token; its compiled step (at the run's shapes) needs at most 60 % of the full-parameter
+one's. The smallest run that still proves each of these: one prompt a step instead of the recipe's 2, one
 step then one resumed step, and a format penalty (``no_answer`` -1) so that a group whose answers all score
 0 still differs where one stated no answer and the one update moves the adapters.
 tests/train/test_lora_run.py holds the tiny-model versions of each check."""
@@ -68,8 +68,11 @@ def test_a_lora_run_of_the_real_model_trains_resumes_and_exports_what_peft_loads
     from ict_jax.train.checkpoints import Checkpointer, load_run_model
     from ict_jax.train.logs import read_metrics
 
-    setting = ["--config", str(RECIPE), *SETTING]
-    # compiled memory, nothing allocated: the LoRA run's step at most 60 % of the full-parameter run's
+    small = ["train.prompts_per_step=1", "rl.reward.no_answer=-1"]  # the smallest run that proves it (docstring)
+    setting = ["--config", str(RECIPE), *SETTING, *small]
+    # compiled memory, nothing allocated: the LoRA run's step at most 60 % of the full-parameter run's, at the
+    # shapes of the run below, whose step is this compiled program (loaded from the persistent compilation
+    # cache that the tests' subprocesses share, tests/conftest.py)
     live = {}
     for name, extra in (("full", []), ("lora", LORA)):
         # exit 3 = does not fit this machine's memory now (the full run may not): the report is written all the same
@@ -79,9 +82,8 @@ def test_a_lora_run_of_the_real_model_trains_resumes_and_exports_what_peft_loads
     assert live["lora"] <= 0.6 * live["full"], live
 
     run = tmp_path / "run"
-    small = ["train.prompts_per_step=1", "rl.reward.no_answer=-1"]  # the smallest run that proves it (docstring)
-    _cli("train", *setting, *LORA, *small, "train.steps=1", f"run_dir={run}", "--no-progress")
-    _cli("train", *setting, *LORA, *small, "train.steps=2", f"run_dir={run}", "--no-progress", "--resume")
+    _cli("train", *setting, *LORA, "train.steps=1", f"run_dir={run}", "--no-progress")
+    _cli("train", *setting, *LORA, "train.steps=2", f"run_dir={run}", "--no-progress", "--resume")
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1]
     assert all(np.isfinite(r[k]) for r in rows for k in ("loss/policy", "loss/kl"))  # the KL term on, against the base
