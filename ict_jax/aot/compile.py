@@ -47,7 +47,6 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ict_jax.buckets import response_buckets
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.loading import load_model_config, resolve_path
@@ -55,7 +54,8 @@ from ict_jax.memory import fmt_bytes
 from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.train_step import StepPlan, old_pass_chunks
-from ict_jax.sampling.sampler import UNROLL_MAX_LAYERS
+from ict_jax.rl.token_stats import block_size
+from ict_jax.sampling.sampler import cache_chunks
 from ict_jax.sharding import make_mesh
 from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state
@@ -63,7 +63,8 @@ from ict_jax.train.model_source import preset_config, run_tokenizer, with_lora
 from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
 from ict_jax.train.programs import per_device_bytes
 from ict_jax.train.programs import (PLACEHOLDER_IDS, PROGRAM_NAMES, TokenIds, abstract_batch,  # noqa: F401
-                                    abstract_reference, kv_cache_dtype, prompt_len, sampler_prompts, sft_len)
+                                    abstract_reference, kv_cache_dtype, prompt_len, sampler_fn, sampler_prompts,
+                                    sft_len)
 from ict_jax.train.programs import build_programs as build_run_programs
 
 #: Every program a run may compile, in the order a run executes them (``train.programs``); a run of a config
@@ -234,13 +235,6 @@ def run_mesh(cfg: Config, target: Target) -> jax.sharding.Mesh:
                          f"({target.chips} devices): {e}") from None
 
 
-def stats_block(positions: int, chunk: int) -> int:
-    """Positions in one block of the vocabulary statistics (``rl.token_stats``: blocks of at most
-    ``chunk`` positions, evened out: 96 positions at chunk 64 run 2 blocks of 48)."""
-    n = -(-positions // chunk)
-    return -(-positions // n)
-
-
 def _stacked_sizes(params: Any, num_layers: int, hidden: int) -> set[int]:
     """Element counts of the weight matrices stacked on a leading ``layers`` axis (per layer more than
     ``hidden`` elements: norms and biases, a few KiB, are left out)."""
@@ -276,7 +270,9 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
         raise ValueError(f"unknown program {unknown[0]!r}; known: {', '.join(PROGRAMS)}")
     state = abstract_train_state(cfg, mc, mesh=mesh)
     tok = run_tokenizer(cfg)
-    run = build_run_programs(cfg, mesh, mc, state, TokenIds.of(tok) if tok is not None else PLACEHOLDER_IDS)
+    ids = TokenIds.of(tok) if tok is not None else PLACEHOLDER_IDS
+    run = build_run_programs(cfg, mesh, mc, state, ids)
+    platform = mesh.devices.flat[0].platform
     ref = run.step.abstract()[2]
     state_bytes = {"params": per_device_bytes(state.params), "opt_state": per_device_bytes(state.opt_state),
                    "ref": per_device_bytes(ref) if ref is not None else 0,
@@ -303,31 +299,23 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
         if name == "step":
             shape = run.step_shape(bucket)
             info = dict(common, rows=pass_rows // batch_shards, positions=bucket,
-                        block=stats_block(bucket, cfg.stats.chunk))
+                        block=block_size(bucket, cfg.stats.chunk))
             out.append(CompileJob(name, functools.partial(program.lower, shape), 0, per_device_bytes(args), info))
             continue
         if name == "sft":  # one batch, no micro-batches; the log-probs of every position after the first
             positions = sft_len(cfg) - 1
             info = dict(common, rows=cfg.train.sft_batch_size // batch_shards, positions=positions,
-                        block=stats_block(positions, min(cfg.stats.chunk, positions)))
+                        block=block_size(positions, cfg.stats.chunk))
             out.append(CompileJob(name, program.lower, 0, per_device_bytes(args), info))
             continue
         rows = sampler_prompts(name, cfg) * (cfg.data.eval_n if name == "eval" else G)
+        # the sampler says how it holds its KV cache (chunks of an unrolled, phased decode) for its settings
+        settings = sampler_fn(name, cfg, state.graphdef, mesh, ids, platform).settings
         info = dict(common, rows=rows // batch_shards, positions=N, block=1, cache_slots=Lp + N - 1,
-                    cache_chunks=_cache_chunks(cfg, mc, mesh), kv_heads=mc.num_kv_heads,
-                    head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes)
+                    cache_chunks=cache_chunks(settings, mc.num_layers, Lp, backend=platform),
+                    kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes)
         out.append(CompileJob(name, program.lower, resident_bytes(run, name), per_device_bytes(args), info))
     return out
-
-
-def _cache_chunks(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh) -> tuple[int, ...] | None:
-    """The slots of each chunk of one layer's KV cache when the sampler's decode is unrolled (on a CPU,
-    a model of at most ``UNROLL_MAX_LAYERS`` layers, more than one response bucket: one chunk a decode
-    phase, docs/sampler.md); None when the cache is one array."""
-    r, Lp = cfg.rollout, prompt_len(cfg)
-    ends = [Lp + w - 1 for w in response_buckets(r.max_new_tokens, r.min_response_bucket)]
-    unrolled = mesh.devices.flat[0].platform == "cpu" and mc.num_layers <= UNROLL_MAX_LAYERS and len(ends) > 1
-    return tuple(b - a for a, b in zip([0, *ends], ends)) if unrolled else None
 
 
 # ------------------------------------------------------------------------------------------------
