@@ -24,7 +24,8 @@ per-chip bytes; the compiled HLO gives the collectives and the memory-discipline
 (:func:`discipline_checks`). A TPU program that does not fit fails to compile with
 ``RESOURCE_EXHAUSTED``; the report keeps the compiler's numbers.
 
-``compute_dtype: auto`` resolves for the target (bfloat16 on TPU and GPU, float32 on CPU), not for the
+The model comes from the run's model source (``train.model_source.resolve_model``, as training's), with
+``compute_dtype: auto`` resolved for the target (bfloat16 on TPU and GPU, float32 on CPU), not for the
 machine that compiles.
 """
 
@@ -49,7 +50,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.model.config import ModelConfig
-from ict_jax.model.loading import load_model_config, resolve_path
 from ict_jax.memory import fmt_bytes
 from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.state import make_optimizer
@@ -59,7 +59,7 @@ from ict_jax.sampling.sampler import cache_chunks
 from ict_jax.sharding import make_mesh
 from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state
-from ict_jax.train.model_source import preset_config, run_tokenizer, with_lora
+from ict_jax.train.model_source import resolve_model
 from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
 from ict_jax.train.programs import per_device_bytes
 from ict_jax.train.programs import (PLACEHOLDER_IDS, PROGRAM_NAMES, TokenIds, abstract_batch,  # noqa: F401
@@ -193,35 +193,31 @@ def with_run_budget(target: Target, cfg: Config) -> Target:
 # The run's shapes
 # ------------------------------------------------------------------------------------------------
 def target_model_config(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
-    """(the model's architecture for ``cfg`` compiled on ``platform``, where it came from).
+    """(the model's architecture for ``cfg`` compiled on ``platform``, where it came from), from the model
+    source (:func:`ict_jax.train.model_source.resolve_model`, the one training builds from).
 
     ``model.path``, when it is a local Hugging Face directory or a ``.gguf`` file, gives the
     architecture; otherwise ``model.preset`` does (the recipes name a placeholder path), sized to the
-    run's tokenizer as training sizes it (``train.model_source.preset_config``). ``auto`` compute dtype
-    resolves for the target platform. With ``model.lora.enabled`` it carries the adapters
-    (``train.model_source.with_lora``): the train state is then the adapters and the frozen base."""
-    mc, source = _architecture(cfg, platform)
-    mc = with_lora(cfg, mc)
+    run's tokenizer as training sizes it. ``auto`` compute dtype resolves for the target platform. With
+    ``model.lora.enabled`` it carries the adapters: the train state is then the adapters and the frozen
+    base."""
+    source = resolve_model(cfg, platform=platform, missing="preset")
+    mc = source.config
+    where = f"checkpoint {source.path}" if source.kind != "preset" else source.where
     if mc.lora is not None:
-        source += (f"; LoRA rank {mc.lora.rank} on {', '.join(mc.lora.targets)} ({mc.num_adapter_params():,} "
-                   "adapter parameters train, the base is frozen)")
-    return mc, source
+        where += (f"; LoRA rank {mc.lora.rank} on {', '.join(mc.lora.targets)} ({mc.num_adapter_params():,} "
+                  "adapter parameters train, the base is frozen)")
+    return mc, where
 
 
-def _architecture(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
-    m = cfg.model
-    compute = m.compute_dtype if m.compute_dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
-    if m.path:
-        kw = dict(compute_dtype=compute, remat=m.remat, scan_layers=m.scan_layers)
-        try:  # the architecture as training reads it, without the weights
-            return load_model_config(m.path, dtype=m.param_dtype, **kw), f"checkpoint {resolve_path(m.path)}"
-        except (FileNotFoundError, ValueError):
-            pass  # a recipe's placeholder path: its preset
-        return (preset_config(cfg, compute_dtype=compute),
-                f"preset {m.preset} (model.path {m.path!r} is not here)")
-    tok = run_tokenizer(cfg)
-    return preset_config(cfg, vocab_size=tok.vocab_size if tok is not None else None,
-                         compute_dtype=compute), f"preset {m.preset}"
+def run_token_ids(cfg: Config) -> TokenIds:
+    """The EOS and pad ids of the run's tokenizer (:func:`~ict_jax.train.model_source.resolve_model`), or
+    placeholders when it is not on this machine (a recipe's): constants of the samplers that change
+    neither their memory nor their collectives."""
+    try:
+        return TokenIds.of(resolve_model(cfg).tokenizer())
+    except (OSError, ValueError):
+        return PLACEHOLDER_IDS
 
 
 def run_mesh(cfg: Config, target: Target) -> jax.sharding.Mesh:
@@ -269,8 +265,7 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
     if unknown:
         raise ValueError(f"unknown program {unknown[0]!r}; known: {', '.join(PROGRAMS)}")
     state = abstract_train_state(cfg, mc, mesh=mesh)
-    tok = run_tokenizer(cfg)
-    ids = TokenIds.of(tok) if tok is not None else PLACEHOLDER_IDS
+    ids = run_token_ids(cfg)
     run = build_run_programs(cfg, mesh, mc, state, ids)
     platform = mesh.devices.flat[0].platform
     ref = run.step.abstract()[2]
