@@ -82,6 +82,7 @@ def resolve_model(spec: str | os.PathLike | Config, *, tokenizer: str | os.PathL
     if run is not None and (run.kind == "checkpoint" or not checkpoint):
         return run
     if checkpoint:
+        resolve_checkpoint_dir(text)  # a missing directory: "does not exist"
         raise FileNotFoundError(f"no finished checkpoint in {text!r} (expected a training run directory, its "
                                 "checkpoints/ folder or one <step>/ directory)")
     if step is not None:

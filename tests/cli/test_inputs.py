@@ -203,19 +203,26 @@ def test_saved_model_folder_follows_the_umask(tmp_path, umask):
     (["compile", "--config", str(DEMO), "--topology", "local", "--dump-hlo", "/proc/x/hlo"], "--dump-hlo '/proc/x/hlo'"),
 ])
 def test_an_unwritable_output_location_is_one_line_before_any_work(argv, label, run_dir, capsys, monkeypatch):
-    import ict_jax.train.export as export
-    import ict_jax.train.model_source as model_source
-
     def no_work(*a, **k):  # nothing may be loaded, trained or compiled before the check
         raise AssertionError("work started before the output location was checked")
 
-    monkeypatch.setattr(model_source, "resolve_model", no_work)
-    monkeypatch.setattr(export, "export_checkpoint", no_work)
+    _no_model_resolved(monkeypatch, no_work)
     argv = [str(run_dir) if a == "RUN" else a for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"ict-jax {argv[0]}: error: {label} ") and "Traceback" not in err, err
     assert "cannot be" in err
+
+
+def _no_model_resolved(monkeypatch, fail) -> None:
+    """Every model spec's resolution calls ``fail`` (a run directory's, the model layer's files and presets).
+    Patched where it is looked up at call time, so no module that imports resolve_model by name keeps it."""
+    import ict_jax.train.model_source as model_source
+    from ict_jax.model.source import ModelSource
+
+    monkeypatch.setattr(model_source, "_run_source", fail)
+    monkeypatch.setattr(ModelSource, "from_files", fail)
+    monkeypatch.setattr(ModelSource, "from_preset", fail)
 
 
 def test_check_output_locations(tmp_path):
@@ -292,9 +299,7 @@ def test_prompts_past_the_models_positions_are_refused(argv, message, run_dir, c
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
 ])
 def test_sample_flags_are_checked_before_the_model_loads(flags, message, capsys, monkeypatch):
-    import ict_jax.train.model_source as model_source
-
-    monkeypatch.setattr(model_source, "resolve_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    _no_model_resolved(monkeypatch, lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     assert main(["sample", "--model", "no/such/model", "--prompt", "1+1=", *flags]) == 2
     err = capsys.readouterr().err
     assert err == f"ict-jax sample: error: {message}\n"
