@@ -202,11 +202,11 @@ def part_isolated(args) -> dict:
     from ict_jax.config import load_config
     from ict_jax.data.datasets import load_dataset
     from ict_jax.data.prompts import PromptIterator, encode_prompts
-    from ict_jax.train.model_source import resolve_model
     from ict_jax.rl.batch import build_rollout_batch
     from ict_jax.rl.state import init_train_state
     from ict_jax.rl.train_step import make_train_step
     from ict_jax.sampling.sampler import make_generate_fn
+    from ict_jax.train.model_source import resolve_model
 
     source = resolve_model(args.model, tokenizer="char")
     model, tok = source.load(), source.tokenizer()
@@ -278,11 +278,11 @@ def part_compile(args) -> dict:
     from ict_jax.aot.compile import abstract_batch, prompt_len
     from ict_jax.buckets import response_buckets
     from ict_jax.config import load_config
-    from ict_jax.train.model_source import resolve_model
     from ict_jax.rl.state import init_train_state
     from ict_jax.rl.train_step import make_train_step
     from ict_jax.sampling.sampler import make_generate_fn
     from ict_jax.sharding import make_mesh
+    from ict_jax.train.model_source import resolve_model
 
     N = max(args.lengths)
     cfg = load_config(args.config, [f"rollout.max_new_tokens={N}", f"model.path={args.model}"])

@@ -5,17 +5,14 @@
 maps every module. Names resolve lazily (PEP 562), so ``import ict_jax`` stays cheap (the CLI, reward
 worker processes) and only the module a name lives in is imported when the name is first used.
 
-Names that were top-level before the package was split into subpackages still resolve here, with a
-``DeprecationWarning`` that names their home (``_MOVED``).
+Names that were top-level before the package was split into subpackages still resolve here (``_MOVED``,
+``_RENAMED``), and former module paths still import (``_MOVED_MODULES``), through ``ict_jax.deprecation``:
+a ``DeprecationWarning`` that names the new home and the version that removes the old name.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
-import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -97,7 +94,8 @@ _API: dict[str, str] = {
     "run_comparison": "tools.compare",
 }
 
-# Former top-level names (before the subpackages): name -> module. They resolve with a DeprecationWarning.
+# Former top-level names (before the subpackages): name -> module. They resolve with a DeprecationWarning
+# (ict_jax.deprecation, below).
 _MOVED: dict[str, str] = {
     "KVCache": "model.qwen2",
     "LOGICAL_RULES": "sharding",
@@ -163,26 +161,15 @@ _MOVED_MODULES: dict[str, str] = {
     "ict_jax.data.tokenizers": "ict_jax.model.tokenizers",
 }
 
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves a former module path to the module at its new home (one object, not a copy)."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in _MOVED_MODULES:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: Any) -> Any:
-        new = _MOVED_MODULES[spec.name]
-        warnings.warn(f"{spec.name} moved: use {new}", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(new)
-
-    def exec_module(self, module: Any) -> None:  # the new home's module is already executed
-        pass
-
-
-if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
-    sys.meta_path.append(_MovedModuleFinder())
+# The former names and module paths go through the one deprecation mechanism (imported by name, like every
+# facade import; it imports nothing of ict_jax), each removed in deprecation.REMOVED_IN.
+_deprecation = importlib.import_module(".deprecation", __name__)
+_FORMER = _deprecation.MovedNames(
+    __name__,
+    {**{name: f"{__name__}.{module}.{name}" for name, module in _MOVED.items()},
+     **{old: f"{__name__}.{module}.{new}" for old, (module, new) in _RENAMED.items()}},
+    removed_in=_deprecation.REMOVED_IN)
+_deprecation.MovedModules(_MOVED_MODULES, removed_in=_deprecation.REMOVED_IN).install()
 
 # What the command line does before JAX starts, for library and notebook use too: with libtpu installed
 # on a machine without a TPU (or a GPU), select the CPU, so that JAX's backend start prints no libtpu
@@ -202,10 +189,8 @@ def __getattr__(name: str) -> Any:
         value = _resolve(_API.get(name) or _DEPRECATED[name], name)
         globals()[name] = value  # cache: the next access skips __getattr__
         return value
-    if name in _MOVED or name in _RENAMED:
-        module, new = _RENAMED.get(name, (_MOVED.get(name), name))
-        warnings.warn(f"ict_jax.{name} moved: use ict_jax.{module}.{new}", DeprecationWarning, stacklevel=2)
-        return _resolve(module, new)
+    if name in _FORMER:
+        return _FORMER.resolve(name)
     if name in _SUBMODULES:  # ``ict_jax.sharding.make_mesh`` after a bare ``import ict_jax``
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'ict_jax' has no attribute {name!r}")

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from ict_jax.deprecation import REMOVED_IN, MovedNames
+
 Method = Literal["dense", "grpo", "ict", "entropy", "stapo", "random", "frequent", "selectable"]
 #: Candidate sets of a top-k selector (docs/method.md §2): a response, a prompt's group, the mini-batch, or
 #: (20-Entropy's official code, ``entropy`` only) each micro-batch of ``train.micro_batches``.
@@ -623,19 +625,14 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-# Names that moved out of this module: name -> module. They resolve with a DeprecationWarning (PEP 562),
-# by string only when asked for: config itself imports nothing of ict_jax (docs/architecture.md).
-_MOVED = {"rho_fraction": "ict_jax.rl.quantile"}
+# Names that moved out of this module: name -> its new home. They resolve with a DeprecationWarning (PEP 562),
+# the home imported by name only when asked for: config imports nothing of ict_jax but the deprecation leaf
+# (docs/architecture.md).
+_FORMER = MovedNames(__name__, {"rho_fraction": "ict_jax.rl.quantile.rho_fraction"}, removed_in=REMOVED_IN)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        warnings.warn(f"ict_jax.config.{name} moved to {_MOVED[name]}.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _FORMER.resolve(name)
 
 
 def get_dotted(tree: Any, key: str, default: Any = None) -> Any:

@@ -6,7 +6,9 @@ program per bucket, compiled on first use. The sampler decodes in phases of a gr
 give the one-phase sampler's tokens and log-probs.
 
 The pure pieces (the ladder, the extent and the cut, the loss's T) run in the default suite; every test
-that compiles a step or a sampler costs seconds and is ``e2e``."""
+that compiles a step or a sampler costs seconds and is ``e2e``. The slow method x loss_agg x micro-batches
+matrix runs a pairwise covering design (tests/covering.py): every level of each factor and every pair of
+levels of two factors, 15 cases where the full product's 30 would take about 7 minutes of CI's slow stage."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from rl.test_train_step import LP, LR, MODEL, _batch, _config, _grad_recorder  # tests/ is on sys.path (tests/rl: a namespace package)
 
 import ict_jax
 from ict_jax.buckets import bucket_for, make_buckets, response_buckets
@@ -27,6 +28,16 @@ from ict_jax.rl.batch import RolloutBatch, response_extent, trim_response
 from ict_jax.rl.losses import policy_loss
 from ict_jax.rl.state import init_train_state
 from ict_jax.rl.train_step import bucket_of, make_train_step
+
+from covering import covering  # tests/ is on sys.path under pytest
+from rl.test_train_step import (  # tests/ is on sys.path (tests/rl: a namespace package)
+    LP,
+    LR,
+    MODEL,
+    _batch,
+    _config,
+    _grad_recorder,
+)
 
 W = 16  # the uncut response width (max_new_tokens) of the wide batch; its responses are 2..LR = 6 long
 MIN_BUCKET = 4  # buckets (4, 8, 16): the wide batch runs at 8
@@ -153,7 +164,7 @@ def _assert_same_step(cut, full, bucket):
 
 
 # every method, one aggregation each (Dr.GRPO's sum-norm with entropy), micro-batches (4 of 4 rows, and
-# 2 mini-batches for random's per-mini-batch draw); the slow matrix below crosses them all
+# 2 mini-batches for random's per-mini-batch draw); the slow covering design below crosses them pairwise
 CASES = [("ict", "seq-mean-token-mean", 1, ()), ("entropy", "seq-mean-token-sum-norm", 4, ()),
          ("stapo", "token-mean", 4, ()), ("dense", "token-mean", 1, ("rl.loss.kl_coef=0",)),
          ("random", "seq-mean-token-mean", 2, ("train.mini_batches=2",)), ("frequent", "token-mean", 1, ())]
@@ -167,11 +178,13 @@ def test_bucketed_step_equals_the_uncut_step(method, agg, micro, extra):
     _assert_same_step(_run(cfg, None), _run(cfg, W), bucket=8)
 
 
+# every (method, agg), (method, micro) and (agg, micro) pair at least once (covering: 15 cases, not the
+# product's 30, for CI time)
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["dense", "ict", "entropy", "stapo", "random"])
-@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
-@pytest.mark.parametrize("micro", [1, 4])
-def test_bucketed_step_full_matrix(method, agg, micro):
+@pytest.mark.parametrize("method, agg, micro", covering(["dense", "ict", "entropy", "stapo", "random"],
+                                                        ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"],
+                                                        [1, 4]))
+def test_bucketed_step_covering(method, agg, micro):
     cfg = _cfg(method, agg, micro)
     _assert_same_step(_run(cfg, None), _run(cfg, W), bucket=8)
 

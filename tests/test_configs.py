@@ -18,10 +18,10 @@ from ict_jax.config import ConfigError, load_config
 from ict_jax.data.datasets import PAPER_BENCHMARKS
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import Qwen2
-from ict_jax.sharding import check_prompts_divide, make_mesh
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import TrainState, make_optimizer
 from ict_jax.rl.train_step import check_batch_geometry, make_train_step
+from ict_jax.sharding import check_prompts_divide, make_mesh
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 SIZES = ("0p5b", "1p5b", "7b")

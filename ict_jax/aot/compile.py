@@ -48,23 +48,32 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ict_jax.aot import hlo
 from ict_jax.config import Config, ConfigError, parse_topology
-from ict_jax.model.config import ModelConfig
 from ict_jax.memory import fmt_bytes
+from ict_jax.model.config import ModelConfig
 from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.state import make_optimizer
-from ict_jax.rl.train_step import StepPlan, old_pass_chunks
 from ict_jax.rl.token_stats import block_size
+from ict_jax.rl.train_step import StepPlan, old_pass_chunks
 from ict_jax.sampling.sampler import cache_chunks
 from ict_jax.sharding import make_mesh
-from ict_jax.aot import hlo
 from ict_jax.train.checkpoints import abstract_train_state
 from ict_jax.train.model_source import resolve_model
 from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
-from ict_jax.train.programs import per_device_bytes
-from ict_jax.train.programs import (PLACEHOLDER_IDS, PROGRAM_NAMES, TokenIds, abstract_batch,  # noqa: F401
-                                    abstract_reference, kv_cache_dtype, prompt_len, sampler_fn, sampler_prompts,
-                                    sft_len)
+from ict_jax.train.programs import (  # noqa: F401
+    PLACEHOLDER_IDS,
+    PROGRAM_NAMES,
+    TokenIds,
+    abstract_batch,
+    abstract_reference,
+    kv_cache_dtype,
+    per_device_bytes,
+    prompt_len,
+    sampler_fn,
+    sampler_prompts,
+    sft_len,
+)
 from ict_jax.train.programs import build_programs as build_run_programs
 
 #: Every program a run may compile, in the order a run executes them (``train.programs``); a run of a config

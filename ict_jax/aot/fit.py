@@ -21,9 +21,6 @@ import dataclasses
 import itertools
 from typing import Any, Callable, Sequence
 
-from ict_jax.config import Config
-from ict_jax.model.config import ModelConfig
-from ict_jax.sharding import make_mesh
 from ict_jax.aot.compile import (
     CHIP_SPECS,
     PROGRAMS,  # noqa: F401 - importable from here as before
@@ -37,6 +34,9 @@ from ict_jax.aot.compile import (
     sft_len,
     target_model_config,
 )
+from ict_jax.config import Config
+from ict_jax.model.config import ModelConfig
+from ict_jax.sharding import make_mesh
 
 REMATS = ("none", "block", "full")
 CHUNKS = (128, 64, 32)

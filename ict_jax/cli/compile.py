@@ -41,12 +41,12 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 
 
 def compile_main(args: argparse.Namespace) -> int:
+    from ict_jax.aot.compile import compile_run, get_target, run_programs, with_run_budget
+    from ict_jax.aot.fit import format_fit, search
+    from ict_jax.aot.report import not_fitting_line, render, to_json
     from ict_jax.cli.errors import UserError
     from ict_jax.config import load_config
     from ict_jax.outputs import check_output_dir, check_output_file
-    from ict_jax.aot.compile import compile_run, get_target, run_programs, with_run_budget
-    from ict_jax.aot.report import not_fitting_line, render, to_json
-    from ict_jax.aot.fit import format_fit, search
 
     if args.max_compiles < 1:
         raise UserError(f"--max-compiles {args.max_compiles}: must be at least 1")

@@ -22,8 +22,18 @@ from typing import Any
 import numpy as np
 
 from ict_jax.data.example import Example
-from ict_jax.data.sources import (examples_from_files, find_files, gym_examples, parse_aime, parse_generic,
-                                  parse_gpqa, parse_gsm8k, parse_math, parse_mmlu, tfds_examples)
+from ict_jax.data.sources import (
+    examples_from_files,
+    find_files,
+    gym_examples,
+    parse_aime,
+    parse_generic,
+    parse_gpqa,
+    parse_gsm8k,
+    parse_math,
+    parse_mmlu,
+    tfds_examples,
+)
 from ict_jax.data.tasks import arith_examples, split_examples
 from ict_jax.rewards.checks import CUSTOM_KIND, KINDS
 

@@ -23,10 +23,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ict_jax.model.tokenizers import load_tokenizer
-from ict_jax.model.gguf_reader import open_gguf
 from ict_jax.model.config import ModelConfig
+from ict_jax.model.gguf_reader import open_gguf
 from ict_jax.model.qwen2 import Qwen2
+from ict_jax.model.tokenizers import load_tokenizer
 from ict_jax.model.weights import WeightError, load_from_source
 
 #: ``general.architecture`` -> whether llama.cpp permuted the q/k rows when converting.

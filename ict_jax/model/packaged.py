@@ -34,8 +34,8 @@ import os
 import pkgutil
 import re
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from ict_jax.model.gguf_reader import gguf_extent

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ict_jax.config import SelectorSection
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.losses import zero_std_groups
-from ict_jax.config import SelectorSection
 from ict_jax.rl.quantile import valid_quantile
 from ict_jax.rl.saturation import RANKED_BY, tie_selected_frac, u_at_ceiling
 from ict_jax.rl.token_stats import TokenStats

@@ -29,6 +29,7 @@ from jaxtyping import Array, Bool, Float, Int, Key
 from ict_jax.config import SELECTOR_DEFAULTS, STAPO_TAU_H, SelectorSection, Ties, allow_method
 from ict_jax.rl.quantile import keep_count, rho_fraction, valid_quantile
 from ict_jax.rl.token_stats import ALL_STATS, DEFAULT_COMPUTE, TokenStats
+
 # RNG stream of the random selector (its id lives with every other stream's, ict_jax.rng): scores from
 # fold_in(fold_in(fold_in(root, RANDOM_MASK_STREAM), step), minibatch) (docs/method.md §2).
 from ict_jax.rng import RANDOM_MASK_STREAM, stream_key

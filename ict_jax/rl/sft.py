@@ -15,9 +15,9 @@ import numpy as np
 import optax
 
 from ict_jax.config import Config, StatsSection
-from ict_jax.sharding import batch_sharding
-from ict_jax.rl.token_stats import stats_from_hidden
 from ict_jax.rl.state import TrainState, as_model_def, check_lora_state, make_optimizer
+from ict_jax.rl.token_stats import stats_from_hidden
+from ict_jax.sharding import batch_sharding
 
 F32 = jnp.float32
 _CHUNK = StatsSection().chunk  # stats.chunk's default: the largest block of positions of the log-probs

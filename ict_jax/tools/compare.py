@@ -25,17 +25,28 @@ import json
 import sys
 import time
 import typing
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
 from ict_jax.config import EXTRA_METHODS, Config, ConfigError, Method, load_config
+from ict_jax.deprecation import REMOVED_IN, warn
 from ict_jax.outputs import check_output_dir, has_entries
-from ict_jax.tools.compare_report import (INCONCLUSIVE, LAST_STEPS, MA_WINDOW, RunSpec, collect, dense_steps,
-                                          format_markdown, has_checkpoint, is_finite, pass_at_k, plot_groups,
-                                          selection_warnings)
+from ict_jax.tools.compare_report import (
+    INCONCLUSIVE,
+    LAST_STEPS,
+    MA_WINDOW,
+    RunSpec,
+    collect,
+    dense_steps,
+    format_markdown,
+    has_checkpoint,
+    is_finite,
+    pass_at_k,
+    plot_groups,
+    selection_warnings,
+)
 from ict_jax.train.record import run_finished
 from ict_jax.train.trainer import Trainer, TrainingDiverged
 
@@ -104,9 +115,9 @@ def _from_text(methods: Any, seeds: Any, rhos: Any) -> tuple[Any, Any, Any]:
     old = isinstance(methods, str), isinstance(seeds, (str, int)), isinstance(rhos, str)
     if not any(old):
         return methods, seeds, rhos
-    warnings.warn("run_comparison: pass methods, seeds and rhos as sequences (['ict', 'grpo'], [0, 1, 2], "
-                  "[0.05, 0.1]); comma-separated text and a seed count are deprecated", DeprecationWarning,
-                  stacklevel=3)
+    warn("ict_jax.run_comparison with comma-separated text or a seed count (methods='ict,grpo', seeds=3, "
+         "rhos='0.05,0.1')", "sequences (methods=['ict', 'grpo'], seeds=[0, 1, 2], rhos=[0.05, 0.1])",
+         removed_in=REMOVED_IN, stacklevel=3)
     split = lambda text: [x.strip() for x in str(text).split(",") if x.strip()]  # noqa: E731
     try:
         if old[1]:

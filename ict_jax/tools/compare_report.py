@@ -4,8 +4,8 @@ a run's metrics rows and summary, the Markdown table, and reading finished runs 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from ict_jax.rl.selectors import selector_warmup

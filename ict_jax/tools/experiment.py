@@ -35,8 +35,18 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
-from ict_jax.tools.experiment_record import (CHUNKS_FILE, INVOCATIONS_FILE, PLAN_FILE, RECORD_FILE, STATUS_FILE,
-                                             append_jsonl, build_record, run_status, steps_done, write_json)
+from ict_jax.tools.experiment_record import (
+    CHUNKS_FILE,
+    INVOCATIONS_FILE,
+    PLAN_FILE,
+    RECORD_FILE,
+    STATUS_FILE,
+    append_jsonl,
+    build_record,
+    run_status,
+    steps_done,
+    write_json,
+)
 from ict_jax.tools.experiment_report import REPORT_FILE, selection_warnings, write_report
 from ict_jax.tools.provenance import code_commit, environment, file_commit, now_iso
 from ict_jax.train.logs import read_metrics

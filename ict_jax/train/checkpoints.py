@@ -38,8 +38,7 @@ from flax import nnx
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings, split_trainable
 from ict_jax.sharding import replicated, state_shardings
-from ict_jax.train.checkpoint_errors import (CheckpointWriteError, OrbaxLogCapture, QuietEventLoopTracebacks,
-                                            write_error)
+from ict_jax.train.checkpoint_errors import CheckpointWriteError, OrbaxLogCapture, QuietEventLoopTracebacks, write_error
 
 FORMAT = 1  # meta["format"]: bump when the saved items change
 _ITEMS = ("params", "opt", "meta")

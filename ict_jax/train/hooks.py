@@ -20,7 +20,6 @@ from typing import Callable, Mapping
 import jax
 
 from ict_jax.memory import peak_rss
-
 from ict_jax.rl.state import TrainState
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.evaluation import Evaluator

@@ -38,7 +38,6 @@ from ict_jax.model.weights import load_hf
 from ict_jax.rng import INIT_STREAM, root_key, stream_key
 from ict_jax.train.record import SFT_MODEL
 
-
 #: the checkpoint metadata key of the base's identity
 META_KEY = "base_model"
 

@@ -42,12 +42,18 @@ from ict_jax.model.adapters import attach_lora
 from ict_jax.model.config import ModelConfig, resolve_compute_dtype
 from ict_jax.model.lora import lora_spec
 from ict_jax.model.qwen2 import Qwen2
-from ict_jax.model.source import PRESET_PREFIX, TOKENIZER_SIZED_PRESETS as _SIZED, ModelSource
+from ict_jax.model.source import PRESET_PREFIX, ModelSource
+from ict_jax.model.source import TOKENIZER_SIZED_PRESETS as _SIZED
 from ict_jax.model.tokenizers import Tokenizer
 from ict_jax.rl.state import split_trainable
 from ict_jax.rng import INIT_STREAM, root_key, stream_key
-from ict_jax.train.checkpoints import (Checkpointer, abstract_params, abstract_tree, checkpoint_run_dir,
-                                      resolve_checkpoint_dir)
+from ict_jax.train.checkpoints import (
+    Checkpointer,
+    abstract_params,
+    abstract_tree,
+    checkpoint_run_dir,
+    resolve_checkpoint_dir,
+)
 from ict_jax.train.lora_base import load_base
 from ict_jax.train.record import SFT_MODEL
 

@@ -38,14 +38,21 @@ from ict_jax.rl.train_step import check_batch_geometry
 from ict_jax.sharding import check_prompts_divide, make_mesh
 from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, abstract_tree
 from ict_jax.train.logs import RunLogger
-from ict_jax.train.lora_base import META_KEY as BASE_META_KEY, LoraBase, loaded_identity
+from ict_jax.train.lora_base import META_KEY as BASE_META_KEY
+from ict_jax.train.lora_base import LoraBase, loaded_identity
 from ict_jax.train.model_source import resolve_model
 from ict_jax.train.preflight import FitCheck, compile_and_check
-from ict_jax.train.programs import (RunPrograms, TokenIds, build_programs, has_reference, reference_dtype,
-                                    same_layout)
+from ict_jax.train.programs import RunPrograms, TokenIds, build_programs, has_reference, reference_dtype, same_layout
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
-from ict_jax.train.resume import (SFT_CHECKPOINTS, ResumePoint, check_run_dir, drop_rows_logged_again, reference_model,
-                                  resume_point, sft_ahead)
+from ict_jax.train.resume import (
+    SFT_CHECKPOINTS,
+    ResumePoint,
+    check_run_dir,
+    drop_rows_logged_again,
+    reference_model,
+    resume_point,
+    sft_ahead,
+)
 from ict_jax.train.tracking import WandbTracker, require_wandb
 from ict_jax.train.training_data import TrainingPrompts, encode_training_data
 

@@ -48,8 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ict_jax.config import Config
 from ict_jax.buckets import make_buckets
+from ict_jax.config import Config
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.tokenizers import Tokenizer
 from ict_jax.rl.batch import RolloutBatch

@@ -2,15 +2,17 @@
 ``train.parts`` (the frozen :class:`~ict_jax.train.parts.RunParts`, :func:`~ict_jax.train.parts.build_parts`),
 ``train.programs``, ``train.resume``, ``train.model_source``, ``train.training_data``,
 ``train.evaluation`` and ``train.distributed``. The names below still resolve here, with a
-DeprecationWarning that names their new home; ``Run``, ``build_run`` and ``run_eval`` are gone (a run's
-parts no longer hold its train state: ``build_parts`` returns it, ``Evaluator.evaluate`` takes it)."""
+DeprecationWarning that names their new home and the version that removes them (``ict_jax.deprecation``);
+``Run``, ``build_run`` and ``run_eval`` are gone (a run's parts no longer hold its train state:
+``build_parts`` returns it, ``Evaluator.evaluate`` takes it)."""
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from typing import Any
 
+from ict_jax.deprecation import REMOVED_IN, MovedNames
+
+# name -> its module in ict_jax.train
 _MOVED = {
     "maybe_initialize_distributed": "distributed",
     "check_run_dir": "resume", "ResumePoint": "resume", "resume_point": "resume", "finished_sft_steps": "resume",
@@ -19,6 +21,8 @@ _MOVED = {
     "TrainingPrompts": "training_data", "encode_training_data": "training_data",
     "make_reward_pool": "parts",
 }
+_FORMER = MovedNames(__name__, {name: f"ict_jax.train.{module}.{name}" for name, module in _MOVED.items()},
+                     removed_in=REMOVED_IN)
 _REPLACED = {
     "Run": "ict_jax.train.parts.RunParts (frozen; build_parts returns the train state beside it)",
     "build_run": "ict_jax.train.parts.build_parts, which returns (parts, state, reference)",
@@ -27,10 +31,6 @@ _REPLACED = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        new = f"ict_jax.train.{_MOVED[name]}"
-        warnings.warn(f"ict_jax.train.run.{name} moved: use {new}.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(new), name)
     if name in _REPLACED:
         raise AttributeError(f"ict_jax.train.run.{name} was replaced by {_REPLACED[name]}")
-    raise AttributeError(f"module 'ict_jax.train.run' has no attribute {name!r}")
+    return _FORMER.resolve(name)

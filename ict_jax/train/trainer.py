@@ -37,9 +37,20 @@ from ict_jax.rl.state import TrainState
 from ict_jax.rng import SAMPLER_STREAM  # noqa: F401 - its former home (docs/sampler.md)
 from ict_jax.sharding import to_host
 from ict_jax.train.evaluation import Evaluator
-from ict_jax.train.hooks import (MAX_NONFINITE_IN_A_ROW, Hook, Hooks, ProfileHook, StepInfo,  # noqa: F401
-                                 checkpoint_health, count_nonfinite, evaluate_every, final_evaluation,
-                                 finish_summary, nonfinite_guard, save_checkpoint)
+from ict_jax.train.hooks import (  # noqa: F401
+    MAX_NONFINITE_IN_A_ROW,
+    Hook,
+    Hooks,
+    ProfileHook,
+    StepInfo,
+    checkpoint_health,
+    count_nonfinite,
+    evaluate_every,
+    final_evaluation,
+    finish_summary,
+    nonfinite_guard,
+    save_checkpoint,
+)
 from ict_jax.train.logs import RunLogger, metrics_to_floats
 from ict_jax.train.parts import build_parts
 from ict_jax.train.phase import Phase, PhaseEnd, run_phase

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
-import warnings
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ict_jax.deprecation import REMOVED_IN, warn
 from ict_jax.model.adapters import attach_lora, merge_adapters
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.weights import save_hf
@@ -173,14 +173,16 @@ def save_warm_start(parts: RunParts, state: TrainState) -> None:
 # ------------------------------------------------------------------------------------------------
 # Former entry points: the warm start outside the Trainer (the loop is train.phase.run_phase)
 # ------------------------------------------------------------------------------------------------
+_USE_TRAINER = "ict_jax.Trainer.sft (the warm start as a phase of the run's loop, ict_jax.train.phase.run_phase)"
+
+
 def run_sft(parts: RunParts, state: TrainState, start_logger: StartLogger, *, resume: bool
             ) -> tuple[TrainState, dict[str, float]]:
     """SFT from ``state``'s policy with a fresh SFT optimizer -> (the SFT state, the last step's metrics).
     ``resume``: continue from the last checkpoint in ``<run_dir>/checkpoints_sft``. Ctrl-C saves a
     checkpoint after the step in progress and raises :class:`~ict_jax.train.stopping.Interrupted`.
     Deprecated: ``Trainer.sft`` runs the warm start as a phase of the run's loop."""
-    warnings.warn("ict_jax.train.warm_start.run_sft is deprecated: use Trainer.sft (the warm start as a phase of "
-                  "the run's loop, ict_jax.train.phase.run_phase)", DeprecationWarning, stacklevel=2)
+    warn("ict_jax.train.warm_start.run_sft", _USE_TRAINER, removed_in=REMOVED_IN)
     ends: list[PhaseEnd] = []
 
     def run(phase: Phase, state: TrainState, start: int) -> PhaseEnd:
@@ -196,8 +198,7 @@ def warm_start(parts: RunParts, state: TrainState, start_logger: StartLogger, *,
     """The warm start and the switch to RL: ``(RL start state, KL reference or None, the last SFT step's
     metrics)``; the metrics are None when a finished warm start (``<run_dir>/sft_model``) was loaded
     instead of trained. Deprecated: ``Trainer.sft`` does this within the run's loop."""
-    warnings.warn("ict_jax.train.warm_start.warm_start is deprecated: use Trainer.sft (the warm start as a phase "
-                  "of the run's loop, ict_jax.train.phase.run_phase)", DeprecationWarning, stacklevel=2)
+    warn("ict_jax.train.warm_start.warm_start", _USE_TRAINER, removed_in=REMOVED_IN)
     if (parts.run_dir / SFT_MODEL).is_dir():  # finished before: the RL phase starts from it
         return *load_warm_start(parts), None
 

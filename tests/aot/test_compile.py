@@ -14,11 +14,11 @@ import pathlib
 import numpy as np
 import pytest
 
-from ict_jax.config import ConfigError, load_config, parse_topology
-from ict_jax.model.config import ModelConfig
 from ict_jax.aot import hlo
 from ict_jax.aot.compile import PROGRAMS, Target, compile_run, get_target, per_device_bytes, run_programs
 from ict_jax.aot.fit import candidate_settings, estimate_memory, estimate_seconds, search
+from ict_jax.config import ConfigError, load_config, parse_topology
+from ict_jax.model.config import ModelConfig
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 RECIPE = str(CONFIGS / "qwen2p5_0p5b_ict.yaml")

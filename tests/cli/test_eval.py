@@ -11,9 +11,9 @@ import pytest
 
 from ict_jax import CharTokenizer
 from ict_jax.cli.main import main
-from ict_jax.sampling.text_generation import make_text_generator
 from ict_jax.data.templates import template_dataset
 from ict_jax.model.packaged import resolve_path
+from ict_jax.sampling.text_generation import make_text_generator
 from ict_jax.train.model_source import resolve_model
 
 # ~20-character questions: with the qwen_chat template and the boxed instruction each prompt is
@@ -322,8 +322,8 @@ def test_an_exported_checkpoint_brings_the_runs_settings(run_dir, tmp_path, tiny
     """`ict-jax export` writes the run's config beside the weights (ict_jax_config.json): evaluating the
     exported directory uses the run's template, lengths and tokenizer (char: no tokenizer files)."""
     from ict_jax.config import load_config
-    from ict_jax.rl.state import init_train_state
     from ict_jax.model.source import RUN_CONFIG_FILE
+    from ict_jax.rl.state import init_train_state
     from ict_jax.train.checkpoints import Checkpointer
 
     cfg = json.loads((run_dir / "config.json").read_text())

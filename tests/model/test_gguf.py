@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ict_jax import load_gguf, make_mesh, save_hf, WeightError
+from ict_jax import WeightError, load_gguf, make_mesh, save_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -14,9 +14,15 @@ import numpy as np
 import pytest
 
 from ict_jax.model import packaged
-from ict_jax.model.packaged import resolve_path
+from ict_jax.model.packaged import (
+    KNOWN_MODELS,
+    PackagedModel,
+    cache_status,
+    resolve_path,
+    split_model_for,
+    verify_cached,
+)
 from ict_jax.train.model_source import resolve_model
-from ict_jax.model.packaged import KNOWN_MODELS, PackagedModel, cache_status, split_model_for, verify_cached
 
 gguf = pytest.importorskip("gguf")
 

@@ -22,7 +22,7 @@ MODEL = KNOWN_MODELS["qwen2.5-coder-0.5b-instruct"]
 
 
 MISSING = parts_missing(MODEL.name)  # None when the parts are installed
-pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.xdist_group("real_model"),
+pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.real_model,
               pytest.mark.skipif(MISSING is not None, reason=f"real Qwen2.5 parts: {MISSING}")]
 
 MESSAGES = [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then she sold half "

@@ -59,9 +59,9 @@ def test_an_exported_directory_brings_its_runs_config_and_char_tokenizer(tmp_pat
 
 def test_a_gguf_file(tmp_path):
     pytest.importorskip("gguf")
-    from test_packaged import V, _tiny_gguf  # the same folder (pytest puts a test file's folder on sys.path)
-
     from ict_jax.model.gguf import load_gguf
+
+    from test_packaged import V, _tiny_gguf  # the same folder (pytest puts a test file's folder on sys.path)
 
     path = tmp_path / "tiny.gguf"
     _tiny_gguf(path)

@@ -10,7 +10,16 @@ import time
 import numpy as np
 import pytest
 
-from ict_jax.rewards.checks import (RewardCheck, RewardSpec, check_text, extract_answer, extract_choice, last_boxed, math_equal, score_text)
+from ict_jax.rewards.checks import (
+    RewardCheck,
+    RewardSpec,
+    check_text,
+    extract_answer,
+    extract_choice,
+    last_boxed,
+    math_equal,
+    score_text,
+)
 from ict_jax.rewards.pool import RewardPool
 
 

@@ -19,8 +19,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ict_jax.config import LossSection
-from ict_jax.rl.losses import (clipped_surrogate, group_advantages, k3_kl, loss_denominators, micro_batch_loss,
-                               mini_batch_loss, policy_loss, zero_std_groups)
+from ict_jax.rl.losses import (
+    clipped_surrogate,
+    group_advantages,
+    k3_kl,
+    loss_denominators,
+    micro_batch_loss,
+    mini_batch_loss,
+    policy_loss,
+    zero_std_groups,
+)
 
 DATA = Path(__file__).parent / "golden"
 GOLDEN = json.loads((DATA / "grpo_golden.json").read_text())
@@ -268,7 +276,8 @@ def test_micro_batch_denominators_add_up(loss_agg):
 
 def test_sharded_rows_match_one_device(devices8):
     """Rows sharded over 4 devices (the global reductions of AGG) give the one-device numbers."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as Ps
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as Ps
 
     cfg = loss_config()
     mesh = Mesh(np.asarray(devices8[:4]), ("data",))

@@ -46,6 +46,7 @@ def test_config_rho_fraction_still_resolves_with_a_deprecation_warning():
         warnings.simplefilter("always")
         fn = config.rho_fraction
     assert fn is rho_fraction
-    assert any(issubclass(w.category, DeprecationWarning) and "ict_jax.rl.quantile" in str(w.message) for w in caught)
+    assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)] == [
+        "ict_jax.config.rho_fraction is deprecated and will be removed in ict_jax 0.3.0: use ict_jax.rl.quantile.rho_fraction"]
     with pytest.raises(AttributeError):
         config.no_such_name  # noqa: B018

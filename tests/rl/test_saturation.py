@@ -15,6 +15,7 @@ from ict_jax.rl.metrics import step_metrics
 from ict_jax.rl.saturation import tie_decided, tie_selected_frac, u_at_ceiling, u_ceiling
 from ict_jax.rl.selectors import topk_mask
 from ict_jax.rl.token_stats import U_FORMS, TokenStats
+
 from test_token_stats import ref_readings  # the same folder (pytest puts a test file's folder on sys.path)
 
 LN2 = math.log(2.0)

@@ -16,9 +16,21 @@ from jax.sharding import PartitionSpec as P
 
 import ict_jax
 from ict_jax.config import SelectorSection
-from ict_jax.rl.selectors import (RANDOM_MASK_STREAM, SELECTABLE_U_MIN, dense_mask, entropy_mask, frequent_mask,
-                                  ict_mask, random_key, random_mask, register_selector, select, selectable_mask,
-                                  stapo_mask, stapo_quantile)
+from ict_jax.rl.selectors import (
+    RANDOM_MASK_STREAM,
+    SELECTABLE_U_MIN,
+    dense_mask,
+    entropy_mask,
+    frequent_mask,
+    ict_mask,
+    random_key,
+    random_mask,
+    register_selector,
+    select,
+    selectable_mask,
+    stapo_mask,
+    stapo_quantile,
+)
 from ict_jax.rl.token_stats import TokenStats, stats_from_hidden
 
 

@@ -6,8 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ict_jax.rl.token_stats import (ALL_STATS, U_FORMS, TokenStats, _js, stats_and_surrogate, stats_from_hidden,
-                                   stats_from_logits)
+from ict_jax.rl.token_stats import (
+    ALL_STATS,
+    U_FORMS,
+    TokenStats,
+    _js,
+    stats_and_surrogate,
+    stats_from_hidden,
+    stats_from_logits,
+)
 
 ATOL, RTOL = 1e-5, 1e-6
 LN2 = np.log(2.0)

@@ -1,5 +1,10 @@
 """The single compiled train step. Micro-batching and device count do not change gradients,
-ict with rho = 1 equals dense, 20 steps compile once, and a tiny model learns a toy reward."""
+ict with rho = 1 equals dense, 20 steps compile once, and a tiny model learns a toy reward.
+
+The slow method x loss_agg matrices run a covering design (tests/covering.py), not the product: each of
+micro-batches and eight devices runs every method and every aggregation at least once (5 cases of the
+15 pairs each, rotated apart so that the two cover 10 of the pairs together): the two full products (30
+cases) would take over 7 minutes of CI's slow stage."""
 
 from __future__ import annotations
 
@@ -20,9 +25,11 @@ from ict_jax.rl.batch import RolloutBatch, build_rollout_batch
 from ict_jax.rl.state import init_train_state
 from ict_jax.rl.train_step import make_train_step
 
+from covering import each_level_once  # tests/ is on sys.path under pytest
+
 P, G, LP, LR = 4, 4, 3, 6
 MODEL = ict_jax.ModelConfig.tiny(num_layers=1, remat="none")
-METHOD_AGG = {  # each method with one aggregation in the default suite; the full matrix is slow
+METHOD_AGG = {  # each method with one aggregation in the default suite; the slow covering designs cross more
     "dense": "token-mean",
     "ict": "seq-mean-token-mean",
     "entropy": "seq-mean-token-sum-norm",
@@ -95,7 +102,7 @@ def _assert_close_trees(a, b, rtol=2e-5, atol=1e-7):
     chex.assert_trees_all_close(a, b, rtol=rtol, atol=atol)  # same structure, shapes, and values within tol
 
 
-# random shares ict's aggregation and per-response counts; its cases are in the slow full matrix below
+# random shares ict's aggregation and per-response counts; its cases are in the slow covering design below
 # the default suite: ict and dense; the other methods in the e2e stage (7-8 s each)
 @pytest.mark.parametrize("method", [m if m in ("ict", "dense") else pytest.param(m, marks=pytest.mark.e2e)
                                     for m in METHOD_AGG if m != "random"])
@@ -112,10 +119,13 @@ def test_micro_batches_give_the_same_gradients(method):
     np.testing.assert_allclose(m4["mask/selected_frac"], m1["mask/selected_frac"], rtol=0, atol=0)
 
 
+AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
+
+
+# every method and every aggregation at least once (each_level_once: 5 of the 15 pairs, for CI time)
 @pytest.mark.slow
-@pytest.mark.parametrize("method", list(METHOD_AGG))
-@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batches_full_matrix(method, agg):
+@pytest.mark.parametrize("method, agg", each_level_once(list(METHOD_AGG), AGGS))
+def test_micro_batches_covering(method, agg):
     d1, _ = _cached_delta(method, agg, 1)
     for micro in (2, 4):
         _assert_close_trees(_cached_delta(method, agg, micro)[0], d1)
@@ -131,11 +141,13 @@ def test_eight_devices_give_the_gradients_of_one(method, devices8):
     assert m8["mask/selected_frac"] == m1["mask/selected_frac"]  # entropy's batch scope is global
 
 
+# every method and every aggregation at least once, rotated by one from test_micro_batches_covering: 5 other
+# pairs (each_level_once, for CI time)
 @pytest.mark.slow
-@pytest.mark.parametrize("method", list(METHOD_AGG))
-@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
-def test_eight_devices_full_matrix(method, agg, devices8):
-    """Every method x loss_agg: a (2, 2, 2) mesh gives the gradients, loss and mask of one device."""
+@pytest.mark.parametrize("method, agg", each_level_once(list(METHOD_AGG), AGGS, offset=1))
+def test_eight_devices_covering(method, agg, devices8):
+    """Each method and each loss_agg (a covering design, not the product): a (2, 2, 2) mesh gives the
+    gradients, loss and mask of one device."""
     d1, m1 = _cached_delta(method, agg, 1)
     d8, m8 = _param_delta(_config(method, agg, 1), ict_jax.make_mesh(data=2, fsdp=2, tensor=2))
     _assert_close_trees(d8, d1)

@@ -9,8 +9,8 @@ import pytest
 
 from ict_jax.data.datasets import Dataset
 from ict_jax.data.example import Example
-from ict_jax.sampling.evaluation import EVAL_DEFAULTS, aggregate, evaluate, format_table, pass_at_k
 from ict_jax.rewards.pool import RewardPool
+from ict_jax.sampling.evaluation import EVAL_DEFAULTS, aggregate, evaluate, format_table, pass_at_k
 
 
 def brute_pass_at_k(n, c, k):

@@ -13,8 +13,15 @@ import pytest
 from ict_jax.cli.main import main as cli_main
 from ict_jax.config import load_config
 from ict_jax.tools.compare import plan_runs, run_config
-from ict_jax.tools.compare_report import (aggregate_group, format_markdown, mean_sd, pass_at_k, run_result,
-                                          steps_to_target, tail_mean)
+from ict_jax.tools.compare_report import (
+    aggregate_group,
+    format_markdown,
+    mean_sd,
+    pass_at_k,
+    run_result,
+    steps_to_target,
+    tail_mean,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -236,7 +243,8 @@ def test_run_comparison_text_arguments_still_work_with_a_deprecation_warning(tmp
     from ict_jax.config import ConfigError
     from ict_jax.tools.compare import run_comparison
 
-    with pytest.warns(DeprecationWarning, match="pass methods, seeds and rhos as sequences"):
+    with pytest.warns(DeprecationWarning, match=r"ict_jax.run_comparison with comma-separated text or a seed count .* "
+                      r"is deprecated and will be removed in ict_jax 0\.3\.0: use sequences"):
         with pytest.raises(ConfigError, match="methods: 'ppo'"):  # the text was split: 'ppo' is checked alone
             run_comparison(DEMO, methods="ict,ppo", seeds=2, out=tmp_path / "cmp", progress=False)
 

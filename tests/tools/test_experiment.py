@@ -21,8 +21,14 @@ from ict_jax.tools.experiment import ExperimentStopped, rebuild_report, run_expe
 from ict_jax.tools.experiment_plan import Outcome, PlanError, load_plan, plan_runs
 from ict_jax.tools.experiment_record import RECORD_FILE, build_record, outcome_value
 from ict_jax.tools.experiment_report import FIGURES, REPORT_FILE
-from ict_jax.tools.experiment_stats import (betainc, mean_sd, minimum_detectable_effect, paired_differences, t_cdf,
-                                            t_quantile)
+from ict_jax.tools.experiment_stats import (
+    betainc,
+    mean_sd,
+    minimum_detectable_effect,
+    paired_differences,
+    t_cdf,
+    t_quantile,
+)
 from ict_jax.train.logs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -260,9 +260,9 @@ def test_untrusted_text_is_escaped(report):
 # CLI
 # ------------------------------------------------------------------------------------------------
 def test_cli_inspect_from_a_checkpoint_and_an_hf_dir(tiny, tiny_hf_dir, tmp_path, capsys):
-    from ict_jax.train.checkpoints import Checkpointer
     from ict_jax.cli.main import main
     from ict_jax.rl.state import init_train_state
+    from ict_jax.train.checkpoints import Checkpointer
 
     model, _ = tiny
     cfg = load_config(None, ["rollout.max_new_tokens=12", "rollout.num_samples=4", "data.template=none"])

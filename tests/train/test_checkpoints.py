@@ -19,12 +19,12 @@ import pytest
 from flax import nnx
 
 import ict_jax
-from ict_jax.train.checkpoints import Checkpointer, abstract_train_state
-from ict_jax.train.model_source import resolve_model
 from ict_jax.config import load_config
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import init_train_state
 from ict_jax.rl.train_step import make_train_step
+from ict_jax.train.checkpoints import Checkpointer, abstract_train_state
+from ict_jax.train.model_source import resolve_model
 
 P, G, LP, LR = 2, 4, 3, 5
 MODEL = ict_jax.ModelConfig.tiny()

@@ -12,8 +12,17 @@ import pytest
 
 from ict_jax.config import load_config
 from ict_jax.memory import BUDGET_ENV, Budget
-from ict_jax.train.preflight import (DoesNotFit, FitCheck, MachineBudget, ProgramMemory, ProgramNeed, check_fits,
-                                     cpu_budget, programs_to_check, resident_bytes)
+from ict_jax.train.preflight import (
+    DoesNotFit,
+    FitCheck,
+    MachineBudget,
+    ProgramMemory,
+    ProgramNeed,
+    check_fits,
+    cpu_budget,
+    programs_to_check,
+    resident_bytes,
+)
 
 GIB = 1024 ** 3
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,10 +62,10 @@ def tiny_programs(devices8):
     """The demo run's programs built from its abstract state (nothing compiled, nothing loaded)."""
     import jax
 
+    from ict_jax.sharding import make_mesh
     from ict_jax.train.checkpoints import abstract_train_state
     from ict_jax.train.model_source import resolve_model
     from ict_jax.train.programs import build_programs, per_device_bytes
-    from ict_jax.sharding import make_mesh
 
     cfg = load_config(DEMO, TINY)
     source = resolve_model(cfg)

@@ -143,7 +143,8 @@ def test_former_train_run_names_resolve_with_a_warning_or_name_their_replacement
     import ict_jax.train.resume
     import ict_jax.train.run as run
 
-    with pytest.warns(DeprecationWarning, match="use ict_jax.train.resume.resume_point"):
+    with pytest.warns(DeprecationWarning, match=r"ict_jax.train.run.resume_point is deprecated and will be removed in "
+                      r"ict_jax 0\.3\.0: use ict_jax.train.resume.resume_point"):
         assert run.resume_point is ict_jax.train.resume.resume_point
     with pytest.warns(DeprecationWarning, match="ict_jax.train.distributed"):
         assert run.maybe_initialize_distributed is importlib.import_module(

@@ -19,6 +19,18 @@ TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4"
         "rl.reward.workers=1", "rl.loss.kl_coef=0.01", "mesh.data=-1", "mesh.tensor=2"]
 
 
+@pytest.mark.parametrize("name", ["run_sft", "warm_start"])
+def test_the_former_entry_points_warn_first_naming_the_trainer_and_the_removal(name):
+    """The warning comes before any work (here: none, the run's parts are missing)."""
+    import ict_jax.train.warm_start as ws
+
+    text = (f"ict_jax.train.warm_start.{name} is deprecated and will be removed in ict_jax 0.3.0: use "
+            "ict_jax.Trainer.sft (the warm start as a phase of the run's loop, ict_jax.train.phase.run_phase)")
+    with pytest.warns(DeprecationWarning) as caught, pytest.raises(AttributeError):
+        getattr(ws, name)(None, None, None, resume=False)
+    assert [str(w.message) for w in caught] == [text] and caught[0].filename == __file__
+
+
 @pytest.mark.e2e  # two tiny warm starts (~20 s on 2 cores)
 def test_the_former_warm_start_function_warns_and_trains_what_the_trainer_trains(tmp_path, devices8):
     from safetensors.numpy import load_file
@@ -39,7 +51,7 @@ def test_the_former_warm_start_function_warns_and_trains_what_the_trainer_trains
             parts.logger.start(phase, total, initial)
             return parts.logger
 
-        with pytest.warns(DeprecationWarning, match="use Trainer.sft"):
+        with pytest.warns(DeprecationWarning, match="use ict_jax.Trainer.sft"):
             rl_state, ref, former = warm_start(parts, state, start_logger, resume=False)
     finally:
         parts.close()
