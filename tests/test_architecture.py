@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "heartbeat": set(),
     "rewards": set(),
     "data": {"rewards", "model.tokenizers", "rng", "buckets"},
-    "model": {"config", "sharding", "rng"},
+    "model": {"config", "sharding", "rng", "deprecation"},
     "rl": {"config", "sharding", "rng", "buckets"},
     "sampling": {"config", "sharding", "rng", "buckets", "model", "data", "rewards", "outputs", "heartbeat"},
     "train": {"config", "sharding", "rng", "buckets", "model", "data", "rewards", "rl", "sampling", "outputs",

@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from ict_jax.deprecation import REMOVED_IN, MovedNames, warn
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings, split_trainable
 from ict_jax.sharding import replicated, state_shardings
@@ -380,9 +380,14 @@ class Checkpointer:
 # ------------------------------------------------------------------------------------------------
 # Former names of a run directory read as a model (removed in ict_jax 0.3.0): ict_jax.resolve_model
 # ------------------------------------------------------------------------------------------------
-def _deprecated(name: str, new: str) -> None:
-    warnings.warn(f"ict_jax.train.checkpoints.{name} is deprecated and will be removed in ict_jax 0.3.0: use {new}",
-                  DeprecationWarning, stacklevel=3)
+# former names whose objects moved (the object at its new home, warned when read)
+_FORMER = MovedNames(__name__, {"export_checkpoint": "ict_jax.train.export.export_checkpoint",
+                                "RUN_CONFIG_FILE": "ict_jax.model.source.RUN_CONFIG_FILE"},
+                     removed_in=REMOVED_IN)
+
+
+def __getattr__(name: str) -> Any:
+    return _FORMER.resolve(name)
 
 
 def _home(module: str) -> Any:
@@ -396,8 +401,8 @@ def load_params_from_checkpoint(directory: str | Path, step: int | None = None, 
                                 ) -> tuple[Any, dict[str, Any]]:
     """Deprecated: ``source = ict_jax.resolve_model(directory, step=step, checkpoint=True)``;
     ``(source.load(mesh=mesh, dtype=dtype), source.meta)``."""
-    _deprecated("load_params_from_checkpoint", "ict_jax.resolve_model(run_dir, step=..., checkpoint=True) and its "
-                ".load() and .meta")
+    warn("ict_jax.train.checkpoints.load_params_from_checkpoint",
+         "ict_jax.resolve_model(run_dir, step=..., checkpoint=True) and its .load() and .meta", removed_in=REMOVED_IN)
     source = _home("model_source").resolve_model(directory, step=step, checkpoint=True)
     return source.load(mesh=mesh, dtype=dtype), source.meta
 
@@ -406,8 +411,9 @@ def load_run_model(path: str | Path, *, step: int | None = None, mesh: jax.shard
                    dtype: str | None = None, tokenizer: str | None = None) -> tuple[Any, Any, str]:
     """Deprecated: ``source = ict_jax.resolve_model(path, step=step, tokenizer=tokenizer)``;
     ``(source.load(mesh=mesh, dtype=dtype), source.tokenizer(), source.where)``."""
-    _deprecated("load_run_model", "ict_jax.resolve_model(spec, step=..., tokenizer=...) and its .load(), "
-                ".tokenizer() and .where")
+    warn("ict_jax.train.checkpoints.load_run_model",
+         "ict_jax.resolve_model(spec, step=..., tokenizer=...) and its .load(), .tokenizer() and .where",
+         removed_in=REMOVED_IN)
     source = _home("model_source").resolve_model(path, step=step, tokenizer=tokenizer)
     tok = source.tokenizer()
     return source.load(mesh=mesh, dtype=dtype), tok, source.where
@@ -415,13 +421,14 @@ def load_run_model(path: str | Path, *, step: int | None = None, mesh: jax.shard
 
 def run_model_tokenizer(path: str | Path, tokenizer: str | None = None) -> Any:
     """Deprecated: ``ict_jax.resolve_model(path, tokenizer=tokenizer).tokenizer()``."""
-    _deprecated("run_model_tokenizer", "ict_jax.resolve_model(spec, tokenizer=...).tokenizer()")
+    warn("ict_jax.train.checkpoints.run_model_tokenizer", "ict_jax.resolve_model(spec, tokenizer=...).tokenizer()",
+         removed_in=REMOVED_IN)
     return _home("model_source").resolve_model(path, tokenizer=tokenizer).tokenizer()
 
 
 def run_model_source(path: str | Path) -> tuple[str, Path] | None:
     """Deprecated: ``ict_jax.resolve_model(path).kind`` (``checkpoint``, ``sft_model``, ...)."""
-    _deprecated("run_model_source", "ict_jax.resolve_model(spec).kind")
+    warn("ict_jax.train.checkpoints.run_model_source", "ict_jax.resolve_model(spec).kind", removed_in=REMOVED_IN)
     p = Path(path)
     if not p.is_dir():
         return None
@@ -443,7 +450,8 @@ def run_model_source(path: str | Path) -> tuple[str, Path] | None:
 
 def run_tokenizer_spec(run_dir: str | Path) -> str | None:
     """Deprecated: ``ict_jax.resolve_model(run_dir).tokenizer_spec``."""
-    _deprecated("run_tokenizer_spec", "ict_jax.resolve_model(run_dir).tokenizer_spec")
+    warn("ict_jax.train.checkpoints.run_tokenizer_spec", "ict_jax.resolve_model(run_dir).tokenizer_spec",
+         removed_in=REMOVED_IN)
     try:
         cfg = json.loads((Path(run_dir) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -454,22 +462,9 @@ def run_tokenizer_spec(run_dir: str | Path) -> str | None:
 
 def recorded_run_config(path: str | Path, step: int | None = None) -> tuple[dict[str, Any], str] | None:
     """Deprecated: ``ict_jax.resolve_model(path, step=step).run_config``."""
-    _deprecated("recorded_run_config", "ict_jax.resolve_model(spec, step=...).run_config")
+    warn("ict_jax.train.checkpoints.recorded_run_config", "ict_jax.resolve_model(spec, step=...).run_config",
+         removed_in=REMOVED_IN)
     try:
         return _home("model_source").resolve_model(path, step=step).run_config
     except (OSError, ValueError):
         return None
-
-
-def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
-                      dtype: str | None = None, format: str = "merged") -> Path:
-    """Deprecated: :func:`ict_jax.train.export.export_checkpoint` (``ict_jax.export_checkpoint``)."""
-    _deprecated("export_checkpoint", "ict_jax.train.export.export_checkpoint")
-    return _home("export").export_checkpoint(ckpt_dir, out_dir, step=step, dtype=dtype, format=format)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "RUN_CONFIG_FILE":
-        _deprecated(name, "ict_jax.model.source.RUN_CONFIG_FILE")
-        return importlib.import_module("ict_jax.model.source").RUN_CONFIG_FILE
-    raise AttributeError(f"module 'ict_jax.train.checkpoints' has no attribute {name!r}")

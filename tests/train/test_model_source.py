@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import ict_jax.model.source
+import ict_jax.train.export
 from ict_jax.config import load_config
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import init_model
@@ -187,13 +189,16 @@ def test_the_former_run_directory_names_give_the_same_models(run_dir, tmp_path):
         with warns:
             got = fn(*args)
         assert isinstance(got, expected) if isinstance(expected, type) else got == expected, name
-    warns, export = _deprecated("train.checkpoints", "export_checkpoint")
-    with warns:
-        out = export(run_dir, tmp_path / "hf")
+    with pytest.warns(DeprecationWarning, match=re.escape("ict_jax.train.checkpoints.export_checkpoint is deprecated "
+                                                          "and will be removed in ict_jax 0.3.0: use "
+                                                          "ict_jax.train.export.export_checkpoint")):
+        from ict_jax.train.checkpoints import export_checkpoint  # a moved name: warned when read
+    assert export_checkpoint is ict_jax.train.export.export_checkpoint
+    out = export_checkpoint(run_dir, tmp_path / "hf")
     _same_weights(resolve_model(out).load(), want)
     with pytest.warns(DeprecationWarning, match="ict_jax.train.checkpoints.RUN_CONFIG_FILE is deprecated"):
         from ict_jax.train.checkpoints import RUN_CONFIG_FILE
-    assert (out / RUN_CONFIG_FILE).is_file()
+    assert RUN_CONFIG_FILE == ict_jax.model.source.RUN_CONFIG_FILE and (out / RUN_CONFIG_FILE).is_file()
 
 
 def test_the_former_names_of_a_runs_model_give_the_same_models(tmp_path):
