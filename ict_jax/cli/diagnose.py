@@ -20,8 +20,9 @@ def add_diagnose_args(p: argparse.ArgumentParser) -> None:
 
     forms = ",".join(typing.get_args(UForm))
     p.add_argument("--model", required=True, metavar="PATH",
-                   help="a Hugging Face directory, a .gguf file, pkg:<package>/<file>, or a real model split over "
-                        "packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>; docs/models.md)")
+                   help="a Hugging Face directory, a .gguf file, pkg:<package>/<file>, a real model split over "
+                        "packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>; docs/models.md) or a training run "
+                        "directory (its last checkpoint)")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH", help="tokenizer instead of the model's own")
     p.add_argument("--prompts", default=None, metavar="SRC",
                    help="the prompts (required unless --reanalyse): a data set spec, e.g. "
@@ -95,10 +96,10 @@ def diagnose_main(args: argparse.Namespace) -> int:
     if args.reanalyse:
         if not (out / "diagnose.json").is_file():
             raise UserError(f"--reanalyse: {str(out / 'diagnose.json')!r} does not exist")
-        from ict_jax.model.loading import load_model_tokenizer
         from ict_jax.tools.diagnose import reanalyse
+        from ict_jax.train.model_source import resolve_model
 
-        tok = load_model_tokenizer(args.model, tokenizer=args.tokenizer)  # the tokenizer only, never the weights
+        tok = resolve_model(args.model, tokenizer=args.tokenizer).tokenizer()  # the tokenizer only, never the weights
         reanalyse(out, tok, say=_say)
         print(f"wrote {out / 'diagnose.md'}, {out / 'diagnose.json'}")
         return 0
@@ -109,8 +110,8 @@ def diagnose_main(args: argparse.Namespace) -> int:
 
     from ict_jax.data.datasets import load_dataset
     from ict_jax.heartbeat import Heartbeat
-    from ict_jax.model.loading import load_model_and_tokenizer
     from ict_jax.tools.diagnose import Setting, prompt_instruction, run_diagnose
+    from ict_jax.train.model_source import resolve_model
 
     dataset = load_dataset(args.prompts, data_dir=args.data_dir, limit=args.num_prompts)
     if len(dataset) == 0:
@@ -119,7 +120,8 @@ def diagnose_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with Heartbeat(_say) as beat:  # a real model's first load assembles and dequantises it: a minute or more
         beat.phase(f"loading {args.model}")
-        model, tok = load_model_and_tokenizer(args.model, tokenizer=args.tokenizer)
+        source = resolve_model(args.model, tokenizer=args.tokenizer)
+        tok, model = source.tokenizer(), source.load()
     _say(f"loaded in {time.perf_counter() - t0:.0f} s; {len(dataset)} prompts, "
          + (f"each followed by the instruction {instr!r}" if (instr := prompt_instruction(dataset, args.template))
             else "as given (template none)"))

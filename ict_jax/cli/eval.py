@@ -209,10 +209,10 @@ def eval_main(args: argparse.Namespace) -> int:
     from ict_jax.rewards.pool import RewardPool
     from ict_jax.sampling.evaluation import evaluate
     from ict_jax.sampling.text_generation import make_text_generator
-    from ict_jax.train.checkpoints import load_run_model, recorded_run_config, run_model_tokenizer
+    from ict_jax.train.model_source import resolve_model
 
     check_output_dir(args.out or DEFAULT_OUT, "--out")  # before any work
-    record = recorded_run_config(args.model)
+    record = (source := resolve_model(args.model, tokenizer=args.tokenizer)).run_config  # no weights read yet
     s, sources = resolve_settings(args, record[0] if record else None)
     _validate(s, args)
     for line in settings_lines(s, sources, record[1] if record else None):
@@ -226,8 +226,8 @@ def eval_main(args: argparse.Namespace) -> int:
     if empty:
         raise UserError(f"benchmark {empty[0]!r} has no problems")
     mesh = _mesh(args.mesh)
-    tokenizer = args.tokenizer or _recorded_tokenizer(args.model, record)
-    tok = run_model_tokenizer(args.model, tokenizer)  # cheap: template and length-check first
+    tokenizer = args.tokenizer or _recorded_tokenizer(source)
+    tok = source.tokenizer()  # cheap: template and length-check first
     why = template_mismatch(tok, s["template"])
     if why:
         print(f"ict-jax eval: warning: template {s['template']}: {why}", file=sys.stderr)
@@ -245,7 +245,7 @@ def eval_main(args: argparse.Namespace) -> int:
     with Heartbeat(lambda line: print(f"ict-jax eval: {line}", file=sys.stderr, flush=True),
                    enabled=not args.no_progress) as beat:
         beat.phase(f"loading {args.model}")  # a real model's first load: a minute or more
-        model, tok, where = load_run_model(args.model, mesh=mesh, dtype=args.dtype, tokenizer=tokenizer)
+        model, where = source.load(mesh=mesh, dtype=args.dtype), source.where
     limit = model.config.max_position_embeddings
     no_room = {name: sum(n <= s["max_prompt_len"] and not prompt_fits(n, s["max_new_tokens"], limit) for n in ls)
                for name, ls in lengths.items()}
@@ -294,18 +294,12 @@ def _output_folder(out: str | None) -> str:
     return out
 
 
-def _recorded_tokenizer(model: str, record: tuple[dict, str] | None) -> str | None:
-    """The tokenizer an exported model's recorded config names, when it is the built-in ``char`` (an
-    exported directory carries no tokenizer files); None otherwise (the model's own)."""
-    from ict_jax.config import get_dotted
-    from ict_jax.train.checkpoints import run_model_source
-
-    if record is None or run_model_source(model) is not None:
-        return None  # a run directory: its checkpoint names its tokenizer
-    spec = get_dotted(record[0], "model.tokenizer")
-    has_files = os.path.isdir(model) and any(os.path.exists(os.path.join(model, f))
-                                             for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json"))
-    return "char" if spec == "char" and not has_files else None
+def _recorded_tokenizer(source) -> str | None:
+    """The tokenizer a model's files do not carry but its recorded run names (the built-in ``char`` of an
+    exported directory, :meth:`ict_jax.model.source.ModelSource.from_files`), for eval.json's settings; None
+    when the model's own is used (a run directory's checkpoint names its tokenizer itself)."""
+    own = source.kind in ("hf", "gguf") and source.tokenizer_spec != source.spec
+    return source.tokenizer_spec if own else None
 
 
 def _prompt_lengths(dataset, tok, unknown_error) -> list[int]:

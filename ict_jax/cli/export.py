@@ -18,13 +18,14 @@ def add_export_args(p: Any) -> None:
 
 
 def export_main(args: Any) -> int:
+    from pathlib import Path
+
     from ict_jax.outputs import check_output_dir
-    from ict_jax.train.checkpoints import Checkpointer, export_checkpoint, resolve_checkpoint_dir
+    from ict_jax.train.export import export_checkpoint
+    from ict_jax.train.model_source import resolve_model
 
     check_output_dir(args.out, "--out")
-    directory, step = resolve_checkpoint_dir(args.checkpoint, args.step)
-    with Checkpointer(directory, read_only=True) as ckpt:
-        step = ckpt.resolve_step(step)
-    out = export_checkpoint(directory, args.out, step=step, dtype=args.dtype, format=args.format)
-    print(f"exported step {step} of {directory} to {out}")
+    source = resolve_model(args.checkpoint, step=args.step, checkpoint=True)
+    out = export_checkpoint(source, args.out, dtype=args.dtype, format=args.format)
+    print(f"exported step {source.step} of {Path(source.path).parent} to {out}")
     return 0

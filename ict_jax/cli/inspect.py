@@ -22,8 +22,8 @@ def add_inspect_args(p: argparse.ArgumentParser) -> None:
                           "defaults come from the checkpoint's metadata)")
     src.add_argument("--model", metavar="PATH",
                      help="instead of a checkpoint: a Hugging Face directory, a .gguf file, pkg:<package>/<file>, "
-                          "a real model split over packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>) or "
-                          "a training run directory (its last checkpoint, else its sft_model)")
+                          "a real model split over packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>), "
+                          "a training run directory (its last checkpoint, else its sft_model) or preset:<name>")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest finished one)")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH",
                    help="tokenizer instead of the model's / checkpoint's own: 'char' or a tokenizer directory / .gguf")
@@ -64,27 +64,26 @@ def _cfg_get(cfg: Any, *keys: str) -> Any:
 
 
 def inspect_main(args: argparse.Namespace) -> int:
-    from ict_jax.model.loading import load_tokenizer_spec
     from ict_jax.outputs import check_output_file
     from ict_jax.tools.inspector import checkpoint_selector, token_report
     from ict_jax.tools.inspector_page import render_html
-    from ict_jax.train.checkpoints import load_params_from_checkpoint, load_run_model
+    from ict_jax.train.model_source import resolve_model
 
     check_output_file(args.out, "--out")  # before the model loads
     cfg: dict[str, Any] = {}
     meta: dict[str, Any] | None = None
-    if args.checkpoint is not None:
-        model, meta = load_params_from_checkpoint(args.checkpoint, args.step)
-        spec = args.tokenizer or meta.get("tokenizer")
-        if not spec:
-            raise ValueError(f"{args.checkpoint}: the checkpoint names no tokenizer; pass --tokenizer char|PATH")
-        tok = load_tokenizer_spec(spec)
+    if args.checkpoint is not None:  # the checkpoint's own settings are the page's defaults
+        source = resolve_model(args.checkpoint, step=args.step, tokenizer=args.tokenizer, checkpoint=True)
+        meta = source.meta
         cfg = meta.get("config") or {}
-        where = f"checkpoint {args.checkpoint} (step {meta.get('step')})"
+        where = f"checkpoint {args.checkpoint} (step {source.step})"
     else:
         if args.step is not None:
             raise ValueError("--step needs --checkpoint")
-        model, tok, where = load_run_model(args.model, tokenizer=args.tokenizer)
+        source = resolve_model(args.model, tokenizer=args.tokenizer)
+        where = source.where
+    tok = source.tokenizer()  # before the weights: a model without one fails at once
+    model = source.load()
 
     def pick(value: Any, *keys: str, default: Any) -> Any:
         if value is not None:

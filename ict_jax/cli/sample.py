@@ -1,6 +1,7 @@
-"""``ict-jax sample``: load a model and its tokenizer (:func:`ict_jax.load_model_and_tokenizer`: a
-Hugging Face checkpoint directory, a .gguf file, ``pkg:<package>/<file>`` or a split real model), sample G responses per
-prompt with :func:`ict_jax.generate`, print them decoded.
+"""``ict-jax sample``: a model and its tokenizer from any model spec (:func:`ict_jax.resolve_model`: a Hugging
+Face directory, a .gguf file, ``pkg:<package>/<file>``, a real model split over packages, a training run
+directory or ``preset:<name>``), G responses per prompt sampled with :func:`ict_jax.generate`, printed
+decoded.
 
     ict-jax sample --model PATH --prompt "What is 2+3?" [--prompt ...] [-n G] [--max-new-tokens N]
                    [--temperature T] [--top-p P] [--top-k K] [--greedy] [--seed S] [--chat/--no-chat]
@@ -18,8 +19,8 @@ def add_sample_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="PATH",
                    help="Hugging Face checkpoint directory (config.json, safetensors, tokenizer files), a .gguf "
                         "file, pkg:<package>/<file> (a file inside an installed Python package), a real model split "
-                        "over packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>; docs/models.md), or a training "
-                        "run directory (its last checkpoint)")
+                        "over packages (qwen2.5-coder-0.5b-instruct, pkg:<prefix>; docs/models.md), a training "
+                        "run directory (its last checkpoint) or preset:<name> (random weights)")
     p.add_argument("--tokenizer", default=None, metavar="char|PATH",
                    help="tokenizer to use instead of the model's own: 'char' (the built-in CharTokenizer) or a "
                         "tokenizer directory / .gguf file")
@@ -71,12 +72,14 @@ def sample_main(args: argparse.Namespace) -> int:
     from ict_jax.data.prompts import encode_prompt, pad_left
     from ict_jax.model.tokenizers import UnknownCharacterError, decode_response
     from ict_jax.sampling.sampler import generate
-    from ict_jax.train.checkpoints import load_run_model
+    from ict_jax.train.model_source import resolve_model
 
     _validate(args)
-    model, tok, where = load_run_model(args.model, tokenizer=args.tokenizer)
-    if where != str(args.model):
-        print(f"model: {where}", file=sys.stderr)
+    source = resolve_model(args.model, tokenizer=args.tokenizer)
+    tok = source.tokenizer()
+    model = source.load()
+    if source.where != str(args.model):
+        print(f"model: {source.where}", file=sys.stderr)
     template = _template(tok, args.chat)
     encoded = []
     for i, text in enumerate(args.prompt, start=1):

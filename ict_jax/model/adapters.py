@@ -2,7 +2,8 @@
 
 - :func:`add_adapters`: attach fresh adapters (``B = 0``: the outputs do not change) to any loaded or
   initialised :class:`~ict_jax.model.qwen2.Qwen2`; its weights are kept, not copied (cast once when the
-  spec's ``base_dtype`` differs).
+  spec's ``base_dtype`` differs). :func:`attach_lora`: those of the config's ``model.lora``, drawn from a
+  run's init stream.
 - :func:`merge_adapters`: the plain model with ``W + (alpha / r) A B`` in place of each adapted weight (what
   ``ict-jax export --format merged`` writes).
 - :func:`split_adapters`: ``(graphdef, adapters, base)``, the states a trainer keeps apart.
@@ -16,9 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ict_jax.config import LoraSection
 from ict_jax.model.config import LORA_MODULES, LoraSpec
-from ict_jax.model.lora import adapter_keys
+from ict_jax.model.lora import adapter_keys, lora_spec
 from ict_jax.model.qwen2 import Qwen2
+from ict_jax.rng import INIT_STREAM, root_key, stream_key
 from ict_jax.sharding import state_shardings
 
 
@@ -67,6 +70,17 @@ def add_adapters(model: Qwen2, spec: LoraSpec, *, seed: int = 0) -> Qwen2:
     if jax.tree.structure(base) != jax.tree.structure(abs_base):
         raise ValueError("add_adapters: the model's parameters do not match its config")  # programming error
     return nnx.merge(graphdef, adapters, base)
+
+
+def attach_lora(model: Qwen2, lora: LoraSection, seed: int) -> Qwen2:
+    """``model`` with fresh adapters of the config's ``model.lora`` (``lora``; A drawn from the init stream of
+    ``seed``, ``fold_in(PRNGKey(seed), INIT_STREAM)``, B = 0: the outputs do not change); ``model`` itself
+    when LoRA is off or it carries adapters already. For a preset this is the model ``init_model(config
+    with the adapters, init key)`` builds in one go."""
+    spec = lora_spec(lora, model.config.num_layers)
+    if spec is None or model.config.lora is not None:
+        return model
+    return add_adapters(model, spec, seed=stream_key(root_key(seed), INIT_STREAM))
 
 
 def merge_adapters(model: Qwen2, *, dtype: str | None = None) -> Qwen2:

@@ -54,6 +54,18 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
+def resolve_compute_dtype(setting: str, platform: str | None = None) -> str:
+    """The dtype the compute-dtype ``setting`` means on ``platform`` (``cpu``, ``gpu``, ``tpu``; default: JAX's
+    default backend): ``auto`` is bfloat16 on accelerators and float32 on a CPU (docs/architecture.md,
+    precision), any other setting itself. The one place ``auto`` is resolved: the model at trace time
+    (:meth:`ModelConfig.resolved_compute_dtype`), the model source for a target platform (``ict-jax
+    compile``, :func:`ict_jax.train.model_source.resolve_model`)."""
+    if setting != "auto":
+        return setting
+    platform = jax.default_backend() if platform is None else platform
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of :class:`ict_jax.Qwen2`.
@@ -113,10 +125,9 @@ class ModelConfig:
         """The dtype of the weights other than LoRA adapters: ``lora.base_dtype`` when set, else ``param_dtype``."""
         return self.lora.base_dtype if self.lora is not None and self.lora.base_dtype else self.param_dtype
 
-    def resolved_compute_dtype(self) -> str:
-        if self.compute_dtype != "auto":
-            return self.compute_dtype
-        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    def resolved_compute_dtype(self, platform: str | None = None) -> str:
+        """The compute dtype on ``platform`` (default: JAX's default backend), :func:`resolve_compute_dtype`."""
+        return resolve_compute_dtype(self.compute_dtype, platform)
 
     def replace(self, **kw: Any) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

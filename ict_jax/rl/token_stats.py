@@ -78,7 +78,7 @@ class StatsPlan:
     custom VJPs and ``jax.jit`` take it as ONE static argument.
 
     ``group_size`` G (rows ``p*G + j``); ``temperature`` T_s; ``chunk`` the positions of one block (already
-    evened out, :func:`_block_size`); ``want`` the statistics computed (names of :data:`ALL_STATS`);
+    evened out, :func:`block_size`); ``want`` the statistics computed (names of :data:`ALL_STATS`);
     ``u_form`` the reading of u (module docstring)."""
 
     group_size: int
@@ -290,9 +290,11 @@ def stats_from_logits(
 # --------------------------------------------------------------------------------------------------
 # Chunked path
 # --------------------------------------------------------------------------------------------------
-def _block_size(T: int, chunk: int) -> int:
-    """Positions per block: ``chunk`` is the largest block; the blocks are evened out so that padding
-    is under one position per block (T = 96, chunk = 64 gives 2 blocks of 48, not 2 of 64)."""
+def block_size(T: int, chunk: int) -> int:
+    """Positions per block of the statistics of ``T`` positions at ``stats.chunk`` = ``chunk``: ``chunk`` is
+    the largest block; the blocks are evened out so that padding is under one position per block (T = 96,
+    chunk = 64 gives 2 blocks of 48, not 2 of 64). ``ict-jax compile`` asks it for the largest
+    vocabulary-wide array a program may hold."""
     nb = -(-T // min(chunk, T))
     return -(-T // nb)
 
@@ -464,7 +466,7 @@ def _prepare(hidden, unembed, tokens, valid, group_size: int, chunk: int, comput
         raise ValueError(f"unembed has shape {unembed.shape}; expected [D={D}, V]")
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1")
-    chunk = _block_size(T, chunk)
+    chunk = block_size(T, chunk)
     valid = valid > 0
     tokens = tokens.astype(jnp.int32)
     pad = (-T) % chunk

@@ -187,6 +187,36 @@ class SampleSettings:
                              f"got {self.min_response_bucket}")
 
 
+def decode_unrolled(settings: SampleSettings, num_layers: int, backend: str | None = None) -> bool:
+    """Whether the decode unrolls the layer loop over per-layer weights: ``settings.unroll_layers``, or
+    when that is None, on a CPU (``backend``: the platform the program is compiled for, default JAX's
+    default backend) for a model of at most :data:`UNROLL_MAX_LAYERS` layers."""
+    if settings.unroll_layers is not None:
+        return bool(settings.unroll_layers)
+    backend = jax.default_backend() if backend is None else backend
+    return backend == "cpu" and num_layers <= UNROLL_MAX_LAYERS
+
+
+def phase_ends(settings: SampleSettings, prompt_len: int) -> tuple[int, ...] | None:
+    """The KV-cache slots where each decode phase ends, ``prompt_len + w - 1`` for each response bucket
+    ``w`` of ``max_new_tokens`` (``min_response_bucket``, docs/sampler.md); None when the decode is one
+    phase over the whole cache of ``prompt_len + max_new_tokens - 1`` slots."""
+    windows = response_buckets(settings.max_new_tokens, settings.min_response_bucket)
+    return tuple(prompt_len + w - 1 for w in windows) if len(windows) > 1 else None
+
+
+def cache_chunks(settings: SampleSettings, num_layers: int, prompt_len: int,
+                 backend: str | None = None) -> tuple[int, ...] | None:
+    """The slots of each chunk of one layer's KV cache as the sampler holds it: one chunk a decode phase
+    when the decode is unrolled (:func:`decode_unrolled`) and has more than one phase
+    (:func:`phase_ends`); None when each layer's cache is one array. ``ict-jax compile`` asks it which
+    arrays a sampler program holds."""
+    ends = phase_ends(settings, prompt_len)
+    if ends is None or not decode_unrolled(settings, num_layers, backend):
+        return None
+    return tuple(b - a for a, b in zip((0, *ends), ends))
+
+
 def _cache_constrain(cache: KVCache) -> KVCache:
     return KVCache(k=constrain(cache.k, ("layers", "batch", "kv_heads", "cache_seq", "head_dim")),
                    v=constrain(cache.v, ("layers", "batch", "kv_heads", "cache_seq", "head_dim")),
@@ -372,9 +402,7 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
                    prompt_mask: Int[Array, "P Lp"], key: jax.Array) -> Rollout:
     model = nnx.merge(graphdef, state)
     c = model.config
-    unroll = s.unroll_layers
-    if unroll is None:
-        unroll = jax.default_backend() == "cpu" and c.num_layers <= UNROLL_MAX_LAYERS
+    unroll = decode_unrolled(s, c.num_layers)
     G, N = s.num_samples, s.max_new_tokens
     P, Lp = prompt_ids.shape
     B = P * G
@@ -391,8 +419,8 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
     # prefill the P prompts once; Lp + N - 1 slots: the last sampled token is never decoded. With decode
     # phases the prompts fill Lp slots, repeated G times, then widened with empty slots: nothing of size
     # max_new_tokens is copied, only allocated
-    phased = len(windows) > 1
-    bounds = tuple(Lp + w - 1 for w in windows) if phased else None  # where each phase's slots end
+    bounds = phase_ends(s, Lp)  # where each phase's slots end; None: one phase
+    phased = bounds is not None
     cache = _cache_constrain(model.init_cache(P, Lp if phased else Lp + N - 1, s.kv_cache_dtype))
     h, cache = model.extend(prompt_ids, prompt_mask, cache)
     logits = jnp.repeat(model.logits_from_hidden(h[:, -1]), G, axis=0)  # [B, V], prompt-major

@@ -1,4 +1,5 @@
-"""Training checkpoints with orbax, and export of a checkpoint's policy to Hugging Face safetensors.
+"""Training checkpoints with orbax: the checkpoint I/O of a run (a run directory read as a model is
+``train.model_source.resolve_model``'s; its export ``train.export``'s).
 
 Layout (docs/checkpoints.md). The trainer keeps its checkpoints in ``<run_dir>/checkpoints``::
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import gc
+import importlib
 import json
 import logging
 import os
@@ -32,14 +34,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from ict_jax.model.config import ModelConfig
-from ict_jax.model.loading import load_model_and_tokenizer, load_model_tokenizer, load_tokenizer_spec
-from ict_jax.model.peft import export_model
+from ict_jax.deprecation import REMOVED_IN, MovedNames, warn
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings, split_trainable
 from ict_jax.sharding import replicated, state_shardings
 from ict_jax.train.checkpoint_errors import CheckpointWriteError, OrbaxLogCapture, QuietEventLoopTracebacks, write_error
-from ict_jax.train.lora_base import load_base, peft_base_name
 
 FORMAT = 1  # meta["format"]: bump when the saved items change
 _ITEMS = ("params", "opt", "meta")
@@ -85,7 +84,7 @@ def abstract_train_state(config: Any, model_config: Any, *, mesh: jax.sharding.M
     shardings (rule table on ``mesh``, else the default device); nothing is allocated. With LoRA
     (``model_config.lora``) its ``params`` are the adapters and ``frozen`` the base, as
     ``rl.state.split_trainable`` splits the model."""
-    graphdef, params, frozen = _abstract_params(model_config, mesh)
+    graphdef, params, frozen = abstract_params(model_config, mesh)
     opt_state = abstract_opt_state(tx or make_optimizer(config), params)
     rep = _default_sharding() if mesh is None else replicated(mesh)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
@@ -104,9 +103,10 @@ def abstract_opt_state(tx: Any, params: Any) -> Any:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_shapes, opt_sh)
 
 
-def _abstract_params(model_config: Any, mesh: jax.sharding.Mesh | None) -> tuple[Any, Any, Any]:
+def abstract_params(model_config: Any, mesh: jax.sharding.Mesh | None) -> tuple[Any, Any, Any]:
     """(graphdef, trainable, frozen): ``rl.state.split_trainable`` of the model as nnx.States over
-    ShapeDtypeStructs with the model's shardings (``frozen`` None without LoRA)."""
+    ShapeDtypeStructs with the model's shardings (``frozen`` None without LoRA): the restore template of a
+    checkpoint's ``params`` item."""
     abstract = nnx.eval_shape(lambda: Qwen2(model_config, rngs=nnx.Rngs(0)))
     graphdef, params, frozen = split_trainable(abstract)
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
@@ -378,71 +378,57 @@ class Checkpointer:
 
 
 # ------------------------------------------------------------------------------------------------
-# Params only, and export
+# Former names of a run directory read as a model (removed in ict_jax 0.3.0): ict_jax.resolve_model
 # ------------------------------------------------------------------------------------------------
+# former names whose objects moved (the object at its new home, warned when read)
+_FORMER = MovedNames(__name__, {"export_checkpoint": "ict_jax.train.export.export_checkpoint",
+                                "RUN_CONFIG_FILE": "ict_jax.model.source.RUN_CONFIG_FILE"},
+                     removed_in=REMOVED_IN)
+
+
+def __getattr__(name: str) -> Any:
+    return _FORMER.resolve(name)
+
+
+def _home(module: str) -> Any:
+    """The new home of a former name, reached by name: it imports this module (the former names go in
+    0.3.0, and with them this reach upwards)."""
+    return importlib.import_module(f"ict_jax.train.{module}")
+
+
 def load_params_from_checkpoint(directory: str | Path, step: int | None = None, *,
                                 mesh: jax.sharding.Mesh | None = None, dtype: str | None = None
                                 ) -> tuple[Any, dict[str, Any]]:
-    """(the :class:`~ict_jax.Qwen2` of checkpoint ``step`` (default: the latest), its meta).
-
-    ``directory``: a run dir, its ``checkpoints/`` folder or one ``<step>/`` directory. The model is
-    rebuilt from ``meta["model_config"]``; only the ``params`` item is read (no optimizer state).
-    With ``mesh`` every parameter is placed in its rule-table sharding; ``dtype`` casts the parameters
-    (default: as trained). A LoRA run's checkpoint gives its base with the trained adapters (the base
-    rebuilt from its recorded identity and checked: ``train.lora_base.load_base``).
-    """
-    directory, step = resolve_checkpoint_dir(directory, step)
-    with Checkpointer(directory, read_only=True) as ckpt:
-        meta = ckpt.restore_meta(step)
-        step = int(meta.get("step", step if step is not None else ckpt.latest_step()))
-        if not isinstance(meta.get("model_config"), dict):
-            raise ValueError(f"checkpoint of step {step} in {directory} has no model_config in its metadata")
-        try:
-            model_config = ModelConfig(**meta["model_config"])
-            if dtype is not None:
-                model_config = model_config.replace(param_dtype=dtype)
-        except TypeError as e:
-            raise ValueError(f"checkpoint of step {step} in {directory}: bad model_config in its metadata "
-                             f"({e})") from None
-        if model_config.lora is not None:
-            return _load_lora_checkpoint(ckpt, step, meta, mesh, dtype), meta
-        graphdef, template, _ = _abstract_params(model_config, mesh)
-        params = ckpt.restore_params(template, step)
-    return nnx.merge(graphdef, params), meta
+    """Deprecated: ``source = ict_jax.resolve_model(directory, step=step, checkpoint=True)``;
+    ``(source.load(mesh=mesh, dtype=dtype), source.meta)``."""
+    warn("ict_jax.train.checkpoints.load_params_from_checkpoint",
+         "ict_jax.resolve_model(run_dir, step=..., checkpoint=True) and its .load() and .meta", removed_in=REMOVED_IN)
+    source = _home("model_source").resolve_model(directory, step=step, checkpoint=True)
+    return source.load(mesh=mesh, dtype=dtype), source.meta
 
 
-def _load_lora_checkpoint(ckpt: Checkpointer, step: int, meta: dict[str, Any], mesh: jax.sharding.Mesh | None,
-                          dtype: str | None) -> Qwen2:
-    """The base of a LoRA checkpoint (rebuilt and checked) with the checkpoint's adapters, cast to ``dtype``."""
-    model = load_base(meta, checkpoint_run_dir(ckpt.directory), mesh=mesh)
-    graphdef, adapters, base = split_trainable(model)
-    model = nnx.merge(graphdef, ckpt.restore_params(abstract_tree(adapters), step), base)
-    if dtype is None:
-        return model
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.jit(lambda s: jax.tree.map(lambda x: x.astype(dtype), s))(state))
+def load_run_model(path: str | Path, *, step: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                   dtype: str | None = None, tokenizer: str | None = None) -> tuple[Any, Any, str]:
+    """Deprecated: ``source = ict_jax.resolve_model(path, step=step, tokenizer=tokenizer)``;
+    ``(source.load(mesh=mesh, dtype=dtype), source.tokenizer(), source.where)``."""
+    warn("ict_jax.train.checkpoints.load_run_model",
+         "ict_jax.resolve_model(spec, step=..., tokenizer=...) and its .load(), .tokenizer() and .where",
+         removed_in=REMOVED_IN)
+    source = _home("model_source").resolve_model(path, step=step, tokenizer=tokenizer)
+    tok = source.tokenizer()
+    return source.load(mesh=mesh, dtype=dtype), tok, source.where
 
 
-def run_tokenizer_spec(run_dir: str | Path) -> str | None:
-    """The tokenizer a training run used, from its ``config.json`` (``model.tokenizer``, else
-    ``model.path``, else the built-in ``char``); None when the run records no config."""
-    path = Path(run_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    model = cfg.get("model") if isinstance(cfg, dict) else None
-    if not isinstance(model, dict):
-        return None
-    return model.get("tokenizer") or model.get("path") or "char"
+def run_model_tokenizer(path: str | Path, tokenizer: str | None = None) -> Any:
+    """Deprecated: ``ict_jax.resolve_model(path, tokenizer=tokenizer).tokenizer()``."""
+    warn("ict_jax.train.checkpoints.run_model_tokenizer", "ict_jax.resolve_model(spec, tokenizer=...).tokenizer()",
+         removed_in=REMOVED_IN)
+    return _home("model_source").resolve_model(path, tokenizer=tokenizer).tokenizer()
 
 
 def run_model_source(path: str | Path) -> tuple[str, Path] | None:
-    """What a training run directory offers as a model: ``("checkpoint", path)`` when ``path`` is a
-    run directory with a finished RL checkpoint (or its ``checkpoints/`` folder, or one ``<step>/``
-    directory), ``("sft_model", <run_dir>/sft_model)`` when it has only its finished SFT warm start;
-    None for anything else (a Hugging Face directory, a file). A run directory with neither is a
-    FileNotFoundError."""
+    """Deprecated: ``ict_jax.resolve_model(path).kind`` (``checkpoint``, ``sft_model``, ...)."""
+    warn("ict_jax.train.checkpoints.run_model_source", "ict_jax.resolve_model(spec).kind", removed_in=REMOVED_IN)
     p = Path(path)
     if not p.is_dir():
         return None
@@ -455,116 +441,30 @@ def run_model_source(path: str | Path) -> tuple[str, Path] | None:
                 return "checkpoint", p
     if (p / "sft_model" / "config.json").is_file():
         return "sft_model", p / "sft_model"
-    if (p / "checkpoints").is_dir() or (p / "checkpoints_sft").is_dir() or run_tokenizer_spec(p) is not None \
+    if (p / "checkpoints").is_dir() or (p / "checkpoints_sft").is_dir() or (p / "config.json").is_file() \
             and (p / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{str(p)!r} is a training run directory without a finished checkpoint or "
                                 "sft_model yet: nothing to load")
     return None
 
 
-def load_run_model(path: str | Path, *, step: int | None = None, mesh: jax.sharding.Mesh | None = None,
-                   dtype: str | None = None, tokenizer: str | None = None) -> tuple[Any, Any, str]:
-    """(model, tokenizer, what was loaded) for any model path the commands take: a training run
-    directory (its latest finished checkpoint, or ``step``; else its ``sft_model``), a checkpoint
-    folder, or (delegated to :func:`~ict_jax.model.loading.load_model_and_tokenizer`) a Hugging Face
-    directory, a ``.gguf`` file or ``pkg:<package>/<file>``. ``tokenizer``: None = the one the run
-    used (its checkpoint metadata or config), else ``char`` or a path."""
-    source = run_model_source(path)
-    if source is None:
-        if step is not None:
-            raise ValueError(f"--step {step}: {str(path)!r} is not a training run or checkpoint directory")
-        model, tok = load_model_and_tokenizer(path, mesh=mesh, dtype=dtype, tokenizer=tokenizer)
-        return model, tok, str(path)
-    kind, where = source
-    if kind == "sft_model":
-        if step is not None:
-            raise ValueError(f"--step {step}: {str(path)!r} has no RL checkpoint, only its SFT warm start")
-        spec = tokenizer or run_tokenizer_spec(where.parent) or "char"
-        model, tok = load_model_and_tokenizer(where, mesh=mesh, dtype=dtype, tokenizer=spec)
-        return model, tok, f"{where} (the SFT warm start of the run)"
-    model, meta = load_params_from_checkpoint(where, step, mesh=mesh, dtype=dtype)
-    spec = tokenizer or meta.get("tokenizer")
-    if not spec:
-        raise ValueError(f"{str(path)!r}: the checkpoint names no tokenizer; pass --tokenizer char|PATH")
-    tok = load_tokenizer_spec(spec)
-    if tok.vocab_size > model.config.vocab_size:
-        raise ValueError(f"{str(path)!r}: the tokenizer has {tok.vocab_size} ids but the model's vocabulary only "
-                         f"{model.config.vocab_size}: wrong tokenizer for this model?")
-    return model, tok, f"{where} (checkpoint of step {meta.get('step')})"
-
-
-#: In a Hugging Face directory written by :func:`export_checkpoint`: the config tree of the run the
-#: weights come from (its template, lengths and evaluation settings travel with the model).
-RUN_CONFIG_FILE = "ict_jax_config.json"
+def run_tokenizer_spec(run_dir: str | Path) -> str | None:
+    """Deprecated: ``ict_jax.resolve_model(run_dir).tokenizer_spec``."""
+    warn("ict_jax.train.checkpoints.run_tokenizer_spec", "ict_jax.resolve_model(run_dir).tokenizer_spec",
+         removed_in=REMOVED_IN)
+    try:
+        cfg = json.loads((Path(run_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    return (model.get("tokenizer") or model.get("path") or "char") if isinstance(model, dict) else None
 
 
 def recorded_run_config(path: str | Path, step: int | None = None) -> tuple[dict[str, Any], str] | None:
-    """(the config tree a model was trained with, as the plain dict the run recorded, where it was
-    read) for any model path the commands take: a training run directory, its checkpoints/ folder or a
-    ``<step>/`` directory (the metadata of the checkpoint that loads: ``step``, else the latest), a run's
-    ``sft_model`` (the run's ``config.json``), or a Hugging Face directory that :func:`export_checkpoint`
-    wrote (its :data:`RUN_CONFIG_FILE`). None for a model with no recorded settings."""
-    def read(file: Path) -> dict[str, Any] | None:
-        try:
-            tree = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-        return tree if isinstance(tree, dict) else None
-
-    p = Path(path)
-    source = run_model_source(p)
-    if source is not None and source[0] == "checkpoint":
-        directory, step = resolve_checkpoint_dir(source[1], step)
-        with Checkpointer(directory, read_only=True) as ckpt:
-            step = ckpt.resolve_step(step)
-            tree = ckpt.restore_meta(step).get("config")
-        if isinstance(tree, dict):
-            return tree, f"the checkpoint of step {step} in {directory}"
-        run_dir = directory.parent if directory.name == "checkpoints" else directory
-        candidates = [run_dir / "config.json"]
-    elif source is not None:  # the run's sft_model
-        candidates = [source[1].parent / "config.json"]
-    elif p.is_dir():
-        candidates = [p / RUN_CONFIG_FILE] + ([p.parent / "config.json"] if p.name == "sft_model" else [])
-    else:
+    """Deprecated: ``ict_jax.resolve_model(path, step=step).run_config``."""
+    warn("ict_jax.train.checkpoints.recorded_run_config", "ict_jax.resolve_model(spec, step=...).run_config",
+         removed_in=REMOVED_IN)
+    try:
+        return _home("model_source").resolve_model(path, step=step).run_config
+    except (OSError, ValueError):
         return None
-    for file in candidates:
-        tree = read(file)
-        if tree is not None:
-            return tree, str(file)
-    return None
-
-
-def run_model_tokenizer(path: str | Path, tokenizer: str | None = None) -> Any:
-    """The tokenizer :func:`load_run_model` would return, without loading the weights."""
-    source = run_model_source(path)
-    if source is None:
-        return load_model_tokenizer(path, tokenizer)
-    if tokenizer is not None:
-        return load_tokenizer_spec(tokenizer)
-    kind, where = source
-    if kind == "sft_model":
-        return load_tokenizer_spec(run_tokenizer_spec(where.parent) or "char")
-    directory, step = resolve_checkpoint_dir(where)
-    with Checkpointer(directory, read_only=True) as ckpt:
-        spec = ckpt.restore_meta(step).get("tokenizer")
-    if not spec:
-        raise ValueError(f"{str(path)!r}: the checkpoint names no tokenizer; pass --tokenizer char|PATH")
-    return load_tokenizer_spec(spec)
-
-
-def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
-                      dtype: str | None = None, format: str = "merged") -> Path:
-    """Write checkpoint ``step`` (default: the latest) of ``ckpt_dir`` at ``out_dir``, which must not exist
-    or be empty: ``format="merged"`` a Hugging Face directory (``config.json`` + safetensors; LoRA adapters
-    merged into the weights), ``"peft"`` the LoRA adapters alone as a PEFT adapter directory
-    (:func:`ict_jax.model.peft.export_model`, docs/lora.md). The run's config tree goes beside it as
-    :data:`RUN_CONFIG_FILE`, so that ``ict-jax eval`` / ``inspect`` of the exported model use the run's
-    template, lengths and evaluation settings."""
-    model, meta = load_params_from_checkpoint(ckpt_dir, step)
-    # base_model_name_or_path only for a transformers directory (not a .gguf or pkg: spec, not a preset)
-    base = peft_base_name(meta, checkpoint_run_dir(resolve_checkpoint_dir(ckpt_dir, step)[0]))
-    out = export_model(model, out_dir, format=format, dtype=dtype, base_model_name_or_path=base)
-    if isinstance(meta.get("config"), dict):
-        (Path(out) / RUN_CONFIG_FILE).write_text(json.dumps(meta["config"], indent=2))
-    return out

@@ -32,8 +32,8 @@ from ict_jax.config import Config, ConfigError
 from ict_jax.model.adapters import add_adapters
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.identity import arrays_sha256, weights_sha256
-from ict_jax.model.loading import load_model_weights
 from ict_jax.model.qwen2 import Qwen2, init_model
+from ict_jax.model.source import ModelSource
 from ict_jax.model.weights import load_hf
 from ict_jax.rng import INIT_STREAM, root_key, stream_key
 from ict_jax.train.record import SFT_MODEL
@@ -140,22 +140,21 @@ def load_base(meta: dict[str, Any], run_dir: Path, *, mesh: jax.sharding.Mesh | 
     """The base of a LoRA checkpoint (its metadata ``meta``; ``run_dir``: the run directory it belongs to)
     with fresh adapters of the checkpoint's spec, the base's identity checked against the recorded one
     (ValueError, one line, when it differs or cannot be rebuilt). The adapters are then restored from the
-    checkpoint (``train.checkpoints.load_params_from_checkpoint``)."""
+    checkpoint (``train.model_source.resolve_model``)."""
     recorded, step = meta.get(META_KEY), meta.get("step")
     where = f"the checkpoint of step {step} in {run_dir}"
     if not isinstance(recorded, dict):
         raise ValueError(f"{where} holds LoRA adapters but records no base model")
     mc = ModelConfig(**meta["model_config"])
-    kw = dict(mesh=mesh, dtype=mc.param_dtype, compute_dtype=mc.compute_dtype, remat=mc.remat,
-              scan_layers=mc.scan_layers)
+    settings = dict(compute_dtype=mc.compute_dtype, remat=mc.remat, scan_layers=mc.scan_layers)
     kind, current = recorded.get("kind"), None
     try:
         if kind == "warm_start":
             current = warm_start_identity(run_dir)
-            base = load_hf(run_dir / SFT_MODEL, **kw)
+            base = load_hf(run_dir / SFT_MODEL, mesh=mesh, dtype=mc.param_dtype, **settings)
         elif kind == "file":
             current = file_identity(str(recorded.get("source")))
-            base = load_model_weights(str(recorded.get("source")), **kw)
+            base = ModelSource.from_files(str(recorded.get("source")), **settings).load(mesh=mesh, dtype=mc.param_dtype)
         elif kind == "preset":
             seed = stream_key(root_key(int(recorded.get("seed", 0))), INIT_STREAM)
             base = init_model(mc.replace(lora=None), seed=seed, mesh=mesh)

@@ -25,8 +25,10 @@ from jax.sharding import Mesh
 from ict_jax.config import Config, ConfigError
 from ict_jax.data.datasets import load_dataset
 from ict_jax.data.prompts import PromptIterator
+from ict_jax.model.adapters import attach_lora
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import Qwen2
+from ict_jax.model.source import ModelSource
 from ict_jax.model.tokenizers import Tokenizer
 from ict_jax.rewards.checks import CUSTOM_KIND, RewardSpec
 from ict_jax.rewards.pool import RewardPool
@@ -38,7 +40,7 @@ from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, abstra
 from ict_jax.train.logs import RunLogger
 from ict_jax.train.lora_base import META_KEY as BASE_META_KEY
 from ict_jax.train.lora_base import LoraBase, loaded_identity
-from ict_jax.train.model_source import build_model_and_tokenizer, run_architecture, with_adapters
+from ict_jax.train.model_source import resolve_model
 from ict_jax.train.preflight import FitCheck, compile_and_check
 from ict_jax.train.programs import RunPrograms, TokenIds, build_programs, has_reference, reference_dtype, same_layout
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
@@ -191,10 +193,12 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
         and (run_dir / SFT_MODEL).is_dir() else None
     if weights is not None:
         model = None  # a given model is not the warm start: build from the weights
+    source = None
     if model is None:  # the architecture first: the programs compile and are checked before the weights load
-        mc, tokenizer, tok_spec = run_architecture(cfg)
+        source = resolve_model(cfg)
+        mc, tokenizer, tok_spec = source.config, source.tokenizer(), source.tokenizer_spec
     else:
-        model, tok_spec = with_adapters(cfg, model), "given"
+        model, tok_spec = attach_lora(model, cfg.model.lora, cfg.seed), "given"
         mc = model.config
     prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=mc.max_position_embeddings)
     iterator = PromptIterator(prompts.encoded, cfg.train.prompts_per_step, seed=cfg.seed)
@@ -205,7 +209,8 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:
         if model is None:
-            model, state, programs = _load_weights(cfg, mesh, tokenizer, programs, weights, ahead)
+            model, state, programs = _load_weights(cfg, mesh, source if weights is None else
+                                                   resolve_model(cfg, weights=weights), tokenizer, programs, ahead)
         lora_base = None if model.config.lora is None else LoraBase(
             loaded_identity(cfg, model, weights=weights, given=tok_spec == "given"), run_dir, cfg.train.sft_steps > 0)
         if resume and lora_base is not None:  # before anything is written
@@ -224,13 +229,13 @@ def start_state(cfg: Config, model: Qwen2, sft: bool) -> TrainState:
     return init_train_state(cfg, model, tx=make_sft_optimizer(cfg) if sft else None)
 
 
-def _load_weights(cfg: Config, mesh: Mesh, tokenizer: Tokenizer, programs: RunPrograms,
-                  weights: Path | None = None, sft: bool = False) -> tuple[Qwen2, TrainState, RunPrograms]:
-    """The model's weights (``weights``: a resumed LoRA run's warm start, its base) and the start state
-    (:func:`start_state`), for programs built (and maybe compiled) from the abstract state; programs built
-    again from the real state if its structure, shapes or shardings differ (never expected: a warning says
-    so)."""
-    model, _, _ = build_model_and_tokenizer(cfg, mesh, weights=weights)
+def _load_weights(cfg: Config, mesh: Mesh, source: ModelSource, tokenizer: Tokenizer, programs: RunPrograms,
+                  sft: bool = False) -> tuple[Qwen2, TrainState, RunPrograms]:
+    """The model's weights (``source``: the run's model, or a resumed LoRA run's warm start, its base) and the
+    start state (:func:`start_state`), for programs built (and maybe compiled) from the abstract state;
+    programs built again from the real state if its structure, shapes or shardings differ (never expected: a
+    warning says so)."""
+    model = source.load(mesh=mesh)
     state = start_state(cfg, model, sft)
     if not same_layout(abstract_tree(state), (programs.sft if sft else programs.step).abstract()[0]):
         log.warning("the loaded model's train state differs from the one compiled before loading; compiling again")

@@ -14,11 +14,10 @@ from flax import nnx
 
 from ict_jax.config import Config, ConfigError
 from ict_jax.model.qwen2 import Qwen2
-from ict_jax.model.weights import load_hf
 from ict_jax.outputs import has_entries, hold_output_dir
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.logs import read_metrics, truncate_metrics
-from ict_jax.train.model_source import model_overrides
+from ict_jax.train.model_source import resolve_model
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, read_summary, run_finished
 
 SFT_CHECKPOINTS = "checkpoints_sft"  # <run_dir>/checkpoints_sft/<sft step>/: an unfinished SFT warm start
@@ -115,7 +114,7 @@ def reference_model(cfg: Config, run_dir: Path, model: Qwen2, resumed: bool, mes
     ``model`` is before any checkpoint is restored into the state)."""
     sft_dir = run_dir / SFT_MODEL
     if resumed and sft_dir.is_dir():
-        return nnx.state(load_hf(sft_dir, mesh=mesh, dtype=cfg.model.param_dtype, **model_overrides(cfg)), nnx.Param)
+        return nnx.state(resolve_model(cfg, weights=sft_dir, adapters=False).load(mesh=mesh), nnx.Param)
     return nnx.state(model, nnx.Param)
 
 

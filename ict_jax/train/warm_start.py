@@ -31,9 +31,9 @@ import numpy as np
 from flax import nnx
 
 from ict_jax.deprecation import REMOVED_IN, warn
-from ict_jax.model.adapters import merge_adapters
+from ict_jax.model.adapters import attach_lora, merge_adapters
 from ict_jax.model.qwen2 import Qwen2
-from ict_jax.model.weights import load_hf, save_hf
+from ict_jax.model.weights import save_hf
 from ict_jax.rewards.checks import sft_target
 from ict_jax.rl.sft import make_sft_optimizer, sft_arrays
 from ict_jax.rl.state import TrainState, check_lora_state, init_opt_state, init_train_state, reference_params
@@ -42,7 +42,7 @@ from ict_jax.sharding import to_host
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.hooks import Hook, Hooks, checkpoint_health, save_checkpoint
 from ict_jax.train.logs import metrics_to_floats
-from ict_jax.train.model_source import model_overrides, with_adapters
+from ict_jax.train.model_source import resolve_model
 from ict_jax.train.parts import RunParts
 from ict_jax.train.phase import Phase, PhaseEnd, StartLogger, run_phase
 from ict_jax.train.programs import has_reference, reference_dtype
@@ -146,7 +146,7 @@ def start_rl(parts: RunParts, model: Qwen2) -> tuple[TrainState, nnx.State | Non
     once the SFT state is dropped: the RL optimizer state is allocated here."""
     if model.config.lora is not None:
         model = merge_adapters(model)
-    state = init_train_state(parts.config, with_adapters(parts.config, model))
+    state = init_train_state(parts.config, attach_lora(model, parts.config.model.lora, parts.config.seed))
     ref = reference_params(state, reference_dtype(model.config)) if has_reference(parts.config, state) else None
     return state, ref
 
@@ -155,7 +155,7 @@ def load_warm_start(parts: RunParts) -> tuple[TrainState, nnx.State | None]:
     """(train state, KL reference or None) of RL starting from a finished warm start,
     ``<run_dir>/sft_model`` (:func:`start_rl`)."""
     cfg = parts.config
-    model = load_hf(parts.run_dir / SFT_MODEL, mesh=parts.mesh, dtype=cfg.model.param_dtype, **model_overrides(cfg))
+    model = resolve_model(cfg, weights=parts.run_dir / SFT_MODEL, adapters=False).load(mesh=parts.mesh)
     return start_rl(parts, model)
 
 

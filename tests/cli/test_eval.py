@@ -12,8 +12,9 @@ import pytest
 from ict_jax import CharTokenizer
 from ict_jax.cli.main import main
 from ict_jax.data.templates import template_dataset
-from ict_jax.model.loading import load_model_and_tokenizer, resolve_path
+from ict_jax.model.packaged import resolve_path
 from ict_jax.sampling.text_generation import make_text_generator
+from ict_jax.train.model_source import resolve_model
 
 # ~20-character questions: with the qwen_chat template and the boxed instruction each prompt is
 # 100-128 CharTokenizer ids, i.e. all in the 128 bucket of make_buckets(256).
@@ -70,7 +71,8 @@ def test_eval_cli_end_to_end(assets, tmp_path, capsys):
     assert f"{b['pass@1']:.3f} ± {b['se']['pass@1']:.3f}" in printed
 
     # the responses are exactly what the generator gives for the same templated prompts and seed
-    model, tok = load_model_and_tokenizer(assets / "model", tokenizer="char")
+    source = resolve_model(assets / "model", tokenizer="char")
+    model, tok = source.load(), source.tokenizer()
     gen = make_text_generator(model, tok, max_new_tokens=12, template="none", max_prompt_len=256, batch_size=2,
                               seed=5)
     from ict_jax import load_dataset
@@ -320,8 +322,9 @@ def test_an_exported_checkpoint_brings_the_runs_settings(run_dir, tmp_path, tiny
     """`ict-jax export` writes the run's config beside the weights (ict_jax_config.json): evaluating the
     exported directory uses the run's template, lengths and tokenizer (char: no tokenizer files)."""
     from ict_jax.config import load_config
+    from ict_jax.model.source import RUN_CONFIG_FILE
     from ict_jax.rl.state import init_train_state
-    from ict_jax.train.checkpoints import RUN_CONFIG_FILE, Checkpointer
+    from ict_jax.train.checkpoints import Checkpointer
 
     cfg = json.loads((run_dir / "config.json").read_text())
     state = init_train_state(load_config(None), tiny_model)

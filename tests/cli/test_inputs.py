@@ -78,15 +78,16 @@ def test_unreadable_safetensors_is_one_line_naming_the_file(tmp_path, capsys, da
 # A run directory where a model is expected: its last checkpoint (or its SFT model)
 # ------------------------------------------------------------------------------------------------
 def test_run_directory_as_model_uses_its_last_checkpoint(run_dir, capsys):
-    from ict_jax.model.loading import load_model_and_tokenizer
-    from ict_jax.train.checkpoints import load_run_model
+    from ict_jax.model.source import ModelSource
+    from ict_jax.train.model_source import resolve_model
 
-    model, tok, where = load_run_model(run_dir)
+    source = resolve_model(run_dir)
+    model, tok, where = source.load(), source.tokenizer(), source.where
     assert where == f"{run_dir} (checkpoint of step 1)" and tok.vocab_size == 100
     ref = load_hf(run_dir / "sft_model")  # the same weights were saved in both
     np.testing.assert_array_equal(np.asarray(model.embed[...]), np.asarray(ref.embed[...]))
     with pytest.raises(ValueError, match="is an ict_jax training run directory, not a model"):
-        load_model_and_tokenizer(run_dir)  # the model layer says what to pass instead
+        ModelSource.from_files(run_dir)  # the model layer says what to pass instead
     rc = main(["sample", "--model", str(run_dir), "--prompt", "1+2=", "--max-new-tokens", "3", "--greedy"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
@@ -95,18 +96,20 @@ def test_run_directory_as_model_uses_its_last_checkpoint(run_dir, capsys):
 
 
 def test_run_directory_with_only_its_sft_model(run_dir, tmp_path):
-    from ict_jax.train.checkpoints import load_run_model
+    from ict_jax.train.model_source import resolve_model
 
     sft_only = tmp_path / "sft_run"
     sft_only.mkdir()
     shutil.copytree(run_dir / "sft_model", sft_only / "sft_model")
     shutil.copy(run_dir / "config.json", sft_only / "config.json")
-    model, tok, where = load_run_model(sft_only)  # tokenizer: the run's config (model.tokenizer char)
+    source = resolve_model(sft_only)  # tokenizer: the run's config (model.tokenizer char)
+    source.load()
+    tok, where = source.tokenizer(), source.where
     assert "the SFT warm start of the run" in where and tok.vocab_size == 100
     empty = tmp_path / "empty_run"
     (empty / "checkpoints").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="without a finished checkpoint or sft_model"):
-        load_run_model(empty)
+        resolve_model(empty)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,7 +132,7 @@ def test_info_with_the_documented_mesh_form(capsys):
 # pkg: takes the distribution name (pip's) and the import name
 # ------------------------------------------------------------------------------------------------
 def test_pkg_spec_accepts_distribution_and_import_names():
-    from ict_jax.model.loading import resolve_path
+    from ict_jax.model.packaged import resolve_path
 
     pytest.importorskip("importlib.metadata")
     try:
@@ -200,19 +203,26 @@ def test_saved_model_folder_follows_the_umask(tmp_path, umask):
     (["compile", "--config", str(DEMO), "--topology", "local", "--dump-hlo", "/proc/x/hlo"], "--dump-hlo '/proc/x/hlo'"),
 ])
 def test_an_unwritable_output_location_is_one_line_before_any_work(argv, label, run_dir, capsys, monkeypatch):
-    import ict_jax.train.checkpoints as ck
-
     def no_work(*a, **k):  # nothing may be loaded, trained or compiled before the check
         raise AssertionError("work started before the output location was checked")
 
-    monkeypatch.setattr(ck, "load_run_model", no_work)
-    monkeypatch.setattr(ck, "load_params_from_checkpoint", no_work)
-    monkeypatch.setattr(ck, "export_checkpoint", no_work)
+    _no_model_resolved(monkeypatch, no_work)
     argv = [str(run_dir) if a == "RUN" else a for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"ict-jax {argv[0]}: error: {label} ") and "Traceback" not in err, err
     assert "cannot be" in err
+
+
+def _no_model_resolved(monkeypatch, fail) -> None:
+    """Every model spec's resolution calls ``fail`` (a run directory's, the model layer's files and presets).
+    Patched where it is looked up at call time, so no module that imports resolve_model by name keeps it."""
+    import ict_jax.train.model_source as model_source
+    from ict_jax.model.source import ModelSource
+
+    monkeypatch.setattr(model_source, "_run_source", fail)
+    monkeypatch.setattr(ModelSource, "from_files", fail)
+    monkeypatch.setattr(ModelSource, "from_preset", fail)
 
 
 def test_check_output_locations(tmp_path):
@@ -289,9 +299,7 @@ def test_prompts_past_the_models_positions_are_refused(argv, message, run_dir, c
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
 ])
 def test_sample_flags_are_checked_before_the_model_loads(flags, message, capsys, monkeypatch):
-    import ict_jax.train.checkpoints as ck
-
-    monkeypatch.setattr(ck, "load_run_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    _no_model_resolved(monkeypatch, lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     assert main(["sample", "--model", "no/such/model", "--prompt", "1+1=", *flags]) == 2
     err = capsys.readouterr().err
     assert err == f"ict-jax sample: error: {message}\n"

@@ -14,8 +14,15 @@ import numpy as np
 import pytest
 
 from ict_jax.model import packaged
-from ict_jax.model.loading import load_model_and_tokenizer, resolve_path
-from ict_jax.model.packaged import KNOWN_MODELS, PackagedModel, cache_status, split_model_for, verify_cached
+from ict_jax.model.packaged import (
+    KNOWN_MODELS,
+    PackagedModel,
+    cache_status,
+    resolve_path,
+    split_model_for,
+    verify_cached,
+)
+from ict_jax.train.model_source import resolve_model
 
 gguf = pytest.importorskip("gguf")
 
@@ -101,7 +108,8 @@ def test_assembles_in_order_and_reuses_the_cache(split_site, monkeypatch):
 
     monkeypatch.setattr(packaged, "assemble", no_assembly)
     assert resolve_path("pkg:fakesplit_t23") == path  # the fast path (any spelling of the prefix)
-    model, tok = load_model_and_tokenizer("pkg:fakesplit-t23")  # the one front door loads it
+    source = resolve_model("pkg:fakesplit-t23")  # the one front door loads it
+    model, tok = source.load(), source.tokenizer()
     assert model.config.vocab_size == V and tok.eos_ids[0] == V - 1
 
 
@@ -265,13 +273,12 @@ def test_info_lists_the_real_models(split_site, monkeypatch, capsys):
 
 
 def test_every_model_front_door_takes_the_split_spec(split_site, capsys):
-    """The commands resolve the spec through loading.resolve_path: the tokenizer-first path of eval /
-    diagnose, compile's architecture lookup (model.path), and `ict-jax sample` (below, e2e)."""
+    """The commands resolve the spec through resolve_model (packaged.resolve_path): the tokenizer-first path
+    of eval / diagnose, compile's architecture lookup (model.path), and `ict-jax sample` (below, e2e)."""
     from ict_jax.aot.compile import target_model_config
     from ict_jax.config import load_config
-    from ict_jax.train.checkpoints import run_model_tokenizer
 
-    tok = run_model_tokenizer("pkg:fakesplit-t23")
+    tok = resolve_model("pkg:fakesplit-t23").tokenizer()
     assert tok.vocab_size == V and tok.encode("abcd") == [256, 257]
     cfg = load_config(None, ["model.path=pkg:fakesplit-t23"])
     mc, where = target_model_config(cfg, "cpu")

@@ -82,13 +82,15 @@ def test_one_rl_step_of_the_cpu_ict_recipe_writes_its_record(tmp_path):
 @pytest.fixture(scope="module")
 def pair():
     """(our model, our tokenizer, transformers' model, transformers' tokenizer, timings), one load each."""
-    from ict_jax.model.loading import load_model_and_tokenizer, resolve_path
+    from ict_jax.model.packaged import resolve_path
+    from ict_jax.model.source import ModelSource
 
     times = {}
     t0 = time.perf_counter()
     path = resolve_path(MODEL.name)  # assembled (or found) in the cache
     times["resolve"] = time.perf_counter() - t0
-    model, tok = load_model_and_tokenizer(MODEL.name, dtype="float32", compute_dtype="float32")
+    source = ModelSource.from_files(MODEL.name, compute_dtype="float32")  # float32 on an accelerator too
+    model, tok = source.load(dtype="float32"), source.tokenizer()
     times["ict_jax load"] = time.perf_counter() - t0 - times["resolve"]
     t1 = time.perf_counter()
     d, name = os.path.split(path)

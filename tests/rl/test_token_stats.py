@@ -382,10 +382,10 @@ def test_hidden_and_one_pass_readings_equal_logits(u_form, dense_case):
 
 
 def test_block_size_evens_out_blocks():
-    from ict_jax.rl.token_stats import _block_size
+    from ict_jax.rl.token_stats import block_size
 
-    assert [_block_size(96, c) for c in (16, 32, 64, 128, 1)] == [16, 32, 48, 96, 1]
-    assert _block_size(100, 64) == 50 and _block_size(7, 3) == 3 and _block_size(1024, 64) == 64
+    assert [block_size(96, c) for c in (16, 32, 64, 128, 1)] == [16, 32, 48, 96, 1]
+    assert block_size(100, 64) == 50 and block_size(7, 3) == 3 and block_size(1024, 64) == 64
 
 
 def test_statics_travel_as_one_hashable_plan(monkeypatch):

@@ -292,6 +292,22 @@ def test_settings_validation(model):
             make_generate_fn(graphdef, **bad)
 
 
+def test_the_sampler_says_how_it_holds_its_kv_cache():
+    """``cache_chunks``: one chunk a decode phase (the response buckets of max_new_tokens) when the decode
+    unrolls the layers on a CPU; one array per layer otherwise (what ``ict-jax compile`` checks for)."""
+    from ict_jax.sampling.sampler import UNROLL_MAX_LAYERS, SampleSettings, cache_chunks, phase_ends
+
+    s = SampleSettings(max_new_tokens=64, min_response_bucket=16)  # phases of 16, 32, 64 responses
+    assert phase_ends(s, 8) == (23, 39, 71)
+    assert cache_chunks(s, 2, 8, backend="cpu") == (23, 16, 32)  # sums to the cache's 8 + 64 - 1 slots
+    assert cache_chunks(s, 2, 8, backend="tpu") is None  # the layer scan: one stacked cache
+    assert cache_chunks(s, UNROLL_MAX_LAYERS + 1, 8, backend="cpu") is None
+    assert cache_chunks(SampleSettings(max_new_tokens=64, min_response_bucket=16, unroll_layers=False), 2, 8,
+                        backend="cpu") is None
+    one_phase = SampleSettings(max_new_tokens=64, min_response_bucket=None)
+    assert phase_ends(one_phase, 8) is None and cache_chunks(one_phase, 2, 8, backend="cpu") is None
+
+
 # ------------------------------------------------------------------------------------------------
 # ict-jax sample
 # ------------------------------------------------------------------------------------------------

@@ -209,14 +209,13 @@ def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch
 
     # `ict-jax diagnose --reanalyse` loads the tokenizer only (it loaded the whole model: 30 s and 4.6 GB
     # for the 1.5B) and needs no --prompts
-    import ict_jax.model.loading as loading
+    import ict_jax.model.source as source
 
     def no_weights(*a, **k):
         raise AssertionError("--reanalyse loaded the weights")
 
-    monkeypatch.setattr(loading, "load_hf", no_weights)
-    monkeypatch.setattr(loading, "load_gguf", no_weights)
-    monkeypatch.setattr(loading, "load_model_and_tokenizer", no_weights)
+    monkeypatch.setattr(source, "load_hf", no_weights)
+    monkeypatch.setattr(source, "load_gguf", no_weights)
     capsys.readouterr()
     assert main(["diagnose", "--reanalyse", "--model", str(tiny_hf_dir), "--tokenizer", "char",
                  "--out", str(tmp_path)]) == 0

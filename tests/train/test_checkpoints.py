@@ -23,7 +23,8 @@ from ict_jax.config import load_config
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import init_train_state
 from ict_jax.rl.train_step import make_train_step
-from ict_jax.train.checkpoints import Checkpointer, abstract_train_state, load_params_from_checkpoint
+from ict_jax.train.checkpoints import Checkpointer, abstract_train_state
+from ict_jax.train.model_source import resolve_model
 
 P, G, LP, LR = 2, 4, 3, 5
 MODEL = ict_jax.ModelConfig.tiny()
@@ -127,8 +128,9 @@ def test_restore_with_a_concrete_template_and_params_only():
         assert ckpt.restore_meta(1)["data"]["position"] == 7
     _assert_bitwise(_pytree(state), saved)
     for where in (d.parent, d, d / "1"):  # run dir, its checkpoints folder, one step's dir
-        model, meta = load_params_from_checkpoint(where)
-        assert meta["step"] == 1 and model.config == MODEL
+        source = resolve_model(where, checkpoint=True)
+        model, meta = source.load(), source.meta
+        assert meta["step"] == source.step == 1 and model.config == MODEL == source.config
         _assert_bitwise(nnx.state(model, nnx.Param), saved[0])
 
 
@@ -149,7 +151,7 @@ def test_restore_onto_an_eight_device_mesh(devices8):
             assert leaf.sharding == t.sharding, (leaf.sharding, t.sharding)
             sharded += len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
         assert sharded >= 10  # the weights and Adam moments really are split over the mesh
-    model, _ = load_params_from_checkpoint(d, mesh=mesh)
+    model = resolve_model(d, checkpoint=True).load(mesh=mesh)
     wq = model.layers.wq[...]
     assert wq.sharding == concrete.params["layers"]["wq"][...].sharding and not wq.sharding.is_fully_replicated
 
@@ -274,7 +276,7 @@ def test_export_reloads_in_transformers_with_the_same_logits(tmp_path):
     cfg, saved, _step, _a, _m, d = _trained()
     out = ict_jax.export_checkpoint(d.parent, tmp_path / "hf")
     hf = transformers.Qwen2ForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
-    model, _ = load_params_from_checkpoint(d)
+    model = resolve_model(d, checkpoint=True).load()
     ids = np.random.default_rng(1).integers(0, MODEL.vocab_size, (2, 9))
     ours = np.asarray(model(jnp.asarray(ids)))
     with torch.no_grad():

@@ -50,9 +50,10 @@ def _free_port() -> int:
 def _params(run: Path):
     from flax import nnx
 
-    from ict_jax.train.checkpoints import load_params_from_checkpoint
+    from ict_jax.train.model_source import resolve_model
 
-    model, meta = load_params_from_checkpoint(run / "checkpoints")
+    source = resolve_model(run / "checkpoints", checkpoint=True)
+    model, meta = source.load(), source.meta
     return meta["step"], jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
 

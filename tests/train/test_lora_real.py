@@ -41,8 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.real_model,
 @pytest.fixture(scope="module")
 def real_gguf() -> Path:
     """The assembled GGUF (in the cache of ict_jax.model.packaged), checked by its known sha256."""
-    from ict_jax.model.loading import resolve_path
-    from ict_jax.model.packaged import KNOWN_MODELS
+    from ict_jax.model.packaged import KNOWN_MODELS, resolve_path
 
     path = Path(resolve_path(SPEC))
     assert hashlib.sha256(path.read_bytes()).hexdigest() == KNOWN_MODELS[SPEC].sha256
@@ -65,8 +64,9 @@ def test_a_lora_run_of_the_real_model_trains_resumes_and_exports_what_peft_loads
     from peft import PeftModel
 
     import ict_jax
-    from ict_jax.train.checkpoints import Checkpointer, load_run_model
+    from ict_jax.train.checkpoints import Checkpointer
     from ict_jax.train.logs import read_metrics
+    from ict_jax.train.model_source import resolve_model
 
     small = ["train.prompts_per_step=1", "rl.reward.no_answer=-1"]  # the smallest run that proves it (docstring)
     setting = ["--config", str(RECIPE), *SETTING, *small]
@@ -94,7 +94,8 @@ def test_a_lora_run_of_the_real_model_trains_resumes_and_exports_what_peft_loads
     digest = hashlib.sha256(real_gguf.read_bytes()).hexdigest()
     assert meta["base_model"] == {"kind": "file", "source": SPEC, "sha256": {real_gguf.name: digest}}
 
-    model, tok, _ = load_run_model(run)
+    source = resolve_model(run)
+    model, tok = source.load(), source.tokenizer()
     _cli("export", "--checkpoint", str(run), "--out", str(tmp_path / "adapter"), "--format", "peft")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name,
                                                            dtype=torch.float32)

@@ -35,9 +35,9 @@ TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4"
 def _adapters(run: Path) -> dict:
     """{path: array} of the adapters in the run's latest RL checkpoint (its params item)."""
     from ict_jax.model.adapters import split_adapters
-    from ict_jax.train.checkpoints import load_params_from_checkpoint
+    from ict_jax.train.model_source import resolve_model
 
-    model, _ = load_params_from_checkpoint(run)
+    model = resolve_model(run, checkpoint=True).load()
     _, adapters, _ = split_adapters(model)
     return {jax.tree_util.keystr(p): np.asarray(a) for p, a in jax.tree_util.tree_flatten_with_path(adapters)[0]}
 
@@ -184,7 +184,8 @@ def test_checkpoints_hold_the_adapters_and_the_identity_of_their_base(lora_runs)
     the base: the warm start (its adapters merged into the preset's weights) by its file's sha256. The
     base under RL is exactly that file, untouched by RL; the RL adapters are not fresh any more."""
     from ict_jax.model.adapters import split_adapters
-    from ict_jax.train.checkpoints import Checkpointer, load_params_from_checkpoint
+    from ict_jax.train.checkpoints import Checkpointer
+    from ict_jax.train.model_source import resolve_model
 
     full, _ = lora_runs
     with Checkpointer(full / "checkpoints", read_only=True) as ck:
@@ -199,7 +200,7 @@ def test_checkpoints_hold_the_adapters_and_the_identity_of_their_base(lora_runs)
     digest = hashlib.sha256((sft / "model.safetensors").read_bytes()).hexdigest()
     assert meta["base_model"] == {"kind": "warm_start", "source": "sft_model", "sha256": {"model.safetensors": digest}}
     assert meta["model_config"]["lora"]["rank"] == 4
-    model, _ = load_params_from_checkpoint(full)
+    model = resolve_model(full, checkpoint=True).load()
     _, adapters, base = split_adapters(model)
     want = nnx.state(ict_jax.load_hf(sft), nnx.Param)
     assert jax.tree.structure(jax.tree.map(np.asarray, want)) == jax.tree.structure(jax.tree.map(np.asarray, base))
@@ -221,10 +222,11 @@ def test_commands_read_a_lora_run_and_its_peft_export_loads_in_peft(lora_runs, t
     from peft import PeftModel
 
     from ict_jax.cli.main import main
-    from ict_jax.train.checkpoints import load_run_model
+    from ict_jax.train.model_source import resolve_model
 
     full, _ = lora_runs
-    model, tok, where = load_run_model(full)
+    source = resolve_model(full)
+    model, tok, where = source.load(), source.tokenizer(), source.where
     assert model.config.lora is not None and "checkpoint of step 4" in where
     assert main(["export", "--checkpoint", str(full), "--out", str(tmp_path / "peft"), "--format", "peft"]) == 0
     assert main(["export", "--checkpoint", str(full), "--out", str(tmp_path / "merged")]) == 0
@@ -258,7 +260,7 @@ def test_a_changed_base_is_refused_on_resume_and_on_load(lora_runs, reward_dir, 
     """The run's warm start rewritten with other weights: --resume stops with one line (exit 2) before
     anything is written; loading the checkpoint (sample, export, ...) is refused with one line too."""
     from ict_jax.cli.main import main
-    from ict_jax.train.checkpoints import load_run_model
+    from ict_jax.train.model_source import resolve_model
 
     full, _ = lora_runs
     run = tmp_path / "run"
@@ -275,7 +277,7 @@ def test_a_changed_base_is_refused_on_resume_and_on_load(lora_runs, reward_dir, 
     assert "holds LoRA adapters trained on the run's SFT warm start sft_model" in err and "Traceback" not in err
     assert (run / "metrics.jsonl").read_text() == before and not (run / "resumes.jsonl").exists()
     with pytest.raises(ValueError, match="holds LoRA adapters trained on .* but that base is now") as e:
-        load_run_model(run)
+        resolve_model(run).load()  # the metadata reads; the base is checked as it loads
     assert len(str(e.value).splitlines()) == 1
     assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "--format", "peft"]) == 2
 

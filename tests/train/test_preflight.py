@@ -64,11 +64,12 @@ def tiny_programs(devices8):
 
     from ict_jax.sharding import make_mesh
     from ict_jax.train.checkpoints import abstract_train_state
-    from ict_jax.train.model_source import run_architecture
+    from ict_jax.train.model_source import resolve_model
     from ict_jax.train.programs import build_programs, per_device_bytes
 
     cfg = load_config(DEMO, TINY)
-    mc, tok, _ = run_architecture(cfg)
+    source = resolve_model(cfg)
+    mc = source.config
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     state = abstract_train_state(cfg, mc, mesh=mesh)
     return cfg, build_programs(cfg, mesh, mc, state), state, per_device_bytes
@@ -172,12 +173,13 @@ def test_a_run_whose_sft_step_does_not_fit_is_refused_naming_it_and_writes_nothi
     from ict_jax.cli.main import main
     from ict_jax.train import preflight
     from ict_jax.train.checkpoints import abstract_train_state
-    from ict_jax.train.model_source import run_architecture
+    from ict_jax.train.model_source import resolve_model
     from ict_jax.train.parts import run_mesh_checked
     from ict_jax.train.programs import TokenIds, build_programs
 
     cfg = load_config(DEMO, BIG_SFT).replace(**{"train.memory_check": "off"})
-    mesh, (mc, tok, _) = run_mesh_checked(cfg), run_architecture(cfg)
+    mesh, source = run_mesh_checked(cfg), resolve_model(cfg)
+    mc, tok = source.config, source.tokenizer()
     programs = build_programs(cfg, mesh, mc, abstract_train_state(cfg, mc, mesh=mesh), TokenIds.of(tok))
     check = preflight.compile_and_check(cfg, programs, sft=True)  # memory_check off: every program, none refused
     need = {n.name: n.device_bytes for n in check.needs}

@@ -310,7 +310,7 @@ def test_ctrl_c_during_sft_then_resume_is_bitwise_identical(tmp_path, lora):
     on the merged warm start."""
     from flax import nnx
 
-    from ict_jax.train.checkpoints import load_params_from_checkpoint
+    from ict_jax.train.model_source import resolve_model
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     # with LoRA a format penalty gives the random model's RL groups nonzero advantages, so RL moves the fresh
@@ -338,7 +338,7 @@ def test_ctrl_c_during_sft_then_resume_is_bitwise_identical(tmp_path, lora):
     p = _cli_proc(cut, "--resume", *extra)
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out
-    ma, mb = (load_params_from_checkpoint(r / "checkpoints") for r in (full, cut))
+    ma, mb = ((s.load(), s.meta) for s in (resolve_model(r / "checkpoints", checkpoint=True) for r in (full, cut)))
     assert ma[1]["step"] == mb[1]["step"] == 3
     for x, y in zip(jax.tree.leaves(nnx.state(ma[0], nnx.Param)), jax.tree.leaves(nnx.state(mb[0], nnx.Param))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

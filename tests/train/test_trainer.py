@@ -266,9 +266,10 @@ def _train_proc(run: Path, steps: int, *extra: str) -> subprocess.Popen:
 def _final_params(run: Path):
     from flax import nnx
 
-    from ict_jax.train.checkpoints import load_params_from_checkpoint
+    from ict_jax.train.model_source import resolve_model
 
-    model, meta = load_params_from_checkpoint(run / "checkpoints")
+    source = resolve_model(run / "checkpoints", checkpoint=True)
+    model, meta = source.load(), source.meta
     return meta["step"], jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
 
@@ -302,9 +303,10 @@ def test_resume_after_sigkill_is_bitwise_identical(tmp_path, lora):
     assert step_a == step_b == 6
     chex.assert_trees_all_equal(params_a, params_b)
     if lora:  # the checkpoints hold adapters, and RL trained them
-        from ict_jax.train.checkpoints import load_params_from_checkpoint
+        from ict_jax.train.model_source import resolve_model
 
-        model, meta = load_params_from_checkpoint(full / "checkpoints")
+        source = resolve_model(full / "checkpoints", checkpoint=True)
+        model, meta = source.load(), source.meta
         assert model.config.lora is not None and meta["base_model"]["kind"] == "warm_start"
         b = [np.asarray(x) for k, x in jax.tree_util.tree_flatten_with_path(nnx_lora(model))[0] if "lora_b" in str(k)]
         assert b and all(np.abs(x).max() > 0 for x in b)

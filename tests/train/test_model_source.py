@@ -1,0 +1,229 @@
+"""ict_jax.train.model_source.resolve_model: every kind of model spec (a Hugging Face directory, a .gguf file,
+pkg:, a packaged name (tests/model/test_packaged.py), a training run directory, its checkpoints/ folder and
+a <step>/ directory, a run's SFT warm start, preset:<name>, a run's config) resolved into one ModelSource on
+tiny random models written to temporary folders; the same weights, dtypes and tokenizers as the former
+functions, which still work with a DeprecationWarning; an unknown spec is one clear error."""
+
+import dataclasses
+import json
+import re
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import ict_jax.model.source
+import ict_jax.train.export
+from ict_jax.config import load_config
+from ict_jax.model.config import ModelConfig
+from ict_jax.model.qwen2 import init_model
+from ict_jax.model.tokenizers import CharTokenizer
+from ict_jax.model.weights import save_hf
+from ict_jax.rng import INIT_STREAM, root_key, stream_key
+from ict_jax.sharding import make_mesh
+from ict_jax.train.model_source import resolve_model
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
+
+
+def _model():
+    return init_model(ModelConfig.tiny(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2), seed=1)
+
+
+def _same_weights(a, b):
+    for x, y in zip(jax.tree.leaves(nnx.state(a, nnx.Param)), jax.tree.leaves(nnx.state(b, nnx.Param)), strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """What `ict-jax train` leaves: config.json, metrics.jsonl, checkpoints/1 (tokenizer 'char'), sft_model."""
+    from ict_jax.rl.state import init_train_state
+    from ict_jax.train.checkpoints import Checkpointer
+
+    run = tmp_path_factory.mktemp("model_source") / "run"
+    cfg = load_config(DEMO, [f"run_dir={run}", "model.preset=tiny"])
+    model = _model()
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (run / "metrics.jsonl").write_text("")
+    save_hf(model, run / "sft_model")
+    with Checkpointer(run / "checkpoints") as ck:
+        ck.save(1, init_train_state(cfg, model), {"tokenizer": "char", "config": cfg.to_dict(),
+                                                  "model_config": dataclasses.asdict(model.config)})
+    return run
+
+
+def test_a_run_directory_its_checkpoints_folder_and_a_step_directory(run_dir):
+    want = _model()
+    for spec in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "1"):
+        source = resolve_model(spec)
+        assert (source.kind, source.step, source.tokenizer_spec) == ("checkpoint", 1, "char")
+        assert source.spec == str(spec) and source.where == f"{spec} (checkpoint of step 1)"
+        assert source.path == str(run_dir / "checkpoints" / "1") and source.meta["step"] == 1
+        assert source.config == want.config and source.run_config[1].startswith("the checkpoint of step 1 in ")
+        assert source.run_config[0]["model"]["preset"] == "tiny"
+        assert isinstance(source.tokenizer(), CharTokenizer)
+    _same_weights(source.load(), want)  # the params item only, bitwise
+    assert source.load(dtype="bfloat16").embed[...].dtype == jax.numpy.bfloat16
+    assert resolve_model(run_dir, tokenizer="char").tokenizer_spec == "char"
+    with pytest.raises(FileNotFoundError, match=r"no finished checkpoint of step 7 .* \(finished steps: 1\)"):
+        resolve_model(run_dir, step=7)
+    assert resolve_model(run_dir, step=1, checkpoint=True).step == 1
+
+
+def test_a_runs_sft_warm_start_and_its_sft_model_given_itself(run_dir, tmp_path):
+    sft_only = tmp_path / "sft_run"
+    sft_only.mkdir()
+    (sft_only / "sft_model").symlink_to(run_dir / "sft_model")
+    (sft_only / "config.json").write_text((run_dir / "config.json").read_text())
+    source = resolve_model(sft_only)
+    assert (source.kind, source.spec, source.tokenizer_spec) == ("sft_model", str(sft_only), "char")
+    assert source.where == f"{sft_only / 'sft_model'} (the SFT warm start of the run)"
+    assert source.run_config[1] == str(sft_only / "config.json")
+    _same_weights(source.load(), _model())
+    with pytest.raises(ValueError, match="has no RL checkpoint, only its SFT warm start"):
+        resolve_model(sft_only, step=1)
+    with pytest.raises(FileNotFoundError, match="no finished checkpoint in"):
+        resolve_model(sft_only, checkpoint=True)
+    # the warm start's directory itself: a Hugging Face directory with its run's settings (a char tokenizer)
+    itself = resolve_model(run_dir / "sft_model")
+    assert itself.kind == "hf" and itself.tokenizer_spec == "char"
+    assert itself.run_config[1] == str(run_dir / "config.json")
+    empty = tmp_path / "empty_run"
+    (empty / "checkpoints").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="without a finished checkpoint or sft_model yet"):
+        resolve_model(empty)
+
+
+def test_files_and_presets_by_spec(run_dir):
+    hf = run_dir / "sft_model"
+    source = resolve_model(str(hf), tokenizer="char")
+    assert source.kind == "hf" and source.config == _model().config
+    with pytest.raises(FileNotFoundError, match="no finished checkpoint in"):
+        resolve_model(hf, checkpoint=True)
+    with pytest.raises(ValueError, match="step 1: .* is not a training run or checkpoint directory"):
+        resolve_model(hf, step=1)
+    preset = resolve_model("preset:tiny", tokenizer="char")
+    assert preset.kind == "preset" and preset.config.vocab_size == 100
+    assert resolve_model("preset:tiny").config.vocab_size == ModelConfig.tiny().vocab_size  # no tokenizer named
+
+
+def test_an_unknown_spec_is_one_clear_error():
+    with pytest.raises(FileNotFoundError, match=r"^no model at 'nothing/here': expected a Hugging Face checkpoint "
+                                                r"directory, a .gguf file, pkg:<package>/<file>, a model split over "
+                                                r"packages \(ict-jax info lists them\), a training run directory or "
+                                                r"preset:<name>$"):
+        resolve_model("nothing/here")
+    with pytest.raises(FileNotFoundError, match="Python package 'no_such_package_t31' is not installed"):
+        resolve_model("pkg:no_such_package_t31/model.gguf")
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        resolve_model("preset:huge")
+    with pytest.raises(TypeError, match="go with a Config"):
+        resolve_model("preset:tiny", platform="tpu")
+
+
+def test_a_runs_config(run_dir, tmp_path):
+    cfg = load_config(DEMO, ["model.preset=tiny", f"run_dir={tmp_path / 'r'}", "model.remat=none"])
+    source = resolve_model(cfg)
+    assert (source.kind, source.tokenizer_spec, source.where) == ("preset", "char", "preset tiny")
+    assert source.config == ModelConfig.tiny(vocab_size=100, remat="none")
+    _same_weights(source.load(), init_model(source.config, seed=stream_key(root_key(cfg.seed), INIT_STREAM)))
+    # compile's view: auto resolved for the target platform; a placeholder model.path gives the preset
+    assert resolve_model(cfg, platform="tpu").config.compute_dtype == "bfloat16"
+    assert resolve_model(cfg, platform="cpu").config.compute_dtype == "float32"
+    away = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path="/not/here/model"))
+    with pytest.raises(FileNotFoundError, match="no model at '/not/here/model'"):
+        resolve_model(away)
+    placeholder = resolve_model(away, missing="preset")
+    assert placeholder.where == "preset tiny (model.path '/not/here/model' is not here)"
+    assert placeholder.config == ModelConfig.tiny(remat="none")  # the preset's own vocabulary
+    # model.path and LoRA; weights from another directory with the run's settings
+    lora = load_config(DEMO, [f"model.path={run_dir / 'sft_model'}", "model.tokenizer=char", "model.lora.enabled=true",
+                              "model.lora.rank=2", f"run_dir={tmp_path / 'r2'}"])
+    source = resolve_model(lora)
+    assert source.config.lora.rank == 2 and source.tokenizer_spec == "char"
+    model = source.load()
+    assert model.config == source.config
+    plain = resolve_model(lora, weights=run_dir / "sft_model", adapters=False)
+    assert plain.config.lora is None and plain.tokenizer_spec == "char"
+    _same_weights(plain.load(), _model())
+    with pytest.raises(ValueError, match="is an ict_jax training run directory"):
+        resolve_model(dataclasses.replace(lora, model=dataclasses.replace(lora.model, path=str(run_dir))))
+
+
+# ------------------------------------------------------------------------------------------------
+# The former names: the same models, with a DeprecationWarning naming what replaces them
+# ------------------------------------------------------------------------------------------------
+def _deprecated(module: str, name: str):
+    import importlib
+
+    return pytest.warns(DeprecationWarning, match=re.escape(f"ict_jax.{module}.{name} is deprecated and will be "
+                                                             "removed in ict_jax 0.3.0: use ")), \
+        getattr(importlib.import_module(f"ict_jax.{module}"), name)
+
+
+def test_the_former_run_directory_names_give_the_same_models(run_dir, tmp_path):
+    source = resolve_model(run_dir)
+    want = source.load()
+    warns, load_run_model = _deprecated("train.checkpoints", "load_run_model")
+    with warns:
+        model, tok, where = load_run_model(run_dir)
+    _same_weights(model, want)
+    assert where == source.where and isinstance(tok, CharTokenizer)
+    warns, load_params = _deprecated("train.checkpoints", "load_params_from_checkpoint")
+    with warns:
+        model, meta = load_params(run_dir / "checkpoints", mesh=None)
+    _same_weights(model, want)
+    assert meta == source.meta
+    for name, args, expected in (("run_model_tokenizer", (run_dir,), CharTokenizer),
+                                 ("run_model_source", (run_dir,), ("checkpoint", run_dir)),
+                                 ("run_tokenizer_spec", (run_dir,), "char"),
+                                 ("recorded_run_config", (run_dir,), source.run_config)):
+        warns, fn = _deprecated("train.checkpoints", name)
+        with warns:
+            got = fn(*args)
+        assert isinstance(got, expected) if isinstance(expected, type) else got == expected, name
+    with pytest.warns(DeprecationWarning, match=re.escape("ict_jax.train.checkpoints.export_checkpoint is deprecated "
+                                                          "and will be removed in ict_jax 0.3.0: use "
+                                                          "ict_jax.train.export.export_checkpoint")):
+        from ict_jax.train.checkpoints import export_checkpoint  # a moved name: warned when read
+    assert export_checkpoint is ict_jax.train.export.export_checkpoint
+    out = export_checkpoint(run_dir, tmp_path / "hf")
+    _same_weights(resolve_model(out).load(), want)
+    with pytest.warns(DeprecationWarning, match="ict_jax.train.checkpoints.RUN_CONFIG_FILE is deprecated"):
+        from ict_jax.train.checkpoints import RUN_CONFIG_FILE
+    assert RUN_CONFIG_FILE == ict_jax.model.source.RUN_CONFIG_FILE and (out / RUN_CONFIG_FILE).is_file()
+
+
+def test_the_former_names_of_a_runs_model_give_the_same_models(tmp_path):
+    cfg = load_config(DEMO, ["model.preset=tiny", f"run_dir={tmp_path / 'r'}"])
+    source = resolve_model(cfg)
+    want = source.load()
+    mc, tok, spec = None, None, None
+    for name in ("run_architecture", "preset_architecture"):
+        warns, fn = _deprecated("train.model_source", name)
+        with warns:
+            mc, tok, spec = fn(cfg)
+        assert (mc, spec) == (source.config, "char") and isinstance(tok, CharTokenizer)
+    warns, build = _deprecated("train.model_source", "build_model_and_tokenizer")
+    with warns:
+        model, tok, spec = build(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+    _same_weights(model, want)
+    calls = {"run_tokenizer": (cfg,), "model_overrides": (cfg,), "init_key": (cfg,),
+             "preset_config": (cfg,), "with_lora": (cfg, mc), "with_adapters": (cfg, want)}
+    for name, args in calls.items():
+        warns, fn = _deprecated("train.model_source", name)
+        with warns:
+            fn(*args)
+    with pytest.warns(DeprecationWarning, match="TOKENIZER_SIZED_PRESETS is deprecated"):
+        from ict_jax.train.model_source import TOKENIZER_SIZED_PRESETS
+    assert TOKENIZER_SIZED_PRESETS == ("tiny", "demo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name warns about nothing
+        resolve_model(cfg)
