@@ -71,8 +71,8 @@ def test_a_lora_run_of_the_real_model_trains_resumes_and_exports_what_peft_loads
     small = ["train.prompts_per_step=1", "rl.reward.no_answer=-1"]  # the smallest run that proves it (docstring)
     setting = ["--config", str(RECIPE), *SETTING, *small]
     # compiled memory, nothing allocated: the LoRA run's step at most 60 % of the full-parameter run's, at the
-    # shapes of the run below, whose step is this compiled program (loaded from the persistent compilation
-    # cache that the tests' subprocesses share, tests/conftest.py)
+    # shapes of the run below, whose step is this program (its start can load it from the persistent
+    # compilation cache that the tests' subprocesses share, tests/conftest.py, instead of compiling it)
     live = {}
     for name, extra in (("full", []), ("lora", LORA)):
         # exit 3 = does not fit this machine's memory now (the full run may not): the report is written all the same
