@@ -13,6 +13,7 @@ resolves to the very object at its new home, not a copy. Imports nothing of ict_
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.util
@@ -41,11 +42,14 @@ def warn(old: str, new: str, *, removed_in: str, stacklevel: int = 2) -> None:
 class MovedNames:
     """The former attribute names of ``module`` (its ``__name__``): old name -> the dotted path of the
     object at its new home (``"ict_jax.rl.quantile.rho_fraction"``; the name may differ from the old one).
-    The module's ``__getattr__`` returns ``resolve(name)``."""
+    The module's ``__getattr__`` returns ``resolve(name)``. ``use``: old name -> what the warning tells the
+    reader to use instead of the new home's path, for a name whose new home is itself deprecated (so the
+    warning names the replacement, not a second deprecated place)."""
 
     module: str
     homes: Mapping[str, str]
     removed_in: str
+    use: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __contains__(self, name: object) -> bool:
         return name in self.homes
@@ -56,7 +60,7 @@ class MovedNames:
         if name not in self.homes:
             raise AttributeError(f"module {self.module!r} has no attribute {name!r}")
         new = self.homes[name]
-        warn(f"{self.module}.{name}", new, removed_in=self.removed_in, stacklevel=3)
+        warn(f"{self.module}.{name}", self.use.get(name, new), removed_in=self.removed_in, stacklevel=3)
         home, _, attr = new.rpartition(".")
         return getattr(importlib.import_module(home), attr)
 

@@ -55,6 +55,22 @@ def test_moved_names_resolve_to_the_same_object_with_a_warning():
         assert former.resolve("join_paths") is os.path.join
 
 
+def test_a_moved_name_whose_new_home_is_deprecated_names_the_replacement_in_its_warning():
+    former = MovedNames("pkg.old", {"dumps": "json.dumps"}, removed_in="0.3.0", use={"dumps": "json.dump(obj, f)"})
+    with pytest.warns(DeprecationWarning) as caught:
+        assert former.resolve("dumps") is json.dumps  # still the object at the (deprecated) new home
+    assert [str(w.message) for w in caught] == [
+        "pkg.old.dumps is deprecated and will be removed in ict_jax 0.3.0: use json.dump(obj, f)"]
+    import ict_jax.train.model_source
+    import ict_jax.train.run
+
+    for name in ("model_overrides", "build_model_and_tokenizer"):  # the package's two such names
+        with pytest.warns(DeprecationWarning) as caught:
+            fn = getattr(ict_jax.train.run, name)
+        assert fn is getattr(ict_jax.train.model_source, name)
+        assert len(caught) == 1 and ": use ict_jax.resolve_model(config)" in str(caught[0].message)
+
+
 def test_a_modules_getattr_through_moved_names_warns_at_the_reader_and_unknown_names_raise():
     module = types.ModuleType("pkg.old")
     former = MovedNames(module.__name__, {"dumps": "json.dumps"}, removed_in="0.3.0")

@@ -21,8 +21,12 @@ _MOVED = {
     "TrainingPrompts": "training_data", "encode_training_data": "training_data",
     "make_reward_pool": "parts",
 }
+# their new homes in train.model_source are deprecated too: the warning names the replacement
+_USE = {"model_overrides": "ict_jax.resolve_model(config), which applies the model section",
+        "build_model_and_tokenizer": "ict_jax.resolve_model(config) and its .load(mesh=...), .tokenizer() and "
+                                     ".tokenizer_spec"}
 _FORMER = MovedNames(__name__, {name: f"ict_jax.train.{module}.{name}" for name, module in _MOVED.items()},
-                     removed_in=REMOVED_IN)
+                     removed_in=REMOVED_IN, use=_USE)
 _REPLACED = {
     "Run": "ict_jax.train.parts.RunParts (frozen; build_parts returns the train state beside it)",
     "build_run": "ict_jax.train.parts.build_parts, which returns (parts, state, reference)",
