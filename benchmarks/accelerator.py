@@ -464,7 +464,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def stage_limit(args: argparse.Namespace, name: str) -> float:
-    return args.stage_s if args.stage_s is not None else (60.0 if args.smoke else STAGE_S[name])
+    return args.stage_s if args.stage_s is not None else (180.0 if args.smoke else STAGE_S[name])
 
 
 def _setup_env(smoke: bool) -> None:
