@@ -300,7 +300,8 @@ SLICING = frozenset({"slice", "dynamic-slice", "gather"})
 _OPERAND_NAME = re.compile(r"%([\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-_DIM_LABELS = re.compile(r"dim_labels=[0-9a-z]+_([0-9a-z]+)->")
+_DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
 _PARAM_INDEX = re.compile(r"^parameter\((\d+)\)")
 
 
@@ -382,17 +383,52 @@ def dot_flops(ins: Instruction, operands: Sequence[Instruction | None]) -> float
         dims = [int(d) for d in m.group(1).split(",") if d] if m else []
         return 2.0 * out * math.prod(lhs.dims[d] for d in dims)
     if ins.opcode == "convolution" and len(operands) > 1 and operands[1] is not None and operands[1].arrays:
-        rhs = operands[1].arrays[0]
-        m = _DIM_LABELS.search(ins.text)
-        if m and "o" in m.group(1) and rhs.elements:
-            return 2.0 * out * rhs.elements / rhs.dims[m.group(1).index("o")]
-        return 0.0
+        return _convolution_flops(ins, lhs, operands[1].arrays[0])
     if ins.opcode == "custom-call" and lhs is not None and ("gemm" in ins.text or "matmul" in ins.text):
         m = _GEMM_CONTRACTING.search(ins.text)
         if m:
             dims = [int(d) for d in re.findall(r"\d+", m.group(1))]
             return 2.0 * out * math.prod(lhs.dims[d] for d in dims)
     return 0.0
+
+
+def _window_pairs(size_in: int, size_out: int, k: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int) -> int:
+    """Pairs (output position, kernel position) of one spatial dimension whose input position is a real
+    element (not padding, not a hole of the lhs dilation): the multiply-adds that dimension contributes."""
+    import numpy as np
+
+    o = np.arange(size_out)[:, None]
+    kk = np.arange(k)[None, :]
+    pos = o * stride + kk * rhs_dil - pad_lo
+    return int(np.count_nonzero((pos >= 0) & (pos <= (size_in - 1) * lhs_dil) & (pos % lhs_dil == 0)))
+
+
+def _convolution_flops(ins: Instruction, lhs: Array | None, rhs: Array) -> float:
+    """2 x output batch x output features x the kernel's input features x, per spatial dimension, the
+    (output, kernel) position pairs that meet a real input element (XLA's TPU backend writes batched
+    matmuls as convolutions with strides, padding and lhs dilation: counting every kernel position would
+    count the holes)."""
+    m = _DIM_LABELS.search(ins.text)
+    if lhs is None or not m or not ins.arrays:
+        return 0.0
+    lhs_l, rhs_l, out_l = m.groups()
+    out = ins.arrays[0]
+    if len(lhs_l) != len(lhs.dims) or len(rhs_l) != len(rhs.dims) or len(out_l) != len(out.dims):
+        return 0.0
+    flops = 2.0 * out.dims[out_l.index("b")] * out.dims[out_l.index("f")] * rhs.dims[rhs_l.index("i")]
+    spatial = sorted(c for c in out_l if c.isdigit())
+    w = _WINDOW.search(ins.text)
+    attrs = dict(kv.split("=", 1) for kv in (w.group(1).split() if w else []) if "=" in kv)
+
+    def field(name: str, default: int) -> list:
+        return attrs[name].split("x") if name in attrs else [default] * len(spatial)
+
+    pads = field("pad", "0_0")
+    for n, d in enumerate(spatial):
+        flops *= _window_pairs(lhs.dims[lhs_l.index(d)], out.dims[out_l.index(d)], rhs.dims[rhs_l.index(d)],
+                               int(field("stride", 1)[n]), int(str(pads[n]).split("_")[0]),
+                               int(field("lhs_dilate", 1)[n]), int(field("rhs_dilate", 1)[n]))
+    return flops
 
 
 def _param_reads(module: HloModule, syms: _Symbols, fused: str, depth: int = 0) -> dict[int, int | None]:

@@ -202,6 +202,25 @@ def test_cost_multiplies_loop_trips_and_counts_what_slices_and_in_place_updates_
     assert body.flops == c.flops / 4 and body.bytes == per_trip
 
 
+def test_convolution_flops_skip_the_holes_of_a_dilated_input():
+    """XLA's TPU backend writes batched matmuls as convolutions with strides, padding and lhs dilation:
+    only the kernel positions that meet a real input element count (here half of them)."""
+    conv = """HloModule c
+
+ENTRY %main (a: f32[1,3,1], k: f32[2,1,1]) -> f32[1,4,1] {
+  %a = f32[1,3,1]{2,1,0} parameter(0)
+  %k = f32[2,1,1]{2,1,0} parameter(1)
+  ROOT %c = f32[1,4,1]{2,1,0} convolution(%a, %k), window={size=2 lhs_dilate=2}, dim_labels=b0f_0io->b0f
+}
+"""
+    # the dilated input is [x0, _, x1, _, x2]: each of the 4 outputs meets one real element of its 2 taps
+    assert hlo.cost(hlo.parse_hlo(conv)).flops == 2 * 4
+    dot = conv.replace("window={size=2 lhs_dilate=2}, dim_labels=b0f_0io->b0f", "dim_labels=bf_io->bf")
+    dot = dot.replace("f32[1,3,1]", "f32[2,3]").replace("f32[2,1,1]", "f32[3,4]").replace("f32[1,4,1]", "f32[2,4]")
+    dot = dot.replace("{2,1,0}", "{1,0}")
+    assert hlo.cost(hlo.parse_hlo(dot)).flops == 2 * 2 * 4 * 3  # a plain matmul written as a convolution
+
+
 def test_assumed_trip_counts_for_data_dependent_loops():
     m = hlo.parse_hlo(HLO)
     assert [ins.name for ins in hlo.data_dependent_loops(m)] == ["w2"]
@@ -522,6 +541,13 @@ def test_tiny_preset_compiles_for_v5e_and_keeps_memory_discipline(tpu_reports):
         failed = [c for c in r.checks if not c.ok]
         assert not failed, f"{r.program}: {failed}"
     step = reports[0]
+    # the roofline's FLOPs from the TPU program (its matmuls are convolutions) as the analytic count
+    from ict_jax.aot.fit import current_overrides, step_flops
+
+    analytic = step_flops(cfg, ModelConfig.tiny(compute_dtype="bfloat16", remat=cfg.model.remat),
+                          current_overrides(cfg, step.mesh))
+    assert 0.95 < step.roofline.flops * 4 / analytic < 1.1
+    assert step.roofline.chip == "v5e" and step.roofline.bound_s > 0 and 0 < step.roofline.mfu_ceiling < 1
     # FSDP over 4 chips: the weights are gathered (in the layer scan) and the batch rows are split
     assert step.collectives["all-gather"]["count"] > 0 and step.collectives["all-gather"]["runs"] > 0
     # per-chip arguments scale as 1/fsdp: the compiled program takes exactly the state's shards
