@@ -211,15 +211,14 @@ def interleaved(runs: list, steps: int) -> list[list[float]]:
 # ------------------------------------------------------------------------------------------------
 # Step time and MFU of the JAX step alone at a real model shape (for a GPU/TPU)
 # ------------------------------------------------------------------------------------------------
-#: Dense bfloat16 peak FLOP/s by ``device_kind`` prefix (vendor data sheets, no sparsity).
-PEAK_BF16 = {"NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12, "TPU v4": 275e12,
-             "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
-
-
 def peak_flops(device_kind: str, override_tflops: float | None) -> float | None:
+    """The chip's dense bfloat16 peak (``ict_jax.aot.chips``, the one table of chips), or the override."""
+    from ict_jax.aot.chips import chip_for
+
     if override_tflops:
         return override_tflops * 1e12
-    return next((v for k, v in PEAK_BF16.items() if device_kind.startswith(k)), None)
+    chip = chip_for(device_kind=device_kind)
+    return None if chip is None else chip.peak_flops
 
 
 def mfu_run(args) -> dict:

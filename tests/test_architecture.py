@@ -302,11 +302,14 @@ ACROSS_MODULES = {
     "train/test_lora_run.py": "a LoRA run end to end: the trainer, its checkpoints and base (train.lora_base), "
                               "resume, compile and the commands that read it",
     "train/test_lora_real.py": "the real Qwen2.5-0.5B through a LoRA run, its resume and its PEFT export (slow)",
+    "sampling/test_decode_bytes.py": "the compiled sampler's decode step (sampling.sampler) read through the "
+                                     "HLO byte count of aot.roofline",
 }
 #: test files at the top of tests/: the project as a whole, a top-level module of ict_jax, or a test-support
-#: module at the top of tests/ (test_covering.py: covering.py, the slow matrices' covering designs)
+#: module at the top of tests/ (test_covering.py: covering.py, the slow matrices' covering designs), or a
+#: benchmark the default suite runs (test_accelerator_benchmark.py: benchmarks/accelerator.py --smoke)
 TOP_LEVEL = {"test_architecture.py", "test_docs.py", "test_notebooks.py", "test_configs.py", "test_demo.py",
-             "test_foundation.py", "test_covering.py"}
+             "test_foundation.py", "test_covering.py", "test_accelerator_benchmark.py"}
 DATA_FOLDERS = {"rl/golden"}  # reference data, not tests
 
 

@@ -48,7 +48,8 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ict_jax.aot import hlo
+from ict_jax.aot import hlo, roofline
+from ict_jax.aot.chips import chip_for
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.memory import fmt_bytes
 from ict_jax.model.config import ModelConfig
@@ -56,7 +57,7 @@ from ict_jax.platform import accelerator_type, tpu_chips_present
 from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.token_stats import block_size
 from ict_jax.rl.train_step import StepPlan, old_pass_chunks
-from ict_jax.sampling.sampler import cache_chunks
+from ict_jax.sampling.sampler import cache_chunks, decode_steps
 from ict_jax.sharding import make_mesh
 from ict_jax.train.checkpoints import abstract_train_state
 from ict_jax.train.model_source import resolve_model
@@ -81,17 +82,6 @@ from ict_jax.train.programs import build_programs as build_run_programs
 PROGRAMS = PROGRAM_NAMES
 TPU_EXTRA = "pip install 'ict_jax[tpu]'"
 GIB = 1024 ** 3
-
-#: Public per-chip figures of the TPU generations (Cloud TPU system-architecture pages, docs/tpu.md):
-#: peak bf16 FLOP/s, bidirectional ICI bytes/s and HBM bandwidth bytes/s; they only rank settings
-#: (aot.fit), the HBM's size comes from the compiler itself (:func:`hbm_bytes`).
-CHIP_SPECS: dict[str, dict[str, float]] = {
-    "v5e": {"peak_flops": 197e12, "ici_bytes": 400e9, "hbm_bw": 819e9},
-    "v6e": {"peak_flops": 918e12, "ici_bytes": 800e9, "hbm_bw": 1640e9},
-    "v5p": {"peak_flops": 459e12, "ici_bytes": 1200e9, "hbm_bw": 2765e9},
-    "v4": {"peak_flops": 275e12, "ici_bytes": 300e9, "hbm_bw": 1200e9},
-}
-
 
 class TpuUnavailable(ValueError):
     """Compiling for a TPU topology needs libtpu (the ``tpu`` extra)."""
@@ -148,7 +138,7 @@ def hbm_bytes(devices: Sequence[Any]) -> int | None:
         probe = jax.jit(lambda a: jnp.sort(a[:, None] * jnp.arange(1 << 18, dtype=jnp.float32)[None, :], axis=0),
                         out_shardings=NamedSharding(mesh, PartitionSpec()))
         try:
-            with _without_persistent_cache(True):
+            with without_persistent_cache(True):
                 probe.lower(x).compile()
         except Exception as e:  # noqa: BLE001 - the expected RESOURCE_EXHAUSTED carries the number
             limit = _size(_AVAILABLE.search(str(e)))
@@ -295,29 +285,42 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
     common = dict(num_layers=mc.num_layers, vocab=mc.vocab_size, hidden=mc.hidden_size, devices=mesh.size,
                   stacked=stacked, state_bytes=state_bytes,
                   batch_shards=batch_shards, tensor=mesh.shape["tensor"], prompt_len=Lp, new_tokens=N)
-    kv_bytes = jnp.dtype(kv_cache_dtype(cfg) or mc.resolved_compute_dtype()).itemsize
+    kv_bytes = jnp.dtype(kv_cache_dtype(cfg) or mc.resolved_compute_dtype(platform)).itemsize
+    n_params, tensor = mc.num_params(), mesh.shape["tensor"]
     out = []
     for name in names:
         program = run.by_name()[name]
         args = program.abstract()
         if name == "step":
             shape = run.step_shape(bucket)
+            tokens = P * G * (Lp + bucket)
             info = dict(common, rows=pass_rows // batch_shards, positions=bucket,
-                        block=block_size(bucket, cfg.stats.chunk))
+                        block=block_size(bucket, cfg.stats.chunk), tokens=tokens, model_flops=6.0 * n_params * tokens)
             out.append(CompileJob(name, functools.partial(program.lower, shape), 0, per_device_bytes(args), info))
             continue
         if name == "sft":  # one batch, no micro-batches; the log-probs of every position after the first
             positions = sft_len(cfg) - 1
+            tokens = cfg.train.sft_batch_size * sft_len(cfg)
             info = dict(common, rows=cfg.train.sft_batch_size // batch_shards, positions=positions,
-                        block=block_size(positions, cfg.stats.chunk))
+                        block=block_size(positions, cfg.stats.chunk), tokens=tokens,
+                        model_flops=6.0 * n_params * tokens)
             out.append(CompileJob(name, program.lower, 0, per_device_bytes(args), info))
             continue
         rows = sampler_prompts(name, cfg) * (cfg.data.eval_n if name == "eval" else G)
         # the sampler says how it holds its KV cache (chunks of an unrolled, phased decode) for its settings
         settings = sampler_fn(name, cfg, state.graphdef, mesh, ids, platform).settings
+        kv_local = mc.num_kv_heads // tensor if mc.num_kv_heads % tensor == 0 else mc.num_kv_heads
+        # what a decode step must read at least: the weights in the compute dtype (all of them: FSDP
+        # gathers them; the head, not the embedding table, of an untied model) and the filled KV cache
+        weights = (n_params - (0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size)) / tensor
+        compute_bytes = jnp.dtype(mc.resolved_compute_dtype(platform)).itemsize
+        kv_read = 2 * mc.num_layers * rows // batch_shards * kv_local * (Lp + N - 1) * mc.resolved_head_dim * kv_bytes
         info = dict(common, rows=rows // batch_shards, positions=N, block=1, cache_slots=Lp + N - 1,
                     cache_chunks=cache_chunks(settings, mc.num_layers, Lp, backend=platform),
-                    kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes)
+                    kv_heads=mc.num_kv_heads, head_dim=mc.resolved_head_dim, kv_bytes=kv_bytes,
+                    tokens=rows * N, model_flops=2.0 * n_params * rows * N,
+                    decode_steps=decode_steps(N, settings.min_response_bucket),
+                    decode_min_bytes=weights * compute_bytes + kv_read)
         out.append(CompileJob(name, program.lower, resident_bytes(run, name), per_device_bytes(args), info))
     return out
 
@@ -358,6 +361,7 @@ class ProgramReport:
     collectives: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     unknown_loops: int = 0
     checks: list[Check] = dataclasses.field(default_factory=list)
+    roofline: roofline.Roofline | None = None  # counted from the compiled HLO (docs/tpu.md "Roofline")
 
     @property
     def live(self) -> int | None:
@@ -370,6 +374,7 @@ class ProgramReport:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["live"] = self.live
+        d["roofline"] = None if self.roofline is None else self.roofline.to_dict()
         return d
 
 
@@ -446,7 +451,7 @@ def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hl
 
 
 @contextlib.contextmanager
-def _without_persistent_cache(off: bool):
+def without_persistent_cache(off: bool):
     """The persistent compilation cache cannot serve programs compiled for a topology's abstract devices
     (reading an entry warns "PjRtCompiler must be constructed with a Client", docs/tpu.md): off for
     those compiles, restored after."""
@@ -476,7 +481,7 @@ def compile_program(program: CompileJob, target: Target, mesh: jax.sharding.Mesh
     rep.lower_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:
-        with _without_persistent_cache(target.generation is not None):
+        with without_persistent_cache(target.generation is not None):
             compiled = lowered.compile()
     except Exception as e:  # only an out-of-memory failure is a result; anything else re-raises
         rep.compile_s = time.perf_counter() - t0
@@ -503,6 +508,12 @@ def compile_program(program: CompileJob, target: Target, mesh: jax.sharding.Mesh
         items = hlo.collectives(module, mult)
         rep.collectives = hlo.summarize_collectives(items)
         rep.checks = discipline_checks(program, module, items, rep.arguments)
+        i = program.info
+        rep.roofline = roofline.estimate(module, chip_for(target.generation, target.device_kind), chips=mesh.size,
+                                         model_flops=i.get("model_flops"), tokens=i.get("tokens"),
+                                         training=program.name in ("step", "sft"),
+                                         decode_steps=i.get("decode_steps"),
+                                         decode_min_bytes=i.get("decode_min_bytes"))
     return rep
 
 

@@ -21,8 +21,8 @@ import dataclasses
 import itertools
 from typing import Any, Callable, Sequence
 
+from ict_jax.aot.chips import Chip, chip_for
 from ict_jax.aot.compile import (
-    CHIP_SPECS,
     PROGRAMS,  # noqa: F401 - importable from here as before
     ProgramReport,
     Target,
@@ -49,6 +49,8 @@ REMAT_EXTRA = {"none": 0.0, "block": 0.1, "full": 1.0}
 #: Fixed cost of one iteration of a compiled loop (a layer, a statistics block): favours fewer, larger
 #: micro-batches and blocks when the FLOPs are equal.
 LOOP_S = 20e-6
+#: Figures assumed for a target the chip table (``aot.chips``) does not know (a CPU): they only rank.
+_UNKNOWN_CHIP = Chip("unknown", 100e12, 800e9, 100e9, (), "placeholder for ranking")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,9 +183,9 @@ def estimate_seconds(cfg: Config, mc: ModelConfig, ov: dict[str, Any], target: T
     loop iteration. Passes are counted as in :func:`step_flops`, the backward pass as two. Generate's
     row chunking (``rollout.chunks`` = c) adds c - 1 decode loops: N steps, each reading a chip's share
     of the weights gathered over fsdp (memory-bound) from HBM."""
-    spec = CHIP_SPECS.get(target.generation or "", {"peak_flops": 100e12, "ici_bytes": 100e9, "hbm_bw": 800e9})
+    spec = chip_for(target.generation, target.device_kind) or _UNKNOWN_CHIP
     data, fsdp, tensor = _mesh_sizes(ov)
-    compute = step_flops(cfg, mc, ov) / (target.chips * spec["peak_flops"] * MFU)
+    compute = step_flops(cfg, mc, ov) / (target.chips * spec.peak_flops * MFU)
     n, t = mc.num_params(), cfg.train
     chunks = t.mini_batches * ov["train.micro_batches"]
     cb = 4 if mc.resolved_compute_dtype() == "float32" else 2
@@ -196,8 +198,8 @@ def estimate_seconds(cfg: Config, mc: ModelConfig, ov: dict[str, Any], target: T
     activations = 0.0 if tensor == 1 else (passes + 1) * 2 * mc.num_layers * tokens * mc.hidden_size * cb * 2 * (
         tensor - 1) / tensor
     loops = (passes + 1) * chunks * (mc.num_layers + -(-N // ov["stats.chunk"]))
-    decode = (ov.get("rollout.chunks", 1) - 1) * N * (n / tensor * cb / spec["hbm_bw"] + mc.num_layers * LOOP_S)
-    return compute + (gather + reduce + activations) / spec["ici_bytes"] + loops * LOOP_S + decode
+    decode = (ov.get("rollout.chunks", 1) - 1) * N * (n / tensor * cb / spec.hbm_bw + mc.num_layers * LOOP_S)
+    return compute + (gather + reduce + activations) / spec.ici_bytes + loops * LOOP_S + decode
 
 
 # ------------------------------------------------------------------------------------------------

@@ -44,6 +44,64 @@ def collectives_table(reports: Sequence[ProgramReport]) -> str:
     return _table(rows) if len(rows) > 1 else ""
 
 
+def _si(x: float | None, unit: str) -> str:
+    if x is None:
+        return "-"
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
+
+
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def roofline_table(reports: Sequence[ProgramReport]) -> str:
+    """Per program, per device and run (samplers: every row to max_new_tokens): the matmul FLOPs and the
+    bytes accessed counted from the compiled HLO (loop trip counts multiplied in), the times they take at
+    the chip's peak FLOP/s and HBM bandwidth, the larger as the bound; the model's FLOPs (6 N tokens, 2 N
+    tokens for samplers); the MFU ceiling of a training step or the tokens/s ceiling of a sampler; a
+    decode step's bytes over the weights + KV cache it must read (docs/tpu.md "Roofline")."""
+    rows = [("program", "HLO flops", "HLO bytes", "compute", "memory", "bound", "model flops", "ceiling",
+             "decode step / (weights + KV)")]
+    for r in reports:
+        f = r.roofline
+        if f is None:
+            continue
+        if f.mfu_ceiling is not None:
+            ceiling = f"MFU {f.mfu_ceiling:.0%}"
+        elif f.tokens_per_s is not None and f.decode_steps is not None:
+            ceiling = f"{f.tokens_per_s:,.0f} tok/s"
+        else:
+            ceiling = "-"
+        decode = "-" if f.decode_ratio is None else (f"{_si(f.decode_step_bytes, 'B')} / "
+                                                     f"{_si(f.decode_min_bytes, 'B')} = {f.decode_ratio:.2f}x")
+        rows.append((r.program, _si(f.flops, "FLOP"), _si(f.bytes, "B"), _seconds(f.compute_s),
+                     _seconds(f.memory_s), "-" if f.bound is None else f"{_seconds(f.bound_s)} ({f.bound})",
+                     _si(f.model_flops, "FLOP"), ceiling, decode))
+    return _table(rows) if len(rows) > 1 else ""
+
+
+def roofline_note(reports: Sequence[ProgramReport]) -> str:
+    """Which chip's figures the times use (or that the target has none), and loops left uncounted."""
+    chips = {r.roofline.chip for r in reports if r.roofline is not None}
+    if not chips:
+        return ""
+    if chips == {None}:
+        note = "no peak FLOP/s or HBM bandwidth for this device in aot.chips: counts only"
+    else:
+        from ict_jax.aot.chips import CHIPS
+
+        c = CHIPS[next(iter(chips - {None}))]
+        note = (f"{c.name}: {c.peak_flops / 1e12:,.0f} TFLOP/s bf16, {c.hbm_bw / 1e9:,.0f} GB/s HBM a chip "
+                f"({c.source})")
+    left = [r.program for r in reports if r.roofline is not None and r.roofline.unknown_loops]
+    if left:
+        note += f"; {', '.join(left)}: a data-dependent loop counted once (its trip count unknown)"
+    return note
+
+
 def checks_lines(reports: Sequence[ProgramReport]) -> list[str]:
     out = []
     for r in reports:
@@ -71,6 +129,10 @@ def render(config_name: str, target: Target, mesh: dict[str, int], model_source:
     coll = collectives_table(reports)
     if coll:
         parts += ["", "collectives a device, per run (in program / executions / bytes):", coll]
+    roof = roofline_table(reports)
+    if roof:
+        parts += ["", "roofline a device, per run, counted from the compiled HLO (" + roofline_note(reports) + "):",
+                  roof]
     lines = checks_lines(reports)
     if lines:
         parts += ["", "memory discipline:"] + lines

@@ -205,6 +205,15 @@ def phase_ends(settings: SampleSettings, prompt_len: int) -> tuple[int, ...] | N
     return tuple(prompt_len + w - 1 for w in windows) if len(windows) > 1 else None
 
 
+def decode_steps(max_new_tokens: int, min_response_bucket: int | None) -> tuple[int, ...]:
+    """The decode steps of each phase of a sampler that runs to ``max_new_tokens`` (no row stops early):
+    the first token is drawn from the prefill's logits, so phase 0 decodes ``windows[0] - 1`` steps and
+    phase j ``windows[j] - windows[j-1]`` (:func:`ict_jax.buckets.response_buckets`); ``ict-jax compile``'s
+    roofline counts the decode loops at these lengths."""
+    windows = response_buckets(max_new_tokens, min_response_bucket)
+    return tuple(w - p for w, p in zip(windows, (1, *windows)))
+
+
 def cache_chunks(settings: SampleSettings, num_layers: int, prompt_len: int,
                  backend: str | None = None) -> tuple[int, ...] | None:
     """The slots of each chunk of one layer's KV cache as the sampler holds it: one chunk a decode phase
@@ -398,9 +407,29 @@ def _decode_step(model: Any, unroll: bool, cache: KVCache, bounds: tuple[int, ..
     return step, _phase_cache(cache, bounds), grow
 
 
+def _in_compute_dtype(graphdef: Any, state: Any) -> Any:
+    """``state`` with every weight the model casts to its compute dtype before use (matmul weights, the
+    embedding and head, biases, LoRA adapters; not the norms' scales, which RMSNorm reads in float32)
+    cast once, here: the decode loop then reads each weight in the compute dtype, once a step, instead
+    of reading the float32 parameters and casting them again at every token (twice the bytes, and a
+    copy where the compiler does not fuse the cast into the matmul). The values are those the model's
+    own casts give, so the samples are bitwise the same; the cost is a compute-dtype copy of the
+    weights while the program runs (half the float32 parameters' bytes, a shard of them under FSDP)."""
+    dtype = jnp.dtype(nnx.merge(graphdef, state).compute_dtype)
+
+    def cast(path: tuple, x: Any) -> Any:
+        names = [str(getattr(k, "key", "")) for k in path]
+        if (not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating)
+                or x.dtype.itemsize <= dtype.itemsize or any(n.endswith("norm") for n in names)):
+            return x
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, state)
+
+
 def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int[Array, "P Lp"],
                    prompt_mask: Int[Array, "P Lp"], key: jax.Array) -> Rollout:
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, _in_compute_dtype(graphdef, state))
     c = model.config
     unroll = decode_unrolled(s, c.num_layers)
     G, N = s.num_samples, s.max_new_tokens

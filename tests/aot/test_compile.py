@@ -129,6 +129,106 @@ def test_hlo_reader_counts_loops_collectives_and_parameters():
     assert str(hits[0][0]) == "f32[4,7,1000]" and hits[0][2] == "big"
 
 
+COST_HLO = """HloModule jit_g
+
+%slice_layer (p0: f32[4,8,16], p1: s32[]) -> f32[8,16] {
+  %p0 = f32[4,8,16]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,8,16]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,8,16}
+  ROOT %b = f32[8,16]{1,0} bitcast(%ds)
+}
+
+%write_row (q0: f32[64,16], q1: f32[2,16], q2: s32[]) -> f32[64,16] {
+  %q0 = f32[64,16]{1,0} parameter(0)
+  %q1 = f32[2,16]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %z2 = s32[] constant(0)
+  ROOT %dus = f32[64,16]{1,0} dynamic-update-slice(%q0, %q1, %q2, %z2)
+}
+
+%cond (c: (s32[], f32[4,8,16], f32[2,8], f32[64,16])) -> pred[] {
+  %c = (s32[], f32[4,8,16]{2,1,0}, f32[2,8]{1,0}, f32[64,16]{1,0}) parameter(0)
+  %n = s32[] constant(4)
+  %ci = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}
+
+%body (t: (s32[], f32[4,8,16], f32[2,8], f32[64,16])) -> (s32[], f32[4,8,16], f32[2,8], f32[64,16]) {
+  %t = (s32[], f32[4,8,16]{2,1,0}, f32[2,8]{1,0}, f32[64,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %w = f32[4,8,16]{2,1,0} get-tuple-element(%t), index=1
+  %x = f32[2,8]{1,0} get-tuple-element(%t), index=2
+  %out = f32[64,16]{1,0} get-tuple-element(%t), index=3
+  %layer = f32[8,16]{1,0} fusion(%w, %i), kind=kLoop, calls=%slice_layer
+  %y = f32[2,16]{1,0} dot(%x, %layer), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %out2 = f32[64,16]{1,0} fusion(%out, %y, %i), kind=kLoop, calls=%write_row
+  %one = s32[] constant(1)
+  %i2 = s32[] add(%i, %one)
+  ROOT %r = (s32[], f32[4,8,16]{2,1,0}, f32[2,8]{1,0}, f32[64,16]{1,0}) tuple(%i2, %w, %x, %out2)
+}
+
+ENTRY %main (w: f32[4,8,16], x: f32[2,8], o: f32[64,16]) -> f32[64,16] {
+  %w = f32[4,8,16]{2,1,0} parameter(0)
+  %x = f32[2,8]{1,0} parameter(1)
+  %o = f32[64,16]{1,0} parameter(2)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[4,8,16]{2,1,0}, f32[2,8]{1,0}, f32[64,16]{1,0}) tuple(%z, %w, %x, %o)
+  %loop = (s32[], f32[4,8,16]{2,1,0}, f32[2,8]{1,0}, f32[64,16]{1,0}) while(%init), condition=%cond, body=%body
+  %res = f32[64,16]{1,0} get-tuple-element(%loop), index=3
+  ROOT %c = f32[64,16]{1,0} copy(%res)
+}
+"""
+
+
+def test_cost_multiplies_loop_trips_and_counts_what_slices_and_in_place_updates_touch():
+    """FLOPs of the dot x 4 trips; bytes: a fusion that slices one layer of a stacked weight reads that
+    layer, not the stack; an in-place dynamic-update-slice reads and writes its update, not the buffer."""
+    m = hlo.parse_hlo(COST_HLO)
+    c = hlo.cost(m)
+    assert c.flops == 4 * 2 * (2 * 16) * 8  # 4 trips x 2 x result elements x contracted size
+    layer, x, y, row = 8 * 16 * 4, 2 * 8 * 4, 2 * 16 * 4, 2 * 16 * 4
+    per_trip = ((layer + 4) + layer  # the slicing fusion: one layer (+ the index) read, one written
+                + (x + layer) + y  # the dot
+                + (row + 4) + row  # the in-place update: the row (+ the index) read, the row written
+                + 3 * 4)  # the counter's add: two operands, one result
+    compare = 4 + 4 + 1  # the condition's compare (counted once a trip, as the body)
+    whole = 64 * 16 * 4
+    assert c.bytes == 4 * (per_trip + compare) + 2 * whole  # + the final copy
+    # cost_analysis's error, which the roofline avoids: the loop body counted once
+    assert hlo.cost(m, {k: int(v > 0) for k, v in hlo.multiplicity(m)[0].items()}).flops == c.flops / 4
+    # one iteration from its body: what a decode step costs
+    body = hlo.cost(m, hlo.multiplicity(m, root="body")[0])
+    assert body.flops == c.flops / 4 and body.bytes == per_trip
+
+
+def test_convolution_flops_skip_the_holes_of_a_dilated_input():
+    """XLA's TPU backend writes batched matmuls as convolutions with strides, padding and lhs dilation:
+    only the kernel positions that meet a real input element count (here half of them)."""
+    conv = """HloModule c
+
+ENTRY %main (a: f32[1,3,1], k: f32[2,1,1]) -> f32[1,4,1] {
+  %a = f32[1,3,1]{2,1,0} parameter(0)
+  %k = f32[2,1,1]{2,1,0} parameter(1)
+  ROOT %c = f32[1,4,1]{2,1,0} convolution(%a, %k), window={size=2 lhs_dilate=2}, dim_labels=b0f_0io->b0f
+}
+"""
+    # the dilated input is [x0, _, x1, _, x2]: each of the 4 outputs meets one real element of its 2 taps
+    assert hlo.cost(hlo.parse_hlo(conv)).flops == 2 * 4
+    dot = conv.replace("window={size=2 lhs_dilate=2}, dim_labels=b0f_0io->b0f", "dim_labels=bf_io->bf")
+    dot = dot.replace("f32[1,3,1]", "f32[2,3]").replace("f32[2,1,1]", "f32[3,4]").replace("f32[1,4,1]", "f32[2,4]")
+    dot = dot.replace("{2,1,0}", "{1,0}")
+    assert hlo.cost(hlo.parse_hlo(dot)).flops == 2 * 2 * 4 * 3  # a plain matmul written as a convolution
+
+
+def test_assumed_trip_counts_for_data_dependent_loops():
+    m = hlo.parse_hlo(HLO)
+    assert [ins.name for ins in hlo.data_dependent_loops(m)] == ["w2"]
+    mult, unknown = hlo.multiplicity(m, trips=[7])
+    assert mult["decode_body"] == 7 and unknown == 0
+    assert hlo.multiplicity(m, trips=[7, 8])[1] == 1  # a count per loop, or none assumed
+
+
 def test_parse_arrays_reads_tuples_and_ignores_layouts():
     arrays = hlo.parse_arrays("(f32[2,3]{1,0:T(8,128)S(1)}, bf16[]{:T(128)}, pred[7]{0})")
     assert [(a.dtype, a.dims, a.bytes) for a in arrays] == [("f32", (2, 3), 24), ("bf16", (), 2), ("pred", (7,), 7)]
@@ -293,6 +393,36 @@ def test_local_compile_reports_every_program(local_reports):
     assert step.collectives["all-gather"]["count"] > 0  # FSDP gathers the weights
 
 
+def test_roofline_counts_the_steps_flops_as_the_analytic_model_does(local_reports):
+    """The step's matmul FLOPs counted from its compiled HLO (loop trip counts multiplied in, 8 devices)
+    against ``aot.fit.step_flops``, the analytic count of what the step computes: 2 x matmul parameters x
+    tokens a forward pass, attention's full T x T scores, the vocabulary head over the response
+    positions; the reference, old-policy and statistics passes (two micro-batches: not fused) are three
+    forwards, the gradient pass three more, plus remat block's recomputation. So the HLO count is ~2x the
+    textbook 6 N tokens (which counts one forward and one backward: 3 forwards), the ratio the analytic
+    model predicts; counting the layer scan's body once would give about half."""
+    from ict_jax.aot.compile import target_model_config
+    from ict_jax.aot.fit import current_overrides, step_flops
+
+    reports, _ = local_reports
+    step, gen, ev = reports
+    cfg = load_config(RECIPE, TINY + ["mesh.data=2", "mesh.fsdp=4"])
+    mc = target_model_config(cfg, "cpu")[0]
+    analytic = step_flops(cfg, mc, current_overrides(cfg, step.mesh))
+    counted = step.roofline.flops * 8  # per device -> all 8
+    assert 0.95 < counted / analytic < 1.1, (counted, analytic)
+    six_nd = 6 * mc.num_params() * 16 * 8 * (32 + 40)
+    assert step.roofline.model_flops * 8 == pytest.approx(six_nd)
+    assert counted / six_nd == pytest.approx(analytic / six_nd, rel=0.1) and 1.8 < analytic / six_nd < 2.6
+    assert step.roofline.chip is None and step.roofline.bound_s is None  # a CPU: counts, no chip figures
+    # the samplers: every row to max_new_tokens, the decode phases at their lengths (16, 32, 40 windows)
+    assert gen.roofline.decode_steps == (15, 16, 8) and gen.roofline.unknown_loops == 0
+    assert gen.roofline.model_flops * 8 == pytest.approx(2 * mc.num_params() * 16 * 8 * 40)
+    assert 0.9 < gen.roofline.flops / gen.roofline.model_flops < 1.6  # + attention over the cache, the prefill
+    assert gen.roofline.decode_ratio > 1.0
+    assert ev.roofline.decode_steps == gen.roofline.decode_steps
+
+
 def test_a_run_with_sft_steps_compiles_the_sft_step_first_and_it_keeps_the_discipline(devices8):
     """With train.sft_steps the run executes the SFT step before anything else: compile's default programs
     start with it; compiled (FSDP over 4 of the 8 devices) it takes the parameters, the SFT optimizer's
@@ -411,6 +541,13 @@ def test_tiny_preset_compiles_for_v5e_and_keeps_memory_discipline(tpu_reports):
         failed = [c for c in r.checks if not c.ok]
         assert not failed, f"{r.program}: {failed}"
     step = reports[0]
+    # the roofline's FLOPs from the TPU program (its matmuls are convolutions) as the analytic count
+    from ict_jax.aot.fit import current_overrides, step_flops
+
+    analytic = step_flops(cfg, ModelConfig.tiny(compute_dtype="bfloat16", remat=cfg.model.remat),
+                          current_overrides(cfg, step.mesh))
+    assert 0.95 < step.roofline.flops * 4 / analytic < 1.1
+    assert step.roofline.chip == "v5e" and step.roofline.bound_s > 0 and 0 < step.roofline.mfu_ceiling < 1
     # FSDP over 4 chips: the weights are gathered (in the layer scan) and the batch rows are split
     assert step.collectives["all-gather"]["count"] > 0 and step.collectives["all-gather"]["runs"] > 0
     # per-chip arguments scale as 1/fsdp: the compiled program takes exactly the state's shards
