@@ -125,3 +125,18 @@ def test_importing_the_package_warns_nothing():
     out = subprocess.run([sys.executable, "-W", "error", "-c", "import ict_jax; import ict_jax.deprecation"],
                          capture_output=True, text=True, cwd=PACKAGE.parent)
     assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
+def test_the_former_chip_table_of_aot_compile_still_reads_with_a_warning():
+    import ict_jax.aot.compile as compile_module
+    from ict_jax.aot.chips import CHIPS
+
+    with pytest.warns(DeprecationWarning, match=r"ict_jax\.aot\.compile\.CHIP_SPECS is deprecated .* use ict_jax\.aot\.chips\.CHIPS"):
+        specs = compile_module.CHIP_SPECS
+    assert specs == {"v5e": {"peak_flops": 197e12, "ici_bytes": 400e9, "hbm_bw": 819e9},
+                     "v6e": {"peak_flops": 918e12, "ici_bytes": 800e9, "hbm_bw": 1640e9},
+                     "v5p": {"peak_flops": 459e12, "ici_bytes": 1200e9, "hbm_bw": 2765e9},
+                     "v4": {"peak_flops": 275e12, "ici_bytes": 300e9, "hbm_bw": 1200e9}}  # the former values
+    assert specs["v5e"]["peak_flops"] == CHIPS["v5e"].peak_flops
+    with pytest.raises(AttributeError, match="has no attribute 'CHIP_SPEC'"):
+        compile_module.CHIP_SPEC  # noqa: B018

@@ -83,6 +83,21 @@ PROGRAMS = PROGRAM_NAMES
 TPU_EXTRA = "pip install 'ict_jax[tpu]'"
 GIB = 1024 ** 3
 
+
+def __getattr__(name: str) -> Any:
+    """``CHIP_SPECS``, the former per-generation dict of TPU figures: built from the one chip table
+    (:data:`ict_jax.aot.chips.CHIPS`), with a DeprecationWarning."""
+    if name == "CHIP_SPECS":
+        from ict_jax.aot.chips import CHIPS
+        from ict_jax.deprecation import REMOVED_IN, warn
+
+        warn("ict_jax.aot.compile.CHIP_SPECS", "ict_jax.aot.chips.CHIPS (one Chip per accelerator, with sources)",
+             removed_in=REMOVED_IN)
+        return {n: {"peak_flops": c.peak_flops, "ici_bytes": c.ici_bytes, "hbm_bw": c.hbm_bw}
+                for n, c in CHIPS.items() if n in ("v4", "v5e", "v5p", "v6e")}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 class TpuUnavailable(ValueError):
     """Compiling for a TPU topology needs libtpu (the ``tpu`` extra)."""
 
