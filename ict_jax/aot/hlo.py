@@ -133,7 +133,7 @@ def trip_count(module: HloModule, ins: Instruction) -> int | None:
     m = _TRIP.search(ins.text)
     if m:
         return int(m.group(1))
-    cond = dict(_CALLS.findall(ins.text)).get("condition")
+    cond = called(ins, "condition")
     body = module.computations.get(cond or "", [])
     consts = {}
     for c in body:
@@ -458,7 +458,7 @@ def _param_reads(module: HloModule, syms: _Symbols, fused: str, depth: int = 0) 
             elif user.opcode == "dynamic-update-slice" and k == 0 and user.name in roots:
                 pass  # written in place: its other bytes are not read
             elif user.opcode == "fusion" and depth < 4:  # a nested fusion (TPU): what it reads of its operand k
-                callee = dict(_CALLS.findall(user.text)).get("calls")
+                callee = called(user, "calls")
                 sub = _param_reads(module, syms, callee, depth + 1).get(k) if callee in module.computations else None
                 if sub is None:
                     return None
@@ -513,7 +513,7 @@ def instruction_bytes(module: HloModule, syms: _Symbols, comp: str, ins: Instruc
     if op == "dynamic-update-slice":
         return 2 * _nbytes(operands[1] if len(operands) > 1 else None) + sum(_nbytes(o) for o in operands[2:])
     if op == "fusion":
-        callee = dict(_CALLS.findall(ins.text)).get("calls")
+        callee = called(ins, "calls")
         if callee in module.computations:
             reads = _param_reads(module, syms, callee)
             read = sum(_nbytes(o) if reads.get(k) is None else min(reads[k], _nbytes(o))
