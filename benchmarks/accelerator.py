@@ -12,7 +12,7 @@ finished), and the table of every stage is printed at the end (``<out>/accelerat
   loss, remat and stats.chunk) at the Qwen2.5-0.5B / 1.5B shapes with random weights, float32 parameters
   and bfloat16 compute, P 4 x G 8 rows of 128 prompt + 1,024 response tokens, one mini-batch: compiled
   once, then ``--steps`` timed steps. Tokens/s; MFU two ways, ``6 N tokens`` and the compiled program's
-  own matmul FLOPs (``aot.hlo.cost``, loop trip counts multiplied in), over the chip's peak
+  own matmul FLOPs (``aot.cost.cost``, loop trip counts multiplied in), over the chip's peak
   (``aot.chips``); the roofline bound of the compiled step (``aot.roofline``); the device's peak memory.
 - ``rollout``: the sampler (``sampling.sampler.make_generate_fn``) at the 0.5B shape in bfloat16, 32
   prompts x G 8 = 256 rows, 128 prompt + 1,024 new tokens, no EOS (every row runs to the end): tokens/s

@@ -104,6 +104,7 @@ def test_the_packages_old_names_go_through_the_one_mechanism():
     """The package's former names and paths are declared with REMOVED_IN, and no module of the package
     but this one makes a DeprecationWarning itself."""
     import ict_jax
+    import ict_jax.aot.hlo
     import ict_jax.config
     import ict_jax.model.loading
     import ict_jax.train.checkpoints
@@ -111,7 +112,7 @@ def test_the_packages_old_names_go_through_the_one_mechanism():
     import ict_jax.train.run
 
     for tables in (ict_jax._FORMER, ict_jax.config._FORMER, ict_jax.train.run._FORMER, ict_jax.model.loading._FORMER,
-                   ict_jax.train.checkpoints._FORMER, ict_jax.train.model_source._FORMER):
+                   ict_jax.train.checkpoints._FORMER, ict_jax.train.model_source._FORMER, ict_jax.aot.hlo._FORMER):
         assert tables.removed_in == REMOVED_IN and tables.homes
     assert [f for f in sys.meta_path if isinstance(f, MovedModules) and f.homes == ict_jax._MOVED_MODULES]
     makers = [f"{path.relative_to(PACKAGE)}:{node.lineno}"
@@ -140,3 +141,15 @@ def test_the_former_chip_table_of_aot_compile_still_reads_with_a_warning():
     assert specs["v5e"]["peak_flops"] == CHIPS["v5e"].peak_flops
     with pytest.raises(AttributeError, match="has no attribute 'CHIP_SPEC'"):
         compile_module.CHIP_SPEC  # noqa: B018
+
+
+def test_the_cost_counters_former_names_in_aot_hlo_are_its_names_in_aot_cost():
+    import ict_jax.aot.cost as cost_module
+    import ict_jax.aot.hlo as hlo_module
+
+    for name in ("Cost", "cost", "dot_flops", "instruction_bytes", "computation_roles", "operand_names",
+                 "NO_TRAFFIC", "SLICING"):
+        with pytest.warns(DeprecationWarning, match=rf"ict_jax\.aot\.hlo\.{name} is deprecated .* use ict_jax\.aot\.cost\.{name}"):
+            assert getattr(hlo_module, name) is getattr(cost_module, name)
+    with pytest.raises(AttributeError):
+        _ = hlo_module.no_such_name

@@ -1,7 +1,7 @@
 """A roofline estimate of one compiled program from its own HLO (docs/tpu.md "Roofline").
 
 Per device and per run of the program: the matmul FLOPs and the bytes accessed counted from the
-compiled, partitioned HLO with every loop's trip count multiplied in (:func:`ict_jax.aot.hlo.cost`;
+compiled, partitioned HLO with every loop's trip count multiplied in (:func:`ict_jax.aot.cost.cost`;
 ``compiled.cost_analysis()`` counts a loop body once), the samplers' data-dependent decode loops counted
 at their full length (every row generates ``max_new_tokens``: the worst case), then
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from ict_jax.aot import hlo
+from ict_jax.aot import cost, hlo
 from ict_jax.aot.chips import Chip
 
 
@@ -56,7 +56,7 @@ class Roofline:
         return d
 
 
-def decode_step_cost(module: hlo.HloModule) -> hlo.Cost | None:
+def decode_step_cost(module: hlo.HloModule) -> cost.Cost | None:
     """The cost of one iteration of the program's last data-dependent loop (a sampler's last decode
     phase: its largest KV window), everything that iteration calls included; None without one."""
     loops = hlo.data_dependent_loops(module)
@@ -65,7 +65,7 @@ def decode_step_cost(module: hlo.HloModule) -> hlo.Cost | None:
     body = hlo.called(loops[-1])
     if body is None:
         return None
-    return hlo.cost(module, hlo.multiplicity(module, root=body)[0])
+    return cost.cost(module, hlo.multiplicity(module, root=body)[0])
 
 
 def estimate(module: hlo.HloModule, chip: Chip | None, *, chips: int, model_flops: float | None = None,
@@ -77,7 +77,7 @@ def estimate(module: hlo.HloModule, chip: Chip | None, *, chips: int, model_flop
     of a sampler (assumed trip counts of its data-dependent loops, in program order);
     ``decode_min_bytes``: the bytes a decode step must read at least, per device."""
     mult, unknown = hlo.multiplicity(module, trips=decode_steps)
-    c = hlo.cost(module, mult)
+    c = cost.cost(module, mult)
     r = Roofline(flops=c.flops, bytes=c.bytes, unknown_loops=unknown, tokens=tokens,
                  decode_steps=tuple(decode_steps) if decode_steps is not None else None,
                  model_flops=None if model_flops is None else model_flops / chips)

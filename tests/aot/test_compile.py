@@ -14,7 +14,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from ict_jax.aot import hlo
+from ict_jax.aot import cost, hlo
 from ict_jax.aot.compile import PROGRAMS, Target, compile_run, get_target, per_device_bytes, run_programs
 from ict_jax.aot.fit import candidate_settings, estimate_memory, estimate_seconds, search
 from ict_jax.config import ConfigError, load_config, parse_topology
@@ -185,7 +185,7 @@ def test_cost_multiplies_loop_trips_and_counts_what_slices_and_in_place_updates_
     """FLOPs of the dot x 4 trips; bytes: a fusion that slices one layer of a stacked weight reads that
     layer, not the stack; an in-place dynamic-update-slice reads and writes its update, not the buffer."""
     m = hlo.parse_hlo(COST_HLO)
-    c = hlo.cost(m)
+    c = cost.cost(m)
     assert c.flops == 4 * 2 * (2 * 16) * 8  # 4 trips x 2 x result elements x contracted size
     layer, x, y, row = 8 * 16 * 4, 2 * 8 * 4, 2 * 16 * 4, 2 * 16 * 4
     per_trip = ((layer + 4) + layer  # the slicing fusion: one layer (+ the index) read, one written
@@ -196,9 +196,9 @@ def test_cost_multiplies_loop_trips_and_counts_what_slices_and_in_place_updates_
     whole = 64 * 16 * 4
     assert c.bytes == 4 * (per_trip + compare) + 2 * whole  # + the final copy
     # cost_analysis's error, which the roofline avoids: the loop body counted once
-    assert hlo.cost(m, {k: int(v > 0) for k, v in hlo.multiplicity(m)[0].items()}).flops == c.flops / 4
+    assert cost.cost(m, {k: int(v > 0) for k, v in hlo.multiplicity(m)[0].items()}).flops == c.flops / 4
     # one iteration from its body: what a decode step costs
-    body = hlo.cost(m, hlo.multiplicity(m, root="body")[0])
+    body = cost.cost(m, hlo.multiplicity(m, root="body")[0])
     assert body.flops == c.flops / 4 and body.bytes == per_trip
 
 
@@ -214,11 +214,11 @@ ENTRY %main (a: f32[1,3,1], k: f32[2,1,1]) -> f32[1,4,1] {
 }
 """
     # the dilated input is [x0, _, x1, _, x2]: each of the 4 outputs meets one real element of its 2 taps
-    assert hlo.cost(hlo.parse_hlo(conv)).flops == 2 * 4
+    assert cost.cost(hlo.parse_hlo(conv)).flops == 2 * 4
     dot = conv.replace("window={size=2 lhs_dilate=2}, dim_labels=b0f_0io->b0f", "dim_labels=bf_io->bf")
     dot = dot.replace("f32[1,3,1]", "f32[2,3]").replace("f32[2,1,1]", "f32[3,4]").replace("f32[1,4,1]", "f32[2,4]")
     dot = dot.replace("{2,1,0}", "{1,0}")
-    assert hlo.cost(hlo.parse_hlo(dot)).flops == 2 * 2 * 4 * 3  # a plain matmul written as a convolution
+    assert cost.cost(hlo.parse_hlo(dot)).flops == 2 * 2 * 4 * 3  # a plain matmul written as a convolution
 
 
 def test_assumed_trip_counts_for_data_dependent_loops():
