@@ -47,6 +47,53 @@ jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+# A real Qwen2.5 (a name of KNOWN_MODELS) is several GB in memory: only tests marked ``real_model`` may
+# resolve one, because CI runs those one at a time beside the rest (.ci/run). Every way to a real model goes
+# through packaged.packaged_model_path (resolve_path, the CLI's --model in this process, the notebooks):
+# the guard fails the test there, before anything loads, naming the marker it lacks. It is installed once,
+# not as a fixture, so a module- or session-scoped fixture that resolves the model is guarded too.
+_RUNNING: list = []  # the test item being set up, run or torn down
+_REAL_MODELS: list = []  # the package's KNOWN_MODELS.values(), read once
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _RUNNING.append(item)
+    try:
+        yield
+    finally:
+        _RUNNING.pop()
+
+
+def real_model_guard(spec, *, item=None):
+    """Refuse ``spec`` when it names a real model and the running test (``item``) lacks ``real_model``.
+    The real models are the package's KNOWN_MODELS as declared (tests add fake ones to the table)."""
+    from ict_jax.model import packaged
+
+    item = item if item is not None else (_RUNNING[-1] if _RUNNING else None)
+    model = packaged.split_model_for(spec)
+    if item is not None and model in _REAL_MODELS and not item.get_closest_marker("real_model"):
+        pytest.fail(f"{item.nodeid} resolves the real model {model.name!r} without the real_model marker: mark it "
+                    "@pytest.mark.real_model (and slow), so CI runs it one real model at a time", pytrace=False)
+
+
+def _install_real_model_guard():
+    from ict_jax.model import packaged
+
+    _REAL_MODELS.extend(packaged.KNOWN_MODELS.values())
+    unguarded = packaged.packaged_model_path
+
+    def packaged_model_path(spec):
+        real_model_guard(spec)
+        return unguarded(spec)
+
+    packaged_model_path.__doc__ = unguarded.__doc__
+    packaged.packaged_model_path = packaged_model_path
+
+
+_install_real_model_guard()
+
+
 # An xdist worker (`-n 2`) must end quickly once it has reported its results: execnet gives it 5 s after the
 # controller says stop, then sends it SIGINT (and the controller kills it after 10 s). What it still does
 # then is pytest's unraisable-exception check, a full garbage collection at unconfigure and another at

@@ -309,7 +309,7 @@ ACROSS_MODULES = {
 #: module at the top of tests/ (test_covering.py: covering.py, the slow matrices' covering designs), or a
 #: benchmark the default suite runs (test_accelerator_benchmark.py: benchmarks/accelerator.py --smoke)
 TOP_LEVEL = {"test_architecture.py", "test_docs.py", "test_notebooks.py", "test_configs.py", "test_demo.py",
-             "test_foundation.py", "test_covering.py", "test_accelerator_benchmark.py"}
+             "test_foundation.py", "test_covering.py", "test_accelerator_benchmark.py", "test_real_model_guard.py"}
 DATA_FOLDERS = {"rl/golden"}  # reference data, not tests
 
 
