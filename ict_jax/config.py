@@ -185,6 +185,10 @@ class RolloutSection:
     # of the batch rounded up to a power of two from this one up to max_new_tokens, and the decode attends
     # over the filled bucket of its KV cache; null = off (every update and decode step at max_new_tokens)
     min_response_bucket: int | None = 16
+    # FSDP meshes: the samplers gather the weights (in the compute dtype) once a call, before the decode
+    # loop, instead of all-gathering every layer's shards at every decoded token; costs a whole copy of
+    # the weights (over tensor) a device while the sampler runs (docs/sampler.md, docs/tpu.md)
+    gather_weights: bool = False
 
 
 @dataclass(frozen=True)

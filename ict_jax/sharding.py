@@ -206,6 +206,39 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _drop_axis(spec: P, axis: str) -> P:
+    """``spec`` without mesh axis ``axis`` (an entry naming only it becomes None: replicated there)."""
+    def drop(entry: Any) -> Any:
+        if entry is None:
+            return None
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a != axis)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(*(drop(e) for e in spec))
+
+
+def gather_fsdp(state: Any) -> Any:
+    """Inside a program traced under a mesh: ``state`` (an nnx State) with every Variable's FSDP shards
+    gathered, each constrained to its logical sharding without the ``fsdp`` mesh axis (tensor parallelism
+    kept). A loop that reads the result, like the sampler's decode loop, then finds whole weights on every
+    device: they are all-gathered once, before the loop, instead of in every iteration (the decode's
+    ``rollout.gather_weights``, docs/sampler.md). Costs the gathered copy's memory per device for as long
+    as it is read. Unchanged without a mesh, or on a mesh whose ``fsdp`` axis is 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names) or mesh.shape["fsdp"] == 1:
+        return state
+
+    def one(v: Any) -> Any:
+        if not isinstance(v, nnx.Variable):
+            return v
+        axes = v.get_metadata().get("logical_axes")
+        if axes is None:
+            return v
+        spec = _drop_axis(logical_to_spec(axes, v.shape, mesh), "fsdp")
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), v)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """``with_sharding_constraint`` by logical names under the current mesh (no-op without one)."""
     mesh = jax.sharding.get_abstract_mesh()

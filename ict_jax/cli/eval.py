@@ -108,6 +108,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (" + _default_help("seed") + ")")
     p.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
                    help="device mesh (-1 = the rest of the devices); default: no mesh, one device")
+    p.add_argument("--gather-weights", action="store_true",
+                   help="with an FSDP mesh: gather the weights once a sampler call, before the decode loop, not at "
+                        "every token (rollout.gather_weights, docs/sampler.md)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="parameter dtype (default float32)")
     p.add_argument("--reward-fn", default=None, metavar="PACKAGE.MODULE:FUNCTION",
                    help="the function that scores benchmarks whose reward kind is 'custom' (file:...&reward=custom); "
@@ -231,12 +234,8 @@ def eval_main(args: argparse.Namespace) -> int:
     why = template_mismatch(tok, s["template"])
     if why:
         print(f"ict-jax eval: warning: template {s['template']}: {why}", file=sys.stderr)
-    guessed = [n for n in ("template", "max_new_tokens", "max_prompt_len") if sources[n] == "default"]
-    if record is None and guessed:
-        print("ict-jax eval: warning: the model records no training settings, so these are defaults, not "
-              "necessarily what it was trained with: " + ", ".join(f"{n}={s[n]}" for n in guessed) + " (pass "
-              + " / ".join("--" + n.replace("_", "-") for n in guessed) + " if it was trained otherwise)",
-              file=sys.stderr)
+    if record is None:
+        _warn_defaults_guessed(s, sources)
     templated = {name: template_dataset(ds, tok, s["template"]) for name, ds in datasets.items()}
     lengths = {name: _prompt_lengths(ds, tok, UnknownCharacterError) for name, ds in templated.items()}
     overlong = {name: sum(n > s["max_prompt_len"] for n in ls) for name, ls in lengths.items()}
@@ -255,10 +254,12 @@ def eval_main(args: argparse.Namespace) -> int:
     gen = make_text_generator(model, tok, max_new_tokens=s["max_new_tokens"], temperature=s["temperature"],
                               top_p=s["top_p"], top_k=args.top_k, template="none",
                               max_prompt_len=s["max_prompt_len"], batch_size=s["batch_size"], seed=s["seed"],
-                              mesh=mesh, overlong="skip" if args.skip_overlong else "error")
+                              mesh=mesh, overlong="skip" if args.skip_overlong else "error",
+                              gather_weights=args.gather_weights)
     settings = {"model": args.model, "loaded": where, "reward_fn": args.reward_fn, "tokenizer": tokenizer,
                 **{k: list(v) if isinstance(v, tuple) else v for k, v in s.items()}, "top_k": args.top_k,
-                "mesh": args.mesh, "sources": sources, "run_config": record[1] if record else None}
+                "mesh": args.mesh, "gather_weights": args.gather_weights, "sources": sources,
+                "run_config": record[1] if record else None}
     out = _output_folder(args.out)
     json_path = os.path.join(out, "eval.json")
     checkers = {CUSTOM_KIND: args.reward_fn} if args.reward_fn else None  # imported in the workers only
@@ -277,6 +278,17 @@ def eval_main(args: argparse.Namespace) -> int:
               + ", ".join(f"{k} {v}" for k, v in skipped.items() if v))
     print(f"wrote {json_path} and {os.path.join(out, 'eval_samples.jsonl')}")
     return 0
+
+
+def _warn_defaults_guessed(s: dict, sources: dict) -> None:
+    """For a model that records no training settings: say which settings that shape its prompts and
+    responses are defaults, not necessarily what it was trained with."""
+    guessed = [n for n in ("template", "max_new_tokens", "max_prompt_len") if sources[n] == "default"]
+    if guessed:
+        print("ict-jax eval: warning: the model records no training settings, so these are defaults, not "
+              "necessarily what it was trained with: " + ", ".join(f"{n}={s[n]}" for n in guessed) + " (pass "
+              + " / ".join("--" + n.replace("_", "-") for n in guessed) + " if it was trained otherwise)",
+              file=sys.stderr)
 
 
 def _output_folder(out: str | None) -> str:

@@ -35,7 +35,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ict_jax.buckets import response_buckets
 from ict_jax.config import RolloutSection
 from ict_jax.model.qwen2 import MASKED, KVCache, attend, attention_qkv, finish_layer, rms_norm, rope_tables
-from ict_jax.sharding import BATCH_AXES, check_prompts_divide, constrain
+from ict_jax.sharding import BATCH_AXES, check_prompts_divide, constrain, gather_fsdp
 
 #: On CPU, decode unrolls the layer loop over per-layer weights by default up to this depth (no
 #: per-layer scan overhead and no per-step weight copies; compile time grows with depth). Elsewhere the
@@ -170,6 +170,8 @@ class SampleSettings:
     unroll_layers: bool | None = None  # None: unroll on CPU when num_layers <= UNROLL_MAX_LAYERS
     # decode phases of a growing KV cache (ict_jax.buckets.response_buckets); None: one phase, the whole cache
     min_response_bucket: int | None = _ROLLOUT.min_response_bucket
+    # under an FSDP mesh: the weights gathered once a call, before the decode loop (sharding.gather_fsdp)
+    gather_weights: bool = _ROLLOUT.gather_weights
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -429,7 +431,8 @@ def _in_compute_dtype(graphdef: Any, state: Any) -> Any:
 
 def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int[Array, "P Lp"],
                    prompt_mask: Int[Array, "P Lp"], key: jax.Array) -> Rollout:
-    model = nnx.merge(graphdef, _in_compute_dtype(graphdef, state))
+    state = _in_compute_dtype(graphdef, state)
+    model = nnx.merge(graphdef, gather_fsdp(state) if s.gather_weights else state)
     c = model.config
     unroll = decode_unrolled(s, c.num_layers)
     G, N = s.num_samples, s.max_new_tokens
@@ -516,17 +519,21 @@ def make_generate_fn(graphdef: Any, *, num_samples: int = 1, max_new_tokens: int
                      top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (), greedy: bool = False,
                      kv_cache_dtype: str | None = None, pad_id: int = 0, unroll_layers: bool | None = None,
                      mesh: Mesh | None = None,
-                     min_response_bucket: int | None = _ROLLOUT.min_response_bucket) -> GenerateFn:
+                     min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
+                     gather_weights: bool = _ROLLOUT.gather_weights) -> GenerateFn:
     """The pure jitted generate function for ``graphdef`` (from ``nnx.split(model)``), for callers that
     hold the state themselves (the trainer calls it every step with the current policy state).
     ``min_response_bucket`` (``rollout.min_response_bucket``): the smallest decode phase of the growing
-    KV cache; None decodes over the whole cache in one phase."""
+    KV cache; None decodes over the whole cache in one phase. ``gather_weights``
+    (``rollout.gather_weights``): under a mesh with ``fsdp`` > 1, gather the weights once a call, before
+    the decode loop, instead of at every decoded token (a whole copy of them a device; the same samples)."""
     settings = SampleSettings(num_samples=int(num_samples), max_new_tokens=int(max_new_tokens),
                               temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                               eos_ids=tuple(int(i) for i in eos_ids), greedy=bool(greedy),
                               kv_cache_dtype=None if kv_cache_dtype is None else str(jnp.dtype(kv_cache_dtype)),
                               pad_id=int(pad_id), unroll_layers=unroll_layers,
-                              min_response_bucket=None if min_response_bucket is None else int(min_response_bucket))
+                              min_response_bucket=None if min_response_bucket is None else int(min_response_bucket),
+                              gather_weights=bool(gather_weights))
     return GenerateFn(graphdef, settings, mesh)
 
 
@@ -545,7 +552,8 @@ def generate(model: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array,
              num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
              top_k: int = 0, eos_ids: Sequence[int] = (), greedy: bool = False, kv_cache_dtype: str | None = None,
              pad_id: int = 0, unroll_layers: bool | None = None, mesh: Mesh | None = None,
-             min_response_bucket: int | None = _ROLLOUT.min_response_bucket) -> Rollout:
+             min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
+             gather_weights: bool = _ROLLOUT.gather_weights) -> Rollout:
     """Sample ``num_samples`` (G) responses for each of the P left-padded prompts -> :class:`Rollout`
     with ``P * G`` rows, prompt-major.
 
@@ -558,7 +566,7 @@ def generate(model: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array,
     fn = make_generate_fn(graphdef, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, top_k=top_k, eos_ids=eos_ids, greedy=greedy, kv_cache_dtype=kv_cache_dtype,
                           pad_id=pad_id, unroll_layers=unroll_layers, mesh=mesh,
-                          min_response_bucket=min_response_bucket)
+                          min_response_bucket=min_response_bucket, gather_weights=gather_weights)
     cache_key = (graphdef, fn.settings, mesh)
     fn = _FNS.setdefault(cache_key, fn)
     return fn(state, jnp.asarray(prompt_ids), None if prompt_mask is None else jnp.asarray(prompt_mask), key)

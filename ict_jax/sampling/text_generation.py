@@ -50,7 +50,8 @@ class TextGenerator:
                  top_k: int, template: str, max_prompt_len: int, batch_size: int, seed: int, mesh: Any,
                  overlong: str, instruction: str | None, kv_cache_dtype: str | None,
                  generate_fns: Mapping[int, Callable[..., Any]] | None = None,
-                 min_response_bucket: int | None = _ROLLOUT.min_response_bucket):
+                 min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
+                 gather_weights: bool = _ROLLOUT.gather_weights):
         if template not in TEMPLATES:
             raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
         if overlong not in ("error", "skip"):
@@ -75,7 +76,7 @@ class TextGenerator:
         self.sample_kwargs = dict(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                                   top_p=float(top_p), top_k=int(top_k), eos_ids=tuple(tokenizer.eos_ids),
                                   pad_id=int(tokenizer.pad_id), kv_cache_dtype=kv_cache_dtype,
-                                  min_response_bucket=min_response_bucket)
+                                  min_response_bucket=min_response_bucket, gather_weights=bool(gather_weights))
         SampleSettings(**{k: v for k, v in self.sample_kwargs.items() if k != "kv_cache_dtype"})  # validate now
         self.key = generator_key(seed)
         self.fns: dict[int, Any] = dict(generate_fns or {})
@@ -170,7 +171,8 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
                         batch_size: int, seed: int = 0, mesh: Any = None, overlong: str = "error",
                         instruction: str | None = None, kv_cache_dtype: str | None = None,
                         generate_fns: Mapping[int, Callable[..., Any]] | None = None,
-                        min_response_bucket: int | None = _ROLLOUT.min_response_bucket) -> TextGenerator:
+                        min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
+                        gather_weights: bool = _ROLLOUT.gather_weights) -> TextGenerator:
     """``generate_fn(prompts: list[str], n: int) -> list[list[str]]`` sampling from ``model``.
 
     - ``model``: a :class:`ict_jax.Qwen2`, or ``(graphdef, state)`` from ``nnx.split`` (the returned
@@ -191,13 +193,15 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
     - ``generate_fns``: {n: the compiled generate function for n samples} to use instead of building one
       (a run's evaluation program, ``ict_jax.train.programs``), called as ``fn(state, ids, mask, key)``;
     - ``min_response_bucket`` (``rollout.min_response_bucket``): the decode attends over a growing
-      bucket of its KV cache (:func:`ict_jax.sampling.sampler.make_generate_fn`); None: the whole cache.
+      bucket of its KV cache (:func:`ict_jax.sampling.sampler.make_generate_fn`); None: the whole cache;
+    - ``gather_weights`` (``rollout.gather_weights``): under an FSDP mesh, the weights gathered once a
+      program run, before the decode loop (:func:`ict_jax.sampling.sampler.make_generate_fn`).
     ``mesh`` defaults to the mesh the model's parameters are sharded on (None: no mesh).
     """
     return TextGenerator(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                          top_k=top_k, template=template, max_prompt_len=max_prompt_len, batch_size=batch_size,
                          seed=seed, mesh=mesh, overlong=overlong, instruction=instruction,
                          kv_cache_dtype=kv_cache_dtype, generate_fns=generate_fns,
-                         min_response_bucket=min_response_bucket)
+                         min_response_bucket=min_response_bucket, gather_weights=gather_weights)
 
 

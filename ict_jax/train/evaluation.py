@@ -61,7 +61,8 @@ class Evaluator:
                                    max_prompt_len=cfg.rollout.max_prompt_len, batch_size=sampler_prompts("eval", cfg),
                                    seed=cfg.seed, mesh=parts.mesh, kv_cache_dtype=kv_cache_dtype(cfg),
                                    generate_fns={cfg.data.eval_n: parts.programs.eval},
-                                   min_response_bucket=cfg.rollout.min_response_bucket)
+                                   min_response_bucket=cfg.rollout.min_response_bucket,
+                                   gather_weights=cfg.rollout.gather_weights)
 
     def evaluate(self, state: TrainState, step: int) -> dict[str, float]:
         """pass@k of ``state``'s policy after ``step`` rollout batches; {} when no eval set is named."""

@@ -325,7 +325,7 @@ def sampler_fn(name: str, config: Config, graphdef: Any, mesh: Mesh, tokens: Tok
                             top_p=d.eval_top_p if ev else r.top_p, top_k=0 if ev else r.top_k,
                             eos_ids=tokens.eos_ids, pad_id=tokens.pad_id, kv_cache_dtype=kv_cache_dtype(config),
                             unroll_layers=None if platform == "cpu" else False, mesh=mesh,
-                            min_response_bucket=r.min_response_bucket)
+                            min_response_bucket=r.min_response_bucket, gather_weights=r.gather_weights)
 
 
 def sampler_prompts(name: str, config: Config) -> int:

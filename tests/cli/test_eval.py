@@ -83,6 +83,24 @@ def test_eval_cli_end_to_end(assets, tmp_path, capsys):
     assert len({r["response"] for r in rows}) > 1  # sampled, not one repeated string
 
 
+@pytest.mark.e2e  # two evaluations compiled and run (~30 s); the sampler's 8-device check is in the default suite
+def test_eval_on_an_fsdp_mesh_gathering_the_weights_gives_the_one_device_responses(assets, tmp_path, capsys, devices8):
+    """``--mesh 1,8,1 --gather-weights``: the weights sharded 8 ways and gathered once a sampler call; the
+    responses are those of one device (the same prompts per call, the same keys), and eval.json says so."""
+    outs = {}
+    for name, extra in (("one", []), ("fsdp", ["--mesh", "1,8,1", "--gather-weights"])):
+        outs[name] = tmp_path / name
+        argv = _args(assets, outs[name], "--n", "2", "--k", "1", "--seed", "3", *extra)
+        argv[argv.index("--batch-size") + 1] = "8"  # one call, a multiple of data x fsdp
+        assert main(argv) == 0
+    capsys.readouterr()
+    res = {k: json.loads((v / "eval.json").read_text()) for k, v in outs.items()}
+    assert res["fsdp"]["settings"]["gather_weights"] is True and res["one"]["settings"]["gather_weights"] is False
+    rows = {k: [json.loads(line)["response"] for line in (v / "eval_samples.jsonl").read_text().splitlines()]
+            for k, v in outs.items()}
+    assert len(rows["one"]) == 6 and rows["fsdp"] == rows["one"]
+
+
 def test_eval_without_out_never_replaces_an_earlier_result(assets, tmp_path, capsys, monkeypatch):
     """Without --out the results go to runs/eval_out, then runs/eval_out-2, ...; a --out named that holds a
     result is written over with a line that says so."""

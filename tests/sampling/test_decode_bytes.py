@@ -4,7 +4,9 @@ the least a step must read, the weights in the compute dtype and the KV cache's 
 for the path each platform takes: the CPU's unrolled layers (float32), and (with libtpu) a TPU's layer
 scan, the path accelerators run, with float32 parameters and bfloat16 compute as a training run's
 policy: a decode that re-read the float32 weights, or cast them again at every step, reads up to ~2x; one
-that copies the KV cache at every step (a layer scan over the cache as xs/ys), ~1.5x."""
+that copies the KV cache at every step (a layer scan over the cache as xs/ys), ~1.5x. Under FSDP, a decode
+that all-gathers the weights' shards at every step reads several times more (``rollout.gather_weights``
+gathers them once a call)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from ict_jax.aot.roofline import decode_step_cost
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.sampling.sampler import make_generate_fn
+from ict_jax.sharding import state_shardings
 
 # Qwen2.5-0.5B's proportions (grouped KV heads, MLP ~5.5x the width, attention ~15% of a layer's
 # weights) at width 256: ~5.2 MB of weights in bfloat16, a KV cache of ~2 MB over 16 rows
@@ -44,14 +47,19 @@ def least_bytes(c: ModelConfig) -> tuple[int, int]:
     return weights, kv
 
 
-def compiled_decode_bytes(config: ModelConfig, devices, unroll: bool) -> float:
-    mesh = Mesh(np.asarray(devices[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+def compiled_decode(config: ModelConfig, devices, unroll: bool, *, fsdp: int = 1,
+                    gather_weights: bool = False) -> hlo.HloModule:
+    """The compiled generate program's HLO on ``fsdp`` of ``devices`` (the weights sharded as a run shards
+    them: ``sharding.state_shardings``; the prompts' rows over fsdp)."""
+    mesh = Mesh(np.asarray(devices[:fsdp]).reshape(1, fsdp, 1), ("data", "fsdp", "tensor"))
     rep = NamedSharding(mesh, PartitionSpec())
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(0))))
-    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), state)
+    state = jax.tree.map(lambda v, sh: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), v),
+                         state, state_shardings(state, mesh), is_leaf=lambda x: isinstance(x, nnx.Variable))
     key = jax.eval_shape(lambda: jax.random.key(0))
-    ids = jax.ShapeDtypeStruct((P, LP), jnp.int32, sharding=rep)
-    fn = make_generate_fn(graphdef, num_samples=G, max_new_tokens=N, unroll_layers=unroll, min_response_bucket=None)
+    ids = jax.ShapeDtypeStruct((P, LP), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None)))
+    fn = make_generate_fn(graphdef, num_samples=G, max_new_tokens=N, unroll_layers=unroll, min_response_bucket=None,
+                          gather_weights=gather_weights)
     with jax.set_mesh(mesh):
         lowered = fn.jitted.lower(state, ids, ids, jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
     if devices[0].platform == "tpu":
@@ -63,14 +71,31 @@ def compiled_decode_bytes(config: ModelConfig, devices, unroll: bool) -> float:
         compiled = lowered.compile()
     module = hlo.parse_hlo(compiled.as_text())
     assert len(hlo.data_dependent_loops(module)) == 1  # one decode phase
-    return decode_step_cost(module).bytes
+    return module
+
+
+def compiled_decode_bytes(config: ModelConfig, devices, unroll: bool) -> float:
+    return decode_step_cost(compiled_decode(config, devices, unroll)).bytes
+
+
+def decode_step_gathers(module: hlo.HloModule) -> int:
+    """All-gathers in one step of the decode loop (its body and what the body calls)."""
+    body = hlo.called(hlo.data_dependent_loops(module)[-1])
+    mult = hlo.multiplicity(module, root=body)[0]
+    return sum(1 for comp, ins in module.instructions() if mult.get(comp) and ins.opcode.startswith("all-gather"))
+
+
+def ratio(config: ModelConfig, step_bytes: float, fsdp: int = 1) -> float:
+    """A decode step's bytes over the least it must read a device: every weight (FSDP gathers them all)
+    and the device's rows' share of the KV cache."""
+    weights, kv = least_bytes(config)
+    assert 0.2 < kv / (weights + kv) < 0.5  # both parts matter
+    return step_bytes / (weights + kv / fsdp)
 
 
 def check(config: ModelConfig, step_bytes: float) -> None:
-    weights, kv = least_bytes(config)
-    assert 0.2 < kv / (weights + kv) < 0.5  # both parts matter
-    ratio = step_bytes / (weights + kv)
-    assert 1.0 <= ratio < LIMIT, f"a decode step reads {step_bytes:,.0f} B = {ratio:.2f}x weights + KV"
+    r = ratio(config, step_bytes)
+    assert 1.0 <= r < LIMIT, f"a decode step reads {step_bytes:,.0f} B = {r:.2f}x weights + KV"
 
 
 def test_cpu_decode_reads_each_weight_once_a_token():
@@ -85,3 +110,19 @@ def test_tpu_decode_reads_each_weight_once_a_token():
     from ict_jax.aot.compile import get_target
 
     check(CONFIG, compiled_decode_bytes(CONFIG, get_target("v5e:2x2").devices, unroll=False))
+
+
+@needs_libtpu
+def test_tpu_fsdp_decode_gathers_the_weights_once_with_gather_weights():
+    """FSDP 4 on a TPU: without ``rollout.gather_weights`` every decode step all-gathers every layer's shards
+    again (several times what a step must read); with it the weights are gathered once, before the loop,
+    and a step reads them as on one device."""
+    from ict_jax.aot.compile import get_target
+
+    devices = get_target("v5e:2x2").devices
+    per_step = compiled_decode(CONFIG, devices, False, fsdp=4)
+    once = compiled_decode(CONFIG, devices, False, fsdp=4, gather_weights=True)
+    assert decode_step_gathers(per_step) > 0 and decode_step_gathers(once) == 0
+    assert ratio(CONFIG, decode_step_cost(per_step).bytes, fsdp=4) > 3
+    r = ratio(CONFIG, decode_step_cost(once).bytes, fsdp=4)
+    assert 1.0 <= r < LIMIT, f"a decode step reads {r:.2f}x weights + the device's KV"

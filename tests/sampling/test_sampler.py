@@ -152,11 +152,15 @@ def test_mesh_8_devices_equals_1_device(model, prompts, sampled, devices8):
     r8 = generate(model8, *prompts, jax.random.key(3), num_samples=G, max_new_tokens=N, temperature=TEMP, eos_ids=EOS)
     assert len(r8.tokens.sharding.device_set) == 8
     assert r8.tokens.sharding.shard_shape(r8.tokens.shape)[0] == P * G // 4  # rows over data x fsdp
-    r1, r8 = _np(sampled), _np(r8)
-    np.testing.assert_array_equal(r8.tokens, r1.tokens)
-    np.testing.assert_array_equal(r8.valid, r1.valid)
-    np.testing.assert_array_equal(r8.truncated, r1.truncated)
-    np.testing.assert_allclose(r8.logp, r1.logp, atol=1e-5, rtol=0)
+    # the weights gathered once a call (rollout.gather_weights) instead of at every step: the same samples
+    r8g = generate(model8, *prompts, jax.random.key(3), num_samples=G, max_new_tokens=N, temperature=TEMP, eos_ids=EOS,
+                   gather_weights=True)
+    r1 = _np(sampled)
+    for r in (_np(r8), _np(r8g)):
+        np.testing.assert_array_equal(r.tokens, r1.tokens)
+        np.testing.assert_array_equal(r.valid, r1.valid)
+        np.testing.assert_array_equal(r.truncated, r1.truncated)
+        np.testing.assert_allclose(r.logp, r1.logp, atol=1e-5, rtol=0)
 
 
 class _CountTraces:

@@ -151,3 +151,18 @@ def test_former_train_run_names_resolve_with_a_warning_or_name_their_replacement
             "ict_jax.train.distributed").maybe_initialize_distributed
     with pytest.raises(AttributeError, match="build_parts"):
         run.build_run  # noqa: B018
+
+
+@pytest.mark.parametrize("override, gathered", [([], False), (["rollout.gather_weights=true"], True)])
+def test_both_samplers_take_rollout_gather_weights(override, gathered):
+    """``rollout.gather_weights`` reaches the rollout and the evaluation sampler alike (off by default)."""
+    from flax import nnx
+
+    from ict_jax.model.config import ModelConfig
+    from ict_jax.model.qwen2 import Qwen2
+    from ict_jax.train.programs import PLACEHOLDER_IDS, sampler_fn
+
+    cfg = load_config(DEMO, ["model.preset=tiny", *override])
+    graphdef = nnx.split(nnx.eval_shape(lambda: Qwen2(ModelConfig.tiny(), rngs=nnx.Rngs(0))))[0]
+    for name in ("generate", "eval"):
+        assert sampler_fn(name, cfg, graphdef, None, PLACEHOLDER_IDS, "cpu").settings.gather_weights is gathered
