@@ -24,11 +24,12 @@ from ict_jax.config import Config, ConfigError, from_dict, load_config
 SFT_MODEL = "sft_model"  # <run_dir>/sft_model: the finished SFT warm start (a Hugging Face directory)
 
 #: Keys that may differ on --resume: they cannot change what is trained (logging, evaluation and
-#: checkpoint cadence, the number of reward processes, the response buckets: cost, not values beyond float
-#: rounding). ``train.steps`` may only go up, and only when
+#: checkpoint cadence, the number of reward processes, the response buckets and where the samplers gather
+#: FSDP weights: cost, not values beyond float rounding). ``train.steps`` may only go up, and only when
 #: the learning-rate schedule does not depend on it. A trailing ``.*`` matches a whole section.
 RESUME_ALLOWED = ("run_dir", "train.eval_every", "train.save_every", "train.keep", "train.sft_save_every",
-                  "train.memory_check", "rl.reward.workers", "rollout.min_response_bucket", "logging.*")
+                  "train.memory_check", "rl.reward.workers", "rollout.min_response_bucket", "rollout.gather_weights",
+                  "logging.*")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -526,8 +526,8 @@ def test_finished_run_resumed_is_a_no_op_and_changes_are_refused_first(tmp_path)
     assert rc == 2 and err.strip() == (
         "ict-jax train: error: --resume: rl.selector.method ('ict' -> 'grpo') would change how the run trains; a "
         "resumed run keeps those settings (may change: train.eval_every, train.save_every, train.keep, "
-        "train.sft_save_every, train.memory_check, rl.reward.workers, rollout.min_response_bucket, logging.*, "
-        "train.steps upward). Start a new run_dir for other settings")
+        "train.sft_save_every, train.memory_check, rl.reward.workers, rollout.min_response_bucket, "
+        "rollout.gather_weights, logging.*, train.steps upward). Start a new run_dir for other settings")
     rc, _, err = run_cli("train", "--config", str(DEMO), *args, "train.steps=1", "--resume")
     assert rc == 2 and "train.steps (only upward)" in err
     assert snapshot(run) == before
@@ -540,11 +540,13 @@ def test_check_resume_allows_only_what_cannot_change_the_trajectory():
     old = load_config(DEMO, ["optim.lr_warmup_steps=0"])
     ok = old.replace(**{"train.steps": 900, "train.eval_every": 5, "train.save_every": 7, "train.keep": 1,
                         "train.sft_save_every": 3, "rl.reward.workers": 4, "logging.print_every": 9,
-                        "logging.wandb": True, "run_dir": "/elsewhere/demo", "rollout.min_response_bucket": 64})
+                        "logging.wandb": True, "run_dir": "/elsewhere/demo", "rollout.min_response_bucket": 64,
+                        "rollout.gather_weights": True})
     changes = check_resume(old, ok)
     assert changes["train.steps"] == (400, 900) and set(changes) == {
         "train.steps", "train.eval_every", "train.save_every", "train.keep", "train.sft_save_every",
-        "rl.reward.workers", "logging.print_every", "logging.wandb", "run_dir", "rollout.min_response_bucket"}
+        "rl.reward.workers", "logging.print_every", "logging.wandb", "run_dir", "rollout.min_response_bucket",
+        "rollout.gather_weights"}
     for key, value in [("rl.selector.method", "grpo"), ("seed", 1), ("mesh.tensor", 2), ("train.sft_steps", 10),
                        ("data.train", ("arith",)), ("rl.reward.time_limit", 1.0), ("stats.chunk", 3),
                        ("rl.reward.fn", "a:b"), ("train.steps", 10)]:
