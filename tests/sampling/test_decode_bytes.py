@@ -114,15 +114,12 @@ def test_tpu_decode_reads_each_weight_once_a_token():
 
 @needs_libtpu
 def test_tpu_fsdp_decode_gathers_the_weights_once_with_gather_weights():
-    """FSDP 4 on a TPU: without ``rollout.gather_weights`` every decode step all-gathers every layer's shards
-    again (several times what a step must read); with it the weights are gathered once, before the loop,
-    and a step reads them as on one device."""
+    """FSDP 4 on a TPU: with ``rollout.gather_weights`` the weights are gathered once, before the loop, and a
+    decode step reads them as on one device (1.16x). Without it every step all-gathers every layer's shards
+    again: 7.75x with 21 all-gathers a step (docs/sampler.md; not compiled here, for the suite's time)."""
     from ict_jax.aot.compile import get_target
 
-    devices = get_target("v5e:2x2").devices
-    per_step = compiled_decode(CONFIG, devices, False, fsdp=4)
-    once = compiled_decode(CONFIG, devices, False, fsdp=4, gather_weights=True)
-    assert decode_step_gathers(per_step) > 0 and decode_step_gathers(once) == 0
-    assert ratio(CONFIG, decode_step_cost(per_step).bytes, fsdp=4) > 3
+    once = compiled_decode(CONFIG, get_target("v5e:2x2").devices, False, fsdp=4, gather_weights=True)
+    assert decode_step_gathers(once) == 0
     r = ratio(CONFIG, decode_step_cost(once).bytes, fsdp=4)
     assert 1.0 <= r < LIMIT, f"a decode step reads {r:.2f}x weights + the device's KV"
