@@ -4,7 +4,8 @@ its arrays (docs/tpu.md "Memory discipline").
 ``compiled.as_text()`` of a ``jax.stages.Compiled`` is the optimised, partitioned (per-device) HLO
 module. :func:`parse_hlo` splits it into computations and instructions; :func:`multiplicity` follows
 the call graph from the entry computation and multiplies in the trip count of every ``while`` loop it
-can read (a loop whose condition compares its counter with a constant, as ``lax.scan`` compiles; a
+can read (a loop whose condition compares its counter with a constant, as ``lax.scan`` compiles, the
+counter's start and step read too: XLA's windowed einsum loops step by two; a
 data-dependent loop, like the sampler's decode loop, counts once and is reported as unknown), which
 ``compiled.cost_analysis()`` does not do (it counts a loop body once). :func:`collectives` lists the
 all-gather, all-reduce, reduce-scatter, all-to-all and collective-permute instructions with their
@@ -35,6 +36,7 @@ _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_GTE_INDEX = re.compile(r"\bindex=(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,14 @@ class HloModule:
         for comp, instrs in self.computations.items():
             for ins in instrs:
                 yield comp, ins
+
+    def instruction(self, name: str) -> Instruction | None:
+        """The instruction named ``name`` (names are unique in a module), None when there is none."""
+        if self._by_name is None:
+            self._by_name = {ins.name: ins for _, ins in self.instructions()}
+        return self._by_name.get(name)
+
+    _by_name: dict[str, Instruction] | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def _split_type(rest: str) -> tuple[str, str]:
@@ -127,25 +137,79 @@ def parse_hlo(text: str) -> HloModule:
     return HloModule(comps, entry)
 
 
-def trip_count(module: HloModule, ins: Instruction) -> int | None:
-    """The trip count of a ``while`` instruction: from its backend config, else from a condition of the
-    form ``counter < constant`` (how ``lax.scan`` and ``fori_loop`` compile); None when unknown."""
-    m = _TRIP.search(ins.text)
-    if m:
-        return int(m.group(1))
-    cond = called(ins, "condition")
-    body = module.computations.get(cond or "", [])
-    consts = {}
-    for c in body:
+def _scalar_constants(instrs: Iterable[Instruction]) -> dict[str, int]:
+    out = {}
+    for c in instrs:
         if c.opcode == "constant" and len(c.arrays) == 1 and c.arrays[0].dims == ():
             v = re.match(r"constant\((-?\d+)\)", c.text)
             if v:
-                consts[c.name] = int(v.group(1))
-    for c in body:
+                out[c.name] = int(v.group(1))
+    return out
+
+
+def _operand_list(ins: Instruction) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", ins.text.split(")", 1)[0])
+
+
+def _tuple_index(ins: Instruction | None) -> int | None:
+    """``k`` of a ``get-tuple-element(...), index=k`` instruction (None for anything else)."""
+    m = _GTE_INDEX.search(ins.text) if ins is not None and ins.opcode == "get-tuple-element" else None
+    return int(m.group(1)) if m else None
+
+
+def _counter_step(module: HloModule, ins: Instruction, k: int) -> int:
+    """How much the loop body adds to element ``k`` of the loop state: the body's root tuple holds
+    ``add(get-tuple-element(state, k), constant)`` there (1 when it reads otherwise). XLA's windowed
+    einsum loops (a collective matmul, unrolled by two) count 0, 2, 4, ... against their limit."""
+    body = module.computations.get(called(ins, "body") or "", [])
+    table = {c.name: c for c in body}
+    root = next((c for c in body if c.root), None)
+    if root is None or root.opcode != "tuple":
+        return 1
+    ops = _operand_list(root)
+    update = table.get(ops[k]) if k < len(ops) else None
+    if update is None or update.opcode != "add":
+        return 1
+    consts = _scalar_constants(body)
+    a, b = (_operand_list(update) + ["", ""])[:2]
+    for counter, step in ((a, b), (b, a)):
+        if step in consts and _tuple_index(table.get(counter)) == k and consts[step] > 0:
+            return consts[step]
+    return 1
+
+
+def _counter_start(module: HloModule, ins: Instruction, k: int) -> int:
+    """Element ``k`` of the loop's initial state when it is a constant (a ``tuple`` of the caller's
+    instructions), else 0."""
+    ops = _operand_list(ins)
+    init = module.instruction(ops[0]) if ops else None
+    if init is None or init.opcode != "tuple":
+        return 0
+    names = _operand_list(init)
+    const = module.instruction(names[k]) if k < len(names) else None
+    return _scalar_constants([const]).get(const.name, 0) if const is not None else 0
+
+
+def trip_count(module: HloModule, ins: Instruction) -> int | None:
+    """The trip count of a ``while`` instruction: from its backend config, else from a condition of the
+    form ``counter < constant`` (how ``lax.scan`` and ``fori_loop`` compile), the counter's start and
+    step read from the loop's initial state and body (0 and 1 unless they say otherwise: XLA's windowed
+    einsum loops step by 2); None when unknown."""
+    m = _TRIP.search(ins.text)
+    if m:
+        return int(m.group(1))
+    cond = module.computations.get(called(ins, "condition") or "", [])
+    consts = _scalar_constants(cond)
+    table = {c.name: c for c in cond}
+    for c in cond:
         if c.root and c.opcode == "compare" and "direction=LT" in c.text:
-            operands = re.findall(r"%([\w.\-]+)", c.text.split(")", 1)[0])
+            operands = _operand_list(c)
             if len(operands) == 2 and operands[1] in consts:
-                return max(consts[operands[1]], 0)
+                k = _tuple_index(table.get(operands[0]))
+                if k is None:
+                    return max(consts[operands[1]], 0)
+                start, step = _counter_start(module, ins, k), _counter_step(module, ins, k)
+                return max(-(-(consts[operands[1]] - start) // step), 0)
     return None
 
 

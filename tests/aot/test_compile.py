@@ -221,6 +221,57 @@ ENTRY %main (a: f32[1,3,1], k: f32[2,1,1]) -> f32[1,4,1] {
     assert cost.cost(hlo.parse_hlo(dot)).flops == 2 * 2 * 4 * 3  # a plain matmul written as a convolution
 
 
+STEP_HLO = """HloModule steps
+
+%cond (p: (u32[], f32[4])) -> pred[] {
+  %p = (u32[], f32[4]{0}) parameter(0)
+  %limit = u32[] constant(8)
+  %i = u32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %limit), direction=LT
+}
+
+%by_two (p: (u32[], f32[4])) -> (u32[], f32[4]) {
+  %p = (u32[], f32[4]{0}) parameter(0)
+  %two = u32[] constant(2)
+  %i = u32[] get-tuple-element(%p), index=0
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %next = u32[] add(%i, %two)
+  ROOT %t = (u32[], f32[4]{0}) tuple(%next, %x)
+}
+
+%by_one (p: (u32[], f32[4])) -> (u32[], f32[4]) {
+  %p = (u32[], f32[4]{0}) parameter(0)
+  %one = u32[] constant(1)
+  %i = u32[] get-tuple-element(%p), index=0
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %next = u32[] add(%one, %i)
+  ROOT %t = (u32[], f32[4]{0}) tuple(%next, %x)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %zero = u32[] constant(0)
+  %five = u32[] constant(5)
+  %t0 = (u32[], f32[4]{0}) tuple(%zero, %x)
+  %t5 = (u32[], f32[4]{0}) tuple(%five, %x)
+  %w2 = (u32[], f32[4]{0}) while(%t0), condition=%cond, body=%by_two
+  %w1 = (u32[], f32[4]{0}) while(%t5), condition=%cond, body=%by_one
+  ROOT %r = f32[4]{0} get-tuple-element(%w2), index=1
+}
+"""
+
+
+def test_trip_counts_read_the_counters_start_and_step():
+    """XLA's windowed einsum loops (FSDP's collective matmuls on a TPU) are unrolled by two: their counter
+    runs 0, 2, 4, 6 against a limit of 8, four trips, not eight (reading it as eight counted the 0.5B
+    recipe's step at ~1.9x its FLOPs); a counter that starts at 5 runs three trips to 8."""
+    m = hlo.parse_hlo(STEP_HLO)
+    trips = {ins.name: hlo.trip_count(m, ins) for _, ins in m.instructions() if ins.opcode == "while"}
+    assert trips == {"w2": 4, "w1": 3}
+    mult, unknown = hlo.multiplicity(m)
+    assert (mult["by_two"], mult["by_one"], unknown) == (4, 3, 0)
+
+
 def test_assumed_trip_counts_for_data_dependent_loops():
     m = hlo.parse_hlo(HLO)
     assert [ins.name for ins in hlo.data_dependent_loops(m)] == ["w2"]
