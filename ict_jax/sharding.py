@@ -227,6 +227,8 @@ def gather_fsdp(state: Any) -> Any:
     if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names) or mesh.shape["fsdp"] == 1:
         return state
 
+    gathered = []
+
     def one(v: Any) -> Any:
         if not isinstance(v, nnx.Variable):
             return v
@@ -234,9 +236,14 @@ def gather_fsdp(state: Any) -> Any:
         if axes is None:
             return v
         spec = _drop_axis(logical_to_spec(axes, v.shape, mesh), "fsdp")
+        gathered.append(v)
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), v)
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    out = jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if not gathered:  # plain arrays carry no logical axes: nothing would be gathered, silently
+        raise ValueError("gather_fsdp: the state holds no nnx Variables with logical_axes (a state from "
+                         "nnx.split, not plain arrays), so there is nothing to gather")
+    return out
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

@@ -88,6 +88,32 @@ def test_sharded_init_equals_unsharded(devices8):
                                 jax.tree.map(np.asarray, b.layers.arrays()))
 
 
+def test_gather_fsdp_drops_the_fsdp_axis_keeps_tensor_and_refuses_plain_arrays(devices8):
+    """sharding.gather_fsdp inside a program under a (1, 2, 4) mesh: every weight's spec without 'fsdp'
+    (tensor kept), the values unchanged; a state of plain arrays (no logical axes) is an error, not a no-op."""
+    from flax import nnx
+
+    from ict_jax.sharding import gather_fsdp
+
+    mesh = ict_jax.make_mesh(data=1, fsdp=2, tensor=4)
+    graphdef, state = nnx.split(ict_jax.init_model(ModelConfig.tiny(), seed=3, mesh=mesh))
+    assert state["layers"]["w_gate"][...].sharding.spec == P(None, "fsdp", "tensor")
+    with jax.set_mesh(mesh):
+        out = jax.jit(gather_fsdp)(state)
+    def spec_is(x, *spec):
+        return x[...].sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P(*spec)), x[...].ndim)
+
+    assert spec_is(out["layers"]["w_gate"], None, None, "tensor")
+    assert spec_is(out["embed"], "tensor", None) and spec_is(state["embed"], "tensor", "fsdp")  # vocab over tensor
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, nnx.to_pure_dict(out)),
+                                jax.tree.map(np.asarray, nnx.to_pure_dict(state)))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="no nnx Variables with logical_axes"):
+        jax.jit(gather_fsdp)(nnx.to_pure_dict(state))
+    one = ict_jax.make_mesh(data=8, fsdp=1, tensor=1)
+    with jax.set_mesh(one):
+        assert jax.jit(gather_fsdp)(nnx.to_pure_dict(state)) is not None  # fsdp 1: nothing to gather, no error
+
+
 def test_remat_modes_give_the_same_gradients():
     base = ModelConfig.tiny(remat="none")
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 6)))
