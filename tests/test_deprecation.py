@@ -147,8 +147,7 @@ def test_the_cost_counters_former_names_in_aot_hlo_are_its_names_in_aot_cost():
     import ict_jax.aot.cost as cost_module
     import ict_jax.aot.hlo as hlo_module
 
-    for name in ("Cost", "cost", "dot_flops", "instruction_bytes", "computation_roles", "operand_names",
-                 "NO_TRAFFIC", "SLICING"):
+    for name in ("Cost", "cost", "dot_flops", "instruction_bytes", "computation_roles", "NO_TRAFFIC", "SLICING"):
         with pytest.warns(DeprecationWarning, match=rf"ict_jax\.aot\.hlo\.{name} is deprecated .* use ict_jax\.aot\.cost\.{name}"):
             assert getattr(hlo_module, name) is getattr(cost_module, name)
     with pytest.raises(AttributeError):

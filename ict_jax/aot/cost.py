@@ -18,7 +18,7 @@ import math
 import re
 from typing import Sequence
 
-from ict_jax.aot.hlo import Array, HloModule, Instruction, called, callees, multiplicity
+from ict_jax.aot.hlo import Array, HloModule, Instruction, called, callees, multiplicity, operand_names
 
 #: Instructions that move no data of their own: aliases, tuples, constants, and control flow whose called
 #: computations are counted themselves (an async ``-done`` is counted at its ``-start``).
@@ -27,7 +27,6 @@ NO_TRAFFIC = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "
                         "domain", "async-start", "async-update"})
 #: Instructions that read only the part of their first operand they return.
 SLICING = frozenset({"slice", "dynamic-slice", "gather"})
-_OPERAND_NAME = re.compile(r"%([\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
@@ -47,20 +46,6 @@ class Cost:
 
     def __mul__(self, n: float) -> "Cost":
         return Cost(self.flops * n, self.bytes * n)
-
-
-def operand_names(ins: Instruction) -> list[str]:
-    """The operands of ``ins`` by name (the top-level parenthesised group after the opcode)."""
-    text = ins.text[len(ins.opcode):]
-    if not text.startswith("("):
-        return []
-    depth = 0
-    for i, ch in enumerate(text):
-        depth += ch in "({"
-        depth -= ch in ")}"
-        if depth == 0:
-            return _OPERAND_NAME.findall(text[1:i])
-    return _OPERAND_NAME.findall(text)
 
 
 class _Symbols:

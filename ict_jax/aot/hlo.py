@@ -37,6 +37,7 @@ _CALLS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_co
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GTE_INDEX = re.compile(r"\bindex=(\d+)")
+_OPERAND_NAME = re.compile(r"%([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +148,18 @@ def _scalar_constants(instrs: Iterable[Instruction]) -> dict[str, int]:
     return out
 
 
-def _operand_list(ins: Instruction) -> list[str]:
-    return re.findall(r"%([\w.\-]+)", ins.text.split(")", 1)[0])
+def operand_names(ins: Instruction) -> list[str]:
+    """The operands of ``ins`` by name (the top-level parenthesised group after the opcode)."""
+    text = ins.text[len(ins.opcode):]
+    if not text.startswith("("):
+        return []
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch in "({"
+        depth -= ch in ")}"
+        if depth == 0:
+            return _OPERAND_NAME.findall(text[1:i])
+    return _OPERAND_NAME.findall(text)
 
 
 def _tuple_index(ins: Instruction | None) -> int | None:
@@ -166,12 +177,12 @@ def _counter_step(module: HloModule, ins: Instruction, k: int) -> int:
     root = next((c for c in body if c.root), None)
     if root is None or root.opcode != "tuple":
         return 1
-    ops = _operand_list(root)
+    ops = operand_names(root)
     update = table.get(ops[k]) if k < len(ops) else None
     if update is None or update.opcode != "add":
         return 1
     consts = _scalar_constants(body)
-    a, b = (_operand_list(update) + ["", ""])[:2]
+    a, b = (operand_names(update) + ["", ""])[:2]
     for counter, step in ((a, b), (b, a)):
         if step in consts and _tuple_index(table.get(counter)) == k and consts[step] > 0:
             return consts[step]
@@ -181,11 +192,11 @@ def _counter_step(module: HloModule, ins: Instruction, k: int) -> int:
 def _counter_start(module: HloModule, ins: Instruction, k: int) -> int:
     """Element ``k`` of the loop's initial state when it is a constant (a ``tuple`` of the caller's
     instructions), else 0."""
-    ops = _operand_list(ins)
+    ops = operand_names(ins)
     init = module.instruction(ops[0]) if ops else None
     if init is None or init.opcode != "tuple":
         return 0
-    names = _operand_list(init)
+    names = operand_names(init)
     const = module.instruction(names[k]) if k < len(names) else None
     return _scalar_constants([const]).get(const.name, 0) if const is not None else 0
 
@@ -203,7 +214,7 @@ def trip_count(module: HloModule, ins: Instruction) -> int | None:
     table = {c.name: c for c in cond}
     for c in cond:
         if c.root and c.opcode == "compare" and "direction=LT" in c.text:
-            operands = _operand_list(c)
+            operands = operand_names(c)
             if len(operands) == 2 and operands[1] in consts:
                 k = _tuple_index(table.get(operands[0]))
                 if k is None:
@@ -353,8 +364,8 @@ def arrays_with_dim(module: HloModule, size: int) -> list[tuple[Array, str, str]
 
 #: The cost counter's names, read here before it moved to :mod:`ict_jax.aot.cost`.
 _FORMER = MovedNames(__name__, {name: f"ict_jax.aot.cost.{name}" for name in (
-    "Cost", "cost", "dot_flops", "instruction_bytes", "computation_roles", "operand_names", "NO_TRAFFIC",
-    "SLICING")}, removed_in=REMOVED_IN)
+    "Cost", "cost", "dot_flops", "instruction_bytes", "computation_roles", "NO_TRAFFIC", "SLICING")},
+    removed_in=REMOVED_IN)
 
 
 def __getattr__(name: str):
