@@ -76,6 +76,7 @@ class Instruction:
 class HloModule:
     computations: dict[str, list[Instruction]]
     entry: str
+    _by_name: dict[str, Instruction] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def instructions(self) -> Iterable[tuple[str, Instruction]]:
         for comp, instrs in self.computations.items():
@@ -83,12 +84,11 @@ class HloModule:
                 yield comp, ins
 
     def instruction(self, name: str) -> Instruction | None:
-        """The instruction named ``name`` (names are unique in a module), None when there is none."""
+        """The instruction named ``name`` (XLA names each instruction of a module once; a hand-written
+        module that repeats a name gets its last one), None when there is none."""
         if self._by_name is None:
             self._by_name = {ins.name: ins for _, ins in self.instructions()}
         return self._by_name.get(name)
-
-    _by_name: dict[str, Instruction] | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def _split_type(rest: str) -> tuple[str, str]:
@@ -138,14 +138,12 @@ def parse_hlo(text: str) -> HloModule:
     return HloModule(comps, entry)
 
 
-def _scalar_constants(instrs: Iterable[Instruction]) -> dict[str, int]:
-    out = {}
-    for c in instrs:
-        if c.opcode == "constant" and len(c.arrays) == 1 and c.arrays[0].dims == ():
-            v = re.match(r"constant\((-?\d+)\)", c.text)
-            if v:
-                out[c.name] = int(v.group(1))
-    return out
+def _int_constant(ins: Instruction | None) -> int | None:
+    """The value of a scalar integer ``constant`` instruction (None for anything else)."""
+    if ins is None or ins.opcode != "constant" or len(ins.arrays) != 1 or ins.arrays[0].dims != ():
+        return None
+    v = re.match(r"constant\((-?\d+)\)", ins.text)
+    return int(v.group(1)) if v else None
 
 
 def operand_names(ins: Instruction) -> list[str]:
@@ -181,11 +179,11 @@ def _counter_step(module: HloModule, ins: Instruction, k: int) -> int:
     update = table.get(ops[k]) if k < len(ops) else None
     if update is None or update.opcode != "add":
         return 1
-    consts = _scalar_constants(body)
     a, b = (operand_names(update) + ["", ""])[:2]
     for counter, step in ((a, b), (b, a)):
-        if step in consts and _tuple_index(table.get(counter)) == k and consts[step] > 0:
-            return consts[step]
+        value = _int_constant(table.get(step))
+        if value is not None and value > 0 and _tuple_index(table.get(counter)) == k:
+            return value
     return 1
 
 
@@ -197,8 +195,8 @@ def _counter_start(module: HloModule, ins: Instruction, k: int) -> int:
     if init is None or init.opcode != "tuple":
         return 0
     names = operand_names(init)
-    const = module.instruction(names[k]) if k < len(names) else None
-    return _scalar_constants([const]).get(const.name, 0) if const is not None else 0
+    start = _int_constant(module.instruction(names[k])) if k < len(names) else None
+    return 0 if start is None else start
 
 
 def trip_count(module: HloModule, ins: Instruction) -> int | None:
@@ -210,17 +208,17 @@ def trip_count(module: HloModule, ins: Instruction) -> int | None:
     if m:
         return int(m.group(1))
     cond = module.computations.get(called(ins, "condition") or "", [])
-    consts = _scalar_constants(cond)
     table = {c.name: c for c in cond}
     for c in cond:
         if c.root and c.opcode == "compare" and "direction=LT" in c.text:
             operands = operand_names(c)
-            if len(operands) == 2 and operands[1] in consts:
+            limit = _int_constant(table.get(operands[1])) if len(operands) == 2 else None
+            if limit is not None:
                 k = _tuple_index(table.get(operands[0]))
                 if k is None:
-                    return max(consts[operands[1]], 0)
+                    return max(limit, 0)
                 start, step = _counter_start(module, ins, k), _counter_step(module, ins, k)
-                return max(-(-(consts[operands[1]] - start) // step), 0)
+                return max(-(-(limit - start) // step), 0)
     return None
 
 

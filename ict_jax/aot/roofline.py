@@ -56,16 +56,19 @@ class Roofline:
         return d
 
 
-def decode_step_cost(module: hlo.HloModule) -> cost.Cost | None:
-    """The cost of one iteration of the program's last data-dependent loop (a sampler's last decode
-    phase: its largest KV window), everything that iteration calls included; None without one."""
+def decode_step_multiplicity(module: hlo.HloModule) -> dict[str, int] | None:
+    """How often each computation runs in one iteration of the program's last data-dependent loop (a
+    sampler's last decode phase: its largest KV window), everything that iteration calls included;
+    None without one."""
     loops = hlo.data_dependent_loops(module)
-    if not loops:
-        return None
-    body = hlo.called(loops[-1])
-    if body is None:
-        return None
-    return cost.cost(module, hlo.multiplicity(module, root=body)[0])
+    body = hlo.called(loops[-1]) if loops else None
+    return None if body is None else hlo.multiplicity(module, root=body)[0]
+
+
+def decode_step_cost(module: hlo.HloModule) -> cost.Cost | None:
+    """The cost of one decode step (:func:`decode_step_multiplicity`); None without a decode loop."""
+    mult = decode_step_multiplicity(module)
+    return None if mult is None else cost.cost(module, mult)
 
 
 def estimate(module: hlo.HloModule, chip: Chip | None, *, chips: int, model_flops: float | None = None,

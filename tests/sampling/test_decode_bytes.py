@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ict_jax.aot import hlo
-from ict_jax.aot.roofline import decode_step_cost
+from ict_jax.aot.roofline import decode_step_cost, decode_step_multiplicity
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.sampling.sampler import make_generate_fn
@@ -80,9 +80,7 @@ def compiled_decode_bytes(config: ModelConfig, devices, unroll: bool) -> float:
 
 def decode_step_gathers(module: hlo.HloModule) -> int:
     """All-gathers in one step of the decode loop (its body and what the body calls)."""
-    body = hlo.called(hlo.data_dependent_loops(module)[-1])
-    mult = hlo.multiplicity(module, root=body)[0]
-    return sum(1 for comp, ins in module.instructions() if mult.get(comp) and ins.opcode.startswith("all-gather"))
+    return hlo.summarize_collectives(hlo.collectives(module, decode_step_multiplicity(module)))["all-gather"]["runs"]
 
 
 def ratio(config: ModelConfig, step_bytes: float, fsdp: int = 1) -> float:
