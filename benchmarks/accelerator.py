@@ -117,6 +117,37 @@ def peak_memory() -> int | None:
     return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
 
 
+#: a compiled program runs when its live bytes are at most this fraction of the device's allocator limit
+FIT_FRACTION = 0.95
+#: where ``--dump-hlo`` writes each stage's compiled program (None: nowhere)
+DUMP_DIR: Path | None = None
+
+
+def device_bytes_limit() -> int | None:
+    """The bytes the device's allocator may hand out (None where the backend keeps no statistics: a CPU)."""
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
+def compiled_live(compiled) -> int:
+    """Bytes a compiled program holds while it runs: arguments, temporaries and outputs not aliased to an
+    argument (what ``ict-jax compile`` reports as live)."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def dump_hlo(name: str, compiled) -> None:
+    """With ``--dump-hlo DIR``: the compiled program's optimised HLO text as ``DIR/<name>.hlo.txt``."""
+    if DUMP_DIR is not None:
+        DUMP_DIR.mkdir(parents=True, exist_ok=True)
+        (DUMP_DIR / f"{name}.hlo.txt").write_text(compiled.as_text())
+
+
 def hlo_cost(compiled, **kw):
     """The roofline of a compiled program on this device (``aot.roofline.estimate``)."""
     import jax
@@ -171,10 +202,24 @@ def stage_train(size: str, smoke: bool, deadline: float) -> dict[str, Any]:
     del model
     P, G, Lp, N = s["P"], s["G"], s["Lp"], s["N"]
     batch = rollout_batch(make_batch(P, G, Lp, N, mc.vocab_size))
-    step = make_train_step(cfg)
-    t0 = time.perf_counter()
-    compiled = step.lower(state, batch, ref, response_len=N).compile()
-    compile_s = time.perf_counter() - t0
+    limit, fit, micro = device_bytes_limit(), [], cfg.train.micro_batches
+    while True:  # the recipe's one micro-batch, or the fewest micro-batches whose compiled step fits the device
+        cfg = cfg.replace(**{"train.micro_batches": micro})
+        t0 = time.perf_counter()
+        compiled = make_train_step(cfg).lower(state, batch, ref, response_len=N).compile()
+        compile_s = time.perf_counter() - t0
+        dump_hlo(f"train_{size}", compiled)
+        live = compiled_live(compiled)
+        fit.append(dict(micro_batches=micro, live=live, compile_s=compile_s))
+        rows = P * G
+        if limit is None or live <= FIT_FRACTION * limit or micro * 2 > rows or rows % (micro * 2):
+            break
+        print(f"[accelerator] train_{size}: train.micro_batches {micro} needs {_gib(live)} live, over "
+              f"{FIT_FRACTION:.0%} of the {_gib(limit)} the device allows: compiling {micro * 2}", flush=True)
+        micro *= 2
+    if limit is not None and live > FIT_FRACTION * limit:
+        raise MemoryError(f"train_{size}: {_gib(live)} live even at train.micro_batches {micro}, over "
+                          f"{FIT_FRACTION:.0%} of the device's {_gib(limit)}")
     box = {"state": state}
 
     def run():
@@ -191,7 +236,8 @@ def stage_train(size: str, smoke: bool, deadline: float) -> dict[str, Any]:
     peak = info["chip"]["peak_flops"] if info["chip"] else None
     mem = compiled.memory_analysis()
     return dict(stage=f"train_{size}", shape=dict(P=P, G=G, prompt=Lp, response=N, tokens=tokens),
-                params=n_params, remat=mc.remat, stats_chunk=cfg.stats.chunk, compute_dtype=mc.resolved_compute_dtype(),
+                micro_batches=micro, fit=fit, device_bytes_limit=limit, params=n_params, remat=mc.remat,
+                stats_chunk=cfg.stats.chunk, compute_dtype=mc.resolved_compute_dtype(),
                 kl_coef=cfg.rl.loss.kl_coef, compile_s=compile_s, steps_s=times, step_s=step_s,
                 tokens_per_s=tokens / step_s, model_flops=six_nd, hlo_flops=roof.flops, hlo_bytes=roof.bytes,
                 mfu_6nd=None if peak is None else six_nd / step_s / peak,
@@ -253,6 +299,7 @@ def stage_rollout(smoke: bool, deadline: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     compiled = fn.jitted.lower(state, ids, mask, key).compile()
     compile_s = time.perf_counter() - t0
+    dump_hlo("rollout", compiled)
     times = timed(lambda: compiled(state, ids, mask, key).tokens, 2, deadline)
     gen_s = min(times)
     tokens = rows * N
@@ -344,6 +391,7 @@ def stage_stats(smoke: bool, deadline: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     compiled = jax.jit(stats).lower(hidden, unembed, tokens, valid).compile()
     compile_s = time.perf_counter() - t0
+    dump_hlo("stats", compiled)
     times = timed(lambda: compiled(hidden, unembed, tokens, valid), 5 if not smoke else 2, deadline)
     pass_s = median(times)
     return dict(stage="stats", rows=B, positions=T, tokens=B * T, vocab=V, hidden=D, chunk=chunk,
@@ -410,7 +458,8 @@ def summary_rows(results: dict[str, dict]) -> list[tuple[str, str]]:
             rows.append((name, f"{r['step_s']:.3f} s a step, {r['tokens_per_s']:,.0f} tok/s, MFU {_pct(r['mfu_6nd'])} "
                                f"(6ND) / {_pct(r['mfu_hlo'])} (HLO flops {r['hlo_flops'] / r['model_flops']:.2f}x 6ND); "
                                f"ceiling {_pct(roof['mfu_ceiling'])}; peak {_gib(r['peak_memory'])}; "
-                               f"compile {r['compile_s']:.0f} s"))
+                               f"compile {r['compile_s']:.0f} s"
+                               + (f"; train.micro_batches {r['micro_batches']}" if r.get("micro_batches", 1) > 1 else "")))
         elif name == "rollout":
             rows.append((name, f"{r['tokens_per_s']:,.0f} tok/s ({r['rows']} rows x {r['new_tokens']}); memory roofline "
                                + ("-" if r["memory_roofline_tokens_per_s"] is None else
@@ -452,6 +501,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--total-s", type=float, default=TOTAL_S, help="seconds the whole run may take")
     ap.add_argument("--in-process", action="store_true",
                     help="run the stages in this process (no hard time limit; what the tests use)")
+    ap.add_argument("--dump-hlo", type=Path, default=None, metavar="DIR",
+                    help="write each compiled program's optimised HLO text to DIR/<stage>.hlo.txt")
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # a child process: run this stage only
     args = ap.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
@@ -474,7 +525,9 @@ def _setup_env(smoke: bool) -> None:
 
 
 def child(args: argparse.Namespace) -> int:
+    global DUMP_DIR
     _setup_env(args.smoke)
+    DUMP_DIR = args.dump_hlo
     name = args.stage
     try:
         rec = run_stage(name, args.smoke, args.out, stage_limit(args, name))
@@ -487,7 +540,9 @@ def child(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DUMP_DIR
     args = parse_args(argv)
+    DUMP_DIR = args.dump_hlo
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage:
         return child(args)
@@ -511,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cmd = [sys.executable, __file__, "--stage", name, "--out", str(args.out), "--stage-s", str(limit)]
             cmd += ["--smoke"] if args.smoke else []
+            cmd += ["--dump-hlo", str(args.dump_hlo)] if args.dump_hlo else []
             t0 = time.monotonic()
             try:
                 subprocess.run(cmd, timeout=limit, check=False)

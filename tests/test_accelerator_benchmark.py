@@ -94,3 +94,30 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_a_train_step_over_the_device_is_recompiled_with_more_micro_batches(monkeypatch, tmp_path):
+    """Where the recipe's one micro-batch would not fit the device, the train stage compiles twice as many
+    micro-batches until one fits, and records every try (here: 1 over a 50-byte limit, 2 under it)."""
+    bench = _load()
+    lives = iter([100, 10])
+    monkeypatch.setattr(bench, "device_bytes_limit", lambda: 50)
+    monkeypatch.setattr(bench, "compiled_live", lambda compiled: next(lives))
+    monkeypatch.setattr(bench, "DUMP_DIR", tmp_path / "hlo")
+    rec = bench.stage_train("0p5b", True, deadline=0.0)
+    assert rec["micro_batches"] == 2 and [t["micro_batches"] for t in rec["fit"]] == [1, 2]
+    assert [t["live"] for t in rec["fit"]] == [100, 10] and rec["device_bytes_limit"] == 50
+    assert len(rec["steps_s"]) == 1 and rec["tokens_per_s"] > 0
+    assert "HloModule" in (tmp_path / "hlo" / "train_0p5b.hlo.txt").read_text()[:200]
+    assert "train.micro_batches 2" in bench.render({"train_0p5b": rec})
+
+
+def test_a_train_step_that_fits_nowhere_is_an_error(monkeypatch):
+    """Two rows: one micro-batch, then two (one row each) over the limit; no third try: an error."""
+    bench = _load()
+    tiny = bench.shapes(True)
+    monkeypatch.setattr(bench, "shapes", lambda smoke: dict(tiny, P=1, G=2))
+    monkeypatch.setattr(bench, "device_bytes_limit", lambda: 50)
+    monkeypatch.setattr(bench, "compiled_live", lambda compiled: 100)
+    with pytest.raises(MemoryError, match="even at train.micro_batches 2, over 95% of"):
+        bench.stage_train("0p5b", True, deadline=0.0)
