@@ -216,9 +216,10 @@ def _written(module: HloModule, syms: _Symbols, fused: str, ins: Instruction) ->
 def instruction_bytes(module: HloModule, syms: _Symbols, comp: str, ins: Instruction) -> int:
     """Bytes one execution of an instruction of a control computation reads and writes (HBM traffic, to a
     first approximation): its operands and its result, with three exceptions: slicing reads only what
-    it returns, a dynamic-update-slice reads and writes only its update (in place), and a fusion reads
-    of each operand only what its fused computation slices of it (:func:`_param_reads`) and writes only
-    the update of a root dynamic-update-slice."""
+    it returns, a dynamic-update-slice reads and writes only its update (in place), and a fusion (or the
+    start of an asynchronous one, XLA GPU's ``fusion-start``, whose result tuple also names its operands)
+    reads of each operand only what its fused computation slices of it (:func:`_param_reads`) and writes
+    only its result, or the update of a root dynamic-update-slice."""
     op = ins.opcode
     if op in NO_TRAFFIC or op.endswith("-done"):
         return 0
@@ -227,7 +228,7 @@ def instruction_bytes(module: HloModule, syms: _Symbols, comp: str, ins: Instruc
         return 2 * ins.bytes + sum(_nbytes(o) for o in operands[1:])
     if op == "dynamic-update-slice":
         return 2 * _nbytes(operands[1] if len(operands) > 1 else None) + sum(_nbytes(o) for o in operands[2:])
-    if op == "fusion":
+    if op in ("fusion", "fusion-start"):  # fusion-start: XLA GPU's asynchronous fusion (its -done is free)
         callee = called(ins, "calls")
         if callee in module.computations:
             reads = _param_reads(module, syms, callee)

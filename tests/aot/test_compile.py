@@ -202,6 +202,19 @@ def test_cost_multiplies_loop_trips_and_counts_what_slices_and_in_place_updates_
     assert body.flops == c.flops / 4 and body.bytes == per_trip
 
 
+def test_an_asynchronous_fusion_costs_what_the_same_fusion_costs():
+    """XLA GPU starts a fusion that slices one layer of a stacked weight asynchronously (``fusion-start``,
+    whose result tuple names the whole stack, then ``fusion-done``): counted like the plain fusion, one
+    layer read and written, not the stack."""
+    sync = "  %layer = f32[8,16]{1,0} fusion(%w, %i), kind=kLoop, calls=%slice_layer\n"
+    async_ = ("  %ls = ((f32[4,8,16]{2,1,0}, s32[]), f32[8,16]{1,0}, u32[]) fusion-start(%w, %i), kind=kLoop, "
+              "calls=%slice_layer\n  %layer = f32[8,16]{1,0} fusion-done(%ls)\n")
+    assert sync in COST_HLO
+    m = hlo.parse_hlo(COST_HLO.replace(sync, async_))
+    assert [i.opcode for i in m.computations["body"] if i.name in ("ls", "layer")] == ["fusion-start", "fusion-done"]
+    assert cost.cost(m) == cost.cost(hlo.parse_hlo(COST_HLO))
+
+
 def test_convolution_flops_skip_the_holes_of_a_dilated_input():
     """XLA's TPU backend writes batched matmuls as convolutions with strides, padding and lhs dilation:
     only the kernel positions that meet a real input element count (here half of them)."""
