@@ -219,7 +219,9 @@ def instruction_bytes(module: HloModule, syms: _Symbols, comp: str, ins: Instruc
     it returns, a dynamic-update-slice reads and writes only its update (in place), and a fusion (or the
     start of an asynchronous one, XLA GPU's ``fusion-start``, whose result tuple also names its operands)
     reads of each operand only what its fused computation slices of it (:func:`_param_reads`) and writes
-    only its result, or the update of a root dynamic-update-slice."""
+    only its result, or the update of a root dynamic-update-slice. Any other asynchronous start (a copy,
+    slice or collective) counts as its synchronous form: its operands read and its output written, not the
+    operands its result tuple echoes."""
     op = ins.opcode
     if op in NO_TRAFFIC or op.endswith("-done"):
         return 0
@@ -235,6 +237,10 @@ def instruction_bytes(module: HloModule, syms: _Symbols, comp: str, ins: Instruc
             read = sum(_nbytes(o) if reads.get(k) is None else min(reads[k], _nbytes(o))
                        for k, o in enumerate(operands))
             return read + _written(module, syms, callee, ins)
+    if op.endswith("-start"):  # asynchronous: its result tuple holds its output beside its operands (echoed)
+        read = sum(_nbytes(o) for o in operands)  # and context scalars; its -done moves nothing
+        written = max(0, sum(a.bytes for a in ins.arrays if a.dims) - read)
+        return 2 * written if op == "slice-start" else read + written
     return sum(_nbytes(o) for o in operands) + ins.bytes
 
 

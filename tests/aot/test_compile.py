@@ -215,6 +215,29 @@ def test_an_asynchronous_fusion_costs_what_the_same_fusion_costs():
     assert cost.cost(m) == cost.cost(hlo.parse_hlo(COST_HLO))
 
 
+def test_asynchronous_copies_and_slices_cost_what_their_synchronous_forms_cost():
+    """A copy-start's result tuple is (destination, source, context), a slice-start's ((operand), slice,
+    context): neither echo is traffic. Each counts as the plain copy (read + write the array) and slice
+    (read + write the slice)."""
+    def module(copy: str, slice_: str) -> str:
+        return f"""HloModule a
+
+ENTRY %main (a: f32[4,8]) -> (f32[1,8], f32[4,8]) {{
+  %a = f32[4,8]{{1,0}} parameter(0)
+{slice_}
+{copy}
+  ROOT %t = (f32[1,8]{{1,0}}, f32[4,8]{{1,0}}) tuple(%s, %c)
+}}
+"""
+    sync = module("  %c = f32[4,8]{1,0} copy(%a)", "  %s = f32[1,8]{1,0} slice(%a), slice={[0:1], [0:8]}")
+    async_ = module("  %cs = (f32[4,8]{1,0}, f32[4,8]{1,0}, u32[]) copy-start(%a)\n"
+                    "  %c = f32[4,8]{1,0} copy-done(%cs)",
+                    "  %ss = ((f32[4,8]{1,0}), f32[1,8]{1,0}, s32[]) slice-start(%a), slice={[0:1], [0:8]}\n"
+                    "  %s = f32[1,8]{1,0} slice-done(%ss)")
+    assert cost.cost(hlo.parse_hlo(sync)).bytes == 2 * (4 * 8 * 4) + 2 * (8 * 4)
+    assert cost.cost(hlo.parse_hlo(async_)) == cost.cost(hlo.parse_hlo(sync))
+
+
 def test_convolution_flops_skip_the_holes_of_a_dilated_input():
     """XLA's TPU backend writes batched matmuls as convolutions with strides, padding and lhs dilation:
     only the kernel positions that meet a real input element count (here half of them)."""
