@@ -45,9 +45,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-STAGES = ("train_0p5b", "train_1p5b", "rollout", "torch", "stats", "memory")
+STAGES = ("train_0p5b", "train_1p5b", "rollout", "torch", "stats", "memory", "rollout_unrolled")
 #: default seconds a stage may take at the real shapes (compiles included); the whole run: TOTAL_S
-STAGE_S = {"train_0p5b": 120, "train_1p5b": 150, "rollout": 120, "torch": 120, "stats": 60, "memory": 90}
+STAGE_S = {"train_0p5b": 120, "train_1p5b": 150, "rollout": 120, "torch": 120, "stats": 60, "memory": 90,
+           "rollout_unrolled": 150}
 TOTAL_S = 540
 RECIPES = {"0p5b": "configs/qwen2p5_0p5b_ict.yaml", "1p5b": "configs/qwen2p5_1p5b_ict.yaml"}
 PRESETS = {"0p5b": "qwen2p5_0p5b", "1p5b": "qwen2p5_1p5b"}
@@ -278,13 +279,15 @@ def least_decode_bytes(mc, rows: int, Lp: int, N: int, min_bucket: int | None) -
     return total, weights + kv_slot * (Lp + N - 1)
 
 
-def stage_rollout(smoke: bool, deadline: float) -> dict[str, Any]:
+def stage_rollout(smoke: bool, deadline: float, unroll: bool | None = None) -> dict[str, Any]:
+    """The sampler with its default layer loop for the platform (``unroll`` None: a scan on an accelerator),
+    or with ``unroll_layers=True`` (per-layer weights and KV caches: no slice of a stacked cache a step)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from ict_jax.config import RolloutSection
-    from ict_jax.sampling.sampler import make_generate_fn
+    from ict_jax.sampling.sampler import SampleSettings, decode_unrolled, make_generate_fn
 
     s = shapes(smoke)
     mc, model, prompts = rollout_setup(smoke)
@@ -292,14 +295,16 @@ def stage_rollout(smoke: bool, deadline: float) -> dict[str, Any]:
     rows = prompts.shape[0] * G
     graphdef, state = nnx.split(model)
     min_bucket = RolloutSection().min_response_bucket
+    name = "rollout_unrolled" if unroll else "rollout"
     fn = make_generate_fn(graphdef, num_samples=G, max_new_tokens=N, temperature=1.0, eos_ids=(),
-                          min_response_bucket=min_bucket)
+                          min_response_bucket=min_bucket, unroll_layers=unroll)
+    unrolled = decode_unrolled(SampleSettings(max_new_tokens=N, unroll_layers=unroll), mc.num_layers)
     ids, mask = jnp.asarray(prompts), jnp.ones(prompts.shape, jnp.int32)
     key = jax.random.key(0)
     t0 = time.perf_counter()
     compiled = fn.jitted.lower(state, ids, mask, key).compile()
     compile_s = time.perf_counter() - t0
-    dump_hlo("rollout", compiled)
+    dump_hlo(name, compiled)
     times = timed(lambda: compiled(state, ids, mask, key).tokens, 2, deadline)
     gen_s = min(times)
     tokens = rows * N
@@ -310,7 +315,7 @@ def stage_rollout(smoke: bool, deadline: float) -> dict[str, Any]:
                     decode_steps=decode_steps(N, min_bucket), decode_min_bytes=least_step)
     info = device_info()
     bw = info["chip"]["hbm_bw"] if info["chip"] else None
-    return dict(stage="rollout", rows=rows, prompt=Lp, new_tokens=N, dtype=s["dtype"], params=mc.num_params(),
+    return dict(stage=name, unrolled=unrolled, rows=rows, prompt=Lp, new_tokens=N, dtype=s["dtype"], params=mc.num_params(),
                 compile_s=compile_s, runs_s=times, generate_s=gen_s, tokens_per_s=tokens / gen_s,
                 least_bytes=least, memory_roofline_s=None if bw is None else least / bw,
                 memory_roofline_tokens_per_s=None if bw is None else tokens / (least / bw),
@@ -421,8 +426,8 @@ def run_stage(name: str, smoke: bool, out: Path, stage_s: float) -> dict[str, An
     deadline = time.monotonic() + 0.6 * stage_s  # leave the rest for compiles already counted
     if name.startswith("train_"):
         return stage_train(name.split("_", 1)[1], smoke, deadline)
-    if name == "rollout":
-        return stage_rollout(smoke, deadline)
+    if name in ("rollout", "rollout_unrolled"):
+        return stage_rollout(smoke, deadline, unroll=True if name == "rollout_unrolled" else None)
     if name == "torch":
         return stage_torch(smoke, deadline)
     if name == "stats":
@@ -460,7 +465,7 @@ def summary_rows(results: dict[str, dict]) -> list[tuple[str, str]]:
                                f"ceiling {_pct(roof['mfu_ceiling'])}; peak {_gib(r['peak_memory'])}; "
                                f"compile {r['compile_s']:.0f} s"
                                + (f"; train.micro_batches {r['micro_batches']}" if r.get("micro_batches", 1) > 1 else "")))
-        elif name == "rollout":
+        elif name in ("rollout", "rollout_unrolled"):
             rows.append((name, f"{r['tokens_per_s']:,.0f} tok/s ({r['rows']} rows x {r['new_tokens']}); memory roofline "
                                + ("-" if r["memory_roofline_tokens_per_s"] is None else
                                   f"{r['memory_roofline_tokens_per_s']:,.0f} tok/s ({_pct(r['roofline_fraction'])} of it)")

@@ -54,6 +54,8 @@ def test_smoke_runs_every_stage_and_writes_its_record(smoke, capsys):
     roll = summary["stages"]["rollout"]
     assert roll["rows"] == 4 * 4 and roll["new_tokens"] == 16 and roll["tokens_per_s"] > 0
     assert roll["roofline"]["decode_steps"] and roll["decode_step_ratio"] > 1.0
+    unrolled = summary["stages"]["rollout_unrolled"]  # per-layer caches; on a CPU the default decode is too
+    assert unrolled["unrolled"] is True and roll["unrolled"] is True and unrolled["rows"] == roll["rows"]
     stats = summary["stages"]["stats"]
     assert stats["tokens"] == 2 * 64 and stats["pass_ms"] > 0 and stats["temporaries"] > 0
     mem = summary["stages"]["memory"]
