@@ -110,8 +110,8 @@ def _inverse_cdf(logw: Float[Array, "B K"], u: Float[Array, " B"]
     return b * _BLOCK + j, total, jnp.take_along_axis(blk, j[:, None], axis=-1)[:, 0]
 
 
-def sample_token(logits: Float[Array, "B V"], u: Float[Array, " B"], *, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, greedy: bool = False
+def sample_token(logits: Float[Array, "B V"], u: Float[Array, " B"], *, temperature: float = _ROLLOUT.temperature,
+                 top_p: float = _ROLLOUT.top_p, top_k: int = _ROLLOUT.top_k, greedy: bool = False
                  ) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
     """Draw one token per row from ``softmax(logits / temperature)`` truncated by top-k then top-p.
 
@@ -160,9 +160,9 @@ class SampleSettings:
 
     num_samples: int = 1
     max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = _ROLLOUT.temperature
+    top_p: float = _ROLLOUT.top_p
+    top_k: int = _ROLLOUT.top_k
     eos_ids: tuple[int, ...] = ()
     greedy: bool = False
     kv_cache_dtype: str | None = None
@@ -515,8 +515,9 @@ class GenerateFn:
             return self.jitted(state, prompt_ids, prompt_mask, key)
 
 
-def make_generate_fn(graphdef: Any, *, num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
-                     top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (), greedy: bool = False,
+def make_generate_fn(graphdef: Any, *, num_samples: int = 1, max_new_tokens: int = 64,
+                     temperature: float = _ROLLOUT.temperature, top_p: float = _ROLLOUT.top_p,
+                     top_k: int = _ROLLOUT.top_k, eos_ids: Sequence[int] = (), greedy: bool = False,
                      kv_cache_dtype: str | None = None, pad_id: int = 0, unroll_layers: bool | None = None,
                      mesh: Mesh | None = None,
                      min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
@@ -549,9 +550,10 @@ def state_mesh(state: Any) -> Mesh | None:
 
 
 def generate(model: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array, "P Lp"] | None, key: jax.Array, *,
-             num_samples: int = 1, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-             top_k: int = 0, eos_ids: Sequence[int] = (), greedy: bool = False, kv_cache_dtype: str | None = None,
-             pad_id: int = 0, unroll_layers: bool | None = None, mesh: Mesh | None = None,
+             num_samples: int = 1, max_new_tokens: int = 64, temperature: float = _ROLLOUT.temperature,
+             top_p: float = _ROLLOUT.top_p, top_k: int = _ROLLOUT.top_k, eos_ids: Sequence[int] = (),
+             greedy: bool = False, kv_cache_dtype: str | None = None, pad_id: int = 0,
+             unroll_layers: bool | None = None, mesh: Mesh | None = None,
              min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
              gather_weights: bool = _ROLLOUT.gather_weights) -> Rollout:
     """Sample ``num_samples`` (G) responses for each of the P left-padded prompts -> :class:`Rollout`
