@@ -136,6 +136,11 @@ class ModelSection:
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     remat: Literal["none", "block", "full"] = "block"
     scan_layers: bool = True
+    # the full-sequence forwards' attention: "dense" (the [B, H, T, T] float32 scores of a layer at once) or
+    # "blocked" (keys in blocks of attention_block, online softmax, recomputed in the backward pass: the same
+    # result without that matrix; ict_jax.model.attention, docs/architecture.md)
+    attention: Literal["dense", "blocked"] = "dense"
+    attention_block: int = 128
     # "char" = the built-in CharTokenizer; a path = an HF tokenizer dir or .gguf; None = from model.path
     tokenizer: str | None = None
     lora: LoraSection = field(default_factory=LoraSection)  # low-rank adapters (docs/lora.md); off by default
@@ -537,6 +542,7 @@ RANGES: dict[str, Range] = {
     "optim.grad_clip": _POS, "optim.b1": _BETA, "optim.b2": _BETA,
     "train.steps": _NONNEG, "train.prompts_per_step": Range(1), "train.mini_batches": Range(1),
     "train.micro_batches": Range(1), "train.eval_every": _NONNEG, "train.save_every": _NONNEG,
+    "model.attention_block": Range(1),
     "train.keep": Range(1), "train.sft_steps": _NONNEG, "train.sft_lr": _POS, "train.sft_batch_size": Range(1),
     "train.sft_save_every": _NONNEG,
     "data.eval_n": Range(1), "data.eval_k": Range(1), "data.eval_temperature": _POS,

@@ -126,17 +126,21 @@ def estimate_memory(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> dict[st
     old_rows = P * G / (t.mini_batches * k) / shards
     heads, f_loc = H / tensor, F / tensor
 
+    def keys(T: int) -> int:  # the key positions of a layer's score matrix held at once (model.attention)
+        return min(mc.attention_block, T) if mc.attention == "blocked" else T
+
     def saved_at(T: int) -> float:  # a row's activations kept for the backward pass, per layer
-        return {"none": T * (cb * (4 * D + 2 * KV * hd + 3 * f_loc) + heads * T * (4 + cb)),
+        kept = 0 if mc.attention == "blocked" else heads * T * (4 + cb)  # the probabilities (blocked: recomputed)
+        return {"none": T * (cb * (4 * D + 2 * KV * hd + 3 * f_loc) + kept),
                 "block": T * cb * (3 * D + 2 * KV * hd + 2 * f_loc),
                 "full": T * cb * D}[ov["model.remat"]]
 
     def backward(rows: float, T: int) -> float:  # one layer's working set of a backward pass
-        return rows * (heads * T * T * (8 + cb) + T * f_loc * cb * 4 + T * D * 4 * 4)
+        return rows * (heads * T * keys(T) * (8 + cb) + T * f_loc * cb * 4 + T * D * 4 * 4)
 
     saved = saved_at(T)
-    layer_work = max(backward(rows, T),
-                     old_rows * (heads * T * T * (4 + cb) + T * f_loc * cb * 3 + T * D * 4 * 3))  # a no-grad forward
+    no_grad_forward = old_rows * (heads * T * keys(T) * (4 + cb) + T * f_loc * cb * 3 + T * D * 4 * 3)
+    layer_work = max(backward(rows, T), no_grad_forward)
     head = rows * ov["stats.chunk"] * V / tensor * 4 * 5 + V * D * cb / tensor
     grads = trained * 4 * 4  # accumulator, a micro-batch's gradient, the optimizer's update temporaries
     per_token = P * G / shards * N * 4 * 24  # logp_old/ref, u, masks, statistics of the whole rollout batch

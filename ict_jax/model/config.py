@@ -75,7 +75,11 @@ class ModelConfig:
     block but keeps its matmul outputs (``dots_with_no_batch_dims_saveable``); ``full`` keeps only the
     block inputs (``nothing_saveable``). ``scan_layers`` runs the stacked layers with ``lax.scan`` (one
     compiled layer body; compile time independent of depth) instead of an unrolled Python loop; the
-    parameter layout is the same either way.
+    parameter layout is the same either way. ``attention``: ``dense`` scores every query against every
+    key at once (a ``[B, H, T, T]`` float32 matrix a layer); ``blocked`` walks the keys in blocks of
+    ``attention_block`` with an online softmax and recomputes them in the backward pass, the same result
+    without that matrix (:mod:`ict_jax.model.attention`). Both are full-sequence forwards; the decode
+    step is dense (one query).
     """
 
     vocab_size: int
@@ -94,6 +98,8 @@ class ModelConfig:
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     remat: Literal["none", "block", "full"] = "block"
     scan_layers: bool = True
+    attention: Literal["dense", "blocked"] = "dense"
+    attention_block: int = 128  # key positions a block of the blocked attention
     lora: LoraSpec | None = None  # low-rank adapters on the projections (docs/lora.md); None = none
 
     def __post_init__(self) -> None:
@@ -114,6 +120,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: head_dim={self.resolved_head_dim} must be even (RoPE)")
         if self.remat not in ("none", "block", "full"):
             raise ValueError(f"ModelConfig.remat must be one of none, block, full; got {self.remat!r}")
+        if self.attention not in ("dense", "blocked"):
+            raise ValueError(f"ModelConfig.attention must be dense or blocked; got {self.attention!r}")
+        if not isinstance(self.attention_block, int) or self.attention_block < 1:
+            raise ValueError(f"ModelConfig.attention_block must be a positive integer, got {self.attention_block!r}")
 
     # -- derived ---------------------------------------------------------------------------------
     @property

@@ -22,11 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from ict_jax.model.attention import MASKED, attend, blocked_attend  # noqa: F401 - MASKED, attend: read here too
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.lora import LoraStack, adapter_keys, lora_delta
 from ict_jax.sharding import constrain, state_shardings
-
-MASKED = -1e9  # large finite negative: a fully masked (padding) query row stays NaN-free
 
 
 class KVCache(NamedTuple):
@@ -141,19 +140,6 @@ def _mm(a: jax.Array, b: jax.Array, dtype: Any, k: int = 1) -> jax.Array:
     return y.astype(dtype).reshape(lead + out)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, dtype: Any) -> jax.Array:
-    """q ``[B, T, H, hd]``, k/v ``[B, KV, S, hd]``, allowed ``[B, T, S]`` -> ``[B, T, H, hd]``."""
-    B, T, H, hd = q.shape
-    KV = k.shape[1]
-    qg = q.reshape(B, T, KV, H // KV, hd)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(hd)))
-    scores = jnp.where(allowed[:, None, None, :, :], scores, MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32).astype(dtype)
-    return out.reshape(B, T, H, hd)
-
-
 def attention_qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: jax.Array, sin: jax.Array, dtype: Any):
     """The first half of a decoder block: pre-norm, q/k/v projections (+ biases) and RoPE.
     x ``[B, T, D]`` -> q ``[B, T, H, hd]``, k and v ``[B, KV, T, hd]`` (the KV-cache layout)."""
@@ -184,9 +170,14 @@ def finish_layer(p: dict[str, jax.Array], x: jax.Array, attn: jax.Array, c: Mode
 
 
 def decoder_layer(p, x, cos, sin, allowed, c: ModelConfig, dtype):
-    """One pre-norm decoder block over a full sequence: x ``[B, T, D]`` -> ``[B, T, D]``."""
+    """One pre-norm decoder block over a full sequence: x ``[B, T, D]`` -> ``[B, T, D]``; its attention
+    dense or over key blocks (``c.attention``, :mod:`ict_jax.model.attention`)."""
     q, k, v = attention_qkv(p, x, c, cos, sin, dtype)
-    return finish_layer(p, x, attend(q, k, v, allowed, dtype), c, dtype)
+    if c.attention == "blocked":
+        attn = blocked_attend(q, k, v, allowed, dtype, c.attention_block)
+    else:
+        attn = attend(q, k, v, allowed, dtype)
+    return finish_layer(p, x, attn, c, dtype)
 
 
 def _remat(fn, mode: str):

@@ -146,7 +146,8 @@ def load_base(meta: dict[str, Any], run_dir: Path, *, mesh: jax.sharding.Mesh | 
     if not isinstance(recorded, dict):
         raise ValueError(f"{where} holds LoRA adapters but records no base model")
     mc = ModelConfig(**meta["model_config"])
-    settings = dict(compute_dtype=mc.compute_dtype, remat=mc.remat, scan_layers=mc.scan_layers)
+    settings = dict(compute_dtype=mc.compute_dtype, remat=mc.remat, scan_layers=mc.scan_layers,
+                    attention=mc.attention, attention_block=mc.attention_block)
     kind, current = recorded.get("kind"), None
     try:
         if kind == "warm_start":

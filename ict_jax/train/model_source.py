@@ -15,7 +15,7 @@ A spec is
   Face directory (``<run_dir>/sft_model`` with its run's recorded config), a ``.gguf`` file,
   ``pkg:<package>/<file>``, a model split over packages by name or ``pkg:<prefix>``;
 - a :class:`~ict_jax.config.Config`: the run's model, ``model.path`` or ``model.preset`` (sized to
-  ``model.tokenizer``), with the ``model`` section's dtypes, remat, layer scan and LoRA adapters (fresh,
+  ``model.tokenizer``), with the ``model`` section's dtypes, remat, layer scan, attention and LoRA adapters (fresh,
   from the run's init stream): what training builds and ``ict-jax compile`` compiles.
 
 The resolver lives in ``train/`` because a run directory is train's: its checkpoints are orbax items
@@ -105,7 +105,8 @@ def _config_source(cfg: Config, *, weights: str | os.PathLike | None, adapters: 
                    missing: str) -> ModelSource:
     """The model a run of ``cfg`` builds (:func:`resolve_model` with a Config)."""
     m = cfg.model
-    settings = dict(param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers,
+    settings = dict(param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
+                    attention_block=m.attention_block,
                     compute_dtype=m.compute_dtype if platform is None else resolve_compute_dtype(m.compute_dtype,
                                                                                                  platform))
     kw = dict(lora=m.lora if adapters else None, seed=cfg.seed, **settings)

@@ -377,6 +377,10 @@ def test_memory_estimate_moves_the_right_way():
     assert step(remat="full") < step(remat="block") < step(remat="none")
     assert step(chunk=32) < step(chunk=64) < step(chunk=128)
     assert step(data=1, fsdp=8) < step(data=8, fsdp=1)  # sharded state
+    # blocked attention holds a block of keys' scores, not the layer's whole T x T matrix (model.attention)
+    blocked = estimate_memory(cfg, mc.replace(attention="blocked", attention_block=128), _ov())["step"]
+    assert blocked < step() and blocked < estimate_memory(cfg, mc.replace(attention="blocked", attention_block=512),
+                                                          _ov())["step"]
 
 
 def test_the_sft_step_estimate_holds_one_optimizer_state_and_grows_with_its_batch():
