@@ -45,10 +45,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-STAGES = ("train_0p5b", "train_1p5b", "rollout", "torch", "stats", "memory", "rollout_unrolled")
+STAGES = ("train_0p5b", "train_1p5b", "rollout", "torch", "stats", "memory", "rollout_unrolled", "train_0p5b_blocked")
 #: default seconds a stage may take at the real shapes (compiles included); the whole run: TOTAL_S
 STAGE_S = {"train_0p5b": 120, "train_1p5b": 150, "rollout": 120, "torch": 120, "stats": 60, "memory": 90,
-           "rollout_unrolled": 150}
+           "rollout_unrolled": 150, "train_0p5b_blocked": 120}
 TOTAL_S = 540
 RECIPES = {"0p5b": "configs/qwen2p5_0p5b_ict.yaml", "1p5b": "configs/qwen2p5_1p5b_ict.yaml"}
 PRESETS = {"0p5b": "qwen2p5_0p5b", "1p5b": "qwen2p5_1p5b"}
@@ -76,7 +76,7 @@ def model_config(size: str, smoke: bool, *, param_dtype: str = "float32"):
     return ModelConfig.preset(PRESETS[size], compute_dtype=s["dtype"], param_dtype=param_dtype)
 
 
-def train_config(size: str, smoke: bool):
+def train_config(size: str, smoke: bool, attention: str | None = None):
     """The recipe's config at the benchmark's batch: its loss, remat and stats.chunk; one mini-batch; the
     mesh over every local device (one GPU: 1 x 1 x 1; the train stage runs on the first device)."""
     from ict_jax.config import load_config
@@ -89,6 +89,8 @@ def train_config(size: str, smoke: bool):
                  f"model.compute_dtype={s['dtype']}"]
     if smoke:
         overrides.append("stats.chunk=8")
+    if attention is not None:
+        overrides.append(f"model.attention={attention}")
     return load_config(str(ROOT / RECIPES[size]), overrides)
 
 
@@ -182,7 +184,9 @@ def median(xs: list[float]) -> float:
 # ------------------------------------------------------------------------------------------------
 # Stages (each returns its JSON record)
 # ------------------------------------------------------------------------------------------------
-def stage_train(size: str, smoke: bool, deadline: float) -> dict[str, Any]:
+def stage_train(size: str, smoke: bool, deadline: float, attention: str | None = None) -> dict[str, Any]:
+    """The train step at ``size``'s shape with the recipe's settings (``attention``: ``model.attention``
+    instead of the recipe's)."""
     import jax
 
     import ict_jax
@@ -195,7 +199,8 @@ def stage_train(size: str, smoke: bool, deadline: float) -> dict[str, Any]:
     from train_step import make_batch, rollout_batch
 
     s = shapes(smoke)
-    cfg = train_config(size, smoke)
+    cfg = train_config(size, smoke, attention)
+    name = f"train_{size}" + ("" if attention is None else f"_{attention}")
     mc, _ = target_model_config(cfg, jax.devices()[0].platform)  # what `ict-jax compile` builds
     model = ict_jax.init_model(mc, seed=0)
     state = init_train_state(cfg, model)
@@ -209,17 +214,17 @@ def stage_train(size: str, smoke: bool, deadline: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         compiled = make_train_step(cfg).lower(state, batch, ref, response_len=N).compile()
         compile_s = time.perf_counter() - t0
-        dump_hlo(f"train_{size}", compiled)
+        dump_hlo(name, compiled)
         live = compiled_live(compiled)
         fit.append(dict(micro_batches=micro, live=live, compile_s=compile_s))
         rows = P * G
         if limit is None or live <= FIT_FRACTION * limit or micro * 2 > rows or rows % (micro * 2):
             break
-        print(f"[accelerator] train_{size}: train.micro_batches {micro} needs {_gib(live)} live, over "
+        print(f"[accelerator] {name}: train.micro_batches {micro} needs {_gib(live)} live, over "
               f"{FIT_FRACTION:.0%} of the {_gib(limit)} the device allows: compiling {micro * 2}", flush=True)
         micro *= 2
     if limit is not None and live > FIT_FRACTION * limit:
-        raise MemoryError(f"train_{size}: {_gib(live)} live even at train.micro_batches {micro}, over "
+        raise MemoryError(f"{name}: {_gib(live)} live even at train.micro_batches {micro}, over "
                           f"{FIT_FRACTION:.0%} of the device's {_gib(limit)}")
     box = {"state": state}
 
@@ -236,8 +241,8 @@ def stage_train(size: str, smoke: bool, deadline: float) -> dict[str, Any]:
     info = device_info()
     peak = info["chip"]["peak_flops"] if info["chip"] else None
     mem = compiled.memory_analysis()
-    return dict(stage=f"train_{size}", shape=dict(P=P, G=G, prompt=Lp, response=N, tokens=tokens),
-                micro_batches=micro, fit=fit, device_bytes_limit=limit, params=n_params, remat=mc.remat,
+    return dict(stage=name, shape=dict(P=P, G=G, prompt=Lp, response=N, tokens=tokens),
+                micro_batches=micro, fit=fit, device_bytes_limit=limit, params=n_params, remat=mc.remat, attention=mc.attention,
                 stats_chunk=cfg.stats.chunk, compute_dtype=mc.resolved_compute_dtype(),
                 kl_coef=cfg.rl.loss.kl_coef, compile_s=compile_s, steps_s=times, step_s=step_s,
                 tokens_per_s=tokens / step_s, model_flops=six_nd, hlo_flops=roof.flops, hlo_bytes=roof.bytes,
@@ -424,8 +429,9 @@ def stage_memory(smoke: bool, deadline: float, out: Path) -> dict[str, Any]:
 
 def run_stage(name: str, smoke: bool, out: Path, stage_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + 0.6 * stage_s  # leave the rest for compiles already counted
-    if name.startswith("train_"):
-        return stage_train(name.split("_", 1)[1], smoke, deadline)
+    if name.startswith("train_"):  # train_<size>[_<model.attention>]
+        size, _, attention = name[len("train_"):].partition("_")
+        return stage_train(size, smoke, deadline, attention or None)
     if name in ("rollout", "rollout_unrolled"):
         return stage_rollout(smoke, deadline, unroll=True if name == "rollout_unrolled" else None)
     if name == "torch":

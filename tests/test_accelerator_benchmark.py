@@ -54,6 +54,9 @@ def test_smoke_runs_every_stage_and_writes_its_record(smoke, capsys):
     roll = summary["stages"]["rollout"]
     assert roll["rows"] == 4 * 4 and roll["new_tokens"] == 16 and roll["tokens_per_s"] > 0
     assert roll["roofline"]["decode_steps"] and roll["decode_step_ratio"] > 1.0
+    blocked = summary["stages"]["train_0p5b_blocked"]  # the same step with model.attention=blocked
+    assert blocked["attention"] == "blocked" and train["attention"] == "dense"
+    assert blocked["shape"] == train["shape"] and blocked["tokens_per_s"] > 0
     unrolled = summary["stages"]["rollout_unrolled"]  # per-layer caches; on a CPU the default decode is too
     assert unrolled["unrolled"] is True and roll["unrolled"] is True and unrolled["rows"] == roll["rows"]
     stats = summary["stages"]["stats"]
