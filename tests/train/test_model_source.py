@@ -155,6 +155,13 @@ def test_a_runs_config(run_dir, tmp_path):
     _same_weights(plain.load(), _model())
     with pytest.raises(ValueError, match="is an ict_jax training run directory"):
         resolve_model(dataclasses.replace(lora, model=dataclasses.replace(lora.model, path=str(run_dir))))
+    # the attention setting reaches the model, from a preset and from files
+    for extra in (["model.preset=tiny"], [f"model.path={run_dir / 'sft_model'}", "model.tokenizer=char"]):
+        blocked = load_config(DEMO, [*extra, "model.attention=blocked", "model.attention_block=32",
+                                     f"run_dir={tmp_path / 'r3'}"])
+        source = resolve_model(blocked)
+        assert (source.config.attention, source.config.attention_block) == ("blocked", 32), extra
+        assert source.load().config.attention == "blocked"
 
 
 # ------------------------------------------------------------------------------------------------
