@@ -107,12 +107,14 @@ def test_the_packages_old_names_go_through_the_one_mechanism():
     import ict_jax.aot.hlo
     import ict_jax.config
     import ict_jax.model.loading
+    import ict_jax.model.qwen2
     import ict_jax.train.checkpoints
     import ict_jax.train.model_source
     import ict_jax.train.run
 
     for tables in (ict_jax._FORMER, ict_jax.config._FORMER, ict_jax.train.run._FORMER, ict_jax.model.loading._FORMER,
-                   ict_jax.train.checkpoints._FORMER, ict_jax.train.model_source._FORMER, ict_jax.aot.hlo._FORMER):
+                   ict_jax.train.checkpoints._FORMER, ict_jax.train.model_source._FORMER, ict_jax.aot.hlo._FORMER,
+                   ict_jax.model.qwen2._FORMER):
         assert tables.removed_in == REMOVED_IN and tables.homes
     assert [f for f in sys.meta_path if isinstance(f, MovedModules) and f.homes == ict_jax._MOVED_MODULES]
     makers = [f"{path.relative_to(PACKAGE)}:{node.lineno}"
@@ -152,3 +154,12 @@ def test_the_cost_counters_former_names_in_aot_hlo_are_its_names_in_aot_cost():
             assert getattr(hlo_module, name) is getattr(cost_module, name)
     with pytest.raises(AttributeError):
         _ = hlo_module.no_such_name
+
+
+def test_the_attention_mask_value_read_from_qwen2_is_the_attention_modules():
+    import ict_jax.model.attention as attention
+    import ict_jax.model.qwen2 as qwen2
+
+    with pytest.warns(DeprecationWarning, match=r"ict_jax\.model\.qwen2\.MASKED is deprecated .* use ict_jax\.model\.attention\.MASKED"):
+        assert qwen2.MASKED == attention.MASKED
+    assert qwen2.attend is attention.attend  # still used by the model itself: no warning

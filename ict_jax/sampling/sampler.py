@@ -34,7 +34,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ict_jax.buckets import response_buckets
 from ict_jax.config import RolloutSection
-from ict_jax.model.qwen2 import MASKED, KVCache, attend, attention_qkv, finish_layer, rms_norm, rope_tables
+from ict_jax.model.attention import MASKED, attend
+from ict_jax.model.qwen2 import KVCache, attention_qkv, finish_layer, rms_norm, rope_tables
 from ict_jax.sharding import BATCH_AXES, check_prompts_divide, constrain, gather_fsdp
 
 #: On CPU, decode unrolls the layer loop over per-layer weights by default up to this depth (no
@@ -255,7 +256,7 @@ def _split_layers(model: Any) -> list[dict[str, jax.Array]]:
 
 def _attend_chunks(q: jax.Array, ks: Sequence[jax.Array], vs: Sequence[jax.Array], allowed: jax.Array,
                    dtype: Any) -> jax.Array:
-    """:func:`ict_jax.model.qwen2.attend` over a cache held in chunks along the slots (``ks[c], vs[c]:
+    """:func:`ict_jax.model.attention.attend` over a cache held in chunks along the slots (``ks[c], vs[c]:
     [B, KV, S_c, hd]``, ``allowed [B, T, sum S_c]``): one softmax over every chunk's scores, the
     weighted values summed chunk by chunk (float32). One chunk is ``attend`` itself."""
     if len(ks) == 1:
