@@ -10,7 +10,17 @@ from typing import Any, Literal
 
 import jax
 
+from ict_jax.config import ModelSection
+
 Dtype = Literal["float32", "bfloat16", "float16"]
+_SECTION = ModelSection()  # the config tree's defaults (one source per default)
+#: The ModelConfig fields a run's ``model`` section sets (same names there) that do not change the weights.
+RUN_SETTINGS = ("remat", "scan_layers", "attention", "attention_block")
+
+
+def run_settings(source: Any) -> dict[str, Any]:
+    """:data:`RUN_SETTINGS` read from ``source`` (a :class:`ModelConfig` or the config tree's ``model`` section)."""
+    return {name: getattr(source, name) for name in RUN_SETTINGS}
 
 #: HF ``architectures`` values whose weights this model can hold (same tensors, maybe without q/k/v bias).
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
@@ -96,10 +106,10 @@ class ModelConfig:
     max_position_embeddings: int = 32_768
     param_dtype: Dtype = "float32"
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    remat: Literal["none", "block", "full"] = "block"
-    scan_layers: bool = True
-    attention: Literal["dense", "blocked"] = "dense"
-    attention_block: int = 128  # key positions a block of the blocked attention
+    remat: Literal["none", "block", "full"] = _SECTION.remat
+    scan_layers: bool = _SECTION.scan_layers
+    attention: Literal["dense", "blocked"] = _SECTION.attention
+    attention_block: int = _SECTION.attention_block  # key positions a block of the blocked attention
     lora: LoraSpec | None = None  # low-rank adapters on the projections (docs/lora.md); None = none
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from flax import nnx
 
 from ict_jax.config import Config, ConfigError
 from ict_jax.model.adapters import add_adapters
-from ict_jax.model.config import ModelConfig
+from ict_jax.model.config import ModelConfig, run_settings
 from ict_jax.model.identity import arrays_sha256, weights_sha256
 from ict_jax.model.qwen2 import Qwen2, init_model
 from ict_jax.model.source import ModelSource
@@ -146,8 +146,7 @@ def load_base(meta: dict[str, Any], run_dir: Path, *, mesh: jax.sharding.Mesh | 
     if not isinstance(recorded, dict):
         raise ValueError(f"{where} holds LoRA adapters but records no base model")
     mc = ModelConfig(**meta["model_config"])
-    settings = dict(compute_dtype=mc.compute_dtype, remat=mc.remat, scan_layers=mc.scan_layers,
-                    attention=mc.attention, attention_block=mc.attention_block)
+    settings = dict(compute_dtype=mc.compute_dtype, **run_settings(mc))
     kind, current = recorded.get("kind"), None
     try:
         if kind == "warm_start":

@@ -39,7 +39,7 @@ from flax import nnx
 from ict_jax.config import Config
 from ict_jax.deprecation import REMOVED_IN, MovedNames, warn
 from ict_jax.model.adapters import attach_lora
-from ict_jax.model.config import ModelConfig, resolve_compute_dtype
+from ict_jax.model.config import ModelConfig, resolve_compute_dtype, run_settings
 from ict_jax.model.lora import lora_spec
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.source import PRESET_PREFIX, ModelSource
@@ -105,8 +105,7 @@ def _config_source(cfg: Config, *, weights: str | os.PathLike | None, adapters: 
                    missing: str) -> ModelSource:
     """The model a run of ``cfg`` builds (:func:`resolve_model` with a Config)."""
     m = cfg.model
-    settings = dict(param_dtype=m.param_dtype, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-                    attention_block=m.attention_block,
+    settings = dict(param_dtype=m.param_dtype, **run_settings(m),
                     compute_dtype=m.compute_dtype if platform is None else resolve_compute_dtype(m.compute_dtype,
                                                                                                  platform))
     kw = dict(lora=m.lora if adapters else None, seed=cfg.seed, **settings)
