@@ -109,15 +109,20 @@ def device_info() -> dict[str, Any]:
                                                      source=chip.source))
 
 
-def peak_memory() -> int | None:
-    """The device's peak bytes in use so far (None where the backend keeps no statistics: a CPU)."""
+def _memory_stat(key: str) -> int | None:
+    """One of the device's memory statistics (None where the backend keeps none: a CPU)."""
     import jax
 
     try:
         stats = jax.devices()[0].memory_stats()
     except Exception:  # noqa: BLE001 - some backends raise instead of returning None
         return None
-    return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
+    return (int(stats.get(key, 0)) or None) if stats else None
+
+
+def peak_memory() -> int | None:
+    """The device's peak bytes in use so far (None where the backend keeps no statistics: a CPU)."""
+    return _memory_stat("peak_bytes_in_use")
 
 
 #: a compiled program runs when its live bytes are at most this fraction of the device's allocator limit
@@ -128,13 +133,7 @@ DUMP_DIR: Path | None = None
 
 def device_bytes_limit() -> int | None:
     """The bytes the device's allocator may hand out (None where the backend keeps no statistics: a CPU)."""
-    import jax
-
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
-        return None
-    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+    return _memory_stat("bytes_limit")
 
 
 def compiled_live(compiled) -> int:
