@@ -31,6 +31,14 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="with --plan: only rebuild report.md and its figures from the record (experiment.json)")
     p.add_argument("--uncommitted", action="store_true",
                    help="with --plan: run a plan that is not committed as it is in git (the record says so)")
+    p.add_argument("--order", choices=("chunks", "runs"), default=None,
+                   help="with --plan: chunks (default: every run reaches each chunk's end before any goes past it) "
+                        "or runs (seed by seed, one run from start to end before the next: on a machine that may "
+                        "be lost between invocations, a finished run needs no checkpoint to outlive it)")
+    p.add_argument("--recover", action="store_true",
+                   help="with --plan: the record holds results but the working folder (out) is gone (another "
+                        "machine): rebuild it from the record and continue; unfinished runs start again from step "
+                        "0, what they logged kept in the record (docs/experiments.md)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
     p.add_argument("--methods", default=None,
                    help="comma-separated selectors (ict, grpo, entropy, stapo, random, frequent, selectable) or "
@@ -92,15 +100,18 @@ def _plan_main(args: argparse.Namespace) -> int:
     if given:
         raise UserError(f"--plan: the plan fixes the runs; {', '.join(given)} cannot be given with it")
     if args.report:
-        if args.max_hours is not None:
-            raise UserError("--report only rebuilds the report: --max-hours does not apply")
+        extra = [f for f, v in (("--max-hours", args.max_hours), ("--order", args.order),
+                                ("--recover", args.recover or None)) if v is not None]
+        if extra:
+            raise UserError(f"--report only rebuilds the report: {', '.join(extra)} does not apply")
         print(f"wrote {rebuild_report(args.plan)}")
         return 0
     if args.max_hours is not None and not args.max_hours > 0:
         raise UserError(f"--max-hours {args.max_hours}: expected a positive number of hours")
     try:
         run_experiment(args.plan, max_hours=args.max_hours, allow_uncommitted=args.uncommitted,
-                       progress=not args.no_progress and sys.stderr.isatty())
+                       progress=not args.no_progress and sys.stderr.isatty(), order=args.order or "chunks",
+                       recover=args.recover)
     except ExperimentStopped as e:
         print(f"ict-jax compare: stopped ({e}); run the same command to continue", file=sys.stderr)
         return EXIT_STOPPED
@@ -112,8 +123,8 @@ def compare_main(args: argparse.Namespace) -> int:
 
     if args.plan is not None:
         return _plan_main(args)
-    if args.report or args.max_hours is not None or args.uncommitted:
-        raise UserError("--report, --max-hours and --uncommitted go with --plan")
+    if args.report or args.max_hours is not None or args.uncommitted or args.order is not None or args.recover:
+        raise UserError("--report, --max-hours, --uncommitted, --order and --recover go with --plan")
     if args.config is None:
         raise UserError("--config or --plan is required")
 

@@ -9,6 +9,13 @@ step, the data position is saved), so a run stopped and continued, by the chunks
 time box (``max_hours``), ends bitwise equal to one never stopped. Arms of one seed share ``seed``, hence
 the data order, the sampler keys and the initial weights: their differences are paired by seed.
 
+The order of the turns (``order``) changes no run's numbers, only which runs a stop leaves unfinished:
+``chunks`` (the default, above) or ``runs``: seed by seed, each arm's run from its start to its end before
+the next. ``runs`` is for a machine that may be lost between invocations: a finished run outlives it in
+the record, an unfinished one loses its checkpoint. When it is lost, the committed record rebuilds the
+working folder (``recover``, :mod:`ict_jax.tools.experiment_recover`): finished runs are written back,
+unfinished ones start again from step 0 and what they had logged stays in the record as earlier attempts.
+
 After each chunk the record (:mod:`ict_jax.tools.experiment_record`, ``<record>/experiment.json``) is
 rebuilt from disk and the report (:mod:`ict_jax.tools.experiment_report`) from the record alone. One
 invocation at a time holds ``<out>`` (:func:`ict_jax.outputs.hold_output_dir`); a plan whose text changed
@@ -37,6 +44,7 @@ from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (
     CHUNKS_FILE,
+    COMPILATION_CACHE,
     INVOCATIONS_FILE,
     PLAN_FILE,
     RECORD_FILE,
@@ -47,13 +55,15 @@ from ict_jax.tools.experiment_record import (
     steps_done,
     write_json,
 )
+from ict_jax.tools.experiment_recover import lost_working_folder, recover_from_record
 from ict_jax.tools.experiment_report import REPORT_FILE, selection_warnings, write_report
 from ict_jax.tools.provenance import code_commit, environment, file_commit, now_iso
 from ict_jax.train.logs import read_metrics
 from ict_jax.train.stopping import TrainingDiverged
 from ict_jax.train.trainer import Trainer
 
-__all__ = ["run_experiment", "rebuild_report", "check_plan_provenance", "ExperimentStopped"]
+__all__ = ["run_experiment", "rebuild_report", "check_plan_provenance", "ExperimentStopped", "ORDERS",
+           "COMPILATION_CACHE"]
 
 
 class ExperimentStopped(Exception):
@@ -157,10 +167,6 @@ def _update_record(plan: Plan, plan_info: Mapping[str, Any]) -> dict[str, Any]:
     return record
 
 
-#: the persistent compilation cache of an experiment, under ``out``, unless the process already has one
-COMPILATION_CACHE = "jax_cache"
-
-
 def _use_compilation_cache(folder: Path) -> None:
     """JAX's persistent compilation cache in ``folder`` when none is set: every chunk of a run builds the
     same programs again (a new trainer per chunk), and loads them from the cache instead of compiling them
@@ -176,44 +182,91 @@ def _why(deadline: float | None) -> str:
     return "time box" if deadline is not None and time.monotonic() >= deadline else "stop requested"
 
 
+#: the orders in which the runner takes the runs' chunks (``run_experiment(order=...)``)
+ORDERS = ("chunks", "runs")
+
+
+def _turns(plan: Plan, specs: list[RunSpec], order: str) -> list[tuple[int, RunSpec]]:
+    """(chunk end, run) in the order they are trained. ``chunks``: at each chunk end c every run in turn
+    (every run reaches step c before any goes past it); ``runs``: seed by seed, each arm's run from its
+    start to its end before the next (what a machine that may be lost between invocations keeps best: a
+    finished run needs no checkpoint to outlive it)."""
+    ends = plan.chunk_ends()
+    if order == "chunks":
+        return [(end, spec) for end in ends for spec in specs]
+    seeds, arms = list(plan.seeds), list(plan.arm_names)
+    ordered = sorted(specs, key=lambda s: (seeds.index(s.seed), arms.index(s.arm)))
+    return [(end, spec) for spec in ordered for end in ends]
+
+
 def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], inv_id: str,
                 stop_now: Callable[[], bool], deadline: float | None, progress: bool, state: dict[str, Any],
-                say: Callable[[str], None]) -> None:
-    """Every run, in turns: at each chunk end c every unfinished run trains up to step c; after each chunk
-    the chunk's line, the record and a progress line. ``state``: chunks done and seconds a step so far."""
-    for end in plan.chunk_ends():
-        for spec in specs:
-            status = run_status(spec.run_dir, plan.steps)
-            start = steps_done(spec.run_dir, plan.steps)
-            if status in ("finished", "diverged") or start >= end:
-                continue
-            if stop_now():
-                raise ExperimentStopped(_why(deadline))
-            t0 = time.monotonic()
-            what, done = _train_chunk(spec, end, stop_now, progress)
-            wall = time.monotonic() - t0
-            append_jsonl(plan.out / CHUNKS_FILE, {"run": spec.name, "from": start, "to": done, "status": what,
-                                                  "wall_s": round(wall, 1), "time": now_iso(), "invocation": inv_id,
-                                                  **code_commit()})
-            state["chunks"] += 1
-            if done > start:
-                state["step_seconds"].append(wall / (done - start))
-            record = _update_record(plan, plan_info)
-            left = record["status"]["steps_planned"] - record["status"]["steps_done"]
-            per_step = sum(state["step_seconds"]) / len(state["step_seconds"]) if state["step_seconds"] else None
-            means = _chunk_means(spec.run_dir, start, done)
-            say(f"{spec.arm} s{spec.seed}: steps {start + 1}-{done} of {plan.steps} {what} in {_fmt_s(wall)}"
-                + "".join(f", {k} {v:.3f}" for k, v in means.items())
-                + f"; {record['status']['steps_done']}/{record['status']['steps_planned']} steps done"
-                + (f", ETA {_fmt_s(left * per_step)}" if per_step and left else ""))
-            if what == "paused" and done < end:  # the time box or a stop request paused it mid-chunk
-                raise ExperimentStopped(_why(deadline))
+                say: Callable[[str], None], order: str = "chunks") -> None:
+    """Every run's chunks in ``order`` (:func:`_turns`): each unfinished run trains up to the chunk's end;
+    after each chunk the chunk's line, the record and a progress line. ``state``: chunks done and seconds
+    a step so far."""
+    for end, spec in _turns(plan, specs, order):
+        status = run_status(spec.run_dir, plan.steps)
+        start = steps_done(spec.run_dir, plan.steps)
+        if status in ("finished", "diverged") or start >= end:
+            continue
+        if stop_now():
+            raise ExperimentStopped(_why(deadline))
+        t0 = time.monotonic()
+        what, done = _train_chunk(spec, end, stop_now, progress)
+        wall = time.monotonic() - t0
+        append_jsonl(plan.out / CHUNKS_FILE, {"run": spec.name, "from": start, "to": done, "status": what,
+                                              "wall_s": round(wall, 1), "time": now_iso(), "invocation": inv_id,
+                                              **code_commit()})
+        state["chunks"] += 1
+        if done > start:
+            state["step_seconds"].append(wall / (done - start))
+        record = _update_record(plan, plan_info)
+        left = record["status"]["steps_planned"] - record["status"]["steps_done"]
+        per_step = sum(state["step_seconds"]) / len(state["step_seconds"]) if state["step_seconds"] else None
+        means = _chunk_means(spec.run_dir, start, done)
+        say(f"{spec.arm} s{spec.seed}: steps {start + 1}-{done} of {plan.steps} {what} in {_fmt_s(wall)}"
+            + "".join(f", {k} {v:.3f}" for k, v in means.items())
+            + f"; {record['status']['steps_done']}/{record['status']['steps_planned']} steps done"
+            + (f", ETA {_fmt_s(left * per_step)}" if per_step and left else ""))
+        for a in record["runs"][spec.name].get("attempts", []):
+            c = a["comparison"]
+            if c["steps_compared"]:
+                first = c["first_difference"]
+                say(f"{spec.arm} s{spec.seed}: against its attempt {a['attempt']} (lost): {c['steps_equal']} of "
+                    f"{c['steps_compared']} common steps equal bitwise"
+                    + (f"; first difference at step {first['step'] + 1} ({', '.join(sorted(first['metrics'])[:4])}"
+                       + (", ..." if len(first["metrics"]) > 4 else "") + ")" if first else ""))
+        if what == "paused" and done < end:  # the time box or a stop request paused it mid-chunk
+            raise ExperimentStopped(_why(deadline))
+
+
+def _recover_if_lost(plan: Plan, recover: bool, say: Callable[[str], None]) -> dict[str, Any] | None:
+    """When the record holds results that ``out`` does not: refused, or with ``recover`` the working folder
+    rebuilt from the record (what was done); None when ``out`` holds the experiment."""
+    lost = lost_working_folder(plan)
+    if lost is None:
+        if recover:
+            say(f"--recover: {plan.out} holds the experiment (or nothing is recorded yet): nothing to recover")
+        return None
+    if not recover:
+        raise PlanError(
+            f"the record {str(plan.record / RECORD_FILE)!r} holds {lost['status']['steps_done']} steps of this "
+            f"experiment, but {str(plan.out)!r} does not hold its working folder (no {PLAN_FILE}): the machine "
+            "that ran it was lost, or out points elsewhere. Pass --recover to rebuild the working folder from the "
+            "record (finished runs written back; unfinished runs start again from step 0, what they logged kept "
+            "in the record as earlier attempts); nothing is overwritten without it")
+    return recover_from_record(plan, lost, say=say)
 
 
 def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, allow_uncommitted: bool = False,
                    progress: bool = False, should_stop: Callable[[], bool] | None = None,
-                   say: Callable[[str], None] = _say) -> dict[str, Any]:
+                   say: Callable[[str], None] = _say, order: str = "chunks", recover: bool = False,
+                   ) -> dict[str, Any]:
     """Run (or continue) the experiment of the plan at ``plan_path`` (module docstring); returns the record.
+
+    ``order``: :data:`ORDERS` (module docstring; recorded per invocation). ``recover``: rebuild a lost ``out``
+    from the record and continue (:mod:`ict_jax.tools.experiment_recover`); without it that is refused.
 
     ``max_hours``: the time box of this invocation; when it is spent the run in progress pauses after its
     step (a checkpoint), the record is written and :class:`ExperimentStopped` is raised; the same call
@@ -223,6 +276,8 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
     plan = load_plan(plan_path)
     if max_hours is not None and not max_hours > 0:
         raise PlanError(f"max_hours: {max_hours!r}: expected a positive number of hours")
+    if order not in ORDERS:
+        raise PlanError(f"order: {order!r}: expected one of {', '.join(ORDERS)}")
     check_output_dir(plan.out, "out")
     check_output_dir(plan.record, "record")
     git_state = check_plan_provenance(plan, allow_uncommitted)
@@ -234,6 +289,7 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
         return (deadline is not None and time.monotonic() >= deadline) or (should_stop is not None and should_stop())
 
     with hold_output_dir(plan.out, "out"):
+        recovered = _recover_if_lost(plan, recover, say)
         plan_info = _plan_info(plan, git_state)
         _use_compilation_cache(plan.out / COMPILATION_CACHE)
         inv_id = uuid.uuid4().hex[:12]
@@ -241,13 +297,14 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
         append_jsonl(inv_path, {"event": "start", "id": inv_id, "start": now_iso(), "environment": environment(),
                                 "max_hours": max_hours, "plan_uncommitted": bool(git_state["in_git"]
                                                                                  and not git_state["clean"]),
+                                "order": order, **({"recovered": recovered} if recovered else {}),
                                 **code_commit()})
         say(f"{plan.name}: {len(plan.arms)} arms x {len(plan.seeds)} seeds, {plan.steps} steps in chunks of "
-            f"{plan.chunk_steps} -> {plan.out} (record: {plan.record / RECORD_FILE})")
+            f"{plan.chunk_steps}, order {order} -> {plan.out} (record: {plan.record / RECORD_FILE})")
         stopped, progress_state = "finished", {"chunks": 0, "step_seconds": []}
         try:
             _update_record(plan, plan_info)
-            _run_chunks(plan, specs, plan_info, inv_id, stop_now, deadline, progress, progress_state, say)
+            _run_chunks(plan, specs, plan_info, inv_id, stop_now, deadline, progress, progress_state, say, order)
             if plan.evaluate_base:
                 b = base_run(plan)
                 if run_status(b.run_dir, 0) != "finished":

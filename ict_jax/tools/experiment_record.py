@@ -8,7 +8,9 @@ Layout (docs/experiments.md)::
      "environment": {...}  (the first invocation's), "invocations": [...], "status": {...},
      "runs": {"<arm>_s<seed>": {arm, seed, run_dir, status, steps_done, metrics: [per-step rows],
                                 selection: {selected_frac, sparse_steps, dense_steps, steps, all_selected},
-                                eval_final, wall_s, chunks: [...], outcomes: {name: value}}},
+                                eval_final, wall_s, chunks: [...], outcomes: {name: value},
+                                restored?: {...}, attempts?: [{attempt, lost, machines, commits, chunks,
+                                metrics, ..., comparison: {steps_compared, steps_equal, first_difference}}]}},
      "base": {status, eval_final, run_dir} | null,
      "design": {n_seeds, df, assumed_sd, alpha, power, mde, note},
      "outcomes": [{name, metric, steps?, primary, per_arm: {arm: {mean, sd, n, values: {seed: v}}},
@@ -30,7 +32,8 @@ from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.logs import read_metrics
 from ict_jax.train.record import read_summary
 
-__all__ = ["FORMAT", "RECORD_FILE", "PLAN_FILE", "INVOCATIONS_FILE", "CHUNKS_FILE", "STATUS_FILE", "build_record",
+__all__ = ["FORMAT", "RECORD_FILE", "PLAN_FILE", "INVOCATIONS_FILE", "CHUNKS_FILE", "STATUS_FILE", "RESTORED_FILE",
+           "COMPILATION_CACHE", "ATTEMPTS_DIR", "build_record", "read_attempts", "compare_attempt",
            "write_json", "run_status", "steps_done", "outcome_value", "append_jsonl", "read_jsonl"]
 
 FORMAT = 1
@@ -39,6 +42,11 @@ PLAN_FILE = "plan.json"  # in <out>: the plan as first run (text, sha256, git st
 INVOCATIONS_FILE = "invocations.jsonl"  # in <out>: one start and one end line per invocation
 CHUNKS_FILE = "chunks.jsonl"  # in <out>: one line per run chunk done
 STATUS_FILE = "experiment_status.json"  # in a run directory: a run the experiment stopped (diverged)
+RESTORED_FILE = "restored.json"  # in a run directory written back from the record (experiment_recover)
+COMPILATION_CACHE = "jax_cache"  # in <out>: the persistent compilation cache of an experiment
+ATTEMPTS_DIR = "attempts"  # in <out>: one JSON list per run started again from step 0 (experiment_recover)
+#: per-step metrics that measure the machine, not the run: not compared between attempts of a run
+IGNORED_IN_COMPARISON = ("time/", "throughput/")
 
 
 def write_json(path: Path, data: Any) -> Path:
@@ -78,7 +86,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------
 def steps_done(run_dir: Path, steps: int) -> int:
     """RL steps a run directory holds for good: all of them when its summary says finished, else its
-    latest checkpoint's step (what a resumed run continues from), else 0."""
+    latest checkpoint's step (what a resumed run continues from), else 0; a run directory written back
+    from the record (``restored.json``): the steps it held."""
+    restored = run_dir / RESTORED_FILE
+    if restored.is_file():
+        return int(json.loads(restored.read_text()).get("steps_done", 0))
     summary = read_summary(run_dir) if run_dir.is_dir() else None
     if summary is not None and summary.get("status") == "finished":
         return int(summary.get("steps", steps))
@@ -132,7 +144,10 @@ def _json_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in r.items()} for r in rows]
 
 
-def read_run(spec: RunSpec, steps: int, chunks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def read_run(spec: RunSpec, steps: int, chunks: Sequence[Mapping[str, Any]], out_dir: Path | None = None,
+             ) -> dict[str, Any]:
+    """One run's entry of the record from its directory (and, with the experiment's ``out_dir``, its
+    earlier attempts, each compared with this one step by step)."""
     d = spec.run_dir
     metrics = d / "metrics.jsonl"
     rl_rows = read_metrics(metrics, "rl") if metrics.is_file() else []
@@ -150,7 +165,44 @@ def read_run(spec: RunSpec, steps: int, chunks: Sequence[Mapping[str, Any]]) -> 
            "wall_s": summary.get("wall_s"), "chunks": [c for c in chunks if c.get("run") == spec.name]}
     if status == "diverged":
         out["error"] = json.loads((d / STATUS_FILE).read_text()).get("error")
+    if (d / RESTORED_FILE).is_file():
+        out["restored"] = json.loads((d / RESTORED_FILE).read_text())
+    attempts = read_attempts(spec.name, out_dir) if out_dir is not None else []
+    if attempts:
+        out["attempts"] = [{**a, "comparison": compare_attempt(out["metrics"], a.get("metrics") or [])}
+                           for a in attempts]
     return out
+
+
+def read_attempts(name: str, out: Path) -> list[dict[str, Any]]:
+    """The earlier attempts of a run (``<out>/attempts/<run>.json``), oldest first; [] when none."""
+    path = Path(out) / ATTEMPTS_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def compare_attempt(rows: Sequence[Mapping[str, Any]], earlier: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The steps both attempts logged, compared metric by metric (every key but the machine's timings,
+    :data:`IGNORED_IN_COMPARISON`): ``{"steps_compared", "steps_equal", "first_difference": {"step",
+    "metrics": {key: [earlier, now]}} | None}``; ``steps_equal`` counts the leading steps equal in every
+    metric (bitwise: the values as logged)."""
+    now = {int(r["step"]): r for r in rows}
+    before = {int(r["step"]): r for r in earlier}
+    common = sorted(set(now) & set(before))
+    equal, first = 0, None
+    for s in common:
+        keys = sorted(k for k in set(now[s]) | set(before[s]) if not k.startswith(IGNORED_IN_COMPARISON))
+        diff = {k: [before[s].get(k), now[s].get(k)] for k in keys if not _same(before[s].get(k), now[s].get(k))}
+        if diff:
+            first = {"step": s, "metrics": diff}
+            break
+        equal += 1
+    return {"steps_compared": len(common), "steps_equal": equal, "first_difference": first}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,7 +244,7 @@ def build_record(plan: Plan, *, plan_info: Mapping[str, Any]) -> dict[str, Any]:
     chunks = read_jsonl(plan.out / CHUNKS_FILE)
     runs = {}
     for spec in specs:
-        r = read_run(spec, plan.steps, chunks)
+        r = read_run(spec, plan.steps, chunks, plan.out)
         r["outcomes"] = {o.name: outcome_value(o, r["metrics"], r["eval_final"]) for o in plan.outcomes}
         runs[spec.name] = r
     base = None

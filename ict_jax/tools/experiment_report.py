@@ -156,7 +156,7 @@ def format_report(record: Mapping[str, Any], figures: Sequence[str] = tuple(FIGU
     for f in figures:
         key, title = FIGURES[f]
         lines += [f"![{title} ({key})]({f})", ""]
-    lines += _runs_lines(record) + _environment_lines(record)
+    lines += _runs_lines(record) + _attempt_lines(record) + _environment_lines(record)
     if plan.get("calibration") is not None:
         lines += ["", "## Calibration (before the plan was fixed)", "", "```", _yaml_text(plan["calibration"]),
                   "```"]
@@ -218,6 +218,44 @@ def _runs_lines(record: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _machine(m: Mapping[str, Any]) -> str:
+    return f"{m.get('cpu')} ({m.get('cores')} cores, {m.get('backend')})"
+
+
+def _attempt_lines(record: Mapping[str, Any]) -> list[str]:
+    """Runs written back from the record after a lost machine, and every earlier attempt of a run that
+    started again from step 0, with how the attempts compare on their common steps."""
+    lines: list[str] = []
+    for name, r in record["runs"].items():
+        if r.get("restored"):
+            x = r["restored"]
+            lines.append(f"- `{name}`: written back from the record on {x.get('time')} ({x.get('status')}, "
+                         f"{x.get('steps_done')} steps; no checkpoint, not run again).")
+        for a in r.get("attempts") or []:
+            c = a.get("comparison") or {}
+            first = c.get("first_difference")
+            if not c.get("steps_compared"):
+                versus = "no step in common with the run now yet"
+            elif first is None:
+                versus = f"the run now equals it bitwise on all {c['steps_compared']} common steps"
+            else:
+                keys = sorted(first["metrics"])
+                versus = (f"the run now equals it bitwise on {c['steps_equal']} of {c['steps_compared']} common "
+                          f"steps; first difference at step {first['step'] + 1} ({len(keys)} metrics: "
+                          + ", ".join(f"`{k}`" for k in keys[:5]) + (", ..." if len(keys) > 5 else "") + ")")
+            lines.append(f"- `{name}`, attempt {a.get('attempt')}: {a.get('steps_done')} steps on "
+                         + (", ".join(_machine(m) for m in a.get("machines") or []) or "an unrecorded machine")
+                         + ", code " + (", ".join(f"`{c[:12]}`" for c in a.get("commits") or []) or "unrecorded")
+                         + f"; lost: {a.get('lost')}; {versus}.")
+    if not lines:
+        return []
+    return ["", "## Earlier attempts", "",
+            "Runs whose working folder (checkpoints) was lost with its machine: a finished run is written back "
+            "from the record; an unfinished one starts again from step 0 and what it had logged is kept here "
+            "(per-step metrics in experiment.json, `runs.<run>.attempts`). Only the run now counts in the "
+            "outcomes. Equal bitwise: every logged metric but the timings.", ""] + lines
+
+
 def _environment_lines(record: Mapping[str, Any]) -> list[str]:
     """The machine and versions of the first invocation, and every invocation's code commit."""
     lines: list[str] = []
@@ -228,10 +266,15 @@ def _environment_lines(record: Mapping[str, Any]) -> list[str]:
         lines += [f"- Machine: {env.get('cpu')}, {env.get('cores')} cores, {env.get('memory_gib')} GiB; "
                   f"{env.get('os')}; Python {env.get('python')}; {env.get('backend')} ({env.get('devices')}).",
                   "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items() if x) + "."]
+    first = {k: env.get(k) for k in ("cpu", "cores", "backend")}
     for inv in record.get("invocations", []):
         c = inv.get("commit")
+        here = {k: (inv.get("environment") or {}).get(k) for k in ("cpu", "cores", "backend")}
         lines.append(f"- Invocation {inv.get('start')} to {inv.get('end', '?')}: code at "
                      + (f"`{c[:12]}`" + (" with local changes" if inv.get("dirty") else "") if c else "no git commit")
+                     + (f", on {_machine(here)}" if here != first else "")
+                     + (f", order {inv['order']}" if inv.get("order", "chunks") != "chunks" else "")
+                     + (", working folder rebuilt from the record" if inv.get("recovered") else "")
                      + f", {inv.get('chunks_done', 0)} chunk(s), stopped: {inv.get('stopped')}.")
     return lines
 

@@ -388,7 +388,102 @@ def test_the_command_line_refuses_mixed_flags_and_a_report_without_a_record(tmp_
     assert "--max-hours 0.0: expected a positive number" in capsys.readouterr().err
     assert cli_main(["compare", "--max-hours", "1", "--config", str(DEMO)]) == 2
     assert "go with --plan" in capsys.readouterr().err
+    assert cli_main(["compare", "--recover", "--config", str(DEMO)]) == 2
+    assert "--order and --recover go with --plan" in capsys.readouterr().err
+    assert cli_main(["compare", "--plan", str(path), "--report", "--order", "runs", "--recover"]) == 2
+    assert "--report only rebuilds the report: --order, --recover does not apply" in capsys.readouterr().err
     bad = _plan(tmp_path, "bad", PLAN.format(config=DEMO, out=tmp_path / "bad").replace("steps: 3", "steps: x"))
     assert cli_main(["compare", "--plan", str(bad)]) == 2
     assert "steps: expected an integer >= 1, got 'x'" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# A lost working folder: refused, then recovered from the record; the order of the runs
+# ------------------------------------------------------------------------------------------------
+def test_the_runs_order_takes_each_run_to_its_end_seed_by_seed(tmp_path):
+    from ict_jax.tools.experiment import _turns
+
+    plan = load_plan(_plan(tmp_path, "p", PLAN.format(config=DEMO, out=tmp_path / "p").replace("seeds: [0]",
+                                                                                             "seeds: [0, 1]")))
+    specs = plan_runs(plan)
+    assert [(e, s.name) for e, s in _turns(plan, specs, "chunks")] == [
+        (2, "ict_s0"), (2, "ict_s1"), (2, "grpo_s0"), (2, "grpo_s1"),
+        (3, "ict_s0"), (3, "ict_s1"), (3, "grpo_s0"), (3, "grpo_s1")]
+    assert [(e, s.name) for e, s in _turns(plan, specs, "runs")] == [
+        (2, "ict_s0"), (3, "ict_s0"), (2, "grpo_s0"), (3, "grpo_s0"),
+        (2, "ict_s1"), (3, "ict_s1"), (2, "grpo_s1"), (3, "grpo_s1")]
+    with pytest.raises(PlanError, match="order: 'seeds': expected one of chunks, runs"):
+        run_experiment(plan.path, order="seeds", say=lambda s: None)
+
+
+def test_compare_attempt_by_hand():
+    from ict_jax.tools.experiment_record import compare_attempt
+
+    old = [{"step": 0, "reward/mean": 0.5, "loss/total": 1.0, "time/update_s": 3.0},
+           {"step": 1, "reward/mean": 0.25, "loss/total": "nan", "time/update_s": 3.0},
+           {"step": 2, "reward/mean": 0.75, "loss/total": 0.5}]
+    new = [{"step": 0, "reward/mean": 0.5, "loss/total": 1.0, "time/update_s": 9.0},  # a timing is not compared
+           {"step": 1, "reward/mean": 0.25, "loss/total": "nan"},
+           {"step": 2, "reward/mean": 0.75, "loss/total": 0.5000001},
+           {"step": 3, "reward/mean": 1.0, "loss/total": 0.1}]
+    assert compare_attempt(new, old) == {"steps_compared": 3, "steps_equal": 2, "first_difference": {
+        "step": 2, "metrics": {"loss/total": [0.5, 0.5000001]}}}
+    assert compare_attempt(new[:2], old) == {"steps_compared": 2, "steps_equal": 2, "first_difference": None}
+    assert compare_attempt([], old) == {"steps_compared": 0, "steps_equal": 0, "first_difference": None}
+
+
+def test_a_lost_working_folder_is_refused_then_recovered_from_the_record(tmp_path, reward_module):
+    record_dir = tmp_path / "record"
+    text = PLAN.format(config=DEMO, out=tmp_path / "out") + f"record: {record_dir}\n"
+    path = _plan(tmp_path, "lost", text)
+
+    def grpo_at_2() -> bool:  # the time box, as it would stop after GRPO's step 2 (a chunk's end)
+        m = tmp_path / "out" / "runs" / "grpo_s0" / "metrics.jsonl"
+        return m.is_file() and len(read_metrics(m)) >= 2
+
+    with pytest.raises(ExperimentStopped):  # order runs: ICT to its end (and evaluation), then GRPO to step 2
+        run_experiment(path, order="runs", should_stop=grpo_at_2, say=lambda s: None)
+    old = json.loads((record_dir / RECORD_FILE).read_text())
+    assert old["runs"]["ict_s0"]["status"] == "finished" and old["runs"]["grpo_s0"]["steps_done"] == 2
+    assert old["invocations"][0]["order"] == "runs"
+    # the machine is lost: the working folder goes, the committed record stays
+    import shutil
+
+    shutil.rmtree(tmp_path / "out")
+    before = (record_dir / RECORD_FILE).read_bytes()
+    with pytest.raises(PlanError, match=r"holds 5 steps .* Pass --recover .* nothing is overwritten without it"):
+        run_experiment(path, say=lambda s: None)
+    assert (record_dir / RECORD_FILE).read_bytes() == before
+    said: list[str] = []
+    rec = run_experiment(path, order="runs", recover=True, say=said.append)
+    assert rec["status"]["complete"]
+    ict, grpo = rec["runs"]["ict_s0"], rec["runs"]["grpo_s0"]
+    # the finished run is written back, not run again: its metrics, evaluation and chunks are the record's
+    for key in ("metrics", "evals", "eval_final", "chunks", "selection", "outcomes", "steps_done", "status"):
+        assert ict[key] == old["runs"]["ict_s0"][key], key
+    assert ict["restored"]["checkpoint"] is None and not (tmp_path / "out" / "runs" / "ict_s0" / "checkpoints").exists()
+    # the unfinished one started again from step 0; what it had logged is its attempt 1, and on this machine
+    # and code the new attempt repeats it bitwise
+    (attempt,) = grpo["attempts"]
+    assert attempt["attempt"] == 1 and attempt["steps_done"] == 2
+    assert attempt["metrics"] == old["runs"]["grpo_s0"]["metrics"]
+    assert attempt["chunks"] == old["runs"]["grpo_s0"]["chunks"]
+    assert attempt["comparison"] == {"steps_compared": 2, "steps_equal": 2, "first_difference": None}
+    assert [_keep(r) for r in grpo["metrics"][:2]] == [_keep(r) for r in attempt["metrics"]]
+    assert grpo["steps_done"] == 3 and grpo["chunks"][0]["from"] == 0
+    assert any("against its attempt 1 (lost): 2 of 2 common steps equal bitwise" in s for s in said)
+    # every earlier invocation is kept as it was; the new one says it rebuilt the folder
+    assert rec["invocations"][:1] == old["invocations"]
+    assert rec["invocations"][1]["recovered"]["restored"] == ["ict_s0"]
+    assert rec["invocations"][1]["recovered"]["restarted"] == ["grpo_s0"]
+    assert rec["plan_git"] == old["plan_git"] and rec["plan_sha256"] == old["plan_sha256"]
+    report = (record_dir / REPORT_FILE).read_text()
+    assert "## Earlier attempts" in report and "working folder rebuilt from the record" in report
+    assert "`grpo_s0`, attempt 1: 2 steps on" in report and "equals it bitwise on all 2 common steps" in report
+    rebuild_report(path)
+    assert (record_dir / REPORT_FILE).read_text() == report
+    # asked again with the folder in place: nothing to recover, nothing trained
+    said.clear()
+    again = run_experiment(path, order="runs", recover=True, say=said.append)
+    assert any("nothing to recover" in s for s in said) and again["runs"] == rec["runs"]
