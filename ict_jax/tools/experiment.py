@@ -234,7 +234,8 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
             if c["steps_compared"]:
                 first = c["first_difference"]
                 say(f"{spec.arm} s{spec.seed}: against its attempt {a['attempt']} (lost): {c['steps_equal']} of "
-                    f"{c['steps_compared']} common steps equal bitwise"
+                    f"{c['steps_compared']} common steps equal bitwise, {c['steps_same_samples']} with the same "
+                    "samples"
                     + (f"; first difference at step {first['step'] + 1} ({', '.join(sorted(first['metrics'])[:4])}"
                        + (", ..." if len(first["metrics"]) > 4 else "") + ")" if first else ""))
         if what == "paused" and done < end:  # the time box or a stop request paused it mid-chunk

@@ -33,7 +33,7 @@ from ict_jax.train.logs import read_metrics
 from ict_jax.train.record import read_summary
 
 __all__ = ["FORMAT", "RECORD_FILE", "PLAN_FILE", "INVOCATIONS_FILE", "CHUNKS_FILE", "STATUS_FILE", "RESTORED_FILE",
-           "COMPILATION_CACHE", "ATTEMPTS_DIR", "build_record", "read_attempts", "compare_attempt",
+           "COMPILATION_CACHE", "ATTEMPTS_DIR", "SAMPLE_METRICS", "build_record", "read_attempts", "compare_attempt",
            "write_json", "run_status", "steps_done", "outcome_value", "append_jsonl", "read_jsonl"]
 
 FORMAT = 1
@@ -47,6 +47,9 @@ COMPILATION_CACHE = "jax_cache"  # in <out>: the persistent compilation cache of
 ATTEMPTS_DIR = "attempts"  # in <out>: one JSON list per run started again from step 0 (experiment_recover)
 #: per-step metrics that measure the machine, not the run: not compared between attempts of a run
 IGNORED_IN_COMPARISON = ("time/", "throughput/")
+#: per-step metrics that only the sampled tokens decide (counts and rewards, no float arithmetic of the
+#: model): equal in two attempts whose rollouts were the same token for token
+SAMPLE_METRICS = ("reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_frac")
 
 
 def write_json(path: Path, data: Any) -> Path:
@@ -189,8 +192,10 @@ def _same(a: Any, b: Any) -> bool:
 def compare_attempt(rows: Sequence[Mapping[str, Any]], earlier: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The steps both attempts logged, compared metric by metric (every key but the machine's timings,
     :data:`IGNORED_IN_COMPARISON`): ``{"steps_compared", "steps_equal", "first_difference": {"step",
-    "metrics": {key: [earlier, now]}} | None}``; ``steps_equal`` counts the leading steps equal in every
-    metric (bitwise: the values as logged)."""
+    "metrics": {key: [earlier, now]}} | None, "steps_same_samples", "first_sample_difference": step |
+    None}``. ``steps_equal`` counts the leading steps equal in every metric (bitwise: the values as
+    logged); ``steps_same_samples`` the leading steps equal in :data:`SAMPLE_METRICS`, those of attempts
+    that sampled the same tokens though their floats differ in the last bits (another CPU)."""
     now = {int(r["step"]): r for r in rows}
     before = {int(r["step"]): r for r in earlier}
     common = sorted(set(now) & set(before))
@@ -202,7 +207,14 @@ def compare_attempt(rows: Sequence[Mapping[str, Any]], earlier: Sequence[Mapping
             first = {"step": s, "metrics": diff}
             break
         equal += 1
-    return {"steps_compared": len(common), "steps_equal": equal, "first_difference": first}
+    same, first_sample = 0, None
+    for s in common:
+        if any(not _same(before[s].get(k), now[s].get(k)) for k in SAMPLE_METRICS):
+            first_sample = s
+            break
+        same += 1
+    return {"steps_compared": len(common), "steps_equal": equal, "first_difference": first,
+            "steps_same_samples": same, "first_sample_difference": first_sample}
 
 
 # ------------------------------------------------------------------------------------------------

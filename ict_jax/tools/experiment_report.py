@@ -243,6 +243,10 @@ def _attempt_lines(record: Mapping[str, Any]) -> list[str]:
                 versus = (f"the run now equals it bitwise on {c['steps_equal']} of {c['steps_compared']} common "
                           f"steps; first difference at step {first['step'] + 1} ({len(keys)} metrics: "
                           + ", ".join(f"`{k}`" for k in keys[:5]) + (", ..." if len(keys) > 5 else "") + ")")
+                if "steps_same_samples" in c:
+                    parted = c.get("first_sample_difference")
+                    versus += (f"; the same samples (reward, length, truncation) on the first {c['steps_same_samples']}"
+                               + (f", parting at step {parted + 1}" if parted is not None else ", all of them"))
             lines.append(f"- `{name}`, attempt {a.get('attempt')}: {a.get('steps_done')} steps on "
                          + (", ".join(_machine(m) for m in a.get("machines") or []) or "an unrecorded machine")
                          + ", code " + (", ".join(f"`{c[:12]}`" for c in a.get("commits") or []) or "unrecorded")

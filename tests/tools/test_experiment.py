@@ -428,9 +428,36 @@ def test_compare_attempt_by_hand():
            {"step": 2, "reward/mean": 0.75, "loss/total": 0.5000001},
            {"step": 3, "reward/mean": 1.0, "loss/total": 0.1}]
     assert compare_attempt(new, old) == {"steps_compared": 3, "steps_equal": 2, "first_difference": {
-        "step": 2, "metrics": {"loss/total": [0.5, 0.5000001]}}}
-    assert compare_attempt(new[:2], old) == {"steps_compared": 2, "steps_equal": 2, "first_difference": None}
-    assert compare_attempt([], old) == {"steps_compared": 0, "steps_equal": 0, "first_difference": None}
+        "step": 2, "metrics": {"loss/total": [0.5, 0.5000001]}}, "steps_same_samples": 3,
+        "first_sample_difference": None}
+    assert compare_attempt(new[:2], old) == {"steps_compared": 2, "steps_equal": 2, "first_difference": None,
+                                             "steps_same_samples": 2, "first_sample_difference": None}
+    assert compare_attempt([], old) == {"steps_compared": 0, "steps_equal": 0, "first_difference": None,
+                                        "steps_same_samples": 0, "first_sample_difference": None}
+    # another machine: the floats part at step 1 (0-based 0), the samples at step 2 (0-based 1)
+    other = [{**new[0], "loss/total": 1.0000002}, {**new[1], "reward/mean": 0.5}, new[2]]
+    c = compare_attempt(other, old)
+    assert (c["steps_equal"], c["first_difference"]["step"], c["steps_same_samples"], c["first_sample_difference"]) \
+        == (0, 0, 1, 1)
+
+
+def test_the_report_says_how_an_earlier_attempt_compares():
+    from ict_jax.tools.experiment_report import _attempt_lines
+
+    attempt = {"attempt": 1, "steps_done": 20, "lost": "machine gone",
+               "machines": [{"cpu": "AMD EPYC", "cores": 2, "backend": "cpu"}], "commits": ["ee9b83e647b852e0"],
+               "comparison": {"steps_compared": 3, "steps_equal": 0, "steps_same_samples": 2,
+                              "first_sample_difference": 2,
+                              "first_difference": {"step": 0, "metrics": {"grad/norm": [0.25, 0.2500001]}}}}
+    lines = _attempt_lines({"runs": {"ict_s0": {"attempts": [attempt]},
+                                     "grpo_s0": {"restored": {"time": "T", "status": "finished", "steps_done": 40}}}})
+    assert lines[:3] == ["", "## Earlier attempts", ""]
+    assert lines[-2] == ("- `ict_s0`, attempt 1: 20 steps on AMD EPYC (2 cores, cpu), code `ee9b83e647b8`; lost: "
+                         "machine gone; the run now equals it bitwise on 0 of 3 common steps; first difference at "
+                         "step 1 (1 metrics: `grad/norm`); the same samples (reward, length, truncation) on the "
+                         "first 2, parting at step 3.")
+    assert lines[-1] == "- `grpo_s0`: written back from the record on T (finished, 40 steps; no checkpoint, not run again)."
+    assert _attempt_lines({"runs": {"ict_s0": {}}}) == []
 
 
 def test_a_lost_working_folder_is_refused_then_recovered_from_the_record(tmp_path, reward_module):
@@ -469,10 +496,12 @@ def test_a_lost_working_folder_is_refused_then_recovered_from_the_record(tmp_pat
     assert attempt["attempt"] == 1 and attempt["steps_done"] == 2
     assert attempt["metrics"] == old["runs"]["grpo_s0"]["metrics"]
     assert attempt["chunks"] == old["runs"]["grpo_s0"]["chunks"]
-    assert attempt["comparison"] == {"steps_compared": 2, "steps_equal": 2, "first_difference": None}
+    assert attempt["comparison"] == {"steps_compared": 2, "steps_equal": 2, "first_difference": None,
+                                     "steps_same_samples": 2, "first_sample_difference": None}
     assert [_keep(r) for r in grpo["metrics"][:2]] == [_keep(r) for r in attempt["metrics"]]
     assert grpo["steps_done"] == 3 and grpo["chunks"][0]["from"] == 0
-    assert any("against its attempt 1 (lost): 2 of 2 common steps equal bitwise" in s for s in said)
+    assert any("against its attempt 1 (lost): 2 of 2 common steps equal bitwise, 2 with the same samples" in s
+               for s in said)
     # every earlier invocation is kept as it was; the new one says it rebuilt the folder
     assert rec["invocations"][:1] == old["invocations"]
     assert rec["invocations"][1]["recovered"]["restored"] == ["ict_s0"]
