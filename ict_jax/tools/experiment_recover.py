@@ -42,6 +42,7 @@ from ict_jax.tools.experiment_record import (
     RESTORED_FILE,
     STATUS_FILE,
     append_jsonl,
+    steps_done,
     write_json,
 )
 from ict_jax.tools.provenance import now_iso
@@ -62,12 +63,24 @@ def _record_has_results(record: Mapping[str, Any]) -> bool:
 def lost_working_folder(plan: Plan) -> dict[str, Any] | None:
     """The plan's record when it holds results but ``<out>`` does not hold the experiment (no
     ``plan.json``): the working folder was lost (another machine, a fresh checkout) or ``out`` points
-    elsewhere. None otherwise."""
+    elsewhere. None otherwise. A working folder that holds the experiment but fewer steps of a run than the
+    record (a run directory lost or replaced) raises :class:`PlanError`: running on would overwrite them."""
     record_path = plan.record / RECORD_FILE
-    if (plan.out / PLAN_FILE).is_file() or not record_path.is_file():
+    if not record_path.is_file():
         return None
     record = json.loads(record_path.read_text())
-    return record if _record_has_results(record) else None
+    if not (plan.out / PLAN_FILE).is_file():
+        return record if _record_has_results(record) else None
+    entries = record.get("runs") or {}
+    for spec in plan_runs(plan):
+        recorded = int((entries.get(spec.name) or {}).get("steps_done") or 0)
+        here = steps_done(spec.run_dir, plan.steps)
+        if recorded > here:
+            raise PlanError(f"the record {str(record_path)!r} holds {recorded} steps of run {spec.name}, its directory "
+                            f"{str(spec.run_dir)!r} {here}: a run directory was lost or replaced, and running on "
+                            f"would overwrite what the record holds. Put it back, or move {str(plan.out)!r} away "
+                            "and pass --recover to rebuild the whole working folder from the record")
+    return None
 
 
 def _invocation_events(inv: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -83,7 +96,7 @@ def _metrics_lines(rows: Sequence[Mapping[str, Any]]) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
-def _restore_run_dir(run_dir: Path, entry: Mapping[str, Any], steps: int, when: str, record_path: Path) -> None:
+def _restore_run_dir(run_dir: Path, entry: Mapping[str, Any], when: str, record_path: Path) -> None:
     """A finished or diverged run written back from its record entry (metrics, evaluations, summary)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_text(_metrics_lines(list(entry.get("metrics") or [])
@@ -144,7 +157,7 @@ def recover_from_record(plan: Plan, record: Mapping[str, Any], say=print) -> dic
             continue
         earlier = list(entry.get("attempts") or [])
         if entry["status"] in ("finished", "diverged"):
-            _restore_run_dir(spec.run_dir, entry, plan.steps, when, record_path)
+            _restore_run_dir(spec.run_dir, entry, when, record_path)
             for c in entry.get("chunks") or []:
                 append_jsonl(plan.out / CHUNKS_FILE, c)
             done["restored"].append(spec.name)
@@ -163,7 +176,7 @@ def recover_from_record(plan: Plan, record: Mapping[str, Any], say=print) -> dic
     if plan.evaluate_base and base.get("status") == "finished":
         b = base_run(plan)
         _restore_run_dir(b.run_dir, {"status": "finished", "steps_done": 0, "eval_final": base.get("eval_final"),
-                                     "wall_s": base.get("wall_s")}, 0, when, record_path)
+                                     "wall_s": base.get("wall_s")}, when, record_path)
         done["base"] = True
     say(f"recovered {plan.out} from {record_path}: {len(invocations)} invocation(s); written back: "
         + (", ".join(done["restored"] + (["base"] if done["base"] else [])) or "none")

@@ -441,6 +441,21 @@ def test_compare_attempt_by_hand():
         == (0, 0, 1, 1)
 
 
+def test_a_working_folder_with_fewer_steps_than_the_record_is_refused(tmp_path):
+    from ict_jax.tools.experiment import _plan_info
+
+    path = _plan(tmp_path, "p", PLAN.format(config=DEMO, out=tmp_path / "out") + f"record: {tmp_path / 'rec'}\n")
+    plan = load_plan(path)
+    _plan_info(plan, {"in_git": False})  # out holds the experiment (plan.json), but no run directory
+    (tmp_path / "rec").mkdir()
+    (tmp_path / "rec" / RECORD_FILE).write_text(json.dumps({"plan_sha256": plan.sha256, "status": {"steps_done": 2},
+                                                            "runs": {"ict_s0": {"steps_done": 2}}}))
+    before = (tmp_path / "rec" / RECORD_FILE).read_bytes()
+    with pytest.raises(PlanError, match=r"holds 2 steps of run ict_s0, its directory .* 0: a run directory was lost"):
+        run_experiment(path, say=lambda s: None)
+    assert (tmp_path / "rec" / RECORD_FILE).read_bytes() == before
+
+
 def test_the_report_says_how_an_earlier_attempt_compares():
     from ict_jax.tools.experiment_report import _attempt_lines
 
