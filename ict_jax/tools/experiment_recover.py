@@ -46,6 +46,7 @@ from ict_jax.tools.experiment_record import (
     write_json,
 )
 from ict_jax.tools.provenance import now_iso
+from ict_jax.train.record import write_summary
 
 __all__ = ["END_KEYS", "lost_working_folder", "recover_from_record"]
 
@@ -105,7 +106,7 @@ def _restore_run_dir(run_dir: Path, entry: Mapping[str, Any], when: str, record_
                                "steps": int(entry.get("steps_done") or 0), "wall_s": entry.get("wall_s")}
     if entry.get("eval_final") is not None:
         summary["eval_final"] = entry["eval_final"]
-    write_json(run_dir / "summary.json", summary)
+    write_summary(run_dir, summary)
     if entry["status"] == "diverged":
         write_json(run_dir / STATUS_FILE, {"status": "diverged", "error": entry.get("error"), "time": when})
     write_json(run_dir / RESTORED_FILE, {"restored_from": str(record_path), "time": when,
