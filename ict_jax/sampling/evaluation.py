@@ -130,12 +130,17 @@ class Progress:
     A sampler call of a real model on a CPU takes minutes, so a heartbeat (:class:`ict_jax.heartbeat.Heartbeat`)
     adds a line whenever ``heartbeat_s`` seconds (default ``$ICT_JAX_HEARTBEAT_S``, else 30) pass without
     one: ``eval 16/64 problems  elapsed 4m10s  ETA 12m30s  (gsm8k_test: sampling problems 17-32 of 64)``
-    (:meth:`phase` names the work); on a terminal it refreshes the bar's clock instead."""
+    (:meth:`phase` names the work); on a terminal it refreshes the bar's clock instead.
+
+    ``listener(done, total, phase)``: called whenever the problems done or the phase change, also when
+    ``enabled`` is False: a caller with progress output of its own (a training run's heartbeat) shows it there."""
 
     LINES = 5
 
-    def __init__(self, total: int, *, enabled: bool = True, stream: Any = None, heartbeat_s: float | None = None):
+    def __init__(self, total: int, *, enabled: bool = True, stream: Any = None, heartbeat_s: float | None = None,
+                 listener: Callable[[int, int, str | None], None] | None = None):
         self.total, self.done, self.stream = int(total), 0, stream or sys.stderr
+        self.listener = listener
         self._bar = None
         self._every = 0
         self._phase: str | None = None
@@ -167,9 +172,15 @@ class Progress:
     def phase(self, text: str | None) -> None:
         """What runs now, shown in the heartbeat's lines (``gsm8k_test: sampling problems 1-16 of 64``)."""
         self._phase = text
+        self._tell()
+
+    def _tell(self) -> None:
+        if self.listener is not None:
+            self.listener(self.done, self.total, self._phase)
 
     def update(self, n: int) -> None:
         before, self.done = self.done, self.done + int(n)
+        self._tell()
         if self._bar is not None:
             self._bar.update(n)
         elif self._every and (self.done // self._every > before // self._every or self.done == self.total):
@@ -211,11 +222,21 @@ def _jsonable(x: Any) -> Any:
         return str(x)
 
 
+def _write_samples(file: Any, name: str, index: int, ex: Any, responses: Sequence[str], checks: Sequence[Any]) -> None:
+    """One JSONL line per sample of problem ``index`` of benchmark ``name`` (:func:`evaluate`'s samples file)."""
+    for j, c in enumerate(checks):
+        rec = {"benchmark": name, "index": index, "sample": j, "prompt": ex.prompt, "response": responses[j],
+               "answer": c.answer, "gold": _jsonable(ex.answer), "correct": c.correct, "reward": c.reward,
+               "status": c.status}
+        file.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
 def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], datasets: Any, pool: Any = None, *,
              n: int = EVAL_DEFAULTS["n"], ks: Sequence[int] = EVAL_DEFAULTS["ks"], batch_size: int = 8,
              limit: int | None = None, json_path: str | os.PathLike | None = None,
              samples_path: str | os.PathLike | None = None, settings: Mapping[str, Any] | None = None,
-             progress: bool = True, print_table: bool = True) -> dict:
+             progress: bool = True, print_table: bool = True,
+             listener: Callable[[int, int, str | None], None] | None = None) -> dict:
     """Sample ``n`` responses per problem, score them, and report pass@k per benchmark and on average.
 
     ``generate_fn(prompts, n)`` gets up to ``batch_size`` prompts (``Example.prompt``) and returns ``n``
@@ -224,7 +245,9 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
     Writes the results as JSON (``json_path``: the :func:`aggregate` dict plus ``n``, ``ks``,
     ``settings``, per-benchmark ``no_answer`` fraction, ``timeouts`` and ``seconds``) and one JSONL line
     per sample (``samples_path``: benchmark, index, sample, prompt, response, answer (extracted), gold,
-    correct, reward, status); prints the table (:func:`format_table`); returns the results dict."""
+    correct, reward, status); prints the table (:func:`format_table`); returns the results dict.
+    ``progress``: lines (or a bar) on stderr (:class:`Progress`); ``listener(done, total, phase)`` hears
+    the problems done and what is being sampled, with or without them (a training run's heartbeat)."""
     ks = tuple(int(k) for k in ks)
     if n < 1 or not ks or min(ks) < 1 or max(ks) > n:
         raise ValueError(f"evaluate: need 1 <= k <= n for every k, got n={n}, ks={ks}")
@@ -239,7 +262,7 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
     if samples_path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(samples_path)), exist_ok=True)
         sample_file = open(samples_path, "w", encoding="utf-8")
-    bar = Progress(sum(len(ex) for _, _, ex in benches), enabled=progress)
+    bar = Progress(sum(len(ex) for _, _, ex in benches), enabled=progress, listener=listener)
     try:
         for name, scorer, examples in benches:
             t0 = time.monotonic()
@@ -257,11 +280,7 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
                     no_answer += sum(c.status == "no_answer" for c in row)
                     timeouts += sum(c.status == "timeout" for c in row)
                     if sample_file is not None:
-                        for j, c in enumerate(row):
-                            rec = {"benchmark": name, "index": start + p, "sample": j, "prompt": ex.prompt,
-                                   "response": responses[p][j], "answer": c.answer, "gold": _jsonable(ex.answer),
-                                   "correct": c.correct, "reward": c.reward, "status": c.status}
-                            sample_file.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                        _write_samples(sample_file, name, start + p, ex, responses[p], row)
                 bar.update(len(chunk))
 
             for start in range(0, len(examples), batch_size):

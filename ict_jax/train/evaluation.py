@@ -33,6 +33,12 @@ def pass_at_k_metrics(results: Mapping[str, Any]) -> dict[str, float]:
     return flat
 
 
+def evaluation_line(done: int, total: int, what: str | None) -> str:
+    """``evaluating, 16/128 problems done (chain_sum: sampling problems 25-32 of 128, 4 responses each)``:
+    a run's heartbeat while it evaluates."""
+    return f"evaluating, {done}/{total} problems done" + (f" ({what})" if what else "")
+
+
 class Evaluator:
     """Evaluates a run's policies on ``data.eval``. ``last``: an evaluation already on record, ``(step,
     metrics)``, reused instead of evaluating that step again."""
@@ -71,9 +77,14 @@ class Evaluator:
             return {}
         out_dir = self.parts.run_dir / "eval"
         out_dir.mkdir(parents=True, exist_ok=True)
-        res = evaluate(self.generator(state), self.datasets(), self.parts.pool, n=d.eval_n, ks=d.eval_k,
-                       limit=d.eval_limit, json_path=out_dir / f"step_{step:06d}.json",
-                       samples_path=out_dir / f"step_{step:06d}.jsonl", progress=False, print_table=False)
+        logger = self.parts.logger
+        try:
+            res = evaluate(self.generator(state), self.datasets(), self.parts.pool, n=d.eval_n, ks=d.eval_k,
+                           limit=d.eval_limit, json_path=out_dir / f"step_{step:06d}.json",
+                           samples_path=out_dir / f"step_{step:06d}.jsonl", progress=False, print_table=False,
+                           listener=lambda done, total, what: logger.working_on(evaluation_line(done, total, what)))
+        finally:
+            logger.working_on(None)
         return pass_at_k_metrics(res)
 
     def evaluate_and_log(self, state: TrainState, step: int, label: str | None = None) -> dict[str, float]:

@@ -132,6 +132,7 @@ class RunLogger:
         self._every = 0
         self._t_first = self._t_phase = self._t_step = time.perf_counter()
         self._done = self.initial
+        self._work: str | None = None
         self._stop_heartbeat()
         if self._bar is not None:
             self._bar.close()
@@ -153,11 +154,18 @@ class RunLogger:
                                    status=self.heartbeat_line).__enter__()
 
     def heartbeat_line(self) -> str:
-        """``rl 1/2 steps  3m30s since the last step  (12m05s in rl)``: the heartbeat between compact lines."""
+        """``rl 1/2 steps  3m30s since the last step  (12m05s in rl)``: the heartbeat between compact lines,
+        with the work between steps when there is some (:meth:`working_on`), e.g.
+        ``rl 40/40 steps  6m00s since the last step  (2h31m in rl): evaluating, 16/128 problems done``."""
         now = time.perf_counter()
         last = "since the start" if self._done == self.initial else "since the last step"
         return (f"{self.desc} {self._done}/{self.total} steps  {duration(now - self._t_step)} {last}  "
-                f"({duration(now - self._t_phase)} in {self.desc})")
+                f"({duration(now - self._t_phase)} in {self.desc})" + (f": {self._work}" if self._work else ""))
+
+    def working_on(self, text: str | None) -> None:
+        """Names the work that runs between steps (an evaluation: problems done, the batch being sampled)
+        in the heartbeat's lines, until it is called with None."""
+        self._work = text
 
     def _stop_heartbeat(self) -> None:
         if getattr(self, "_beat", None) is not None:

@@ -185,3 +185,16 @@ def test_a_slow_sampler_call_gets_heartbeat_lines_when_redirected(pool, monkeypa
     # batch b is scored while batch b + 1 is sampled: 2 problems are done while the third batch samples
     assert any(ln.startswith("eval 2/6 problems  elapsed ") and "ETA " in ln and "sampling problems 5-6 of 6" in ln
                for ln in beats), lines
+
+
+def test_a_listener_hears_the_problems_done_and_the_batch_without_progress_lines(pool, capsys):
+    """A training run evaluates with progress=False and shows the evaluation in its own heartbeat: the
+    listener hears every phase and count, in order, and nothing is printed."""
+    ds = Dataset("three", [Example(f"q{i}", "1") for i in range(3)], scorer="gsm8k")
+    heard = []
+    evaluate(lambda prompts, n: [["\\boxed{1}"] * n for _ in prompts], {"three": ds}, pool, n=2, ks=(1,),
+             batch_size=2, progress=False, print_table=False, listener=lambda *a: heard.append(a))
+    assert heard == [(0, 3, "three: sampling problems 1-2 of 3, 2 responses each"), (0, 3, None),
+                     (0, 3, "three: sampling problems 3-3 of 3, 2 responses each"), (0, 3, None),
+                     (2, 3, None), (3, 3, None)]
+    assert capsys.readouterr().err == ""

@@ -626,6 +626,55 @@ def test_compact_lines_get_a_heartbeat_while_a_step_runs(tmp_path, monkeypatch, 
     assert capsys.readouterr().err == "" and n == len(lines)  # closed: no more lines
 
 
+def test_the_heartbeat_names_the_work_between_steps(tmp_path, monkeypatch, capsys):
+    """An evaluation after the last step takes as long as many steps: the heartbeat says what runs
+    (RunLogger.working_on) and, once that is cleared, no longer."""
+    from ict_jax.train.logs import RunLogger
+
+    monkeypatch.setenv("ICT_JAX_HEARTBEAT_S", "0.05")
+    log = RunLogger(tmp_path / "run", total_steps=1, progress=False, print_every=None, tensorboard=False, desc="rl")
+    log.log(0, {"reward/mean": 0.5})
+    log.working_on("evaluating, 16/128 problems done")
+    time.sleep(0.3)
+    during = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("rl 1/1 steps  ")]
+    log.working_on(None)
+    time.sleep(0.3)
+    log.close()
+    after = capsys.readouterr().err.splitlines()
+    assert during and all(ln.endswith(" in rl): evaluating, 16/128 problems done") for ln in during), during
+    assert after and all(ln.endswith(" in rl)") for ln in after), after
+
+
+def test_a_runs_evaluation_feeds_its_heartbeat_and_clears_it_even_when_it_fails(tmp_path, monkeypatch):
+    """The Evaluator hands evaluate() a listener that names the evaluation in the run's heartbeat
+    (problems done, the batch being sampled) and clears it afterwards, also when the evaluation fails."""
+    from types import SimpleNamespace
+
+    import ict_jax.train.evaluation as evaluation
+
+    work = []
+    logger = SimpleNamespace(working_on=work.append)
+    data = SimpleNamespace(eval=["three"], eval_n=2, eval_k=[1], eval_limit=None)
+    parts = SimpleNamespace(config=SimpleNamespace(data=data), run_dir=tmp_path, pool=None, logger=logger)
+    ev = evaluation.Evaluator(parts)
+    monkeypatch.setattr(ev, "generator", lambda state: None)
+    monkeypatch.setattr(ev, "datasets", lambda: {})
+
+    def fake(*args, listener, **kw):
+        listener(0, 3, "three: sampling problems 1-2 of 3, 2 responses each")
+        listener(2, 3, None)
+        if kw["json_path"].name == "step_000002.json":
+            raise RuntimeError("sampler failed")
+        return {"benchmarks": {"three": {"pass@1": 0.5}}}
+
+    monkeypatch.setattr(evaluation, "evaluate", fake)
+    assert ev.evaluate(None, 1) == {"eval/three/pass@1": 0.5}
+    assert work == ["evaluating, 0/3 problems done (three: sampling problems 1-2 of 3, 2 responses each)",
+                    "evaluating, 2/3 problems done", None]
+    with pytest.raises(RuntimeError, match="sampler failed"):
+        ev.evaluate(None, 2)
+    assert work[-1] is None and len(work) == 6
+
 def test_first_ctrl_c_asks_to_stop_after_the_step_the_second_stops_at_once():
     from ict_jax.train.trainer import stop_after_step
 
