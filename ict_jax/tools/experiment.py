@@ -130,6 +130,47 @@ def _chunk_means(run_dir: Path, first: int, last: int) -> dict[str, float]:
     return out
 
 
+def _eval_seconds(run_dir: Path, step: int) -> float | None:
+    """The seconds the evaluation of ``run_dir`` at ``step`` took (its results' per-benchmark ``seconds``);
+    None when it has none (no evaluation set, or it did not run)."""
+    path = run_dir / "eval" / f"step_{step:06d}.json"
+    try:
+        benches = json.loads(path.read_text()).get("benchmarks", {})
+        return float(sum(b["seconds"] for b in benches.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _eta_text(steps_left: int, step_s: float | None, evals_left: int, eval_s: float | None) -> str:
+    """The progress line's ETA: the steps left at the seconds a step so far, plus the evaluations left at the
+    seconds an evaluation so far (``ETA 3h 10m (18 steps x 3m 48s + 3 evaluations x 40m 10s)``); the
+    evaluations are named without a time until one has been measured; "" when nothing can be said."""
+    if not steps_left and not evals_left:
+        return ""
+    parts, total = [], 0.0
+    if steps_left:
+        if step_s is None:
+            return ""
+        parts.append(f"{steps_left} steps x {_fmt_s(step_s)}")
+        total += steps_left * step_s
+    evals = f"{evals_left} evaluation{'s' if evals_left != 1 else ''}"
+    if evals_left and eval_s is not None:
+        parts.append(f"{evals} x {_fmt_s(eval_s)}")
+        total += evals_left * eval_s
+    text = f", ETA {_fmt_s(total)} ({' + '.join(parts)})" if parts else ""
+    if evals_left and eval_s is None:
+        text += f" + {evals}" if text else f", {evals} left"
+    return text
+
+
+def _evals_left(plan: Plan, specs: list[RunSpec], record: Mapping[str, Any]) -> int:
+    """The final evaluations still to run: each unfinished run's (when it has an evaluation set) and the
+    base model's."""
+    left = sum(1 for spec in specs if spec.config.data.eval
+               and record["runs"][spec.name]["status"] not in ("finished", "diverged"))
+    return left + int(bool(plan.evaluate_base) and (record.get("base") or {}).get("status") != "finished")
+
+
 def _train_chunk(spec: RunSpec, until: int, stop_now: Callable[[], bool], progress: bool) -> tuple[str, int]:
     """Train run ``spec`` until RL step ``until`` (or until ``stop_now()`` after a step); returns (status,
     steps done): ``paused``, ``finished`` or ``diverged``. Resumes from the run's checkpoint if it has one."""
@@ -178,6 +219,10 @@ def _use_compilation_cache(folder: Path) -> None:
     compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used: decide again
 
 
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def _why(deadline: float | None) -> str:
     return "time box" if deadline is not None and time.monotonic() >= deadline else "stop requested"
 
@@ -203,8 +248,8 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
                 stop_now: Callable[[], bool], deadline: float | None, progress: bool, state: dict[str, Any],
                 say: Callable[[str], None], order: str = "chunks") -> None:
     """Every run's chunks in ``order`` (:func:`_turns`): each unfinished run trains up to the chunk's end;
-    after each chunk the chunk's line, the record and a progress line. ``state``: chunks done and seconds
-    a step so far."""
+    after each chunk the chunk's line, the record and a progress line. ``state``: chunks done, seconds a step
+    and seconds a final evaluation so far (a run's last chunk: its wall time less its evaluation's)."""
     for end, spec in _turns(plan, specs, order):
         status = run_status(spec.run_dir, plan.steps)
         start = steps_done(spec.run_dir, plan.steps)
@@ -219,16 +264,20 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
                                               "wall_s": round(wall, 1), "time": now_iso(), "invocation": inv_id,
                                               **code_commit()})
         state["chunks"] += 1
+        eval_s = _eval_seconds(spec.run_dir, plan.steps) if what == "finished" else None
+        if eval_s is not None:
+            state["eval_seconds"].append(eval_s)
         if done > start:
-            state["step_seconds"].append(wall / (done - start))
+            state["step_seconds"].append((wall - (eval_s or 0.0)) / (done - start))
         record = _update_record(plan, plan_info)
         left = record["status"]["steps_planned"] - record["status"]["steps_done"]
-        per_step = sum(state["step_seconds"]) / len(state["step_seconds"]) if state["step_seconds"] else None
         means = _chunk_means(spec.run_dir, start, done)
         say(f"{spec.arm} s{spec.seed}: steps {start + 1}-{done} of {plan.steps} {what} in {_fmt_s(wall)}"
+            + (f" (evaluation {_fmt_s(eval_s)})" if eval_s is not None else "")
             + "".join(f", {k} {v:.3f}" for k, v in means.items())
             + f"; {record['status']['steps_done']}/{record['status']['steps_planned']} steps done"
-            + (f", ETA {_fmt_s(left * per_step)}" if per_step and left else ""))
+            + _eta_text(left, _mean(state["step_seconds"]), _evals_left(plan, specs, record),
+                       _mean(state["eval_seconds"])))
         for a in record["runs"][spec.name].get("attempts", []):
             c = a["comparison"]
             if c["steps_compared"]:
@@ -302,7 +351,7 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
                                 **code_commit()})
         say(f"{plan.name}: {len(plan.arms)} arms x {len(plan.seeds)} seeds, {plan.steps} steps in chunks of "
             f"{plan.chunk_steps}, order {order} -> {plan.out} (record: {plan.record / RECORD_FILE})")
-        stopped, progress_state = "finished", {"chunks": 0, "step_seconds": []}
+        stopped, progress_state = "finished", {"chunks": 0, "step_seconds": [], "eval_seconds": []}
         try:
             _update_record(plan, plan_info)
             _run_chunks(plan, specs, plan_info, inv_id, stop_now, deadline, progress, progress_state, say, order)

@@ -292,7 +292,15 @@ def test_interrupted_and_continued_ends_bitwise_equal_and_the_report_rebuilds(tm
     # never paused: the plan in one chunk a run
     whole = _plan(tmp_path, "whole", PLAN.format(config=DEMO, out=tmp_path / "whole").replace("chunk_steps: 2",
                                                                                              "chunk_steps: 3"))
-    run_experiment(whole, progress=False, say=lambda s: None)
+    said = []
+    run_experiment(whole, progress=False, say=said.append)
+    # the progress lines: ict's chunk ends its run with its evaluation, timed apart from its steps; the ETA
+    # counts grpo's 3 steps and its evaluation at the times measured
+    ict_line, grpo_line = [ln for ln in said if ln.startswith(("ict s0: steps", "grpo s0: steps"))]
+    assert ict_line.startswith("ict s0: steps 1-3 of 3 finished in ") and " (evaluation " in ict_line, said
+    assert "; 3/6 steps done, ETA " in ict_line and ict_line.endswith(" + 1 evaluation x " + ict_line.split(
+        " (evaluation ")[1].split(")")[0] + ")"), said
+    assert grpo_line.endswith("; 6/6 steps done"), said
     # in chunks of 2, stopped after its first step (as the time box stops), then continued
     cut = _plan(tmp_path, "cut")
     calls = []
@@ -415,6 +423,19 @@ def test_the_runs_order_takes_each_run_to_its_end_seed_by_seed(tmp_path):
         (2, "ict_s1"), (3, "ict_s1"), (2, "grpo_s1"), (3, "grpo_s1")]
     with pytest.raises(PlanError, match="order: 'seeds': expected one of chunks, runs"):
         run_experiment(plan.path, order="seeds", say=lambda s: None)
+
+
+def test_the_eta_counts_steps_and_evaluations_by_hand():
+    from ict_jax.tools.experiment import _eta_text
+
+    # 18 x 228 s + 3 x 2410 s = 11334 s
+    assert _eta_text(18, 228.0, 3, 2410.0) == ", ETA 3h 08m (18 steps x 3m 48s + 3 evaluations x 40m 10s)"
+    # no evaluation measured yet: named, not timed
+    assert _eta_text(18, 228.0, 3, None) == ", ETA 1h 08m (18 steps x 3m 48s) + 3 evaluations"
+    assert _eta_text(0, 228.0, 1, None) == ", 1 evaluation left"
+    assert _eta_text(0, None, 1, 60.0) == ", ETA 1m 00s (1 evaluation x 1m 00s)"
+    assert _eta_text(5, 10.0, 0, 60.0) == ", ETA 0m 50s (5 steps x 0m 10s)"
+    assert _eta_text(0, 10.0, 0, 60.0) == "" and _eta_text(3, None, 2, 10.0) == ""
 
 
 def test_compare_attempt_by_hand():
