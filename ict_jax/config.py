@@ -330,6 +330,9 @@ class DataSection:
     eval_temperature: float = 0.6
     eval_top_p: float = 0.95
     eval_limit: int | None = None  # problems per benchmark (None = all)
+    # prompts per call of a run's evaluation sampler (None = train.prompts_per_step): a resource of the
+    # machine, not a setting of the evaluation, but the samples' random numbers follow the calls
+    eval_batch: int | None = None
 
 
 #: The settings of an evaluation (``ict-jax eval``, the trainer's periodic evaluation) and the config key
@@ -546,7 +549,7 @@ RANGES: dict[str, Range] = {
     "train.keep": Range(1), "train.sft_steps": _NONNEG, "train.sft_lr": _POS, "train.sft_batch_size": Range(1),
     "train.sft_save_every": _NONNEG,
     "data.eval_n": Range(1), "data.eval_k": Range(1), "data.eval_temperature": _POS,
-    "data.eval_top_p": _UNIT_OPEN_CLOSED, "data.eval_limit": Range(1),
+    "data.eval_top_p": _UNIT_OPEN_CLOSED, "data.eval_limit": Range(1), "data.eval_batch": Range(1),
     "logging.print_every": Range(1),
     "seed": Range(0, 2**32, hi_open=True),  # jax.random.key(seed) wraps at 2**32: two seeds would be one run
 }

@@ -39,6 +39,10 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="with --plan: the record holds results but the working folder (out) is gone (another "
                         "machine): rebuild it from the record and continue; unfinished runs start again from step "
                         "0, what they logged kept in the record (docs/experiments.md)")
+    p.add_argument("--eval-batch", type=int, default=None, metavar="B",
+                   help="with --plan: prompts a call of every evaluation's sampler (data.eval_batch; default the "
+                        "plan's train.prompts_per_step): a resource of the machine, kept by later invocations; "
+                        "fixed once an evaluation has finished (docs/experiments.md)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
     p.add_argument("--methods", default=None,
                    help="comma-separated selectors (ict, grpo, entropy, stapo, random, frequent, selectable) or "
@@ -101,17 +105,20 @@ def _plan_main(args: argparse.Namespace) -> int:
         raise UserError(f"--plan: the plan fixes the runs; {', '.join(given)} cannot be given with it")
     if args.report:
         extra = [f for f, v in (("--max-hours", args.max_hours), ("--order", args.order),
-                                ("--recover", args.recover or None)) if v is not None]
+                                ("--recover", args.recover or None), ("--eval-batch", args.eval_batch))
+                 if v is not None]
         if extra:
             raise UserError(f"--report only rebuilds the report: {', '.join(extra)} does not apply")
         print(f"wrote {rebuild_report(args.plan)}")
         return 0
     if args.max_hours is not None and not args.max_hours > 0:
         raise UserError(f"--max-hours {args.max_hours}: expected a positive number of hours")
+    if args.eval_batch is not None and args.eval_batch < 1:
+        raise UserError(f"--eval-batch {args.eval_batch}: expected a positive number of prompts")
     try:
         run_experiment(args.plan, max_hours=args.max_hours, allow_uncommitted=args.uncommitted,
                        progress=not args.no_progress and sys.stderr.isatty(), order=args.order or "chunks",
-                       recover=args.recover)
+                       recover=args.recover, eval_batch=args.eval_batch)
     except ExperimentStopped as e:
         print(f"ict-jax compare: stopped ({e}); run the same command to continue", file=sys.stderr)
         return EXIT_STOPPED
@@ -123,8 +130,9 @@ def compare_main(args: argparse.Namespace) -> int:
 
     if args.plan is not None:
         return _plan_main(args)
-    if args.report or args.max_hours is not None or args.uncommitted or args.order is not None or args.recover:
-        raise UserError("--report, --max-hours, --uncommitted, --order and --recover go with --plan")
+    if (args.report or args.max_hours is not None or args.uncommitted or args.order is not None or args.recover
+            or args.eval_batch is not None):
+        raise UserError("--report, --max-hours, --uncommitted, --order, --recover and --eval-batch go with --plan")
     if args.config is None:
         raise UserError("--config or --plan is required")
 

@@ -29,6 +29,7 @@ per run chunk: steps, wall time, commit), ``runs/``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import sys
@@ -40,6 +41,7 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from ict_jax.config import ConfigError, get_dotted
 from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (
@@ -51,6 +53,7 @@ from ict_jax.tools.experiment_record import (
     STATUS_FILE,
     append_jsonl,
     build_record,
+    read_jsonl,
     run_status,
     steps_done,
     write_json,
@@ -59,6 +62,7 @@ from ict_jax.tools.experiment_recover import lost_working_folder, recover_from_r
 from ict_jax.tools.experiment_report import REPORT_FILE, selection_warnings, write_report
 from ict_jax.tools.provenance import code_commit, environment, file_commit, now_iso
 from ict_jax.train.logs import read_metrics
+from ict_jax.train.parts import run_mesh_checked
 from ict_jax.train.stopping import TrainingDiverged
 from ict_jax.train.trainer import Trainer
 
@@ -191,13 +195,20 @@ def _train_chunk(spec: RunSpec, until: int, stop_now: Callable[[], bool], progre
     return "finished", spec.config.train.steps
 
 
-def _evaluate_base(spec: RunSpec, progress: bool) -> None:
-    """The starting model's final evaluation (0 RL steps) in its own run directory."""
+def _evaluate_base(spec: RunSpec, stop_now: Callable[[], bool], deadline: float | None, progress: bool,
+                   say: Callable[[str], None]) -> None:
+    """The starting model's final evaluation (0 RL steps) in its own run directory, unless it has one."""
     d = spec.run_dir
-    resume = has_entries(d)
-    with Trainer(spec.config, resume=resume, progress=progress) as trainer:
+    if run_status(d, 0) == "finished":
+        return
+    if stop_now():
+        raise ExperimentStopped(_why(deadline))
+    say(f"base: evaluating the starting model (seed {spec.seed}) -> {d}")
+    t0 = time.monotonic()
+    with Trainer(spec.config, resume=has_entries(d), progress=progress) as trainer:
         trainer.train()
     gc.collect()
+    say(f"base: evaluated in {_fmt_s(time.monotonic() - t0)}")
 
 
 def _update_record(plan: Plan, plan_info: Mapping[str, Any]) -> dict[str, Any]:
@@ -253,7 +264,8 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
     for end, spec in _turns(plan, specs, order):
         status = run_status(spec.run_dir, plan.steps)
         start = steps_done(spec.run_dir, plan.steps)
-        if status in ("finished", "diverged") or start >= end:
+        # a run at its last step but not finished was stopped in its final evaluation: it evaluates again
+        if status in ("finished", "diverged") or (start >= end and end < plan.steps):
             continue
         if stop_now():
             raise ExperimentStopped(_why(deadline))
@@ -272,7 +284,8 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
         record = _update_record(plan, plan_info)
         left = record["status"]["steps_planned"] - record["status"]["steps_done"]
         means = _chunk_means(spec.run_dir, start, done)
-        say(f"{spec.arm} s{spec.seed}: steps {start + 1}-{done} of {plan.steps} {what} in {_fmt_s(wall)}"
+        span = f"steps {start + 1}-{done}" if done > start else f"after step {done}"  # only its final evaluation
+        say(f"{spec.arm} s{spec.seed}: {span} of {plan.steps} {what} in {_fmt_s(wall)}"
             + (f" (evaluation {_fmt_s(eval_s)})" if eval_s is not None else "")
             + "".join(f", {k} {v:.3f}" for k, v in means.items())
             + f"; {record['status']['steps_done']}/{record['status']['steps_planned']} steps done"
@@ -289,6 +302,45 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
                        + (", ..." if len(first["metrics"]) > 4 else "") + ")" if first else ""))
         if what == "paused" and done < end:  # the time box or a stop request paused it mid-chunk
             raise ExperimentStopped(_why(deadline))
+
+
+def _evaluated(run_dir: Path) -> bool:
+    """The run has a finished evaluation (an ``eval/step_*.json``; a samples file alone is one cut short)."""
+    return any((run_dir / "eval").glob("step_*.json"))
+
+
+def _eval_batch(plan: Plan, specs: list[RunSpec], requested: int | None,
+                say: Callable[[str], None]) -> int | None:
+    """The experiment's ``data.eval_batch``: ``requested``, else the one an earlier invocation used, else
+    none (the plan's). Every evaluation of an experiment samples with the same batching, so that the final
+    adapters and the base are compared on common random numbers: a value other than that of a finished
+    evaluation is refused."""
+    if requested is not None:
+        try:  # before anything is recorded: a batch the mesh cannot split, one line
+            run_mesh_checked(_with_eval_batch(specs[0], requested).config)
+        except ConfigError as e:
+            raise PlanError(f"eval_batch: {e}") from None
+    earlier = [e.get("eval_batch") for e in read_jsonl(plan.out / INVOCATIONS_FILE) if e.get("event") == "start"]
+    value = requested if requested is not None else next((b for b in reversed(earlier) if b is not None), None)
+    if requested is None and value is not None:
+        say(f"evaluation batch {value} prompts a sampler call, as an earlier invocation set (--eval-batch)")
+    for spec in [*specs, *([base_run(plan)] if plan.evaluate_base else [])]:
+        cfg = spec.run_dir / "config.json"
+        if _evaluated(spec.run_dir) and cfg.is_file():
+            used = get_dotted(json.loads(cfg.read_text()), "data.eval_batch")
+            if used != value:
+                raise PlanError(
+                    f"{spec.name} was evaluated with data.eval_batch={used}, this invocation would evaluate "
+                    f"with {value}: the evaluations of one experiment share their sampler batch (their samples "
+                    f"draw the same random numbers); " + (f"pass --eval-batch {used}" if used is not None else
+                                                          "a batch can be set only before the first evaluation"))
+    return value
+
+
+def _with_eval_batch(spec: RunSpec, value: int | None) -> RunSpec:
+    if value is None:
+        return spec
+    return dataclasses.replace(spec, config=spec.config.replace(**{"data.eval_batch": value}))
 
 
 def _recover_if_lost(plan: Plan, recover: bool, say: Callable[[str], None]) -> dict[str, Any] | None:
@@ -312,11 +364,14 @@ def _recover_if_lost(plan: Plan, recover: bool, say: Callable[[str], None]) -> d
 def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, allow_uncommitted: bool = False,
                    progress: bool = False, should_stop: Callable[[], bool] | None = None,
                    say: Callable[[str], None] = _say, order: str = "chunks", recover: bool = False,
-                   ) -> dict[str, Any]:
+                   eval_batch: int | None = None) -> dict[str, Any]:
     """Run (or continue) the experiment of the plan at ``plan_path`` (module docstring); returns the record.
 
     ``order``: :data:`ORDERS` (module docstring; recorded per invocation). ``recover``: rebuild a lost ``out``
     from the record and continue (:mod:`ict_jax.tools.experiment_recover`); without it that is refused.
+    ``eval_batch``: prompts a call of every evaluation's sampler (``data.eval_batch``, a resource of the
+    machine, not a setting of the plan; recorded per invocation and kept by later ones); fixed for the
+    experiment once an evaluation has finished (:func:`_eval_batch`).
 
     ``max_hours``: the time box of this invocation; when it is spent the run in progress pauses after its
     step (a checkpoint), the record is written and :class:`ExperimentStopped` is raised; the same call
@@ -341,6 +396,8 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
     with hold_output_dir(plan.out, "out"):
         recovered = _recover_if_lost(plan, recover, say)
         plan_info = _plan_info(plan, git_state)
+        batch = _eval_batch(plan, specs, eval_batch, say)
+        specs = [_with_eval_batch(spec, batch) for spec in specs]
         _use_compilation_cache(plan.out / COMPILATION_CACHE)
         inv_id = uuid.uuid4().hex[:12]
         inv_path = plan.out / INVOCATIONS_FILE
@@ -348,6 +405,7 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
                                 "max_hours": max_hours, "plan_uncommitted": bool(git_state["in_git"]
                                                                                  and not git_state["clean"]),
                                 "order": order, **({"recovered": recovered} if recovered else {}),
+                                **({"eval_batch": batch} if batch is not None else {}),
                                 **code_commit()})
         say(f"{plan.name}: {len(plan.arms)} arms x {len(plan.seeds)} seeds, {plan.steps} steps in chunks of "
             f"{plan.chunk_steps}, order {order} -> {plan.out} (record: {plan.record / RECORD_FILE})")
@@ -356,14 +414,7 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
             _update_record(plan, plan_info)
             _run_chunks(plan, specs, plan_info, inv_id, stop_now, deadline, progress, progress_state, say, order)
             if plan.evaluate_base:
-                b = base_run(plan)
-                if run_status(b.run_dir, 0) != "finished":
-                    if stop_now():
-                        raise ExperimentStopped(_why(deadline))
-                    say(f"base: evaluating the starting model (seed {b.seed}) -> {b.run_dir}")
-                    t0 = time.monotonic()
-                    _evaluate_base(b, progress)
-                    say(f"base: evaluated in {_fmt_s(time.monotonic() - t0)}")
+                _evaluate_base(_with_eval_batch(base_run(plan), batch), stop_now, deadline, progress, say)
         except ExperimentStopped as e:
             stopped = str(e)
             raise

@@ -278,6 +278,8 @@ def _environment_lines(record: Mapping[str, Any]) -> list[str]:
                      + (f"`{c[:12]}`" + (" with local changes" if inv.get("dirty") else "") if c else "no git commit")
                      + (f", on {_machine(here)}" if here != first else "")
                      + (f", order {inv['order']}" if inv.get("order", "chunks") != "chunks" else "")
+                     + (f", evaluation batch {inv['eval_batch']} prompts a sampler call" if inv.get("eval_batch")
+                        else "")
                      + (", working folder rebuilt from the record" if inv.get("recovered") else "")
                      + f", {inv.get('chunks_done', 0)} chunk(s), stopped: {inv.get('stopped')}.")
     return lines

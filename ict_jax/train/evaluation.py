@@ -79,8 +79,11 @@ class Evaluator:
         out_dir.mkdir(parents=True, exist_ok=True)
         logger = self.parts.logger
         try:
+            # with data.eval_batch, each sampler call gets a whole batch of problems (the default hands it 8 a
+            # time, as it always has, so that a run's evaluations keep their samples)
+            batch = {"batch_size": d.eval_batch} if d.eval_batch else {}
             res = evaluate(self.generator(state), self.datasets(), self.parts.pool, n=d.eval_n, ks=d.eval_k,
-                           limit=d.eval_limit, json_path=out_dir / f"step_{step:06d}.json",
+                           limit=d.eval_limit, **batch, json_path=out_dir / f"step_{step:06d}.json",
                            samples_path=out_dir / f"step_{step:06d}.jsonl", progress=False, print_table=False,
                            listener=lambda done, total, what: logger.working_on(evaluation_line(done, total, what)))
         finally:

@@ -313,6 +313,17 @@ def _json_float(v: Any) -> Any:
     return v
 
 
+def last_logged_step(run_dir: str | Path, phase: str = "rl") -> dict[str, Any]:
+    """The metrics of the last ``phase`` step in ``<run_dir>/metrics.jsonl`` (without ``step`` and ``phase``),
+    as the step returned them (a non-finite value back as a float); {} when there is none."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = read_metrics(path, phase) if path.is_file() else []
+    if not rows:
+        return {}
+    return {k: (float(v) if v in ("nan", "inf", "-inf") else v) for k, v in rows[-1].items()
+            if k not in ("step", "phase")}
+
+
 def read_metrics(path: str | Path, phase: str | None = "rl") -> list[dict[str, Any]]:
     """Rows of a ``metrics.jsonl`` (of one ``phase``; None = all), ordered by (phase, step). The trainer
     writes one row per (phase, step) (a resumed run first drops the rows it logs again); should a file

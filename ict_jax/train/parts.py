@@ -126,7 +126,7 @@ def make_reward_pool(cfg: Config) -> RewardPool:
 
 def run_mesh_checked(cfg: Config) -> Mesh:
     """The run's mesh, with the batch geometry checked on it: the sampler splits P prompts (P / chunks a
-    call) over data x fsdp, the step its mini- and micro-batches."""
+    call; ``data.eval_batch`` an evaluation's call) over data x fsdp, the step its mini- and micro-batches."""
     m, t = cfg.mesh, cfg.train
     mesh = make_mesh(m.data, m.fsdp, m.tensor)
     try:
@@ -139,6 +139,11 @@ def run_mesh_checked(cfg: Config) -> Mesh:
         check_prompts_divide(t.prompts_per_step // cfg.rollout.chunks, mesh)
     except ValueError as e:
         raise ConfigError(f"rollout.chunks: {cfg.rollout.chunks} chunks of train.prompts_per_step: {e}") from None
+    if cfg.data.eval_batch is not None:
+        try:
+            check_prompts_divide(cfg.data.eval_batch, mesh)
+        except ValueError as e:
+            raise ConfigError(f"data.eval_batch: {e}") from None
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if t.sft_steps > 0 and t.sft_batch_size % shards:  # the SFT step splits its rows over data x fsdp
         raise ConfigError(f"train.sft_batch_size: {t.sft_batch_size} rows do not split over data x fsdp = {shards} "

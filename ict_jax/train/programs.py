@@ -329,9 +329,11 @@ def sampler_fn(name: str, config: Config, graphdef: Any, mesh: Mesh, tokens: Tok
 
 
 def sampler_prompts(name: str, config: Config) -> int:
-    """Prompts a call of the sampler takes: P / ``rollout.chunks`` (generate), P (eval)."""
+    """Prompts a call of the sampler takes: P / ``rollout.chunks`` (generate), ``data.eval_batch`` or P (eval)."""
     P = config.train.prompts_per_step
-    return max(1, P) if name == "eval" else P // config.rollout.chunks
+    if name == "eval":
+        return config.data.eval_batch or max(1, P)
+    return P // config.rollout.chunks
 
 
 def _sampler_program(name: str, config: Config, mesh: Mesh, state: TrainState, tokens: TokenIds,

@@ -29,7 +29,7 @@ SFT_MODEL = "sft_model"  # <run_dir>/sft_model: the finished SFT warm start (a H
 #: the learning-rate schedule does not depend on it. A trailing ``.*`` matches a whole section.
 RESUME_ALLOWED = ("run_dir", "train.eval_every", "train.save_every", "train.keep", "train.sft_save_every",
                   "train.memory_check", "rl.reward.workers", "rollout.min_response_bucket", "rollout.gather_weights",
-                  "logging.*")
+                  "data.eval_batch", "logging.*")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -51,7 +51,7 @@ from ict_jax.train.hooks import (  # noqa: F401
     nonfinite_guard,
     save_checkpoint,
 )
-from ict_jax.train.logs import RunLogger, metrics_to_floats
+from ict_jax.train.logs import RunLogger, last_logged_step, metrics_to_floats
 from ict_jax.train.parts import build_parts
 from ict_jax.train.phase import Phase, PhaseEnd, run_phase
 from ict_jax.train.preflight import programs_to_check
@@ -240,7 +240,7 @@ class Trainer:
             self.summary.stamp_wall()
             self.summary.save("paused")
             return self.summary.data
-        self.summary["final"] = last
+        self.summary["final"] = last or last_logged_step(self.run_dir)  # resumed after its last step: on record
         self.summary.data.pop("steps_done", None)  # a paused invocation's; "steps" says it at the end
         self.hooks.run_end(StepInfo(cfg.train.steps, self.state, self.summary["final"], final=True))
         return self.summary.data

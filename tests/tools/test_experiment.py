@@ -350,6 +350,59 @@ def test_interrupted_and_continued_ends_bitwise_equal_and_the_report_rebuilds(tm
     assert json.loads((folder / RECORD_FILE).read_text())["runs"] == rec["runs"]
 
 
+def _eval_json(run: Path) -> dict:
+    res = json.loads((run / "eval" / "step_000003.json").read_text())
+    for b in res["benchmarks"].values():
+        b.pop("seconds")
+    return res
+
+
+def test_an_evaluation_batch_is_kept_and_a_run_stopped_in_its_evaluation_evaluates_again(tmp_path, reward_module):
+    """--eval-batch sets every run's data.eval_batch (recorded, kept by the next invocation, refused once an
+    evaluation used another); a run killed in its final evaluation (its last checkpoint written, no summary)
+    is evaluated when the experiment continues, ending as the run that was never stopped."""
+    path = _plan(tmp_path, "b", PLAN.format(config=DEMO, out=tmp_path / "b").replace("chunk_steps: 2",
+                                                                                    "chunk_steps: 3"))
+    with pytest.raises(PlanError, match=r"eval_batch: data.eval_batch: 3 prompts cannot be split over the mesh's "
+                                        r"data x fsdp = 2 x 1"):
+        run_experiment(path, progress=False, say=lambda s: None, eval_batch=3)
+    assert not (tmp_path / "b" / "invocations.jsonl").exists()  # refused before anything was recorded
+    run_experiment(path, progress=False, say=lambda s: None, eval_batch=4)
+    folder, run = tmp_path / "b", tmp_path / "b" / "runs" / "ict_s0"
+    rec = json.loads((folder / RECORD_FILE).read_text())
+    assert rec["invocations"][0]["eval_batch"] == 4
+    assert all(json.loads((folder / "runs" / n / "config.json").read_text())["data"]["eval_batch"] == 4
+               for n in ("ict_s0", "grpo_s0"))
+    report = (folder / REPORT_FILE).read_text()
+    assert "evaluation batch 4 prompts a sampler call" in report
+    from ict_jax.config import load_config
+    from ict_jax.train.programs import sampler_prompts
+
+    cfg = load_config(None, base=json.loads((run / "config.json").read_text()))
+    assert sampler_prompts("eval", cfg) == 4 and sampler_prompts("eval", cfg.replace(**{"data.eval_batch": None})) == 2
+    evaluated, summary = _eval_json(run), json.loads((run / "summary.json").read_text())
+    # killed in its final evaluation: its checkpoint of step 3 is there, its evaluation and summary are not
+    for f in ("step_000003.json", "step_000003.jsonl"):
+        (run / "eval" / f).unlink()
+    rows = [x for x in (run / "metrics.jsonl").read_text().splitlines() if json.loads(x)["phase"] != "eval"]
+    (run / "metrics.jsonl").write_text("".join(x + "\n" for x in rows))
+    (run / "summary.json").write_text(json.dumps({k: v for k, v in summary.items()
+                                                  if k not in ("final", "eval_final")} | {"status": "running"}))
+    said = []
+    run_experiment(path, progress=False, say=said.append)  # no --eval-batch: the experiment's is kept
+    assert any("evaluation batch 4 prompts a sampler call, as an earlier invocation set" in x for x in said), said
+    assert any(x.startswith("ict s0: after step 3 of 3 finished in ") for x in said), said
+    again = json.loads((run / "summary.json").read_text())
+    assert _eval_json(run) == evaluated and again["status"] == "finished"
+    assert again["final"] == summary["final"] and again["eval_final"] == summary["eval_final"]
+    rec2 = json.loads((folder / RECORD_FILE).read_text())
+    assert rec2["status"]["complete"] and rec2["runs"]["ict_s0"]["eval_final"] == rec["runs"]["ict_s0"]["eval_final"]
+    assert rec2["invocations"][1]["eval_batch"] == 4
+    with pytest.raises(PlanError, match=r"ict_s0 was evaluated with data.eval_batch=4, this invocation would "
+                                        r"evaluate with 2: .* pass --eval-batch 4"):
+        run_experiment(path, progress=False, say=lambda s: None, eval_batch=2)
+
+
 def test_a_changed_plan_and_a_second_invocation_are_refused(tmp_path):
     path = _plan(tmp_path, "p")
     plan = load_plan(path)
@@ -397,7 +450,11 @@ def test_the_command_line_refuses_mixed_flags_and_a_report_without_a_record(tmp_
     assert cli_main(["compare", "--max-hours", "1", "--config", str(DEMO)]) == 2
     assert "go with --plan" in capsys.readouterr().err
     assert cli_main(["compare", "--recover", "--config", str(DEMO)]) == 2
-    assert "--order and --recover go with --plan" in capsys.readouterr().err
+    assert "--order, --recover and --eval-batch go with --plan" in capsys.readouterr().err
+    assert cli_main(["compare", "--plan", str(path), "--eval-batch", "0"]) == 2
+    assert "--eval-batch 0: expected a positive number of prompts" in capsys.readouterr().err
+    assert cli_main(["compare", "--plan", str(path), "--report", "--eval-batch", "4"]) == 2
+    assert "--report only rebuilds the report: --eval-batch does not apply" in capsys.readouterr().err
     assert cli_main(["compare", "--plan", str(path), "--report", "--order", "runs", "--recover"]) == 2
     assert "--report only rebuilds the report: --order, --recover does not apply" in capsys.readouterr().err
     bad = _plan(tmp_path, "bad", PLAN.format(config=DEMO, out=tmp_path / "bad").replace("steps: 3", "steps: x"))

@@ -527,7 +527,7 @@ def test_finished_run_resumed_is_a_no_op_and_changes_are_refused_first(tmp_path)
         "ict-jax train: error: --resume: rl.selector.method ('ict' -> 'grpo') would change how the run trains; a "
         "resumed run keeps those settings (may change: train.eval_every, train.save_every, train.keep, "
         "train.sft_save_every, train.memory_check, rl.reward.workers, rollout.min_response_bucket, "
-        "rollout.gather_weights, logging.*, train.steps upward). Start a new run_dir for other settings")
+        "rollout.gather_weights, data.eval_batch, logging.*, train.steps upward). Start a new run_dir for other settings")
     rc, _, err = run_cli("train", "--config", str(DEMO), *args, "train.steps=1", "--resume")
     assert rc == 2 and "train.steps (only upward)" in err
     assert snapshot(run) == before
@@ -654,7 +654,7 @@ def test_a_runs_evaluation_feeds_its_heartbeat_and_clears_it_even_when_it_fails(
 
     work = []
     logger = SimpleNamespace(working_on=work.append)
-    data = SimpleNamespace(eval=["three"], eval_n=2, eval_k=[1], eval_limit=None)
+    data = SimpleNamespace(eval=["three"], eval_n=2, eval_k=[1], eval_limit=None, eval_batch=None)
     parts = SimpleNamespace(config=SimpleNamespace(data=data), run_dir=tmp_path, pool=None, logger=logger)
     ev = evaluation.Evaluator(parts)
     monkeypatch.setattr(ev, "generator", lambda state: None)
