@@ -8,8 +8,10 @@ at ``max_new_tokens`` whatever the stopping step.
 Sampling (:func:`sample_token`) is an exact inverse-CDF draw with ONE uniform per row: with
 ``top_p == 1`` and ``top_k == 0`` it is sort-free (softmax, cumulative sum, one comparison pass), which
 costs a few ms a step at V = 152k where ``jax.random.categorical`` (one Gumbel per vocabulary entry)
-costs ~166 ms (docs/architecture.md). Truncation uses ``lax.top_k`` (a full-vocabulary sort only for top-p
-without top-k).
+costs ~166 ms (docs/architecture.md). Truncation uses ``lax.top_k``; top-p without top-k looks among
+the :data:`TOP_P_CANDIDATES` largest logits first and sorts the whole vocabulary only for a batch where
+they hold less than ``top_p`` of some row's probability (a full sort of 64 rows x 152k costs seconds a
+decoded token on a CPU; docs/benchmarks.md).
 
 ``logp`` convention: the log-probability of the sampled token under ``softmax(logits / temperature)``
 over the FULL vocabulary, i.e. BEFORE top-k/top-p truncation (the distribution docs/method.md §1 recomputes with
@@ -69,6 +71,10 @@ class Rollout:
 # One sampling step (pure)
 # ------------------------------------------------------------------------------------------------
 _BLOCK = 1024  # vocabulary block of the two-level inverse CDF
+#: top-p without top-k: the largest logits looked at first. When they hold ``top_p`` of a row's probability
+#: (nearly always, at evaluation temperatures) the kept tokens are among them, so the draw is the same as
+#: over the whole sorted vocabulary; otherwise the batch's step sorts the whole vocabulary.
+TOP_P_CANDIDATES = 256
 
 
 def _pick(cdf: Float[Array, "B K"], t: Float[Array, " B"]) -> Int[Array, " B"]:
@@ -111,9 +117,46 @@ def _inverse_cdf(logw: Float[Array, "B K"], u: Float[Array, " B"]
     return b * _BLOCK + j, total, jnp.take_along_axis(blk, j[:, None], axis=-1)[:, 0]
 
 
+def _draw_sorted(vals: Float[Array, "B K"], ids: Int[Array, "B K"], u: Float[Array, " B"], top_p: float,
+                 denominator: Float[Array, " B"] | None = None) -> Int[Array, " B"]:
+    """One token per row from the ``K`` largest logits ``vals`` (descending) and their ``ids``: with
+    ``top_p < 1`` only those whose preceding cumulative probability is ``< top_p`` (probabilities
+    ``exp(vals - max) / denominator``; None: normalised over these K), by inverse CDF."""
+    # the max, not vals[:, :1] (the same number): XLA turns a top_k whose values are sliced again into a sort
+    # of the whole vocabulary
+    logw = vals - jnp.max(vals, axis=-1, keepdims=True)
+    if top_p < 1.0:
+        p = jax.nn.softmax(logw, axis=-1) if denominator is None else jnp.exp(logw) / denominator[:, None]
+        before = jnp.cumsum(p, axis=-1) - p
+        logw = jnp.where(before < jnp.float32(top_p), logw, -jnp.inf)
+    j = _inverse_cdf(logw, u)[0]
+    return jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _top_p_token(z: Float[Array, "B V"], u: Float[Array, " B"], top_p: float, candidates: int,
+                 total: Float[Array, " B"]) -> Int[Array, " B"]:
+    """Top-p without top-k (``total``: each row's ``sum(exp(z - max))``): among the ``candidates`` largest
+    logits when they hold ``top_p`` of every row's probability, else over the whole sorted vocabulary."""
+    V = z.shape[-1]
+    if candidates >= V:
+        return _draw_sorted(*jax.lax.top_k(z, V), u, top_p)
+    vals, ids = jax.lax.top_k(z, candidates)
+    held = jnp.sum(jnp.exp(vals - jnp.max(vals, axis=-1, keepdims=True)), axis=-1) / total
+
+    def whole_vocabulary() -> Int[Array, " B"]:
+        # a stable sort of -z: top_k's order (ties: lower id first); not a second top_k of z, which XLA would
+        # merge with the first into one sort of the whole vocabulary, paid at every step
+        neg, order = jax.lax.sort_key_val(-z, jax.lax.broadcasted_iota(jnp.int32, z.shape, 1), dimension=-1,
+                                          is_stable=True)
+        return _draw_sorted(-neg, order, u, top_p)
+
+    return jax.lax.cond(jnp.all(held >= jnp.float32(top_p)),
+                        lambda: _draw_sorted(vals, ids, u, top_p, total), whole_vocabulary)
+
+
 def sample_token(logits: Float[Array, "B V"], u: Float[Array, " B"], *, temperature: float = _ROLLOUT.temperature,
-                 top_p: float = _ROLLOUT.top_p, top_k: int = _ROLLOUT.top_k, greedy: bool = False
-                 ) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
+                 top_p: float = _ROLLOUT.top_p, top_k: int = _ROLLOUT.top_k, greedy: bool = False,
+                 top_p_candidates: int = TOP_P_CANDIDATES) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
     """Draw one token per row from ``softmax(logits / temperature)`` truncated by top-k then top-p.
 
     - top-k (``top_k > 0``): keep the k largest logits (ties: lower id first).
@@ -123,7 +166,9 @@ def sample_token(logits: Float[Array, "B V"], u: Float[Array, " B"], *, temperat
       probabilities. ``greedy`` takes the argmax and ignores ``u``.
 
     Returns ``(token [B] int32, logp [B] float32)`` with ``logp = log softmax(logits / T)[token]`` over the
-    full vocabulary (before truncation). ``temperature`` must be > 0.
+    full vocabulary (before truncation). ``temperature`` must be > 0. ``top_p_candidates``: how many of the
+    largest logits top-p without top-k looks among first (:data:`TOP_P_CANDIDATES`); the distribution is
+    the same whatever it is, only the cost and the float rounding of the probabilities change.
     """
     z = logits.astype(jnp.float32)
     if temperature != 1.0:
@@ -137,16 +182,11 @@ def sample_token(logits: Float[Array, "B V"], u: Float[Array, " B"], *, temperat
         # log of the chosen exp(z - m) (error ~1 ulp): on CPU, gathering z[tok] from the [B, V] logits
         # here costs more than the whole draw
         return tok, jnp.log(w) - jnp.log(total)
+    elif top_k == 0:  # top-p alone: among the largest logits first (no sort of the whole vocabulary)
+        total = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
+        tok = _top_p_token(z, u, top_p, top_p_candidates, total)
     else:
-        k = top_k if top_k > 0 else z.shape[-1]
-        vals, ids = jax.lax.top_k(z, min(k, z.shape[-1]))  # descending
-        logw = vals - vals[:, :1]
-        if top_p < 1.0:
-            p = jax.nn.softmax(logw, axis=-1)
-            before = jnp.cumsum(p, axis=-1) - p
-            logw = jnp.where(before < jnp.float32(top_p), logw, -jnp.inf)
-        j = _inverse_cdf(logw, u)[0]
-        tok = jnp.take_along_axis(ids, j[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        tok = _draw_sorted(*jax.lax.top_k(z, min(top_k, z.shape[-1])), u, top_p)
         total = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
     logp = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - m - jnp.log(total)
     return tok, logp
