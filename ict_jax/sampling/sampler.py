@@ -142,16 +142,9 @@ def _top_p_token(z: Float[Array, "B V"], u: Float[Array, " B"], top_p: float, ca
         return _draw_sorted(*jax.lax.top_k(z, V), u, top_p)
     vals, ids = jax.lax.top_k(z, candidates)
     held = jnp.sum(jnp.exp(vals - jnp.max(vals, axis=-1, keepdims=True)), axis=-1) / total
-
-    def whole_vocabulary() -> Int[Array, " B"]:
-        # a stable sort of -z: top_k's order (ties: lower id first); not a second top_k of z, which XLA would
-        # merge with the first into one sort of the whole vocabulary, paid at every step
-        neg, order = jax.lax.sort_key_val(-z, jax.lax.broadcasted_iota(jnp.int32, z.shape, 1), dimension=-1,
-                                          is_stable=True)
-        return _draw_sorted(-neg, order, u, top_p)
-
     return jax.lax.cond(jnp.all(held >= jnp.float32(top_p)),
-                        lambda: _draw_sorted(vals, ids, u, top_p, total), whole_vocabulary)
+                        lambda: _draw_sorted(vals, ids, u, top_p, total),
+                        lambda: _draw_sorted(*jax.lax.top_k(z, V), u, top_p))
 
 
 def sample_token(logits: Float[Array, "B V"], u: Float[Array, " B"], *, temperature: float = _ROLLOUT.temperature,
