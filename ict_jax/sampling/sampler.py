@@ -71,9 +71,9 @@ class Rollout:
 # One sampling step (pure)
 # ------------------------------------------------------------------------------------------------
 _BLOCK = 1024  # vocabulary block of the two-level inverse CDF
-#: top-p without top-k: the largest logits looked at first. When they hold ``top_p`` of a row's probability
-#: (nearly always, at evaluation temperatures) the kept tokens are among them, so the draw is the same as
-#: over the whole sorted vocabulary; otherwise the batch's step sorts the whole vocabulary.
+#: top-p without top-k: the largest logits looked at first. When they hold ``top_p`` of every row's
+#: probability the kept tokens are among them, so the draw is the same as over the whole sorted vocabulary;
+#: otherwise that step sorts the whole vocabulary.
 TOP_P_CANDIDATES = 256
 
 
