@@ -167,20 +167,18 @@ def sample_token(logits: Float[Array, "B V"], u: Float[Array, " B"], *, temperat
     if temperature != 1.0:
         z = z / jnp.float32(temperature)
     m = jnp.max(z, axis=-1)
-    if greedy:
-        tok = jnp.argmax(z, axis=-1).astype(jnp.int32)
-        total = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
-    elif top_k == 0 and top_p >= 1.0:  # sort-free
+    if not greedy and top_k == 0 and top_p >= 1.0:  # sort-free
         tok, total, w = _inverse_cdf(z - m[:, None], u)
         # log of the chosen exp(z - m) (error ~1 ulp): on CPU, gathering z[tok] from the [B, V] logits
         # here costs more than the whole draw
         return tok, jnp.log(w) - jnp.log(total)
+    total = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
+    if greedy:
+        tok = jnp.argmax(z, axis=-1).astype(jnp.int32)
     elif top_k == 0:  # top-p alone: among the largest logits first (no sort of the whole vocabulary)
-        total = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
         tok = _top_p_token(z, u, top_p, top_p_candidates, total)
     else:
         tok = _draw_sorted(*jax.lax.top_k(z, min(top_k, z.shape[-1])), u, top_p)
-        total = jnp.sum(jnp.exp(z - m[:, None]), axis=-1)
     logp = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0] - m - jnp.log(total)
     return tok, logp
 

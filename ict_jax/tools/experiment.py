@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from ict_jax.config import ConfigError, get_dotted
+from ict_jax.config import ConfigError
 from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (
@@ -61,8 +61,10 @@ from ict_jax.tools.experiment_record import (
 from ict_jax.tools.experiment_recover import lost_working_folder, recover_from_record
 from ict_jax.tools.experiment_report import REPORT_FILE, selection_warnings, write_report
 from ict_jax.tools.provenance import code_commit, environment, file_commit, now_iso
+from ict_jax.train.evaluation import eval_results, evaluated_steps
 from ict_jax.train.logs import read_metrics
 from ict_jax.train.parts import run_mesh_checked
+from ict_jax.train.record import read_config
 from ict_jax.train.stopping import TrainingDiverged
 from ict_jax.train.trainer import Trainer
 
@@ -137,7 +139,7 @@ def _chunk_means(run_dir: Path, first: int, last: int) -> dict[str, float]:
 def _eval_seconds(run_dir: Path, step: int) -> float | None:
     """The seconds the evaluation of ``run_dir`` at ``step`` took (its results' per-benchmark ``seconds``);
     None when it has none (no evaluation set, or it did not run)."""
-    path = run_dir / "eval" / f"step_{step:06d}.json"
+    path = eval_results(run_dir, step)
     try:
         benches = json.loads(path.read_text()).get("benchmarks", {})
         return float(sum(b["seconds"] for b in benches.values()))
@@ -304,11 +306,6 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
             raise ExperimentStopped(_why(deadline))
 
 
-def _evaluated(run_dir: Path) -> bool:
-    """The run has a finished evaluation (an ``eval/step_*.json``; a samples file alone is one cut short)."""
-    return any((run_dir / "eval").glob("step_*.json"))
-
-
 def _eval_batch(plan: Plan, specs: list[RunSpec], requested: int | None,
                 say: Callable[[str], None]) -> int | None:
     """The experiment's ``data.eval_batch``: ``requested``, else the one an earlier invocation used, else
@@ -325,9 +322,9 @@ def _eval_batch(plan: Plan, specs: list[RunSpec], requested: int | None,
     if requested is None and value is not None:
         say(f"evaluation batch {value} prompts a sampler call, as an earlier invocation set (--eval-batch)")
     for spec in [*specs, *([base_run(plan)] if plan.evaluate_base else [])]:
-        cfg = spec.run_dir / "config.json"
-        if _evaluated(spec.run_dir) and cfg.is_file():
-            used = get_dotted(json.loads(cfg.read_text()), "data.eval_batch")
+        recorded = read_config(spec.run_dir) if evaluated_steps(spec.run_dir) else None
+        if recorded is not None:
+            used = recorded.data.eval_batch
             if used != value:
                 raise PlanError(
                     f"{spec.name} was evaluated with data.eval_batch={used}, this invocation would evaluate "

@@ -10,6 +10,7 @@ warm start and the final policy are compared on common random numbers.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 from ict_jax.data.datasets import load_dataset
@@ -31,6 +32,18 @@ def pass_at_k_metrics(results: Mapping[str, Any]) -> dict[str, float]:
                 if k.startswith("pass@") and isinstance(v, (int, float)):
                     flat[f"eval/{bench}/{k}"] = float(v)
     return flat
+
+
+def eval_results(run_dir: str | Path, step: int, suffix: str = ".json") -> Path:
+    """Where a run's evaluation after ``step`` rollout batches is written: ``<run_dir>/eval/step_<step>.json``
+    (its results) and ``.jsonl`` (``suffix``: its samples)."""
+    return Path(run_dir) / "eval" / f"step_{step:06d}{suffix}"
+
+
+def evaluated_steps(run_dir: str | Path) -> list[int]:
+    """The steps after which the run has a finished evaluation (its results file; a samples file alone is
+    an evaluation cut short), in order."""
+    return sorted(int(p.stem[5:]) for p in (Path(run_dir) / "eval").glob("step_*.json"))
 
 
 def evaluation_line(done: int, total: int, what: str | None) -> str:
@@ -75,16 +88,16 @@ class Evaluator:
         d = self.parts.config.data
         if not d.eval:
             return {}
-        out_dir = self.parts.run_dir / "eval"
-        out_dir.mkdir(parents=True, exist_ok=True)
+        results = eval_results(self.parts.run_dir, step)
+        results.parent.mkdir(parents=True, exist_ok=True)
         logger = self.parts.logger
         try:
             # with data.eval_batch, each sampler call gets a whole batch of problems (the default hands it 8 a
             # time, as it always has, so that a run's evaluations keep their samples)
             batch = {"batch_size": d.eval_batch} if d.eval_batch else {}
             res = evaluate(self.generator(state), self.datasets(), self.parts.pool, n=d.eval_n, ks=d.eval_k,
-                           limit=d.eval_limit, **batch, json_path=out_dir / f"step_{step:06d}.json",
-                           samples_path=out_dir / f"step_{step:06d}.jsonl", progress=False, print_table=False,
+                           limit=d.eval_limit, **batch, json_path=results,
+                           samples_path=results.with_suffix(".jsonl"), progress=False, print_table=False,
                            listener=lambda done, total, what: logger.working_on(evaluation_line(done, total, what)))
         finally:
             logger.working_on(None)
