@@ -38,7 +38,7 @@ def bench(rows: int, vocab: int, repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from ict_jax.sampling.sampler import TOP_P_CANDIDATES, sample_token
+    from ict_jax.sampling.draw import TOP_P_CANDIDATES, sample_token
 
     rng = np.random.default_rng(0)
     z = rng.normal(size=(rows, vocab)).astype(np.float32)

@@ -126,7 +126,7 @@ _MOVED: dict[str, str] = {
     "pad_left": "data.prompts",
     "GenerateFn": "sampling.sampler",
     "SampleSettings": "sampling.sampler",
-    "sample_token": "sampling.sampler",
+    "sample_token": "sampling.draw",
     "TextGenerator": "sampling.text_generation",
     "aggregate": "sampling.evaluation",
     "format_table": "sampling.evaluation",

@@ -2,7 +2,7 @@
 category, text and version; an old name is the object at its new home; unknown names still raise), and
 that every deprecation of the package goes through it. (Each former name of the package, resolved:
 tests/test_foundation.py, tests/rl/test_quantile.py, tests/train/test_programs.py, tests/train/test_warm_start.py,
-tests/tools/test_compare.py, and the former model-loading names: tests/model/test_loading.py,
+tests/tools/test_compare.py, tests/sampling/test_draw.py, and the former model-loading names: tests/model/test_loading.py,
 tests/train/test_model_source.py.)"""
 
 from __future__ import annotations
@@ -108,13 +108,14 @@ def test_the_packages_old_names_go_through_the_one_mechanism():
     import ict_jax.config
     import ict_jax.model.loading
     import ict_jax.model.qwen2
+    import ict_jax.sampling.sampler
     import ict_jax.train.checkpoints
     import ict_jax.train.model_source
     import ict_jax.train.run
 
     for tables in (ict_jax._FORMER, ict_jax.config._FORMER, ict_jax.train.run._FORMER, ict_jax.model.loading._FORMER,
                    ict_jax.train.checkpoints._FORMER, ict_jax.train.model_source._FORMER, ict_jax.aot.hlo._FORMER,
-                   ict_jax.model.qwen2._FORMER):
+                   ict_jax.model.qwen2._FORMER, ict_jax.sampling.sampler._FORMER):
         assert tables.removed_in == REMOVED_IN and tables.homes
     assert [f for f in sys.meta_path if isinstance(f, MovedModules) and f.homes == ict_jax._MOVED_MODULES]
     makers = [f"{path.relative_to(PACKAGE)}:{node.lineno}"
