@@ -8,6 +8,7 @@
   fresh folder that has the repository's `configs/`, with the tiny models the blocks build themselves. A
   block that cannot run offline is marked by the line `<!-- not run: <reason> -->` right above its fence;
   there must be few.
+- Every experiment report committed under docs/experiments/ is its record's, rebuilt unchanged.
 """
 
 from __future__ import annotations
@@ -414,6 +415,30 @@ def test_the_result_table_check_fails_on_results_md_without_a_mark():
     broken = text[:m.start()] + "Notes:" + text[m.end():]
     problems = result_table_problems(broken, RESULTS.parent)
     assert len(problems) == 1 and "no 'Record:' or 'Historical:' paragraph" in problems[0], problems
+
+
+# ------------------------------------------------------------------------------------------------
+# An experiment's committed report is its record's: `ict-jax compare --plan P --report` changes nothing
+# ------------------------------------------------------------------------------------------------
+EXPERIMENTS = ROOT / "docs" / "experiments"
+
+
+def test_every_committed_experiment_report_is_rebuilt_from_its_record_unchanged():
+    """docs/experiments/<name>/report.md is what the report builder makes of experiment.json beside it, and
+    the figures it names are there (a record committed with a report of older code fails here: rebuild it
+    with `ict-jax compare --plan <plan> --report`)."""
+    import json
+
+    from ict_jax.tools.experiment_report import FIGURES, format_report
+
+    folders = sorted(p.parent for p in EXPERIMENTS.glob("*/experiment.json"))
+    assert folders, f"no experiment records under {EXPERIMENTS}"
+    for folder in folders:
+        record = json.loads((folder / "experiment.json").read_text(encoding="utf-8"))
+        assert (folder / "report.md").read_text(encoding="utf-8") == format_report(record), (
+            f"{folder.relative_to(ROOT)}/report.md differs from its record's report")
+        missing = [f for f in FIGURES if not (folder / f).is_file()]
+        assert not missing, f"{folder.relative_to(ROOT)}: figures missing: {missing}"
 
 
 # ------------------------------------------------------------------------------------------------
