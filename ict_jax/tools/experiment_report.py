@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ict_jax.tools.compare_report import all_selected_mark, pass_at_k, selected_everything, selection_warning
-from ict_jax.tools.experiment_stats import mean_sd
+from ict_jax.tools.experiment_stats import mean_sd, minimum_detectable_effect, sd_interval
 
 __all__ = ["FIGURES", "REPORT_FILE", "format_report", "write_report", "plot_metric", "selection_warnings"]
 
@@ -20,6 +20,8 @@ FIGURES = {
     "H1.png": ("stats/H1_mean", "Shannon entropy H1 (mean over valid tokens)"),
     "u_at_ceiling.png": ("stats/u_at_ceiling", "u at its ceiling (share of valid tokens)"),
 }
+#: seeds of a next paired design whose minimum detectable effect the report gives from the observed sd
+PLANNING_SEEDS = (5, 10, 20)
 
 
 def _num(v: Any, digits: int = 3) -> str:
@@ -151,6 +153,7 @@ def format_report(record: Mapping[str, Any], figures: Sequence[str] = tuple(FIGU
     for o in record["outcomes"]:
         lines += _outcome_section(o, arms, seeds)
     lines += _evaluation_lines(record, arms)
+    lines += _planning_lines(record)
     lines += ["", "## Curves", "", "Every run's per-step value: one thin line per seed, the arm's mean over its seeds "
               "thick (where every seed has the step).", ""]
     for f in figures:
@@ -192,6 +195,38 @@ def _evaluation_lines(record: Mapping[str, Any], arms: Sequence[str]) -> list[st
             "selected every valid token on every such step (or had none), i.e. trained as dense GRPO."]
     else:
         lines += ["No final evaluation recorded yet."]
+    return lines
+
+
+def _planning_lines(record: Mapping[str, Any]) -> list[str]:
+    """What the primary outcome's observed spread says about a next design: per paired comparison the sd of
+    the differences, its 95 % interval, and the minimum detectable effect at :data:`PLANNING_SEEDS` seeds."""
+    design = record["design"]
+    alpha, power = design["alpha"], design["power"]
+    primary = next(o for o in record["outcomes"] if o["primary"])
+    lines = ["", "## Planning a next experiment", ""]
+    if design["df"] is None:
+        return lines + ["One seed: no paired differences, so no spread to plan a next design from."]
+    lo, hi = sd_interval(1.0, design["df"])
+    lines += [f"From the primary outcome ({primary['name']}): each comparison's sample sd of the paired differences "
+              "(df = pairs - 1), its two-sided 95 % confidence interval (normal differences), and the minimum "
+              f"detectable effect of a paired design with n seeds at level {alpha:g} and power {power:g}, computed "
+              f"with the observed sd and with the interval's upper end. With this design's {design['n_seeds']} "
+              f"seeds (df {design['df']}) the interval's ends are a factor of {hi / lo:.1f} apart: the fewer the "
+              "pairs, the weaker a guide the observed sd.", ""]
+    head = (["arm − reference", "sd of the differences (df)", "95 % interval of the sd"]
+            + [f"MDE, {n} seeds" for n in PLANNING_SEEDS] + [f"MDE, {PLANNING_SEEDS[-1]} seeds, upper sd"])
+    rows = []
+    for d in primary["paired"]:
+        if d["sd"] is None:
+            rows.append([f"{d['arm']} − {d['reference']}", "n/a"] + ["n/a"] * (len(head) - 2))
+            continue
+        lo, hi = sd_interval(d["sd"], d["df"])
+        rows.append([f"{d['arm']} − {d['reference']}", f"{d['sd']:.3f} ({d['df']})", f"{lo:.3f} – {hi:.3f}"]
+                    + [f"{minimum_detectable_effect(d['sd'], n, alpha, power):.3f}" for n in PLANNING_SEEDS]
+                    + [f"{minimum_detectable_effect(hi, PLANNING_SEEDS[-1], alpha, power):.3f}"])
+    lines += _table(head, rows)
+    lines += ["", "n/a: fewer than two pairs with the outcome yet, or no spread."]
     return lines
 
 

@@ -11,6 +11,11 @@ bisection on the CDF. docs/experiments.md gives the formulas.
 - Minimum detectable effect of a paired design with n seeds, an assumed sd of the paired differences
   sigma, two-sided level alpha and power 1 - beta: MDE = (t_{1-alpha/2, n-1} + t_{1-beta, n-1}) sigma / sqrt(n)
   (the t-based approximation that ignores the noncentral t's skew; exact enough to size a pilot).
+- Planning from an observed sd s of the paired differences with df = n - 1: its two-sided confidence
+  interval for sigma, [s sqrt(df / chi2_{1-a/2, df}), s sqrt(df / chi2_{a/2, df})] (normal differences),
+  and the seeds a next design needs, the smallest n >= 2 whose MDE with a given sd is at most an effect.
+  chi2 through the regularised lower incomplete gamma function (its series below a + 1, else its
+  continued fraction) and its quantiles by bisection.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
-__all__ = ["mean_sd", "paired_differences", "t_cdf", "t_quantile", "minimum_detectable_effect", "betainc"]
+__all__ = ["mean_sd", "paired_differences", "t_cdf", "t_quantile", "minimum_detectable_effect", "betainc",
+           "gammainc", "chi2_quantile", "sd_interval", "seeds_needed"]
 
 _EPS = 1e-15
 _TINY = 1e-300
@@ -144,3 +150,91 @@ def minimum_detectable_effect(sd: float, n: int, alpha: float = 0.05, power: flo
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def gammainc(a: float, x: float) -> float:
+    """The regularised lower incomplete gamma function P(a, x) for a > 0 and x >= 0."""
+    if not a > 0:
+        raise ValueError(f"gammainc: a = {a}: must be > 0")
+    if not x >= 0:
+        raise ValueError(f"gammainc: x = {x}: must be >= 0")
+    if x == 0.0:
+        return 0.0
+    if math.isinf(x):
+        return 1.0
+    log_front = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1.0:  # the series sum_n x^n / (a (a+1) ... (a+n))
+        term = total = 1.0 / a
+        for n in range(1, 10_000):
+            term *= x / (a + n)
+            total += term
+            if abs(term) < abs(total) * _EPS:
+                return math.exp(log_front) * total
+        raise ArithmeticError(f"gammainc({a}, {x}): the series did not converge")
+    # Q(a, x) by its continued fraction (modified Lentz), P = 1 - Q
+    b = x + 1.0 - a
+    c, d = 1.0 / _TINY, 1.0 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2.0
+        d = an * d + b
+        d = 1.0 / (d if abs(d) > _TINY else _TINY)
+        c = b + an / c
+        c = c if abs(c) > _TINY else _TINY
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < _EPS:
+            return 1.0 - math.exp(log_front) * h
+    raise ArithmeticError(f"gammainc({a}, {x}): the continued fraction did not converge")
+
+
+def chi2_quantile(q: float, df: float) -> float:
+    """The ``q`` quantile of the chi-squared distribution with ``df`` > 0 degrees of freedom (0 < q < 1), by
+    bisection on its CDF ``P(df / 2, x / 2)`` to ~1e-12 relative."""
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"chi2_quantile: q = {q}: must be in (0, 1)")
+    if not df > 0:
+        raise ValueError(f"chi2_quantile: df = {df}: must be > 0")
+    lo, hi = 0.0, max(1.0, float(df))
+    while gammainc(df / 2.0, hi / 2.0) < q:
+        lo, hi = hi, hi * 2.0
+    for _ in range(400):
+        mid = 0.5 * (lo + hi)
+        if gammainc(df / 2.0, mid / 2.0) < q:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    return 0.5 * (lo + hi)
+
+
+def sd_interval(sd: float, df: int, level: float = 0.95) -> tuple[float, float]:
+    """The two-sided ``level`` confidence interval of sigma from a sample sd ``sd`` with ``df`` >= 1 degrees
+    of freedom (normal data): ``(sd sqrt(df / chi2_{(1+level)/2}), sd sqrt(df / chi2_{(1-level)/2}))``."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"sd_interval: level {level}: must be in (0, 1)")
+    if not (isinstance(df, int) and df >= 1):
+        raise ValueError(f"sd_interval: df {df!r}: must be an int >= 1")
+    if not sd >= 0:
+        raise ValueError(f"sd_interval: sd {sd}: must be >= 0")
+    tail = (1.0 - level) / 2.0
+    return (sd * math.sqrt(df / chi2_quantile(1.0 - tail, df)), sd * math.sqrt(df / chi2_quantile(tail, df)))
+
+
+def seeds_needed(sd: float, effect: float, alpha: float = 0.05, power: float = 0.8, max_seeds: int = 100_000) -> int:
+    """The fewest seeds n >= 2 of a paired design whose :func:`minimum_detectable_effect` with ``sd`` is at
+    most ``effect`` (> 0); ``ValueError`` past ``max_seeds``."""
+    if not effect > 0:
+        raise ValueError(f"seeds_needed: effect {effect}: must be > 0")
+    if minimum_detectable_effect(sd, max_seeds, alpha, power) > effect:
+        raise ValueError(f"seeds_needed: more than {max_seeds} seeds to detect {effect:g} with sd {sd:g}")
+    lo, hi = 1, max_seeds  # MDE(lo) > effect (none at n 1), MDE(hi) <= effect; MDE falls with n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if minimum_detectable_effect(sd, mid, alpha, power) <= effect:
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -23,9 +23,13 @@ from ict_jax.tools.experiment_record import RECORD_FILE, build_record, outcome_v
 from ict_jax.tools.experiment_report import FIGURES, REPORT_FILE
 from ict_jax.tools.experiment_stats import (
     betainc,
+    chi2_quantile,
+    gammainc,
     mean_sd,
     minimum_detectable_effect,
     paired_differences,
+    sd_interval,
+    seeds_needed,
     t_cdf,
     t_quantile,
 )
@@ -151,6 +155,54 @@ def test_minimum_detectable_effect_by_hand():
     assert minimum_detectable_effect(0.05, 2) == pytest.approx((12.7062 + 1.3764) * 0.05 / math.sqrt(2), abs=1e-4)
     assert minimum_detectable_effect(1.0, 11) == pytest.approx((2.2281 + 0.8791) / math.sqrt(11), abs=1e-4)
     assert minimum_detectable_effect(0.1, 1) is None
+
+
+def test_chi_squared_and_the_interval_of_an_sd_against_closed_forms_and_tables():
+    for x in (0.1, 1.0, 2.0, 7.5, 40.0):
+        assert gammainc(1, x) == pytest.approx(1 - math.exp(-x), abs=1e-14)  # exponential
+        assert gammainc(0.5, x) == pytest.approx(math.erf(math.sqrt(x)), abs=1e-14)  # chi2 with df 1
+        assert gammainc(2, x) == pytest.approx(1 - math.exp(-x) * (1 + x), abs=1e-14)
+    assert gammainc(3, 0.0) == 0.0 and gammainc(3, math.inf) == 1.0
+    # printed chi-squared tables
+    for q, df, want in ((0.025, 1, 0.000982), (0.975, 1, 5.0239), (0.025, 4, 0.4844), (0.975, 4, 11.1433),
+                        (0.5, 10, 9.3418), (0.975, 100, 129.5612)):
+        assert chi2_quantile(q, df) == pytest.approx(want, abs=1e-4 if want > 0.01 else 1e-6)
+    # sigma's 95 % interval from a sample sd s: s sqrt(df / chi2_{0.975}), s sqrt(df / chi2_{0.025})
+    lo, hi = sd_interval(0.04, 1)
+    assert lo == pytest.approx(0.04 / math.sqrt(5.0239), rel=1e-4) and hi == pytest.approx(0.04 / math.sqrt(0.000982),
+                                                                                           rel=1e-3)
+    assert sd_interval(1.0, 10) == (pytest.approx(0.6987, abs=1e-4), pytest.approx(1.7549, abs=1e-4))
+    with pytest.raises(ValueError, match="must be an int >= 1"):
+        sd_interval(0.1, 0)
+
+
+def test_seeds_needed_is_the_fewest_whose_mde_reaches_the_effect():
+    n = seeds_needed(0.04, 0.05)
+    assert minimum_detectable_effect(0.04, n) <= 0.05 < minimum_detectable_effect(0.04, n - 1)
+    assert n == 8  # (t_{0.975,7} + t_{0.8,7}) 0.04 / sqrt 8 = (2.3646 + 0.8960) 0.04 / 2.8284 = 0.0461; n 7: 0.0507
+    assert seeds_needed(0.04, 1.0) == 2  # the smallest design with a test
+    with pytest.raises(ValueError, match="more than 10 seeds"):
+        seeds_needed(0.04, 0.001, max_seeds=10)
+
+
+def test_the_report_plans_a_next_design_from_the_primary_outcomes_observed_spread():
+    from ict_jax.tools.experiment_report import _planning_lines
+
+    paired = [{"arm": "ict", "reference": "grpo", "sd": 0.04, "df": 1},
+              {"arm": "random", "reference": "grpo", "sd": None, "df": 1}]
+    record = {"design": {"alpha": 0.05, "power": 0.8, "n_seeds": 2, "df": 1},
+              "outcomes": [{"name": "other", "primary": False, "paired": []},
+                           {"name": "reward steps 21-40", "primary": True, "paired": paired}]}
+    text = "\n".join(_planning_lines(record))
+    hi = 0.04 / math.sqrt(chi2_quantile(0.025, 1))
+    mdes = [minimum_detectable_effect(0.04, n) for n in (5, 10, 20)] + [minimum_detectable_effect(hi, 20)]
+    # MDE at 5 seeds by hand: (t_{0.975,4} + t_{0.8,4}) 0.04 / sqrt 5 = (2.7764 + 0.9410) 0.04 / 2.2361 = 0.0665
+    assert f"{mdes[0]:.3f}" == "0.066"
+    assert ("| ict − grpo | 0.040 (1) | 0.018 – 1.276 | " + " | ".join(f"{m:.3f}" for m in mdes) + " |") in text
+    assert "| random − grpo | n/a | n/a | n/a | n/a | n/a | n/a |" in text
+    assert "(reward steps 21-40)" in text and "a factor of 71.5 apart" in text
+    record["design"].update(n_seeds=1, df=None)
+    assert "One seed: no paired differences" in "\n".join(_planning_lines(record))
 
 
 def test_outcome_values_from_rows_and_evaluations():
