@@ -34,10 +34,10 @@ def pass_at_k_metrics(results: Mapping[str, Any]) -> dict[str, float]:
     return flat
 
 
-def eval_results(run_dir: str | Path, step: int, suffix: str = ".json") -> Path:
-    """Where a run's evaluation after ``step`` rollout batches is written: ``<run_dir>/eval/step_<step>.json``
-    (its results) and ``.jsonl`` (``suffix``: its samples)."""
-    return Path(run_dir) / "eval" / f"step_{step:06d}{suffix}"
+def eval_results(run_dir: str | Path, step: int) -> Path:
+    """Where a run's evaluation after ``step`` rollout batches writes its results,
+    ``<run_dir>/eval/step_<step>.json`` (its samples: the same path with ``.jsonl``)."""
+    return Path(run_dir) / "eval" / f"step_{step:06d}.json"
 
 
 def evaluated_steps(run_dir: str | Path) -> list[int]:
