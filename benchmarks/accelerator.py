@@ -556,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage:
         return child(args)
+    from ict_jax.tools.provenance import machine  # the host; each stage's record names its device
+
+    host = machine()
     start = time.monotonic()
     results: dict[str, dict] = {}
     for name in args.stage_list:
@@ -586,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
             rec.setdefault("wall_s", time.monotonic() - t0)
         path.write_text(json.dumps(rec, indent=2, default=str))
         results[name] = rec
-        (args.out / "accelerator.json").write_text(json.dumps(dict(smoke=args.smoke, stages=results), indent=2,
+        (args.out / "accelerator.json").write_text(json.dumps(dict(smoke=args.smoke, machine=host, stages=results), indent=2,
                                                               default=str))
         print(f"[accelerator] {name}: {'done' if 'error' not in rec and 'skipped' not in rec else 'not done'} "
               f"({time.monotonic() - start:.0f} s so far)", flush=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -101,9 +100,10 @@ def main() -> None:
         m = memory[name]["temp_bytes"]
         print(f"| {name} | {m / 2**20:,.0f} MiB | {m / dense_mem:.3f} | {min(wall[name]):.3f} s | "
               f"{min(cpu[name]):.3f} s | {min(cpu[name]) / dense_cpu:.2f} |")
+    from ict_jax.tools.provenance import machine
     record = dict(args=vars(args), heads=H, kv_heads=KV, head_dim=HD, memory=memory, wall_s=wall, cpu_s=cpu,
-                  machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
-                               load_average=os.getloadavg(), jax=jax.__version__, backend=jax.default_backend()),
+                  machine=machine() | dict(load_average=os.getloadavg(), jax=jax.__version__,
+                                                    backend=jax.default_backend()),
                   date=time.strftime("%Y-%m-%d"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -73,8 +72,8 @@ def main() -> None:
     print("N      " + "  ".join(f"seed {s}" for s in args.seeds))
     for i, n in enumerate(points):
         print(f"{n:<6} " + "  ".join(f"{curves[s][i]['pass@1']:>6.3f}" for s in args.seeds))
-    record = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "load_average": os.getloadavg()},
+    from ict_jax.tools.provenance import machine
+    record = {"machine": machine() | {"load_average": os.getloadavg()},
               "config": "configs/demo.yaml", "seeds": {str(s): c for s, c in curves.items()}}
     Path(args.out).write_text(json.dumps(record, indent=2))
     print(f"wrote {args.out}")

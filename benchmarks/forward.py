@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -97,9 +96,10 @@ def main() -> None:
     print(f"ratio jax/torch tokens/s: {ratio:.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    from ict_jax.tools.provenance import machine
     result = dict(benchmark="forward", shape=args.shape, batch=args.batch, seq=args.seq, dtype=args.dtype,
                   backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
-                  machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                  machine=machine(),
                   threads=args.threads, results=rows, ratio=ratio, jax=jax.__version__, torch=torch.__version__)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -376,8 +375,8 @@ def main() -> None:
 
     import jax
 
-    result = {"machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                          "cpus": os.cpu_count(), "backend": jax.default_backend(), "jax": jax.__version__},
+    from ict_jax.tools.provenance import machine
+    result = {"machine": machine() | {"backend": jax.default_backend(), "jax": jax.__version__},
               "settings": vars(args)}
     for part in args.parts:
         print(f"== {part} (load {_load()})", flush=True)

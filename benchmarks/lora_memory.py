@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -131,7 +130,8 @@ def main() -> None:
         print(f"{r['variant']:16s} {r['trainable_params']:>11,d} {r['argument_bytes'] / gib:>8.2f} G "
               f"{r['opt_state_bytes'] / gib:>8.2f} G {r['reference_bytes'] / gib:>8.2f} G {r['temp_bytes'] / gib:>6.2f} G "
               f"{r['total_bytes'] / gib:>6.2f} G {ratio:>8s} {r['compile_s']:>7.1f}s")
-    result = dict(settings=vars(args), rows=rows, machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
+    from ict_jax.tools.provenance import machine
+    result = dict(settings=vars(args), rows=rows, machine=machine() | dict(
                   backend=jax.default_backend(), jax=jax.__version__, load_avg=os.getloadavg()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -116,10 +115,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora_real_step.json"))
     args = ap.parse_args()
     base = ["--config", args.config, f"model.path={args.model}"]
+    from ict_jax.tools.provenance import machine
     result = {"settings": {"model": args.model, "config": args.config, "overrides": VARIANTS,
                            "steps": args.steps},
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
+              "machine": machine(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "variants": {}}
     with tempfile.TemporaryDirectory(prefix="lora_real_step_") as tmp:
         work = Path(tmp)

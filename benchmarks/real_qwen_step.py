@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 from pathlib import Path
 
@@ -109,8 +108,8 @@ def main() -> None:
     runs = {n: read_run(p) for n, p in pairs(args.run, "--run").items()}
     compiles = {n: read_compile(p) for n, p in pairs(args.compile, "--compile").items()}
     print(table(runs, compiles))
-    record = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
-                          "cpus": os.cpu_count(), "loadavg_at_report": os.getloadavg()},
+    from ict_jax.tools.provenance import machine
+    record = {"machine": machine() | {"loadavg_at_report": os.getloadavg()},
               "runs": runs, "compiles": compiles}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -141,8 +140,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['shape']:<7}{r['torch_tok_s']:>13.1f}{r['jax_tok_s']:>11.1f}{r['ratio']:>11.2f}"
               f"{r['cpu_ratio']:>16.2f}{r['jax_compile_s']:>11.1f}{str(r['load_avg_1m_before_after']):>13}")
-    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                       f"jax backend {jax.default_backend()}",
+    from ict_jax.tools.provenance import machine
+    meta = {"machine": machine() | {"backend": jax.default_backend()},
             "jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "torch_threads": args.threads, "dtype": "float32"}
     out = Path(args.out)

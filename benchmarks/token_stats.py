@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -118,8 +117,8 @@ def main():
     results = Path(__file__).parent / "results"
     a.out = a.out or str(results / ("token_stats_readings.json" if a.readings else "token_stats.json"))
 
-    res = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "device": str(jax.devices()[0]),
-                       "jax": jax.__version__},
+    from ict_jax.tools.provenance import machine
+    res = {"machine": machine() | {"device": str(jax.devices()[0]), "jax": jax.__version__},
            "shape": {"D": D, "V": V, "G": G, "dtype": "float32"}, "mem_T": a.mem_T, "time_T": a.time_T,
            "memory": {}, "time": {}}
     if a.readings:

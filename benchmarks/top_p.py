@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -73,8 +72,8 @@ def main() -> None:
     for r in results:
         print(f"{r['rows']:>5}{r['vocab']:>9}{r['ms_candidates']:>15.1f}{r['ms_whole_vocabulary']:>21.1f}"
               f"{r['speedup']:>8.0f}x{str(r['same_tokens']):>13}")
-    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                       f"jax backend {jax.default_backend()}", "jax": jax.__version__,
+    from ict_jax.tools.provenance import machine
+    meta = {"machine": machine() | {"backend": jax.default_backend()}, "jax": jax.__version__,
             "load_avg_1m_before_after": [round(load_before, 2), round(load_after, 2)],
             "temperature": 0.6, "top_p": 0.95, "repeats": args.repeats}
     out = Path(args.out)

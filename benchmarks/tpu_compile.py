@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -100,10 +98,11 @@ def run(names: list[str]) -> None:
 def record(name: str, command: str, rc: int, load_before: str, load_after: str, wall_s: float,
            report: dict | None, date: str | None = None) -> None:
     """Append one compile to the log."""
+    from ict_jax.tools.provenance import machine
     rec = {"job": name, "command": command, "rc": rc,
            "date": date or datetime.datetime.now().isoformat(timespec="seconds"), "load_before": load_before,
            "load_after": load_after, "wall_s": round(wall_s, 1),
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores", "report": report}
+           "machine": machine(), "report": report}
     LOG.parent.mkdir(parents=True, exist_ok=True)
     with LOG.open("a") as f:
         f.write(json.dumps(rec) + "\n")

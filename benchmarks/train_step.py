@@ -30,7 +30,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -47,17 +46,6 @@ def _overrides(args, P: int, G: int, Lr: int, Lp: int) -> list[str]:
             f"rollout.max_prompt_len={Lp}", f"rollout.temperature={args.temperature}",
             f"stats.chunk={args.chunk}", f"optim.lr={args.lr:.12f}", "optim.lr_warmup_steps=0",
             "train.mini_batches=1", "train.micro_batches=1", f"stats.js_metrics={str(not args.no_js_metrics).lower()}"]
-
-
-def cpu_name() -> str:
-    """The CPU model (from /proc/cpuinfo on Linux), so a result names the machine it was measured on."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_batch(P: int, G: int, Lp: int, Lr: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -349,8 +337,9 @@ def main() -> None:
 
     import jax
 
+    from ict_jax.tools.provenance import machine
     result: dict = dict(benchmark="train_step", backend=jax.default_backend(),
-                        machine=f"{cpu_name()}, {os.cpu_count()} cores",
+                        machine=machine(),
                         load_avg_start=os.getloadavg(), jax=jax.__version__)
     if args.mfu:
         result["mfu"] = mfu_run(args)

@@ -39,6 +39,7 @@ def test_smoke_runs_every_stage_and_writes_its_record(smoke, capsys):
     bench, out, stages, code = smoke
     summary = json.loads((out / "accelerator.json").read_text())
     assert summary["smoke"] is True and list(summary["stages"]) == stages
+    assert summary["machine"]["cores"] >= 1 and summary["machine"]["cpu"]  # the host it ran on
     for name in stages:  # one record a stage, written as it finished, the same as the summary's
         rec = json.loads((out / f"{name}.json").read_text())
         assert "error" not in rec, rec

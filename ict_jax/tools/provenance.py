@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["git", "file_commit", "code_commit", "environment", "now_iso"]
+__all__ = ["git", "file_commit", "code_commit", "machine", "environment", "now_iso"]
 
 #: the distributions whose versions a record names
 PACKAGES = ("ict_jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers",
@@ -89,17 +89,24 @@ def _version(name: str) -> str | None:
         return None
 
 
-def environment() -> dict[str, Any]:
-    """The machine and software a result was measured on: host, CPU, cores (usable by this process),
-    memory, OS, Python, the JAX backend and devices, :data:`PACKAGES`' versions, the code's commit."""
+def machine() -> dict[str, Any]:
+    """The machine a result was measured on, without asking JAX (so a script may call it before it picks a
+    backend): host, CPU model (Linux's /proc/cpuinfo; elsewhere what ``platform`` knows), cores usable by
+    this process, memory in GiB, OS and Python. The one description of a machine every record and benchmark
+    writes."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count()
+    return {"host": platform.node(), "cpu": _cpu_model(), "cores": cores, "memory_gib": _memory_gib(),
+            "os": f"{platform.system()} {platform.release()}", "python": sys.version.split()[0]}
+
+
+def environment() -> dict[str, Any]:
+    """The machine and software a result was measured on: :func:`machine`, the JAX backend and devices,
+    :data:`PACKAGES`' versions, the code's commit."""
     devices = jax.devices()
     return {
-        "host": platform.node(), "cpu": _cpu_model(), "cores": cores, "memory_gib": _memory_gib(),
-        "os": f"{platform.system()} {platform.release()}", "python": sys.version.split()[0],
-        "backend": jax.default_backend(), "devices": f"{len(devices)} x {devices[0].device_kind}",
+        **machine(), "backend": jax.default_backend(), "devices": f"{len(devices)} x {devices[0].device_kind}",
         "versions": {name: _version(name) for name in PACKAGES}, **code_commit(),
     }
