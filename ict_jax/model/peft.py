@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +28,7 @@ from ict_jax.model.adapters import add_adapters, merge_adapters, split_adapters
 from ict_jax.model.config import LORA_MODULES, LoraSpec
 from ict_jax.model.lora import adapter_keys, peft_module_name, regex_targets
 from ict_jax.model.qwen2 import Qwen2
-from ict_jax.model.weights import WeightError, apply_umask, save_hf
+from ict_jax.model.weights import WeightError, save_hf, written_aside
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -85,22 +83,11 @@ def save_peft_adapter(model: Qwen2, path: str | os.PathLike, *, dtype: str | Non
     from safetensors.numpy import save_file  # safetensors: imported where weight files are written
 
     path = Path(path)
-    if path.exists() and any(path.iterdir()):
-        raise FileExistsError(f"save_peft_adapter: {str(path)!r} exists and is not empty; choose a new directory")
-    tensors = peft_state_dict(model, dtype)
-    config = peft_config(model, base_model_name_or_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp_save_peft_", dir=path.parent))
-    try:
+    with written_aside(path, "save_peft_adapter") as tmp:  # refuses a non-empty path first
+        tensors = peft_state_dict(model, dtype)
+        config = peft_config(model, base_model_name_or_path)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2))
-        apply_umask(tmp)
-        if path.exists():
-            path.rmdir()
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

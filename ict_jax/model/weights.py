@@ -10,13 +10,14 @@ receives only its shard; no full copy per device). Weights are read from safeten
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -251,6 +252,28 @@ def apply_umask(directory: str | os.PathLike) -> None:
         p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
 
 
+@contextlib.contextmanager
+def written_aside(path: Path, who: str) -> Iterator[Path]:
+    """A weight directory written aside and renamed into place: yields a fresh temporary folder beside
+    ``path`` to write into; when the block ends without error the folder gets the user's umask
+    (:func:`apply_umask`) and replaces ``path`` (which must not exist or be empty: else a FileExistsError
+    naming ``who``, before anything is written); on any error, Ctrl-C included, it is removed and ``path`` is
+    left as it was. So an interrupted save never leaves a half-written directory at ``path``."""
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"{who}: {str(path)!r} exists and is not empty; choose a new directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{who}_", dir=path.parent))
+    try:
+        yield tmp
+        apply_umask(tmp)  # mkdtemp made it 0700 (and safetensors its files 0600): the user's umask instead
+        if path.exists():
+            path.rmdir()
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def save_hf(model: Qwen2, path: str | os.PathLike, *, dtype: str | None = None,
             max_shard_bytes: int = 4 * 1024**3) -> Path:
     """Write ``config.json`` + safetensors (index-sharded above ``max_shard_bytes``) that
@@ -260,15 +283,11 @@ def save_hf(model: Qwen2, path: str | os.PathLike, *, dtype: str | None = None,
     from safetensors.numpy import save_file
 
     path = Path(path)
-    if path.exists() and any(path.iterdir()):
-        raise FileExistsError(f"save_hf: {str(path)!r} exists and is not empty; choose a new directory")
-    tensors = hf_state_dict(model, dtype)
-    cfg_dict = model.config.to_hf()
-    if dtype is not None:
-        cfg_dict["torch_dtype"] = dtype
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp_save_hf_", dir=path.parent))
-    try:
+    with written_aside(path, "save_hf") as tmp:  # refuses a non-empty path before anything is gathered
+        tensors = hf_state_dict(model, dtype)
+        cfg_dict = model.config.to_hf()
+        if dtype is not None:
+            cfg_dict["torch_dtype"] = dtype
         shards: list[dict[str, np.ndarray]] = [{}]
         size = 0
         for k, v in tensors.items():
@@ -290,11 +309,4 @@ def save_hf(model: Qwen2, path: str | os.PathLike, *, dtype: str | None = None,
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
-        apply_umask(tmp)  # mkdtemp made it 0700 (and safetensors its files 0600): the user's umask instead
-        if path.exists():
-            path.rmdir()
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
