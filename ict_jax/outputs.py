@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["OutputLocationError", "OutputInUse", "check_output_dir", "check_output_file", "hold_output_dir",
-           "has_entries", "numbered_dir", "os_error_line", "USER_PATH_ERRNOS", "LOCK_FILE"]
+           "has_entries", "numbered_dir", "held_by", "os_error_line", "USER_PATH_ERRNOS", "LOCK_FILE"]
 
 #: errno values of an ``OSError`` that describe the user's paths or disk, not a bug: the command line
 #: reports them as one line with exit code 2 (cli/main.py).
@@ -174,6 +174,50 @@ def hold_output_dir(path: str | os.PathLike, what: str = "output folder") -> Ite
         except OSError:
             pass
         os.close(fd)  # releases the flock
+
+
+def held_by(path: str | os.PathLike) -> str | None:
+    """The process that holds folder ``path`` now (:func:`hold_output_dir`), described as its lock file
+    describes it, or None when no process does; read without taking the lock, so a holder, or one about to
+    start, is never disturbed. On Linux the kernel's table of flocks (``/proc/locks``) decides; elsewhere
+    the lock file's process, when it runs on this host."""
+    lock = Path(path) / LOCK_FILE
+    try:
+        st = lock.stat()
+    except OSError:
+        return None
+    try:
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        table = None
+    if table is not None:
+        for line in table.splitlines():
+            fields = line.split()
+            # "1: FLOCK  ADVISORY  WRITE 16180 fe:00:5530712 0 EOF" (a waiter's line has "->" after "1:")
+            ident = next((f for f in fields if f.count(":") == 2), "")
+            major, minor, inode = (ident.split(":") + ["", "", ""])[:3]
+            try:
+                same = (int(major, 16), int(minor, 16), int(inode)) == (os.major(st.st_dev), os.minor(st.st_dev),
+                                                                       st.st_ino)
+            except ValueError:
+                continue
+            if "FLOCK" in fields and "->" not in fields and same:
+                return _holder(lock)
+        return None
+    try:
+        info = json.loads(lock.read_text() or "{}")
+        pid = int(info.get("pid") or 0)
+    except (OSError, ValueError, TypeError):
+        return None
+    if pid <= 0 or info.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        pass
+    return _holder(lock)
 
 
 def _holder(lock: Path) -> str:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ict_jax.outputs import OutputInUse, OutputLocationError, hold_output_dir
+from ict_jax.outputs import OutputInUse, OutputLocationError, held_by, hold_output_dir
 
 HOLDER = """
 import sys, time
@@ -42,6 +42,7 @@ def test_a_killed_holder_leaves_nothing_in_the_way(tmp_path):
         with pytest.raises(OutputInUse, match=rf"process {p.pid} "):
             with hold_output_dir(folder, "out"):
                 pass
+        assert held_by(folder).startswith(f"process {p.pid} on ")  # read without the lock
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
@@ -54,6 +55,27 @@ def test_a_killed_holder_leaves_nothing_in_the_way(tmp_path):
             assert time.time() < deadline
             time.sleep(0.1)
     assert (folder / ".lock").is_file()
+    assert held_by(folder) is None  # the file still names the dead holder: the kernel's table decides
+
+
+@pytest.mark.parametrize("proc_locks", [True, False])
+def test_who_holds_a_folder_is_read_without_the_lock(tmp_path, monkeypatch, proc_locks):
+    from pathlib import Path
+
+    if not proc_locks:  # elsewhere than Linux: the lock file's process, when it is alive on this host
+        real = Path.read_text
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError("no /proc"))
+                            if str(self) == "/proc/locks" else real(self, *a, **k))
+    folder = tmp_path / "exp"
+    assert held_by(folder) is None and not folder.exists()  # nothing there, nothing made
+    folder.mkdir()
+    (folder / "result.json").write_text("{}")  # a folder with content keeps its lock file after the hold
+    with hold_output_dir(folder, "out"):
+        assert held_by(folder).startswith(f"process {os.getpid()} on ")
+    if proc_locks:
+        assert held_by(folder) is None  # released; the lock file still names this process
+    (folder / ".lock").write_text('{"pid": 999999999, "host": "elsewhere"}')
+    assert held_by(folder) is None
 
 
 def test_a_folder_that_cannot_be_created_is_an_output_error(tmp_path):

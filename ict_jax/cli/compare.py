@@ -29,6 +29,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                         "same command continues)")
     p.add_argument("--report", action="store_true",
                    help="with --plan: only rebuild report.md and its figures from the record (experiment.json)")
+    p.add_argument("--status", action="store_true",
+                   help="with --plan: print where the experiment stands (each run's state and steps, the invocation "
+                        "running, the time left) without any outcome; takes no lock, runs beside an invocation")
     p.add_argument("--uncommitted", action="store_true",
                    help="with --plan: run a plan that is not committed as it is in git (the record says so)")
     p.add_argument("--order", choices=("chunks", "runs"), default=None,
@@ -103,13 +106,20 @@ def _plan_main(args: argparse.Namespace) -> int:
     given += ["--target-reward"] if args.target_reward != 0.5 else []
     if given:
         raise UserError(f"--plan: the plan fixes the runs; {', '.join(given)} cannot be given with it")
-    if args.report:
+    if args.report or args.status:
         extra = [f for f, v in (("--max-hours", args.max_hours), ("--order", args.order),
-                                ("--recover", args.recover or None), ("--eval-batch", args.eval_batch))
-                 if v is not None]
+                                ("--recover", args.recover or None), ("--eval-batch", args.eval_batch),
+                                ("--report", (args.report and args.status) or None)) if v is not None]
         if extra:
-            raise UserError(f"--report only rebuilds the report: {', '.join(extra)} does not apply")
-        print(f"wrote {rebuild_report(args.plan)}")
+            what = "--status only reads where the experiment stands" if args.status else \
+                "--report only rebuilds the report"
+            raise UserError(f"{what}: {', '.join(extra)} does not apply")
+        if args.status:
+            from ict_jax.tools.experiment_status import experiment_status, format_status
+
+            print(format_status(experiment_status(args.plan)))
+        else:
+            print(f"wrote {rebuild_report(args.plan)}")
         return 0
     if args.max_hours is not None and not args.max_hours > 0:
         raise UserError(f"--max-hours {args.max_hours}: expected a positive number of hours")
@@ -130,9 +140,10 @@ def compare_main(args: argparse.Namespace) -> int:
 
     if args.plan is not None:
         return _plan_main(args)
-    if (args.report or args.max_hours is not None or args.uncommitted or args.order is not None or args.recover
-            or args.eval_batch is not None):
-        raise UserError("--report, --max-hours, --uncommitted, --order, --recover and --eval-batch go with --plan")
+    if (args.report or args.status or args.max_hours is not None or args.uncommitted or args.order is not None
+            or args.recover or args.eval_batch is not None):
+        raise UserError("--report, --status, --max-hours, --uncommitted, --order, --recover and --eval-batch go with "
+                        "--plan")
     if args.config is None:
         raise UserError("--config or --plan is required")
 

@@ -42,6 +42,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from ict_jax.config import ConfigError
+from ict_jax.heartbeat import duration
 from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (
@@ -53,6 +54,7 @@ from ict_jax.tools.experiment_record import (
     STATUS_FILE,
     append_jsonl,
     build_record,
+    eval_seconds,
     read_jsonl,
     run_status,
     steps_done,
@@ -61,7 +63,7 @@ from ict_jax.tools.experiment_record import (
 from ict_jax.tools.experiment_recover import lost_working_folder, recover_from_record
 from ict_jax.tools.experiment_report import REPORT_FILE, selection_warnings, write_report
 from ict_jax.tools.provenance import code_commit, environment, file_commit, now_iso
-from ict_jax.train.evaluation import eval_results, evaluated_steps
+from ict_jax.train.evaluation import evaluated_steps
 from ict_jax.train.logs import read_metrics
 from ict_jax.train.parts import run_mesh_checked
 from ict_jax.train.record import read_config
@@ -78,11 +80,6 @@ class ExperimentStopped(Exception):
 
 def _say(text: str) -> None:
     print(f"[experiment] {text}", file=sys.stderr, flush=True)
-
-
-def _fmt_s(s: float) -> str:
-    s = int(round(s))
-    return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,17 +133,6 @@ def _chunk_means(run_dir: Path, first: int, last: int) -> dict[str, float]:
     return out
 
 
-def _eval_seconds(run_dir: Path, step: int) -> float | None:
-    """The seconds the evaluation of ``run_dir`` at ``step`` took (its results' per-benchmark ``seconds``);
-    None when it has none (no evaluation set, or it did not run)."""
-    path = eval_results(run_dir, step)
-    try:
-        benches = json.loads(path.read_text()).get("benchmarks", {})
-        return float(sum(b["seconds"] for b in benches.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
 def _eta_text(steps_left: int, step_s: float | None, evals_left: int, eval_s: float | None) -> str:
     """The progress line's ETA: the steps left at the seconds a step so far, plus the evaluations left at the
     seconds an evaluation so far (``ETA 3h 10m (18 steps x 3m 48s + 3 evaluations x 40m 10s)``); the
@@ -157,13 +143,13 @@ def _eta_text(steps_left: int, step_s: float | None, evals_left: int, eval_s: fl
     if steps_left:
         if step_s is None:
             return ""
-        parts.append(f"{steps_left} steps x {_fmt_s(step_s)}")
+        parts.append(f"{steps_left} steps x {duration(step_s)}")
         total += steps_left * step_s
     evals = f"{evals_left} evaluation{'s' if evals_left != 1 else ''}"
     if evals_left and eval_s is not None:
-        parts.append(f"{evals} x {_fmt_s(eval_s)}")
+        parts.append(f"{evals} x {duration(eval_s)}")
         total += evals_left * eval_s
-    text = f", ETA {_fmt_s(total)} ({' + '.join(parts)})" if parts else ""
+    text = f", ETA {duration(total)} ({' + '.join(parts)})" if parts else ""
     if evals_left and eval_s is None:
         text += f" + {evals}" if text else f", {evals} left"
     return text
@@ -210,7 +196,7 @@ def _evaluate_base(spec: RunSpec, stop_now: Callable[[], bool], deadline: float 
     with Trainer(spec.config, resume=has_entries(d), progress=progress) as trainer:
         trainer.train()
     gc.collect()
-    say(f"base: evaluated in {_fmt_s(time.monotonic() - t0)}")
+    say(f"base: evaluated in {duration(time.monotonic() - t0)}")
 
 
 def _update_record(plan: Plan, plan_info: Mapping[str, Any]) -> dict[str, Any]:
@@ -278,7 +264,7 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
                                               "wall_s": round(wall, 1), "time": now_iso(), "invocation": inv_id,
                                               **code_commit()})
         state["chunks"] += 1
-        eval_s = _eval_seconds(spec.run_dir, plan.steps) if what == "finished" else None
+        eval_s = eval_seconds(spec.run_dir, plan.steps) if what == "finished" else None
         if eval_s is not None:
             state["eval_seconds"].append(eval_s)
         if done > start:
@@ -287,8 +273,8 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
         left = record["status"]["steps_planned"] - record["status"]["steps_done"]
         means = _chunk_means(spec.run_dir, start, done)
         span = f"steps {start + 1}-{done}" if done > start else f"after step {done}"  # only its final evaluation
-        say(f"{spec.arm} s{spec.seed}: {span} of {plan.steps} {what} in {_fmt_s(wall)}"
-            + (f" (evaluation {_fmt_s(eval_s)})" if eval_s is not None else "")
+        say(f"{spec.arm} s{spec.seed}: {span} of {plan.steps} {what} in {duration(wall)}"
+            + (f" (evaluation {duration(eval_s)})" if eval_s is not None else "")
             + "".join(f", {k} {v:.3f}" for k, v in means.items())
             + f"; {record['status']['steps_done']}/{record['status']['steps_planned']} steps done"
             + _eta_text(left, _mean(state["step_seconds"]), _evals_left(plan, specs, record),

@@ -29,12 +29,14 @@ from ict_jax.tools.compare_report import dense_steps, has_checkpoint, pass_at_k,
 from ict_jax.tools.experiment_plan import Outcome, Plan, RunSpec, base_run, differing_keys, plan_runs
 from ict_jax.tools.experiment_stats import mean_sd, minimum_detectable_effect, paired_differences
 from ict_jax.train.checkpoints import Checkpointer
+from ict_jax.train.evaluation import eval_results
 from ict_jax.train.logs import read_metrics
 from ict_jax.train.record import read_summary
 
 __all__ = ["FORMAT", "RECORD_FILE", "PLAN_FILE", "INVOCATIONS_FILE", "CHUNKS_FILE", "STATUS_FILE", "RESTORED_FILE",
            "COMPILATION_CACHE", "ATTEMPTS_DIR", "SAMPLE_METRICS", "build_record", "read_attempts", "compare_attempt",
-           "write_json", "run_status", "steps_done", "outcome_value", "append_jsonl", "read_jsonl"]
+           "write_json", "run_status", "steps_done", "eval_seconds", "outcome_value", "append_jsonl",
+           "read_jsonl"]
 
 FORMAT = 1
 RECORD_FILE = "experiment.json"  # in the plan's record folder
@@ -113,6 +115,17 @@ def run_status(run_dir: Path, steps: int) -> str:
         return "finished"
     metrics = run_dir / "metrics.jsonl"
     return "started" if (metrics.is_file() and metrics.stat().st_size > 0) or steps_done(run_dir, steps) else "pending"
+
+
+def eval_seconds(run_dir: Path, step: int) -> float | None:
+    """The seconds the evaluation of ``run_dir`` at ``step`` took (its results' per-benchmark ``seconds``);
+    None when it has none (no evaluation set, or it did not run)."""
+    path = eval_results(run_dir, step)
+    try:
+        benches = json.loads(path.read_text()).get("benchmarks", {})
+        return float(sum(b["seconds"] for b in benches.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _finite(v: Any) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ict_jax.heartbeat import duration
 from ict_jax.tools.compare_report import all_selected_mark, pass_at_k, selected_everything, selection_warning
 from ict_jax.tools.experiment_stats import mean_sd, minimum_detectable_effect, sd_interval
 
@@ -43,13 +44,6 @@ def _mean_sd(stat: Mapping[str, Any], digits: int = 3) -> str:
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
-
-
-def _duration(s: Any) -> str:
-    if s is None:
-        return "n/a"
-    s = int(round(float(s)))
-    return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
 
 
 def _value(v: Any) -> str:
@@ -241,7 +235,8 @@ def _runs_lines(record: Mapping[str, Any]) -> list[str]:
         wall = sum(float(c.get("wall_s") or 0.0) for c in r["chunks"]) if r["chunks"] else None
         rows.append([name, r["status"], f"{r['steps_done']}/{plan['steps']}", str(len(r["chunks"])),
                      _selected_cell(r.get("selection"), plan["arms"][r["arm"]]["method"]),
-                     _duration(wall), ", ".join(f"P@{k} {v:.3f}" for k, v in p.items()) or "n/a"])
+                     "n/a" if wall is None else duration(wall),
+                     ", ".join(f"P@{k} {v:.3f}" for k, v in p.items()) or "n/a"])
     lines += _table(["run", "status", "steps", "chunks", "selected (sparse steps)", "wall time (chunks)",
                      "final evaluation"], rows)
     lines += ["", "Selected: the mean of mask/selected_frac (selected / valid tokens) over the run's RL steps after "

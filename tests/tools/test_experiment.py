@@ -538,12 +538,12 @@ def test_the_eta_counts_steps_and_evaluations_by_hand():
     from ict_jax.tools.experiment import _eta_text
 
     # 18 x 228 s + 3 x 2410 s = 11334 s
-    assert _eta_text(18, 228.0, 3, 2410.0) == ", ETA 3h 08m (18 steps x 3m 48s + 3 evaluations x 40m 10s)"
+    assert _eta_text(18, 228.0, 3, 2410.0) == ", ETA 3h08m (18 steps x 3m48s + 3 evaluations x 40m10s)"
     # no evaluation measured yet: named, not timed
-    assert _eta_text(18, 228.0, 3, None) == ", ETA 1h 08m (18 steps x 3m 48s) + 3 evaluations"
+    assert _eta_text(18, 228.0, 3, None) == ", ETA 1h08m (18 steps x 3m48s) + 3 evaluations"
     assert _eta_text(0, 228.0, 1, None) == ", 1 evaluation left"
-    assert _eta_text(0, None, 1, 60.0) == ", ETA 1m 00s (1 evaluation x 1m 00s)"
-    assert _eta_text(5, 10.0, 0, 60.0) == ", ETA 0m 50s (5 steps x 0m 10s)"
+    assert _eta_text(0, None, 1, 60.0) == ", ETA 1m00s (1 evaluation x 1m00s)"
+    assert _eta_text(5, 10.0, 0, 60.0) == ", ETA 50s (5 steps x 10s)"
     assert _eta_text(0, 10.0, 0, 60.0) == "" and _eta_text(3, None, 2, 10.0) == ""
 
 
