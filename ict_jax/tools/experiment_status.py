@@ -5,7 +5,9 @@ run's state and RL steps (logged, and saved in its latest checkpoint), the final
 an invocation holds the experiment now (its process, since when, where its time box ends) or the last one
 ended without a word (killed, or its machine lost), and the time left at the last invocation's pace. Nothing
 measured is read out: no reward, no selected fraction, no evaluation result. It takes no lock and writes
-nothing, so it runs beside the invocation in progress (docs/experiments.md "Where it stands").
+nothing, so it runs beside the invocation in progress (docs/experiments.md "Where it stands"). It sees an
+invocation on this machine only (:func:`~ict_jax.outputs.held_by`): one on another machine that shares the
+folder reads as not running.
 """
 
 from __future__ import annotations
