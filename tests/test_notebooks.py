@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import math
 import os
 import runpy
 import subprocess
@@ -19,8 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NB = ROOT / "notebooks"
-NOTEBOOKS = ("01_token_selection.py", "02_training_dynamics.py")
-FIGURES = {"01_token_selection": 3, "02_training_dynamics": 2}  # inline figures each notebook shows
+NOTEBOOKS = ("01_token_selection.py", "02_training_dynamics.py", "03_experiment_record.py")
+FIGURES = {"01_token_selection": 3, "02_training_dynamics": 2, "03_experiment_record": 3}  # inline figures each shows
 MAX_BYTES = 2_000_000
 ALLOWED = {"ict_jax", "numpy", "matplotlib", "jax"}
 
@@ -124,6 +125,71 @@ def test_02_training_dynamics_reads_a_run(tmp_path, monkeypatch):
     assert len(ns["rows"]) == 6 and len(ns["sft_rows"]) == 1
     steps, sel = ns["series"]("mask/selected_frac")
     assert steps.tolist() == list(range(6)) and sel.tolist() == [1.0, 1.0] + [0.1] * 4
+
+
+EXPERIMENT = """\
+name: nb
+config: {config}
+overrides: {{model.preset: tiny}}
+arms:
+  ict: {{method: ict}}
+  grpo: {{method: grpo}}
+seeds: [0, 1, 2]
+steps: 3
+reference_arms: [grpo]
+primary_outcome: {{metric: reward/mean, steps: [2, 3]}}
+design: {{assumed_sd: 0.05}}
+stopping_rule: every run trains all 3 steps
+out: {out}
+"""
+
+
+def _fake_record(tmp_path: Path) -> Path:
+    """An experiment.json built by the record's own builder from hand-written run directories: 2 arms x 3
+    seeds, ict above grpo by 0.1, 0.12 and 0.3 at every step of seeds 0, 1, 2; grpo seed 2 stopped after 2 steps."""
+    from ict_jax.tools.experiment_plan import load_plan
+    from ict_jax.tools.experiment_record import build_record
+
+    path = tmp_path / "nb.yaml"
+    path.write_text(EXPERIMENT.format(config=ROOT / "configs" / "demo.yaml", out=tmp_path / "nb"))
+    plan = load_plan(path)
+    for arm in ("ict", "grpo"):
+        for seed in (0, 1, 2):
+            d = plan.out / "runs" / f"{arm}_s{seed}"
+            d.mkdir(parents=True)
+            n = 2 if (arm, seed) == ("grpo", 2) else 3
+            lift = (0.1, 0.12, 0.3)[seed] if arm == "ict" else 0.0
+            d.joinpath("metrics.jsonl").write_text("".join(
+                json.dumps({"phase": "rl", "step": s, "reward/mean": 0.1 * s + 0.05 * seed + lift,
+                            "time/sample_s": 2.0, "time/rewards_s": 0.5, "time/update_s": 4.0}) + "\n"
+                for s in range(n)))
+            if n == 3:  # an unfinished run's rows count up to its checkpoint, here none
+                d.joinpath("summary.json").write_text(json.dumps({"status": "finished", "steps": 3}))
+    rec = build_record(plan, plan_info={"sha256": plan.sha256, "text": plan.text})
+    out = tmp_path / "experiment.json"
+    out.write_text(json.dumps(rec))
+    return out
+
+
+def test_03_experiment_record_recomputes_the_outcomes_it_reads(tmp_path, monkeypatch, capsys):
+    record, out = _fake_record(tmp_path), tmp_path / "nb03"
+    ns = _run("03_experiment_record.py", monkeypatch, {"ICT_NB_RECORD": str(record), "ICT_NB_OUT": str(out)})
+    for png in ("metric_by_arm.png", "step_time.png", "mde_by_seeds.png"):
+        _png_ok(out / png)
+    # mean reward over steps 2-3 (rows 1, 2): 0.15 + 0.05 seed (+ ict's lift); grpo seed 2 has no step 3
+    assert ns["values"]["grpo"] == pytest.approx({"0": 0.15, "1": 0.2, "2": None})
+    assert ns["values"]["ict"] == pytest.approx({"0": 0.25, "1": 0.32, "2": 0.55})
+    printed = capsys.readouterr().out
+    # diffs 0.10, 0.12 (seed 2 unpaired): mean 0.11, sd 0.0141, se 0.01, t 11, df 1, p 1 - 2 atan(11) / pi
+    p = 1 - 2 * math.atan(11.0) / math.pi
+    assert f"ict - grpo: +0.1100 ± 0.0141 (sd of the differences), t 11.00, df 1, p {p:.3f} over 2 seeds" in printed
+    assert "      ict_s0      2.0s      0.5s      4.0s      6.5s" in printed, printed
+    # a record whose stored outcome disagrees with its rows is caught
+    rec = json.loads(record.read_text())
+    rec["outcomes"][0]["per_arm"]["ict"]["values"]["1"] = 0.33
+    record.write_text(json.dumps(rec))
+    with pytest.raises(AssertionError, match="ict"):
+        _run("03_experiment_record.py", monkeypatch, {"ICT_NB_RECORD": str(record), "ICT_NB_OUT": str(out)})
 
 
 # ------------------------------------------------------------------------------------------------
