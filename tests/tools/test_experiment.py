@@ -455,6 +455,44 @@ def test_an_evaluation_batch_is_kept_and_a_run_stopped_in_its_evaluation_evaluat
         run_experiment(path, progress=False, say=lambda s: None, eval_batch=2)
 
 
+@pytest.mark.e2e
+def test_the_base_model_is_evaluated_last_like_the_runs_and_recorded(tmp_path, reward_module):
+    """evaluation.base with LoRA (the pilot's design): after every run, the starting model (fresh adapters, 0
+    RL steps) is evaluated once in runs/base with the experiment's evaluation batch; the record and the report
+    hold its result, it equals the evaluation of a LoRA run before its first step (same problems, seed and
+    sampler keys), and the next invocation evaluates nothing again."""
+    text = PLAN.format(config=DEMO, out=tmp_path / "e").replace("steps: 3\n", "steps: 1\n").replace(
+        "chunk_steps: 2", "chunk_steps: 1").replace("primary_outcome: {metric: reward/mean, steps: [2, 3]}",
+                                                    "primary_outcome: {metric: reward/mean, steps: [1, 1]}")
+    text = text.replace("stopping_rule:", "evaluation: {base: true}\n"
+                                                                "stopping_rule:")
+    text = text.replace("  mesh.data: 2\n", "  mesh.data: 2\n  model.lora.enabled: true\n")
+    path = _plan(tmp_path, "e", text)
+    said = []
+    run_experiment(path, progress=False, say=said.append, eval_batch=4)
+    base = tmp_path / "e" / "runs" / "base"
+    assert any(x.startswith("base: evaluating the starting model (seed 0)") for x in said), said
+    assert any(x.startswith("base: evaluated in ") for x in said), said
+    cfg = json.loads((base / "config.json").read_text())
+    assert cfg["train"]["steps"] == 0 and cfg["data"]["eval_batch"] == 4 and cfg["model"]["lora"]["enabled"]
+    rec = json.loads((tmp_path / "e" / RECORD_FILE).read_text())
+    assert rec["status"]["complete"] and rec["base"]["status"] == "finished"
+    assert rec["base"]["eval_final"] == json.loads((base / "summary.json").read_text())["eval_final"]
+    assert "base" in (tmp_path / "e" / REPORT_FILE).read_text().split("## Held-out evaluation")[1]
+    # what the fresh adapters change: nothing (B = 0), so the base's evaluation is that of the same config's
+    # evaluation before any step
+    from ict_jax.config import load_config
+    from ict_jax.train.trainer import Trainer
+
+    cfg0 = load_config(None, base=cfg).replace(run_dir=str(tmp_path / "again"))
+    with Trainer(cfg0, progress=False) as trainer:
+        trainer.train()
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["eval_final"] == rec["base"]["eval_final"]
+    said.clear()
+    run_experiment(path, progress=False, say=said.append)
+    assert not any(x.startswith("base:") for x in said), said
+
+
 def test_a_changed_plan_and_a_second_invocation_are_refused(tmp_path):
     path = _plan(tmp_path, "p")
     plan = load_plan(path)
