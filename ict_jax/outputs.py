@@ -191,25 +191,27 @@ def held_by(path: str | os.PathLike) -> str | None:
     except OSError:
         table = None
     if table is not None:
+        pid = _described_pid(lock)
         for line in table.splitlines():
             fields = line.split()
             # "1: FLOCK  ADVISORY  WRITE 16180 fe:00:5530712 0 EOF" (a waiter's line has "->" after "1:")
-            ident = next((f for f in fields if f.count(":") == 2), "")
-            major, minor, inode = (ident.split(":") + ["", "", ""])[:3]
-            try:
-                same = (int(major, 16), int(minor, 16), int(inode)) == (os.major(st.st_dev), os.minor(st.st_dev),
-                                                                       st.st_ino)
-            except ValueError:
+            if "FLOCK" not in fields or "->" in fields:
                 continue
-            if "FLOCK" in fields and "->" not in fields and same:
+            at = next((i for i, f in enumerate(fields) if f.count(":") == 2), None)
+            try:
+                major, minor, inode = fields[at].split(":") if at is not None else ("", "", "")
+                ident = (int(major, 16), int(minor, 16), int(inode))
+                owner = int(fields[at - 1])
+            except (ValueError, IndexError):
+                continue
+            # the same device and inode; or, where a layered file system shows another device (overlayfs),
+            # the same inode held by the process the lock file names
+            if ident == (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) or (
+                    ident[2] == st.st_ino and pid is not None and owner == pid):
                 return _holder(lock)
         return None
-    try:
-        info = json.loads(lock.read_text() or "{}")
-        pid = int(info.get("pid") or 0)
-    except (OSError, ValueError, TypeError):
-        return None
-    if pid <= 0 or info.get("host") != socket.gethostname():
+    pid = _described_pid(lock, this_host=True)
+    if pid is None:
         return None
     try:
         os.kill(pid, 0)
@@ -218,6 +220,18 @@ def held_by(path: str | os.PathLike) -> str | None:
     except PermissionError:  # alive, another user's
         pass
     return _holder(lock)
+
+
+def _described_pid(lock: Path, this_host: bool = False) -> int | None:
+    """The process id the lock file names (with ``this_host``: only when it names this host), else None."""
+    try:
+        info = json.loads(lock.read_text() or "{}")
+        pid = int(info.get("pid") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    if pid <= 0 or (this_host and info.get("host") != socket.gethostname()):
+        return None
+    return pid
 
 
 def _holder(lock: Path) -> str:

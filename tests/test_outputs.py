@@ -100,3 +100,29 @@ def test_a_folder_the_hold_created_and_left_empty_is_removed_and_the_lock_file_h
     with hold_output_dir(folder, "run_dir"):  # it existed before this hold: kept
         pass
     assert folder.is_dir() and not has_entries(folder) and not has_entries(tmp_path / "missing")
+
+
+def test_a_lock_table_that_shows_another_device_matches_by_inode_and_holder(tmp_path, monkeypatch):
+    """/proc/locks names a file by device and inode; on a layered file system (overlayfs) its device is not
+    the one stat gives, so the inode held by the process the lock file names decides."""
+    from pathlib import Path
+
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    lock = folder / ".lock"
+    lock.write_text('{"pid": 4242, "host": "h"}')
+    ino = lock.stat().st_ino
+    real = Path.read_text
+    table = {"text": ""}
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: table["text"] if str(self) == "/proc/locks"
+                        else real(self, *a, **k))
+    for text, held in ((f"1: FLOCK  ADVISORY  WRITE 4242 ff:07:{ino} 0 EOF\n", True),
+                       (f"1: FLOCK  ADVISORY  WRITE 999 ff:07:{ino} 0 EOF\n", False),  # another process
+                       (f"1: FLOCK  ADVISORY  WRITE 4242 ff:07:{ino + 1} 0 EOF\n", False),  # another file
+                       (f"1: -> FLOCK  ADVISORY  WRITE 4242 ff:07:{ino} 0 EOF\n", False),  # a waiter
+                       (f"1: POSIX  ADVISORY  WRITE 4242 ff:07:{ino} 0 EOF\n", False),  # not a flock
+                       ("garbage\n2: FLOCK\n", False)):
+        table["text"] = text
+        assert (held_by(folder) is not None) == held, text
+    table["text"] = "1: FLOCK  ADVISORY  WRITE 4242 ff:07:{} 0 EOF\n".format(ino)
+    assert held_by(folder) == "process 4242 on h since ?"
