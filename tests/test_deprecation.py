@@ -164,3 +164,13 @@ def test_the_attention_mask_value_read_from_qwen2_is_the_attention_modules():
     with pytest.warns(DeprecationWarning, match=r"ict_jax\.model\.qwen2\.MASKED is deprecated .* use ict_jax\.model\.attention\.MASKED"):
         assert qwen2.MASKED == attention.MASKED
     assert qwen2.attend is attention.attend  # still used by the model itself: no warning
+
+
+def test_eval_results_former_suffix_parameter_still_gives_the_samples_path_with_a_warning(tmp_path):
+    from ict_jax.train.evaluation import eval_results
+
+    results = eval_results(tmp_path, 3)
+    assert results == tmp_path / "eval" / "step_000003.json"
+    with pytest.warns(DeprecationWarning, match=r"eval_results\(\.\.\., suffix\) is deprecated .* use "
+                                                r"eval_results\(\.\.\.\)\.with_suffix\(suffix\)"):
+        assert eval_results(tmp_path, 3, ".jsonl") == tmp_path / "eval" / "step_000003.jsonl"
