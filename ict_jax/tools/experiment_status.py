@@ -61,9 +61,8 @@ def _logged_steps(run_dir: Path) -> int:
     return len({int(r["step"]) for r in read_metrics(metrics, "rl")}) if metrics.is_file() else 0
 
 
-def _run_state(spec: RunSpec, steps: int, active: bool) -> RunState:
+def _run_state(spec: RunSpec, status: str, steps: int, active: bool) -> RunState:
     d = spec.run_dir
-    status = run_status(d, steps)
     saved = steps_done(d, steps)
     logged = max(_logged_steps(d), saved)
     if status in ("finished", "diverged"):
@@ -77,12 +76,12 @@ def _run_state(spec: RunSpec, steps: int, active: bool) -> RunState:
     return RunState(spec.name, state, logged, saved)
 
 
-def _active(specs: list[RunSpec], steps: int) -> str | None:
+def _active(specs: list[RunSpec], statuses: dict[str, str]) -> str | None:
     """The run an invocation in progress works on: the unfinished run whose metrics log changed last."""
     best, when = None, -1.0
     for spec in specs:
         metrics = spec.run_dir / "metrics.jsonl"
-        if metrics.is_file() and run_status(spec.run_dir, steps) not in ("finished", "diverged"):
+        if metrics.is_file() and statuses[spec.name] not in ("finished", "diverged"):
             t = metrics.stat().st_mtime
             if t > when:
                 best, when = spec.name, t
@@ -130,8 +129,9 @@ def experiment_status(plan_path: str | Path) -> dict[str, Any]:
     plan = load_plan(plan_path)
     specs = plan_runs(plan)
     holder = held_by(plan.out)
-    active = _active(specs, plan.steps) if holder else None
-    runs = [_run_state(s, plan.steps, s.name == active) for s in specs]
+    statuses = {s.name: run_status(s.run_dir, plan.steps) for s in specs}
+    active = _active(specs, statuses) if holder else None
+    runs = [_run_state(s, statuses[s.name], plan.steps, s.name == active) for s in specs]
     base = None
     if plan.evaluate_base:
         b = base_run(plan)
