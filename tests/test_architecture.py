@@ -19,6 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "rng": set(),
     "buckets": set(),
     "heartbeat": set(),
+    "interrupts": set(),
     "rewards": set(),
     "data": {"rewards", "model.tokenizers", "rng", "buckets"},
     "model": {"config", "sharding", "rng", "deprecation"},
@@ -26,13 +27,13 @@ ALLOWED: dict[str, set[str]] = {
     "sampling": {"config", "sharding", "rng", "buckets", "model", "data", "rewards", "outputs", "heartbeat",
                  "deprecation"},
     "train": {"config", "sharding", "rng", "buckets", "model", "data", "rewards", "rl", "sampling", "outputs",
-              "memory", "heartbeat", "deprecation"},
+              "memory", "heartbeat", "interrupts", "deprecation"},
     "aot": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards", "rl",
             "sampling", "train", "heartbeat", "deprecation"},
     "tools": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards",
               "rl", "sampling", "train", "aot", "heartbeat", "deprecation"},
     "cli": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards",
-            "rl", "sampling", "train", "tools", "aot", "cli", "heartbeat", "deprecation", ""},
+            "rl", "sampling", "train", "tools", "aot", "cli", "heartbeat", "interrupts", "deprecation", ""},
 }
 
 

@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Callable, Sequence
 
-from ict_jax import __version__
+from ict_jax import __version__, interrupts
 from ict_jax.cli.errors import EXIT_DOES_NOT_FIT, UserError
 from ict_jax.config import ConfigError
 from ict_jax.outputs import USER_PATH_ERRNOS, os_error_line
@@ -138,6 +138,8 @@ def silence_stderr(log_path: str | None = None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from_command_line = argv is None  # the process's own command (not a call from Python code)
+    if from_command_line:
+        interrupts.install()  # Ctrl-C raises KeyboardInterrupt even when it lands in JAX's gc callback
     skip_absent_tpu()
     parser = build_parser()
     argv = join_negative_values(sys.argv[1:] if argv is None else argv)

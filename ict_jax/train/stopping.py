@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterator
 
 import jax
 
+from ict_jax.interrupts import raise_keyboard_interrupt
+
 
 class TrainingDiverged(RuntimeError):
     """Three consecutive non-finite updates: the run stopped, the last good checkpoint is intact."""
@@ -28,7 +30,8 @@ class StopFlag:
 @contextlib.contextmanager
 def stop_after_step(say: Callable[[str], Any]) -> Iterator[StopFlag]:
     """The first Ctrl-C (SIGINT) sets ``flag.requested``: the loop finishes its step, saves a checkpoint
-    and raises :class:`Interrupted`. A second Ctrl-C stops at once. Only in the main thread of a
+    and raises :class:`Interrupted`. A second Ctrl-C stops at once (a ``KeyboardInterrupt``, never lost in a
+    garbage-collector callback: :func:`ict_jax.interrupts.raise_keyboard_interrupt`). Only in the main thread of a
     single-process run (elsewhere Ctrl-C raises KeyboardInterrupt as usual)."""
     flag = StopFlag()
     if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
@@ -38,7 +41,8 @@ def stop_after_step(say: Callable[[str], Any]) -> Iterator[StopFlag]:
 
     def handler(signum: int, frame: Any) -> None:
         if flag.requested:
-            raise KeyboardInterrupt
+            raise_keyboard_interrupt(signum, frame)
+            return
         flag.requested = True
         say("Ctrl-C: stopping after this step and saving a checkpoint (Ctrl-C again to stop at once)")
 
