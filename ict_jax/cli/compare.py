@@ -25,8 +25,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="run (or continue) the pre-registered experiment of this plan: arms x seeds in chunks, "
                         "record and report in the plan's record folder (docs/experiments.md); instead of --config")
     p.add_argument("--max-hours", type=float, default=None, metavar="H",
-                   help="with --plan: stop after the step in progress once H hours have passed (a checkpoint; the "
-                        "same command continues)")
+                   help="with --plan: a time box of H hours: no step or final evaluation starts that would end "
+                        "past it at the pace measured (a checkpoint; exit 75; the same command continues)")
     p.add_argument("--report", action="store_true",
                    help="with --plan: only rebuild report.md and its figures from the record (experiment.json)")
     p.add_argument("--status", action="store_true",

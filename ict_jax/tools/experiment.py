@@ -44,6 +44,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from ict_jax.config import ConfigError
 from ict_jax.heartbeat import duration
 from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
+from ict_jax.tools.experiment_box import TimeBox
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (
     CHUNKS_FILE,
@@ -55,6 +56,7 @@ from ict_jax.tools.experiment_record import (
     append_jsonl,
     build_record,
     eval_seconds,
+    pace,
     read_jsonl,
     run_status,
     steps_done,
@@ -163,14 +165,21 @@ def _evals_left(plan: Plan, specs: list[RunSpec], record: Mapping[str, Any]) -> 
     return left + int(bool(plan.evaluate_base) and (record.get("base") or {}).get("status") != "finished")
 
 
-def _train_chunk(spec: RunSpec, until: int, stop_now: Callable[[], bool], progress: bool) -> tuple[str, int]:
-    """Train run ``spec`` until RL step ``until`` (or until ``stop_now()`` after a step); returns (status,
-    steps done): ``paused``, ``finished`` or ``diverged``. Resumes from the run's checkpoint if it has one."""
+def _train_chunk(spec: RunSpec, until: int, box: TimeBox, progress: bool) -> tuple[str, int]:
+    """Train run ``spec`` until RL step ``until`` (or, after a step, until the next one does not fit in
+    ``box``: :func:`_next_fits`); returns (status, steps done): ``paused``, ``finished`` or ``diverged``.
+    Resumes from the run's checkpoint if it has one."""
     d = spec.run_dir
     resume = has_entries(d)
+
+    def pause(done: int) -> bool:
+        box.step_done()
+        return done >= until or not _next_fits(spec, done, box)
+
+    box.chunk_started()
     try:
         with Trainer(spec.config, resume=resume, progress=progress) as trainer:
-            trainer.train(pause=lambda done: done >= until or stop_now())
+            trainer.train(pause=pause)
             paused = trainer.paused
     except TrainingDiverged as e:
         if jax.process_index() == 0:
@@ -183,19 +192,29 @@ def _train_chunk(spec: RunSpec, until: int, stop_now: Callable[[], bool], progre
     return "finished", spec.config.train.steps
 
 
-def _evaluate_base(spec: RunSpec, stop_now: Callable[[], bool], deadline: float | None, progress: bool,
-                   say: Callable[[str], None]) -> None:
+def _next_fits(spec: RunSpec, done: int, box: TimeBox) -> bool:
+    """Whether what run ``spec`` does next after ``done`` RL steps fits in ``box``: a step, with the final
+    evaluation when it is the run's last step (the evaluation runs inside it), or only the evaluation when
+    every step is done."""
+    steps, evaluates = spec.config.train.steps, bool(spec.config.data.eval)
+    if done >= steps:
+        return box.fits(evaluation=evaluates)
+    return box.fits(steps=1, evaluation=evaluates and done + 1 == steps)
+
+
+def _evaluate_base(spec: RunSpec, box: TimeBox, progress: bool, say: Callable[[str], None]) -> None:
     """The starting model's final evaluation (0 RL steps) in its own run directory, unless it has one."""
     d = spec.run_dir
     if run_status(d, 0) == "finished":
         return
-    if stop_now():
-        raise ExperimentStopped(_why(deadline))
+    if not box.fits(evaluation=True):
+        raise ExperimentStopped(box.why())
     say(f"base: evaluating the starting model (seed {spec.seed}) -> {d}")
     t0 = time.monotonic()
     with Trainer(spec.config, resume=has_entries(d), progress=progress) as trainer:
         trainer.train()
     gc.collect()
+    box.evaluation_done(eval_seconds(d, 0))
     say(f"base: evaluated in {duration(time.monotonic() - t0)}")
 
 
@@ -222,10 +241,6 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _why(deadline: float | None) -> str:
-    return "time box" if deadline is not None and time.monotonic() >= deadline else "stop requested"
-
-
 #: the orders in which the runner takes the runs' chunks (``run_experiment(order=...)``)
 ORDERS = ("chunks", "runs")
 
@@ -244,7 +259,7 @@ def _turns(plan: Plan, specs: list[RunSpec], order: str) -> list[tuple[int, RunS
 
 
 def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], inv_id: str,
-                stop_now: Callable[[], bool], deadline: float | None, progress: bool, state: dict[str, Any],
+                box: TimeBox, progress: bool, state: dict[str, Any],
                 say: Callable[[str], None], order: str = "chunks") -> None:
     """Every run's chunks in ``order`` (:func:`_turns`): each unfinished run trains up to the chunk's end;
     after each chunk the chunk's line, the record and a progress line. ``state``: chunks done, seconds a step
@@ -255,10 +270,10 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
         # a run at its last step but not finished was stopped in its final evaluation: it evaluates again
         if status in ("finished", "diverged") or (start >= end and end < plan.steps):
             continue
-        if stop_now():
-            raise ExperimentStopped(_why(deadline))
+        if not _next_fits(spec, start, box):
+            raise ExperimentStopped(box.why())
         t0 = time.monotonic()
-        what, done = _train_chunk(spec, end, stop_now, progress)
+        what, done = _train_chunk(spec, end, box, progress)
         wall = time.monotonic() - t0
         append_jsonl(plan.out / CHUNKS_FILE, {"run": spec.name, "from": start, "to": done, "status": what,
                                               "wall_s": round(wall, 1), "time": now_iso(), "invocation": inv_id,
@@ -267,6 +282,8 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
         eval_s = eval_seconds(spec.run_dir, plan.steps) if what == "finished" else None
         if eval_s is not None:
             state["eval_seconds"].append(eval_s)
+        if what == "finished":
+            box.evaluation_done(eval_s)
         if done > start:
             state["step_seconds"].append((wall - (eval_s or 0.0)) / (done - start))
         record = _update_record(plan, plan_info)
@@ -289,7 +306,7 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
                     + (f"; first difference at step {first['step'] + 1} ({', '.join(sorted(first['metrics'])[:4])}"
                        + (", ..." if len(first["metrics"]) > 4 else "") + ")" if first else ""))
         if what == "paused" and done < end:  # the time box or a stop request paused it mid-chunk
-            raise ExperimentStopped(_why(deadline))
+            raise ExperimentStopped(box.why())
 
 
 def _eval_batch(plan: Plan, specs: list[RunSpec], requested: int | None,
@@ -356,11 +373,14 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
     machine, not a setting of the plan; recorded per invocation and kept by later ones); fixed for the
     experiment once an evaluation has finished (:func:`_eval_batch`).
 
-    ``max_hours``: the time box of this invocation; when it is spent the run in progress pauses after its
+    ``max_hours``: the time box of this invocation (:class:`~ict_jax.tools.experiment_box.TimeBox`): no step
+    or final evaluation starts that is expected to end past it (a run's last step counts with its
+    evaluation), at this invocation's pace, else the last invocation's; the run in progress pauses after its
     step (a checkpoint), the record is written and :class:`ExperimentStopped` is raised; the same call
-    continues. ``should_stop()``: asked after every RL step and before every chunk, the same effect (what
-    the time box uses). Ctrl-C stops after the step in progress (:class:`~ict_jax.train.stopping.Interrupted`,
-    the record written first). Bad plans raise :class:`PlanError` before any work."""
+    continues. Every invocation does at least one step or evaluation. ``should_stop()``: asked after every RL
+    step and before every chunk, the same effect. Ctrl-C stops after the step in progress
+    (:class:`~ict_jax.train.stopping.Interrupted`, the record written first). Bad plans raise
+    :class:`PlanError` before any work."""
     plan = load_plan(plan_path)
     if max_hours is not None and not max_hours > 0:
         raise PlanError(f"max_hours: {max_hours!r}: expected a positive number of hours")
@@ -371,10 +391,8 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
     git_state = check_plan_provenance(plan, allow_uncommitted)
     specs = plan_runs(plan)
     t_start = time.monotonic()
-    deadline = None if max_hours is None else t_start + max_hours * 3600.0
-
-    def stop_now() -> bool:
-        return (deadline is not None and time.monotonic() >= deadline) or (should_stop is not None and should_stop())
+    box = TimeBox(None if max_hours is None else t_start + max_hours * 3600.0, *pace(plan, specs),
+                  should_stop=should_stop)
 
     with hold_output_dir(plan.out, "out"):
         recovered = _recover_if_lost(plan, recover, say)
@@ -395,9 +413,9 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
         stopped, progress_state = "finished", {"chunks": 0, "step_seconds": [], "eval_seconds": []}
         try:
             _update_record(plan, plan_info)
-            _run_chunks(plan, specs, plan_info, inv_id, stop_now, deadline, progress, progress_state, say, order)
+            _run_chunks(plan, specs, plan_info, inv_id, box, progress, progress_state, say, order)
             if plan.evaluate_base:
-                _evaluate_base(_with_eval_batch(base_run(plan), batch), stop_now, deadline, progress, say)
+                _evaluate_base(_with_eval_batch(base_run(plan), batch), box, progress, say)
         except ExperimentStopped as e:
             stopped = str(e)
             raise

@@ -35,7 +35,7 @@ from ict_jax.train.record import read_summary
 
 __all__ = ["FORMAT", "RECORD_FILE", "PLAN_FILE", "INVOCATIONS_FILE", "CHUNKS_FILE", "STATUS_FILE", "RESTORED_FILE",
            "COMPILATION_CACHE", "ATTEMPTS_DIR", "SAMPLE_METRICS", "build_record", "read_attempts", "compare_attempt",
-           "write_json", "run_status", "steps_done", "eval_seconds", "outcome_value", "append_jsonl",
+           "write_json", "run_status", "steps_done", "eval_seconds", "pace", "outcome_value", "append_jsonl",
            "read_jsonl"]
 
 FORMAT = 1
@@ -126,6 +126,28 @@ def eval_seconds(run_dir: Path, step: int) -> float | None:
         return float(sum(b["seconds"] for b in benches.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def pace(plan: Plan, specs: Sequence[RunSpec]) -> tuple[float | None, float | None]:
+    """Seconds an RL step and seconds a final evaluation took in the last invocation that measured them
+    (``chunks.jsonl``: a chunk's wall time less its final evaluation's, over its steps; the evaluation's own
+    seconds); None for what none measured. The time left (``--status``) and the time box's expectations
+    before an invocation has measured its own (:mod:`ict_jax.tools.experiment_box`) read it."""
+    by_name = {s.name: s for s in specs}
+    step_s: dict[str, list[float]] = {}
+    eval_s: list[float] = []
+    for row in read_jsonl(plan.out / CHUNKS_FILE):
+        spec = by_name.get(row.get("run"))
+        if spec is None:
+            continue
+        ev = eval_seconds(spec.run_dir, plan.steps) if row.get("status") == "finished" else None
+        if ev is not None:
+            eval_s.append(ev)
+        n = int(row.get("to", 0)) - int(row.get("from", 0))
+        if n > 0:
+            step_s.setdefault(row.get("invocation", ""), []).append((float(row["wall_s"]) - (ev or 0.0)) / n)
+    last = list(step_s.values())[-1] if step_s else []
+    return (sum(last) / len(last) if last else None), (eval_s[-1] if eval_s else None)
 
 
 def _finite(v: Any) -> bool:

@@ -19,13 +19,12 @@ from typing import Any
 
 from ict_jax.heartbeat import duration
 from ict_jax.outputs import held_by
-from ict_jax.tools.experiment_plan import Plan, RunSpec, base_run, load_plan, plan_runs
+from ict_jax.tools.experiment_plan import RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (
-    CHUNKS_FILE,
     INVOCATIONS_FILE,
     PLAN_FILE,
     RECORD_FILE,
-    eval_seconds,
+    pace,
     read_jsonl,
     run_status,
     steps_done,
@@ -88,26 +87,6 @@ def _active(specs: list[RunSpec], statuses: dict[str, str]) -> str | None:
     return best
 
 
-def _pace(plan: Plan, specs: list[RunSpec]) -> tuple[float | None, float | None]:
-    """Seconds an RL step and seconds a final evaluation took in the last invocation that measured them
-    (``chunks.jsonl``: a finished chunk's wall time less its evaluation's, over its steps)."""
-    by_name = {s.name: s for s in specs}
-    step_s: dict[str, list[float]] = {}
-    eval_s: list[float] = []
-    for row in read_jsonl(plan.out / CHUNKS_FILE):
-        spec = by_name.get(row.get("run"))
-        if spec is None:
-            continue
-        ev = eval_seconds(spec.run_dir, plan.steps) if row.get("status") == "finished" else None
-        if ev is not None:
-            eval_s.append(ev)
-        n = int(row.get("to", 0)) - int(row.get("from", 0))
-        if n > 0:
-            step_s.setdefault(row.get("invocation", ""), []).append((float(row["wall_s"]) - (ev or 0.0)) / n)
-    last = list(step_s.values())[-1] if step_s else []
-    return (sum(last) / len(last) if last else None), (eval_s[-1] if eval_s else None)
-
-
 def _open_invocation(out: Path) -> dict[str, Any] | None:
     """The last invocation's start line when no end line follows it (running, or killed), else None."""
     ended, last = set(), None
@@ -139,7 +118,7 @@ def experiment_status(plan_path: str | Path) -> dict[str, Any]:
         runs_done = all(r.state in ("finished", "diverged") for r in runs)
         base = RunState("base", "finished" if done else "evaluating" if holder and runs_done else "pending", 0, 0)
     unfinished = [(s, r) for s, r in zip(specs, runs) if r.state not in ("finished", "diverged")]
-    step_s, eval_s = _pace(plan, specs)
+    step_s, eval_s = pace(plan, specs)
     record = plan.record / RECORD_FILE
     return {
         "name": plan.name, "out": str(plan.out), "record": str(record), "steps": plan.steps, "runs": runs,
@@ -197,7 +176,8 @@ def format_status(status: dict[str, Any]) -> str:
     if status["held_by"]:
         box = _box_end(inv) if inv else None
         lines.append(f"running: {status['held_by']}"
-                     + (f"; its time box pauses it after the step in progress at {box}" if box else ""))
+                     + (f"; its time box ends at {box} (no step or evaluation starts that would end past it)"
+                        if box else ""))
     elif inv is not None:
         lines.append(f"not running; the last invocation (started {inv.get('start')}) has no end in "
                      f"{INVOCATIONS_FILE}: it was killed or its machine lost (the same command continues each run "

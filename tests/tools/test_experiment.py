@@ -17,7 +17,9 @@ import pytest
 
 from ict_jax.cli.main import main as cli_main
 from ict_jax.outputs import OutputInUse, hold_output_dir
+from ict_jax.tools import experiment
 from ict_jax.tools.experiment import ExperimentStopped, rebuild_report, run_experiment
+from ict_jax.tools.experiment_box import TimeBox
 from ict_jax.tools.experiment_plan import Outcome, PlanError, load_plan, plan_runs
 from ict_jax.tools.experiment_record import RECORD_FILE, build_record, outcome_value
 from ict_jax.tools.experiment_report import FIGURES, REPORT_FILE
@@ -400,6 +402,44 @@ def test_interrupted_and_continued_ends_bitwise_equal_and_the_report_rebuilds(tm
     # finished: running it again trains nothing and changes no result
     run_experiment(cut, progress=False, say=lambda s: None)
     assert json.loads((folder / RECORD_FILE).read_text())["runs"] == rec["runs"]
+
+
+def test_the_runner_starts_no_last_step_whose_evaluation_would_end_past_the_box(tmp_path, reward_module,
+                                                                                monkeypatch):
+    """On a virtual clock (a step 100 s, an evaluation 500 s, a box of 1000 s): ict trains both steps and is
+    evaluated (the first piece of work always runs; no pace is known before it), grpo's first step ends at
+    700 s and its last step with its evaluation is expected to take 500 s more (no step's time is measured
+    yet: that is the time between two steps of one run), so grpo pauses after step 1 although the box still
+    had 300 s left; the next invocation finishes it."""
+    class Virtual(TimeBox):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.now = self.deadline - 1000.0
+            self.clock = lambda: self.now
+
+        def step_done(self):
+            self.now += 100.0
+            super().step_done()
+
+        def evaluation_done(self, seconds):
+            assert seconds is not None and seconds > 0  # the run's own evaluation time was read
+            self.now += 500.0
+            super().evaluation_done(500.0)
+
+    monkeypatch.setattr(experiment, "TimeBox", Virtual)
+    text = (PLAN.format(config=DEMO, out=tmp_path / "box").replace("steps: 3\nchunk_steps: 2", "steps: 2\nchunk_steps: 2")
+            .replace("steps: [2, 3]", "steps: [1, 2]").replace("all 3 steps", "all 2 steps"))
+    path = _plan(tmp_path, "box", text)
+    said = []
+    with pytest.raises(ExperimentStopped, match="time box"):
+        run_experiment(path, max_hours=1000.0 / 3600, progress=False, say=said.append)
+    rec = json.loads((tmp_path / "box" / RECORD_FILE).read_text())
+    assert rec["runs"]["ict_s0"]["status"] == "finished" and rec["runs"]["grpo_s0"]["steps_done"] == 1, said
+    assert rec["invocations"][0]["stopped"] == "time box"
+    monkeypatch.setattr(experiment, "TimeBox", TimeBox)
+    run_experiment(path, progress=False, say=lambda s: None)
+    rec = json.loads((tmp_path / "box" / RECORD_FILE).read_text())
+    assert rec["status"]["complete"] and rec["runs"]["grpo_s0"]["steps_done"] == 2
 
 
 def _eval_json(run: Path) -> dict:

@@ -116,7 +116,7 @@ def test_an_invocation_in_progress_and_one_that_never_ended(plan):
         assert st["base"].state == "pending" and st["steps_left"] == 0 and st["evaluations_left"] == 2
         text = format_status(st)
         assert "\nrunning: process " in text
-        assert "its time box pauses it after the step in progress at 2026-01-01T12:30+00:00" in text
+        assert "its time box ends at 2026-01-01T12:30+00:00 (no step or evaluation starts that would end past it)" in text
         assert text.endswith("left: 2 evaluations (no pace measured yet)")
     st = experiment_status(plan.path)  # released, but the start line has no end: killed or lost
     assert st["held_by"] is None and st["runs"][2].state == "to evaluate"
