@@ -28,8 +28,10 @@ RETRY_S = 0.02
 
 def _callback_codes() -> set[CodeType]:
     codes = set()
-    for cb in gc.callbacks:
-        code = getattr(getattr(cb, "__func__", cb), "__code__", None)
+    for cb in gc.callbacks:  # a function, a bound method or an object with __call__
+        fn = getattr(cb, "__func__", cb)
+        call = next((vars(k)["__call__"] for k in type(fn).__mro__ if "__call__" in vars(k)), None)
+        code = getattr(fn, "__code__", None) or getattr(call, "__code__", None)
         if code is not None:
             codes.add(code)
     return codes

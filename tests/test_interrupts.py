@@ -106,12 +106,19 @@ def test_in_gc_callback_looks_up_the_interrupted_frame_s_callers():
             seen["inside"] = interrupts.in_gc_callback(sys._getframe())
             seen["nested"] = (lambda: interrupts.in_gc_callback(sys._getframe()))()
 
-    gc.callbacks.append(callback)
+    class Timer:  # a callback object (its __call__'s frame is the one interrupted)
+        def __call__(self, phase, info):
+            if phase == "start" and "object" not in seen:
+                seen["object"] = interrupts.in_gc_callback(sys._getframe())
+
+    timer = Timer()
+    gc.callbacks.extend([callback, timer])
     try:
         gc.collect()
     finally:
         gc.callbacks.remove(callback)
-    assert seen == {"inside": True, "nested": True}
+        gc.callbacks.remove(timer)
+    assert seen == {"inside": True, "nested": True, "object": True}
     assert not interrupts.in_gc_callback(sys._getframe())
     assert not interrupts.in_gc_callback(None)
 
