@@ -56,7 +56,6 @@ class TimeBox:
         if seconds is not None:
             self._evals.append(seconds)
         self.worked = True
-        self._last_step_end = None
 
     def step_seconds(self) -> float | None:
         """Seconds an RL step: this invocation's mean, else the known pace, else None."""
