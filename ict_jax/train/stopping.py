@@ -31,7 +31,7 @@ class StopFlag:
 def stop_after_step(say: Callable[[str], Any]) -> Iterator[StopFlag]:
     """The first Ctrl-C (SIGINT) sets ``flag.requested``: the loop finishes its step, saves a checkpoint
     and raises :class:`Interrupted`. A second Ctrl-C stops at once (a ``KeyboardInterrupt``, never lost in a
-    garbage-collector callback: :func:`ict_jax.interrupts.raise_keyboard_interrupt`). Only in the main thread of a
+    garbage collection: :func:`ict_jax.interrupts.raise_keyboard_interrupt`). Only in the main thread of a
     single-process run (elsewhere Ctrl-C raises KeyboardInterrupt as usual)."""
     flag = StopFlag()
     if threading.current_thread() is not threading.main_thread() or jax.process_count() > 1:
