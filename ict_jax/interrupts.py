@@ -62,27 +62,21 @@ def _callback_codes() -> set[CodeType]:
     return codes
 
 
-def _outside_callbacks(frame: FrameType | None) -> FrameType | None:
-    """The first caller of ``frame`` that is not a gc callback or code one called (None: there is none)."""
+def _outermost_callback(frame: FrameType | None) -> FrameType | None:
+    """The outermost frame of a gc callback among ``frame`` and its callers (None: none runs one)."""
     codes = _callback_codes()
-    inside = None
-    f = frame
-    while f is not None:
-        if f.f_code in codes:
-            inside = f
-        f = f.f_back
-    return inside.f_back if inside is not None else frame
+    outermost = None
+    while frame is not None and codes:
+        if frame.f_code in codes:
+            outermost = frame
+        frame = frame.f_back
+    return outermost
 
 
 def in_gc_callback(frame: FrameType | None) -> bool:
     """Whether ``frame`` (the frame a signal handler interrupted) runs inside a garbage-collector callback
     (a function of ``gc.callbacks``, or code it called), where a raised exception would be dropped."""
-    codes = _callback_codes()
-    while frame is not None and codes:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
+    return _outermost_callback(frame) is not None
 
 
 def raise_at_next_line(frame: FrameType, exc: type[BaseException] = KeyboardInterrupt) -> None:
@@ -111,13 +105,12 @@ def raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     """A SIGINT handler: ``raise KeyboardInterrupt`` as Python's default one does, except where the garbage
     collector runs (its callbacks, the finalizers and weak-reference callbacks it calls), where that would be
     dropped: there it is raised at the next line of the frame the collection interrupted."""
-    in_collection, began_in = collecting()
-    if in_collection:
-        target = began_in
-    elif in_gc_callback(frame):  # a collection that began before this module was imported
-        target = _outside_callbacks(frame)
-    else:
-        raise KeyboardInterrupt
+    in_collection, target = collecting()
+    if not in_collection:
+        callback = _outermost_callback(frame)  # a collection that began before this module was imported
+        if callback is None:
+            raise KeyboardInterrupt
+        target = callback.f_back
     if target is None:  # no Python frame of the program to raise it in: here, as Python's own handler does
         raise KeyboardInterrupt
     raise_at_next_line(target)
