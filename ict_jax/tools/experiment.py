@@ -237,10 +237,6 @@ def _use_compilation_cache(folder: Path) -> None:
     compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used: decide again
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 #: the orders in which the runner takes the runs' chunks (``run_experiment(order=...)``)
 ORDERS = ("chunks", "runs")
 
@@ -259,11 +255,10 @@ def _turns(plan: Plan, specs: list[RunSpec], order: str) -> list[tuple[int, RunS
 
 
 def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], inv_id: str,
-                box: TimeBox, progress: bool, state: dict[str, Any],
-                say: Callable[[str], None], order: str = "chunks") -> None:
+                box: TimeBox, progress: bool, say: Callable[[str], None], order: str = "chunks") -> None:
     """Every run's chunks in ``order`` (:func:`_turns`): each unfinished run trains up to the chunk's end;
-    after each chunk the chunk's line, the record and a progress line. ``state``: chunks done, seconds a step
-    and seconds a final evaluation so far (a run's last chunk: its wall time less its evaluation's)."""
+    after each chunk the chunk's line, the record and a progress line (its ETA at the pace of ``box``'s
+    chunks so far: :meth:`~ict_jax.tools.experiment_box.TimeBox.eta_pace`)."""
     for end, spec in _turns(plan, specs, order):
         status = run_status(spec.run_dir, plan.steps)
         start = steps_done(spec.run_dir, plan.steps)
@@ -278,14 +273,8 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
         append_jsonl(plan.out / CHUNKS_FILE, {"run": spec.name, "from": start, "to": done, "status": what,
                                               "wall_s": round(wall, 1), "time": now_iso(), "invocation": inv_id,
                                               **code_commit()})
-        state["chunks"] += 1
         eval_s = eval_seconds(spec.run_dir, plan.steps) if what == "finished" else None
-        if eval_s is not None:
-            state["eval_seconds"].append(eval_s)
-        if what == "finished":
-            box.evaluation_done(eval_s)
-        if done > start:
-            state["step_seconds"].append((wall - (eval_s or 0.0)) / (done - start))
+        box.chunk_done(wall, done - start, what == "finished", eval_s)
         record = _update_record(plan, plan_info)
         left = record["status"]["steps_planned"] - record["status"]["steps_done"]
         means = _chunk_means(spec.run_dir, start, done)
@@ -294,8 +283,7 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
             + (f" (evaluation {duration(eval_s)})" if eval_s is not None else "")
             + "".join(f", {k} {v:.3f}" for k, v in means.items())
             + f"; {record['status']['steps_done']}/{record['status']['steps_planned']} steps done"
-            + _eta_text(left, _mean(state["step_seconds"]), _evals_left(plan, specs, record),
-                       _mean(state["eval_seconds"])))
+            + _eta_text(left, box.eta_pace()[0], _evals_left(plan, specs, record), box.eta_pace()[1]))
         for a in record["runs"][spec.name].get("attempts", []):
             c = a["comparison"]
             if c["steps_compared"]:
@@ -410,10 +398,10 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
                                 **code_commit()})
         say(f"{plan.name}: {len(plan.arms)} arms x {len(plan.seeds)} seeds, {plan.steps} steps in chunks of "
             f"{plan.chunk_steps}, order {order} -> {plan.out} (record: {plan.record / RECORD_FILE})")
-        stopped, progress_state = "finished", {"chunks": 0, "step_seconds": [], "eval_seconds": []}
+        stopped = "finished"
         try:
             _update_record(plan, plan_info)
-            _run_chunks(plan, specs, plan_info, inv_id, box, progress, progress_state, say, order)
+            _run_chunks(plan, specs, plan_info, inv_id, box, progress, say, order)
             if plan.evaluate_base:
                 _evaluate_base(_with_eval_batch(base_run(plan), batch), box, progress, say)
         except ExperimentStopped as e:
@@ -427,7 +415,7 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
             raise
         finally:
             append_jsonl(inv_path, {"event": "end", "id": inv_id, "end": now_iso(), "stopped": stopped,
-                                    "chunks_done": progress_state["chunks"],
+                                    "chunks_done": box.chunks,
                                     "wall_s": round(time.monotonic() - t_start, 1)})
             try:
                 record = _update_record(plan, plan_info)

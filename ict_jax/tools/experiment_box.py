@@ -1,5 +1,5 @@
 """The time box of one experiment invocation (``ict-jax compare --plan P --max-hours H``): whether the next
-piece of work still fits in it.
+piece of work still fits in it, and the pace of the invocation's progress lines' ETA.
 
 The runner asks :meth:`TimeBox.fits` before every RL step and every final evaluation. A piece fits when it
 is expected to end before the box does, at the pace measured: this invocation's own steps (the time between
@@ -9,6 +9,10 @@ counts together with its final evaluation, which runs inside that step's trainin
 cannot pause. So an invocation ends before its box rather than one evaluation past it, except when a step
 takes longer than those before it. Every invocation does at least one step or evaluation whatever its box
 (``worked``): a box shorter than one piece of work still moves the experiment on.
+
+The ETA counts what the whole experiment has left, chunk by chunk, so its pace is the chunks' own
+(:meth:`TimeBox.chunk_done`, :meth:`TimeBox.eta_pace`): a chunk's wall time less its evaluation, per step,
+its trainer's start-up included.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ class TimeBox:
     clock: Callable[[], float] = time.monotonic
     worked: bool = False  # this invocation has done a step or an evaluation
     ended_early: bool = False  # fits() said no: the box ends before the next piece would
+    chunks: int = 0  # the runs' chunks this invocation has ended
     _steps: list[float] = field(default_factory=list)
+    _chunk_steps: list[float] = field(default_factory=list)
     _evals: list[float] = field(default_factory=list)
     _last_step_end: float | None = None
 
@@ -57,6 +63,15 @@ class TimeBox:
             self._evals.append(seconds)
         self.worked = True
 
+    def chunk_done(self, wall_s: float, steps: int, evaluated: bool, eval_s: float | None) -> None:
+        """A run's chunk ended after ``wall_s`` seconds: ``steps`` RL steps and, when ``evaluated``, the run's
+        final evaluation, which took ``eval_s`` of them (None when unknown)."""
+        self.chunks += 1
+        if evaluated:
+            self.evaluation_done(eval_s)
+        if steps > 0:
+            self._chunk_steps.append((wall_s - (eval_s or 0.0)) / steps)
+
     def step_seconds(self) -> float | None:
         """Seconds an RL step: this invocation's mean, else the known pace, else None."""
         return sum(self._steps) / len(self._steps) if self._steps else self.step_s
@@ -64,6 +79,13 @@ class TimeBox:
     def eval_seconds(self) -> float | None:
         """Seconds a final evaluation: this invocation's last, else the known pace, else None."""
         return self._evals[-1] if self._evals else self.eval_s
+
+    def eta_pace(self) -> tuple[float | None, float | None]:
+        """The pace of a progress line's ETA, over this invocation's chunks: seconds an RL step, its chunk's
+        start-up shared among the chunk's steps (each chunk left starts a trainer again), and the mean seconds
+        a final evaluation; None for what has not been measured yet."""
+        step_s = sum(self._chunk_steps) / len(self._chunk_steps) if self._chunk_steps else None
+        return step_s, (sum(self._evals) / len(self._evals) if self._evals else None)
 
     # -- what the runner asks --
     def spent(self) -> bool:

@@ -67,3 +67,17 @@ def test_the_caller_s_request_to_stop_counts_as_the_box():
     asked = []
     box = TimeBox(None, should_stop=lambda: asked.append(1) or len(asked) >= 2, clock=Clock())
     assert box.fits() and not box.fits() and box.why() == "stop requested"
+
+
+def test_the_eta_s_pace_is_the_chunks_start_up_included():
+    clock = Clock(0.0)
+    box = TimeBox(None, step_s=100.0, eval_s=1000.0, clock=clock)
+    assert box.eta_pace() == (None, None) and box.chunks == 0  # the known pace is the box's, not the ETA's
+    box.chunk_done(130.0, 2, False, None)  # 2 steps in 130 s, start-up included
+    assert box.eta_pace() == (65.0, None) and not box.worked  # work is counted by step_done/evaluation_done
+    box.chunk_done(700.0, 3, True, 400.0)  # 3 steps and the final evaluation: (700 - 400) / 3 = 100 s a step
+    assert box.eta_pace() == (82.5, 400.0) and box.worked and box.eval_seconds() == 400.0
+    box.chunk_done(500.0, 0, True, 500.0)  # only an evaluation (its run was stopped inside it before)
+    assert box.eta_pace() == (82.5, 450.0) and box.chunks == 3
+    box.chunk_done(50.0, 0, True, None)  # an evaluation of unknown length: no time
+    assert box.eta_pace() == (82.5, 450.0) and box.eval_seconds() == 500.0
