@@ -429,23 +429,7 @@ def run_model_tokenizer(path: str | Path, tokenizer: str | None = None) -> Any:
 def run_model_source(path: str | Path) -> tuple[str, Path] | None:
     """Deprecated: ``ict_jax.resolve_model(path).kind`` (``checkpoint``, ``sft_model``, ...)."""
     warn("ict_jax.train.checkpoints.run_model_source", "ict_jax.resolve_model(spec).kind", removed_in=REMOVED_IN)
-    p = Path(path)
-    if not p.is_dir():
-        return None
-    if p.name.isdigit() and (p / "params").is_dir():
-        return "checkpoint", p
-    folder = p / "checkpoints" if (p / "checkpoints").is_dir() else p
-    if any(c.name.isdigit() and (c / "params").is_dir() for c in folder.iterdir() if c.is_dir()):
-        with Checkpointer(folder, read_only=True) as ck:
-            if ck.latest_step() is not None:
-                return "checkpoint", p
-    if (p / "sft_model" / "config.json").is_file():
-        return "sft_model", p / "sft_model"
-    if (p / "checkpoints").is_dir() or (p / "checkpoints_sft").is_dir() or (p / "config.json").is_file() \
-            and (p / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"{str(p)!r} is a training run directory without a finished checkpoint or "
-                                "sft_model yet: nothing to load")
-    return None
+    return _home("model_source")._run_model(Path(path))  # what resolve_model asks of a run directory
 
 
 def run_tokenizer_spec(run_dir: str | Path) -> str | None:
