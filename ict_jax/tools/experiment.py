@@ -275,6 +275,7 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
                                               **code_commit()})
         eval_s = eval_seconds(spec.run_dir, plan.steps) if what == "finished" else None
         box.chunk_done(wall, done - start, what == "finished", eval_s)
+        eta_step_s, eta_eval_s = box.eta_pace()
         record = _update_record(plan, plan_info)
         left = record["status"]["steps_planned"] - record["status"]["steps_done"]
         means = _chunk_means(spec.run_dir, start, done)
@@ -283,7 +284,7 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
             + (f" (evaluation {duration(eval_s)})" if eval_s is not None else "")
             + "".join(f", {k} {v:.3f}" for k, v in means.items())
             + f"; {record['status']['steps_done']}/{record['status']['steps_planned']} steps done"
-            + _eta_text(left, box.eta_pace()[0], _evals_left(plan, specs, record), box.eta_pace()[1]))
+            + _eta_text(left, eta_step_s, _evals_left(plan, specs, record), eta_eval_s))
         for a in record["runs"][spec.name].get("attempts", []):
             c = a["comparison"]
             if c["steps_compared"]:
