@@ -3,7 +3,9 @@
 A look at an experiment, running or not, that cannot change it and cannot unblind whoever takes it: each
 run's state and RL steps (logged, and saved in its latest checkpoint), the final evaluations left, whether
 an invocation holds the experiment now (its process, since when, where its time box ends) or the last one
-ended without a word (killed, or its machine lost), and the time left at the last invocation's pace. Nothing
+ended without a word (killed, or its machine lost), and the time left at the last invocation's pace, less
+what the step or evaluation in progress has already run (counted from the experiment's latest event: a
+metrics line written, or the invocation's start). Nothing
 measured is read out: no reward, no selected fraction, no evaluation result. It takes no lock and writes
 nothing, so it runs beside the invocation in progress (docs/experiments.md "Where it stands"). It sees an
 invocation on this machine only (:func:`~ict_jax.outputs.held_by`): one on another machine that shares the
@@ -13,6 +15,7 @@ folder reads as not running.
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,13 +101,26 @@ def _open_invocation(out: Path) -> dict[str, Any] | None:
     return last if last is not None and last.get("id") not in ended else None
 
 
-def experiment_status(plan_path: str | Path) -> dict[str, Any]:
+def _since(specs: list[RunSpec], invocation: dict[str, Any] | None) -> float | None:
+    """When the work in progress began (seconds since the epoch): the latest metrics line any run wrote (a
+    step ends, an evaluation ends) or the invocation's start, whichever came last; None when neither is known."""
+    times = [m.stat().st_mtime for s in specs if (m := s.run_dir / "metrics.jsonl").is_file()]
+    try:
+        times.append(datetime.datetime.fromisoformat(str((invocation or {}).get("start"))).timestamp())
+    except ValueError:
+        pass
+    return max(times) if times else None
+
+
+def experiment_status(plan_path: str | Path, now: float | None = None) -> dict[str, Any]:
     """Where the experiment of the plan at ``plan_path`` stands (module docstring), as a dict that
     :func:`format_status` prints: ``name``, ``out``, ``record``, ``steps`` (a run's), ``runs`` and ``base``
     (:class:`RunState`; base None when the plan evaluates no base model), ``held_by`` (the invocation's
     process, or None), ``invocation`` (its start line when it has no end yet), ``steps_left``,
     ``evaluations_left``, ``step_s`` and ``eval_s`` (the last invocation's pace, or None), ``working_folder``
-    (False when the record holds results that ``out`` does not: the machine was lost)."""
+    (False when the record holds results that ``out`` does not: the machine was lost), ``in_progress``
+    (while an invocation holds it: ``(what, seconds)``, the step or evaluation in progress and how long it has
+    run by ``now``, time.time() by default; else None)."""
     plan = load_plan(plan_path)
     specs = plan_runs(plan)
     holder = held_by(plan.out)
@@ -120,9 +136,16 @@ def experiment_status(plan_path: str | Path) -> dict[str, Any]:
     unfinished = [(s, r) for s, r in zip(specs, runs) if r.state not in ("finished", "diverged")]
     step_s, eval_s = pace(plan, specs)
     record = plan.record / RECORD_FILE
+    invocation = _open_invocation(plan.out)
+    in_progress = None
+    working = [r.state for r in runs if r.name == active] + ([base.state] if base is not None else [])
+    what = "step" if "training" in working else "evaluation" if "evaluating" in working else None
+    since = _since(specs, invocation) if what else None
+    if since is not None:
+        in_progress = (what, max(0.0, (time.time() if now is None else now) - since))
     return {
         "name": plan.name, "out": str(plan.out), "record": str(record), "steps": plan.steps, "runs": runs,
-        "base": base, "held_by": holder, "invocation": _open_invocation(plan.out),
+        "base": base, "held_by": holder, "invocation": invocation, "in_progress": in_progress,
         "steps_left": sum(plan.steps - r.done for _, r in unfinished),
         "evaluations_left": sum(1 for s, _ in unfinished if s.config.data.eval)
         + int(base is not None and base.state != "finished"),
@@ -142,21 +165,30 @@ def _box_end(invocation: dict[str, Any]) -> str | None:
     return (start + datetime.timedelta(hours=float(hours))).isoformat(timespec="minutes")
 
 
-def _left(steps: int, step_s: float | None, evals: int, eval_s: float | None) -> str:
-    """The time left: the steps at the seconds a step, the evaluations at the seconds an evaluation."""
+def _left(steps: int, step_s: float | None, evals: int, eval_s: float | None,
+          in_progress: tuple[str, float] | None = None) -> str:
+    """The time left: the steps at the seconds a step, the evaluations at the seconds an evaluation, less
+    what the one in progress (``in_progress``: ``("step" | "evaluation", seconds it has run)``) has run, up
+    to its pace."""
     if not steps and not evals:
         return "complete: every run and evaluation of the plan is done"
-    known, unknown, total = [], [], 0.0
+    known, unknown, total, note = [], [], 0.0, ""
     for n, what, secs in ((steps, "steps", step_s), (evals, "evaluations", eval_s)):
         if not n:
             continue
         label = f"{n} {what if n != 1 else what[:-1]}"
         if secs is None:
             unknown.append(label)
-        else:
-            known.append(f"{label} x {duration(secs)}")
-            total += n * secs
-    text = f"left: about {duration(total)} ({' + '.join(known)}) at the last invocation's pace" if known else ""
+            continue
+        known.append(f"{label} x {duration(secs)}")
+        total += n * secs
+        if in_progress is not None and in_progress[0] == what[:-1]:
+            ran = in_progress[1]
+            total -= min(ran, secs)
+            note = (f", less the {duration(ran)} the {what[:-1]} in progress has run" if ran <= secs
+                    else f"; the {what[:-1]} in progress has run {duration(ran)}, past that pace")
+    head = f"about {duration(total)}" if total > 0 else "only what is in progress"
+    text = f"left: {head} ({' + '.join(known)}{note}) at the last invocation's pace" if known else ""
     if unknown:
         text = (f"{text} + " if text else "left: ") + f"{' and '.join(unknown)} (no pace measured yet)"
     return text
@@ -194,6 +226,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  {r.name:<{width}}  {r.state:<11}  {min(r.done, steps)}/{steps}{more}")
     if base is not None:
         lines.append(f"  {base.name:<{width}}  {base.state:<11}  final evaluation of the starting model")
-    lines.append(_left(status["steps_left"], status["step_s"], status["evaluations_left"], status["eval_s"]))
+    lines.append(_left(status["steps_left"], status["step_s"], status["evaluations_left"], status["eval_s"],
+                       status.get("in_progress")))
     return "\n".join(lines)
 

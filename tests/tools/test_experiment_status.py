@@ -3,7 +3,9 @@ from its working folder by hand-made run directories, without any of its outcome
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -143,6 +145,48 @@ def test_the_time_left_by_hand():
                                          "the last invocation's pace")
     assert _left(1, 90.0, 3, None) == ("left: about 1m30s (1 step x 1m30s) at the last invocation's pace + "
                                        "3 evaluations (no pace measured yet)")
+
+
+def test_the_time_left_less_what_the_work_in_progress_has_run_by_hand():
+    assert _left(10, 60.0, 1, 600.0, ("step", 20.0)) == (
+        "left: about 19m40s (10 steps x 1m00s + 1 evaluation x 10m00s, less the 20s the step in progress has run) "
+        "at the last invocation's pace")
+    assert _left(0, 60.0, 2, 600.0, ("evaluation", 450.0)) == (
+        "left: about 12m30s (2 evaluations x 10m00s, less the 7m30s the evaluation in progress has run) at the "
+        "last invocation's pace")
+    # past its pace: the one in progress counts as done, never as negative time
+    assert _left(0, 60.0, 1, 600.0, ("evaluation", 700.0)) == (
+        "left: only what is in progress (1 evaluation x 10m00s; the evaluation in progress has run 11m40s, past "
+        "that pace) at the last invocation's pace")
+    assert _left(3, None, 1, 600.0, ("step", 20.0)) == (  # no step pace: nothing to take from
+        "left: about 10m00s (1 evaluation x 10m00s) at the last invocation's pace + 3 steps (no pace measured yet)")
+
+
+def test_the_work_in_progress_runs_from_the_experiment_s_latest_event(plan):
+    out = plan.out
+    out.mkdir()
+    (out / "plan.json").write_text("{}")
+    t0 = 1_800_000_000.0
+    start = datetime.datetime.fromtimestamp(t0, datetime.timezone.utc).isoformat()
+    _jsonl(out / "invocations.jsonl", [{"event": "start", "id": "d", "start": start}])
+    done = _run(out, "ict_s0", 4, finished=True)
+    os.utime(done / "metrics.jsonl", (t0 + 500, t0 + 500))  # its evaluation ended at t0 + 500
+    training = _run(out, "ict_s1", 2)
+    os.utime(training / "metrics.jsonl", (t0 + 900, t0 + 900))  # its second step ended at t0 + 900
+    _jsonl(out / "chunks.jsonl", [{"run": "ict_s0", "from": 0, "to": 4, "status": "paused", "wall_s": 40.0,
+                                   "invocation": "d"}])
+    with hold_output_dir(out, "out"):
+        st = experiment_status(plan.path, now=t0 + 904.0)
+        assert st["runs"][1].state == "training" and st["in_progress"] == ("step", pytest.approx(4.0))
+        assert format_status(st).endswith("(10 steps x 10s, less the 4s the step in progress has run) at the last "
+                                          "invocation's pace + 4 evaluations (no pace measured yet)")
+        for name in ("ict_s1", "grpo_s0", "grpo_s1"):  # every run done: the base model's evaluation runs
+            (out / "runs" / name).mkdir(exist_ok=True)
+            (out / "runs" / name / "summary.json").write_text(json.dumps({"status": "finished", "steps": 4}))
+        st = experiment_status(plan.path, now=t0 + 1000.0)
+        assert st["base"].state == "evaluating" and st["in_progress"] == ("evaluation", pytest.approx(100.0))
+    st = experiment_status(plan.path, now=t0 + 1000.0)
+    assert st["held_by"] is None and st["in_progress"] is None  # not running: nothing is in progress
 
 
 def test_the_command_line_prints_it_and_refuses_flags_that_run(plan, capsys):
