@@ -27,8 +27,8 @@
 #
 # Point `ICT_NB_RECORD` at a record (`docs/experiments/<name>/experiment.json`) and `ICT_NB_METRIC` at the
 # metric to plot (default: the primary outcome's). Without them the notebook reads the committed record of
-# the pilot's learning-rate calibration: three GRPO runs of the real Qwen2.5-Coder-0.5B-Instruct with LoRA,
-# one seed, 10 RL steps each (docs/results.md).
+# the pilot (docs/results.md): ICT, random-10 % and dense GRPO on the real Qwen2.5-Coder-0.5B-Instruct with
+# LoRA, 2 seeds x 40 RL steps each, paired by seed.
 
 # %%
 import ict_jax  # noqa: F401  (first: on a machine without a TPU it selects the CPU before JAX starts)
@@ -59,8 +59,8 @@ def legends_clear(fig) -> None:
 
 
 def find_record() -> Path:
-    """The calibration's committed record, found from the repository (the notebook's folder or the cwd)."""
-    rel = Path("docs/experiments/pilot_0p5b_lora_lr_calibration/experiment.json")
+    """The pilot's committed record, found from the repository (the notebook's folder or the cwd)."""
+    rel = Path("docs/experiments/pilot_0p5b_lora/experiment.json")
     for root in (Path(globals().get("__file__", "")).resolve().parent.parent, Path.cwd(), Path.cwd().parent):
         if (root / rel).is_file():
             return root / rel
