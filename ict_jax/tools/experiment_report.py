@@ -290,23 +290,53 @@ def _attempt_lines(record: Mapping[str, Any]) -> list[str]:
             "outcomes. Equal bitwise: every logged metric but the timings.", ""] + lines
 
 
+def _machines_line(record: Mapping[str, Any]) -> list[str]:
+    """One line naming every machine the invocations ran on and which invocations (1-based) each ran, when
+    there was more than one; none otherwise."""
+    by_machine: dict[str, list[int]] = {}
+    for i, inv in enumerate(record.get("invocations", []), 1):
+        env = inv.get("environment") or {}
+        by_machine.setdefault(_machine({k: env.get(k) for k in ("cpu", "cores", "backend")}), []).append(i)
+    if len(by_machine) < 2:
+        return []
+    return ["- Machines: " + "; ".join(f"{m}: invocation{'s' if len(ns) > 1 else ''} {_ranges(ns)}"
+                                       for m, ns in by_machine.items()) + "."]
+
+
+def _ranges(ns: list[int]) -> str:
+    """1, 2, 3, 5 -> "1-3, 5"."""
+    out: list[str] = []
+    for n in ns:
+        if out and out[-1].split("-")[-1] == str(n - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{n}"
+        else:
+            out.append(str(n))
+    return ", ".join(out)
+
+
 def _environment_lines(record: Mapping[str, Any]) -> list[str]:
-    """The machine and versions of the first invocation, and every invocation's code commit."""
+    """The machine and versions of the first invocation, the machines of all when more than one, and every
+    invocation's code commit (and its machine where it is not the first's)."""
     lines: list[str] = []
     lines += ["", "## Environment", ""]
     env = record.get("environment") or {}
     if env:
         v = env.get("versions", {})
-        lines += [f"- Machine: {env.get('cpu')}, {env.get('cores')} cores, {env.get('memory_gib')} GiB; "
-                  f"{env.get('os')}; Python {env.get('python')}; {env.get('backend')} ({env.get('devices')}).",
+        lines += [f"- Machine of the first invocation: {env.get('cpu')}, {env.get('cores')} cores, "
+                  f"{env.get('memory_gib')} GiB; {env.get('os')}; Python {env.get('python')}; {env.get('backend')} "
+                  f"({env.get('devices')}).",
                   "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items() if x) + "."]
+    lines += _machines_line(record)
     first = {k: env.get(k) for k in ("cpu", "cores", "backend")}
     for inv in record.get("invocations", []):
         c = inv.get("commit")
         here = {k: (inv.get("environment") or {}).get(k) for k in ("cpu", "cores", "backend")}
+        versions = (inv.get("environment") or {}).get("versions") or {}
+        changed = [f"{k} {x}" for k, x in versions.items() if x and x != (env.get("versions") or {}).get(k)]
         lines.append(f"- Invocation {inv.get('start')} to {inv.get('end', '?')}: code at "
                      + (f"`{c[:12]}`" + (" with local changes" if inv.get("dirty") else "") if c else "no git commit")
                      + (f", on {_machine(here)}" if here != first else "")
+                     + (f", with {', '.join(changed)}" if changed else "")
                      + (f", order {inv['order']}" if inv.get("order", "chunks") != "chunks" else "")
                      + (f", evaluation batch {inv['eval_batch']} prompts a sampler call" if inv.get("eval_batch")
                         else "")

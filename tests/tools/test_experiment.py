@@ -683,6 +683,29 @@ def test_the_report_says_how_an_earlier_attempt_compares():
     assert _attempt_lines({"runs": {"ict_s0": {}}}) == []
 
 
+def test_the_report_names_every_machine_and_what_changed_between_invocations():
+    from ict_jax.tools.experiment_report import _environment_lines, _ranges
+
+    assert (_ranges([1, 2, 3, 5]), _ranges([4]), _ranges([1, 3, 4, 5, 9, 10])) == ("1-3, 5", "4", "1, 3-5, 9-10")
+    amd = {"cpu": "AMD EPYC", "cores": 2, "backend": "cpu", "memory_gib": 23.5, "os": "L", "python": "3.11",
+           "devices": "1 x cpu", "versions": {"jax": "0.10.2", "numpy": "2.4.6"}}
+    xeon = {**amd, "cpu": "Xeon", "versions": {"jax": "0.10.2", "numpy": "2.4.7"}}
+    inv = lambda env, c: {"start": "S", "end": "E", "commit": c, "environment": env, "chunks_done": 1,  # noqa: E731
+                          "stopped": "time box"}
+    lines = _environment_lines({"environment": amd, "invocations": [inv(amd, "a" * 40), inv(amd, "b" * 40),
+                                                                    inv(xeon, "c" * 40)]})
+    assert lines[3:] == [
+        "- Machine of the first invocation: AMD EPYC, 2 cores, 23.5 GiB; L; Python 3.11; cpu (1 x cpu).",
+        "- Versions: jax 0.10.2, numpy 2.4.6.",
+        "- Machines: AMD EPYC (2 cores, cpu): invocations 1-2; Xeon (2 cores, cpu): invocation 3.",
+        "- Invocation S to E: code at `aaaaaaaaaaaa`, 1 chunk(s), stopped: time box.",
+        "- Invocation S to E: code at `bbbbbbbbbbbb`, 1 chunk(s), stopped: time box.",
+        "- Invocation S to E: code at `cccccccccccc`, on Xeon (2 cores, cpu), with numpy 2.4.7, 1 chunk(s), "
+        "stopped: time box."]
+    one = _environment_lines({"environment": amd, "invocations": [inv(amd, "a" * 40)]})
+    assert not any(line.startswith("- Machines:") for line in one)  # one machine: no such line
+
+
 def test_a_lost_working_folder_is_refused_then_recovered_from_the_record(tmp_path, reward_module):
     record_dir = tmp_path / "record"
     text = PLAN.format(config=DEMO, out=tmp_path / "out") + f"record: {record_dir}\n"
