@@ -9,8 +9,6 @@ where the products' 21 and 16 would take about 8 minutes of CI's slow stage."""
 
 from __future__ import annotations
 
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -23,14 +21,12 @@ import ict_jax
 from ict_jax.config import load_config
 from ict_jax.model.adapters import add_adapters, merge_adapters, split_adapters
 from ict_jax.model.config import LORA_MODULES, LoraSpec
-from ict_jax.rl.batch import RolloutBatch
-from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.state import init_train_state, kl_reference, reference_params, split_trainable
 from ict_jax.rl.train_step import StepPlan, _valid, make_train_step, old_policy_pass
 
 from covering import each_level_once  # tests/ is on sys.path under pytest
+from test_train_step import LP, LR, G, P, _batch  # its batch and shapes (the same folder is on sys.path)
 
-P, G, LP, LR = 4, 4, 3, 6
 MODEL = ict_jax.ModelConfig.tiny(num_layers=2, remat="none", compute_dtype="float32")
 SPEC = LoraSpec(rank=3, alpha=6, targets=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"))
 METHODS = ("dense", "ict", "entropy", "stapo", "random", "frequent", "selectable")
@@ -41,26 +37,6 @@ def _config(method: str = "ict", *extra: str):
         f"rl.selector.method={method}", f"rollout.num_samples={G}", f"train.prompts_per_step={P}",
         f"rollout.max_new_tokens={LR}", "rl.selector.warmup_steps=0", "rl.selector.tau_p=0.05", "stats.chunk=4",
         "rl.loss.kl_coef=0.05", "rl.selector.rho=0.3", "optim.lr=1e-2", *extra])
-
-
-@functools.lru_cache(maxsize=None)
-def _batch() -> RolloutBatch:
-    rng = np.random.default_rng(0)
-    B = P * G
-    tokens = rng.integers(3, MODEL.vocab_size, (B, LP + LR))
-    am = np.ones((B, LP + LR), np.int32)
-    am[:G, 0] = 0  # the first prompt is left-padded
-    rv = np.ones((B, LR), np.float32)
-    for i, n in enumerate(rng.integers(2, LR + 1, B)):  # right-padded responses of varied length
-        rv[i, n:] = 0
-        am[i, LP + n:] = 0
-    rewards = rng.integers(0, 2, B).astype(np.float32)
-    rewards[G:2 * G] = 1.0  # an all-equal group
-    return RolloutBatch(
-        tokens=jnp.asarray(tokens, jnp.int32), attention_mask=jnp.asarray(am), response_valid=jnp.asarray(rv),
-        rewards=jnp.asarray(rewards), advantages=group_advantages(jnp.asarray(rewards), G),
-        sampler_logp=jnp.asarray(-rng.random((B, LR)).astype(np.float32)), truncated=jnp.zeros(B),
-        row_valid=jnp.ones(B), correct=jnp.asarray(rewards))
 
 
 def _adapted(seed: int = 1, mesh=None):
