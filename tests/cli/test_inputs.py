@@ -4,8 +4,6 @@ model folders. A tiny run directory (config, one checkpoint, its SFT model) is b
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
 import subprocess
@@ -16,36 +14,18 @@ import numpy as np
 import pytest
 
 from ict_jax.cli.main import join_negative_values, main
-from ict_jax.config import load_config
-from ict_jax.model.config import ModelConfig
-from ict_jax.model.qwen2 import init_model
 from ict_jax.model.weights import WeightError, load_hf, save_hf
+
+from fake_run import make_run_dir, run_model  # tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 
 
-def _model():
-    return init_model(ModelConfig.tiny(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2), seed=1)
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """What `ict-jax train` leaves: config.json, checkpoints/1 (tokenizer 'char'), sft_model."""
-    from ict_jax.rl.state import init_train_state
-    from ict_jax.train.checkpoints import Checkpointer
-
-    run = tmp_path_factory.mktemp("cli_inputs") / "run"
-    cfg = load_config(DEMO, [f"run_dir={run}", "model.preset=tiny"])
-    model = _model()
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    (run / "metrics.jsonl").write_text("")
-    save_hf(model, run / "sft_model")
-    with Checkpointer(run / "checkpoints") as ck:
-        ck.save(1, init_train_state(cfg, model), {"tokenizer": "char", "config": cfg.to_dict(),
-                                                  "model_config": dataclasses.asdict(model.config)})
-    return run
+    """What `ict-jax train` leaves: config.json, metrics.jsonl, checkpoints/1 (tokenizer 'char'), sft_model."""
+    return make_run_dir(tmp_path_factory.mktemp("cli_inputs") / "run")
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -60,7 +40,7 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("damage", ["truncated", "header", "empty"])
 def test_unreadable_safetensors_is_one_line_naming_the_file(tmp_path, capsys, damage):
     good = tmp_path / "good"
-    save_hf(_model(), good)
+    save_hf(run_model(), good)
     bad = tmp_path / damage
     shutil.copytree(good, bad)
     data = (good / "model.safetensors").read_bytes()
@@ -176,7 +156,7 @@ def test_export_and_inspect_print_no_library_noise(run_dir, tmp_path):
 def test_saved_model_folder_follows_the_umask(tmp_path, umask):
     old = os.umask(umask)
     try:
-        out = save_hf(_model(), tmp_path / "hf")
+        out = save_hf(run_model(), tmp_path / "hf")
     finally:
         os.umask(old)
     assert (out.stat().st_mode & 0o777) == 0o777 & ~umask

@@ -5,7 +5,6 @@ tiny random models written to temporary folders; the same weights, dtypes and to
 functions, which still work with a DeprecationWarning; an unknown spec is one clear error."""
 
 import dataclasses
-import json
 import re
 import warnings
 from pathlib import Path
@@ -21,17 +20,14 @@ from ict_jax.config import load_config
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import init_model
 from ict_jax.model.tokenizers import CharTokenizer
-from ict_jax.model.weights import save_hf
 from ict_jax.rng import INIT_STREAM, root_key, stream_key
 from ict_jax.sharding import make_mesh
 from ict_jax.train.model_source import resolve_model
 
+from fake_run import make_run_dir, run_model  # tests/ is on sys.path under pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
-
-
-def _model():
-    return init_model(ModelConfig.tiny(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2), seed=1)
 
 
 def _same_weights(a, b):
@@ -43,24 +39,11 @@ def _same_weights(a, b):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """What `ict-jax train` leaves: config.json, metrics.jsonl, checkpoints/1 (tokenizer 'char'), sft_model."""
-    from ict_jax.rl.state import init_train_state
-    from ict_jax.train.checkpoints import Checkpointer
-
-    run = tmp_path_factory.mktemp("model_source") / "run"
-    cfg = load_config(DEMO, [f"run_dir={run}", "model.preset=tiny"])
-    model = _model()
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
-    (run / "metrics.jsonl").write_text("")
-    save_hf(model, run / "sft_model")
-    with Checkpointer(run / "checkpoints") as ck:
-        ck.save(1, init_train_state(cfg, model), {"tokenizer": "char", "config": cfg.to_dict(),
-                                                  "model_config": dataclasses.asdict(model.config)})
-    return run
+    return make_run_dir(tmp_path_factory.mktemp("model_source") / "run")
 
 
 def test_a_run_directory_its_checkpoints_folder_and_a_step_directory(run_dir):
-    want = _model()
+    want = run_model()
     for spec in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "1"):
         source = resolve_model(spec)
         assert (source.kind, source.step, source.tokenizer_spec) == ("checkpoint", 1, "char")
@@ -86,7 +69,7 @@ def test_a_runs_sft_warm_start_and_its_sft_model_given_itself(run_dir, tmp_path)
     assert (source.kind, source.spec, source.tokenizer_spec) == ("sft_model", str(sft_only), "char")
     assert source.where == f"{sft_only / 'sft_model'} (the SFT warm start of the run)"
     assert source.run_config[1] == str(sft_only / "config.json")
-    _same_weights(source.load(), _model())
+    _same_weights(source.load(), run_model())
     with pytest.raises(ValueError, match="has no RL checkpoint, only its SFT warm start"):
         resolve_model(sft_only, step=1)
     with pytest.raises(FileNotFoundError, match="no finished checkpoint in"):
@@ -104,7 +87,7 @@ def test_a_runs_sft_warm_start_and_its_sft_model_given_itself(run_dir, tmp_path)
 def test_files_and_presets_by_spec(run_dir):
     hf = run_dir / "sft_model"
     source = resolve_model(str(hf), tokenizer="char")
-    assert source.kind == "hf" and source.config == _model().config
+    assert source.kind == "hf" and source.config == run_model().config
     with pytest.raises(FileNotFoundError, match="no finished checkpoint in"):
         resolve_model(hf, checkpoint=True)
     with pytest.raises(ValueError, match="step 1: .* is not a training run or checkpoint directory"):
@@ -152,7 +135,7 @@ def test_a_runs_config(run_dir, tmp_path):
     assert model.config == source.config
     plain = resolve_model(lora, weights=run_dir / "sft_model", adapters=False)
     assert plain.config.lora is None and plain.tokenizer_spec == "char"
-    _same_weights(plain.load(), _model())
+    _same_weights(plain.load(), run_model())
     with pytest.raises(ValueError, match="is an ict_jax training run directory"):
         resolve_model(dataclasses.replace(lora, model=dataclasses.replace(lora.model, path=str(run_dir))))
     # the attention setting reaches the model, from a preset and from files
