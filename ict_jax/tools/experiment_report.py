@@ -249,6 +249,7 @@ def _runs_lines(record: Mapping[str, Any]) -> list[str]:
 
 
 def _machine(m: Mapping[str, Any]) -> str:
+    """A machine in words from an environment (or any mapping with its cpu, cores and backend)."""
     return f"{m.get('cpu')} ({m.get('cores')} cores, {m.get('backend')})"
 
 
@@ -295,8 +296,7 @@ def _machines_line(record: Mapping[str, Any]) -> list[str]:
     there was more than one; none otherwise."""
     by_machine: dict[str, list[int]] = {}
     for i, inv in enumerate(record.get("invocations", []), 1):
-        env = inv.get("environment") or {}
-        by_machine.setdefault(_machine({k: env.get(k) for k in ("cpu", "cores", "backend")}), []).append(i)
+        by_machine.setdefault(_machine(inv.get("environment") or {}), []).append(i)
     if len(by_machine) < 2:
         return []
     return ["- Machines: " + "; ".join(f"{m}: invocation{'s' if len(ns) > 1 else ''} {_ranges(ns)}"
@@ -327,15 +327,15 @@ def _environment_lines(record: Mapping[str, Any]) -> list[str]:
                   f"({env.get('devices')}).",
                   "- Versions: " + ", ".join(f"{k} {x}" for k, x in v.items() if x) + "."]
     lines += _machines_line(record)
-    first = {k: env.get(k) for k in ("cpu", "cores", "backend")}
+    first = _machine(env)
     for inv in record.get("invocations", []):
         c = inv.get("commit")
-        here = {k: (inv.get("environment") or {}).get(k) for k in ("cpu", "cores", "backend")}
+        here = _machine(inv.get("environment") or {})
         versions = (inv.get("environment") or {}).get("versions") or {}
         changed = [f"{k} {x}" for k, x in versions.items() if x and x != (env.get("versions") or {}).get(k)]
         lines.append(f"- Invocation {inv.get('start')} to {inv.get('end', '?')}: code at "
                      + (f"`{c[:12]}`" + (" with local changes" if inv.get("dirty") else "") if c else "no git commit")
-                     + (f", on {_machine(here)}" if here != first else "")
+                     + (f", on {here}" if here != first else "")
                      + (f", with {', '.join(changed)}" if changed else "")
                      + (f", order {inv['order']}" if inv.get("order", "chunks") != "chunks" else "")
                      + (f", evaluation batch {inv['eval_batch']} prompts a sampler call" if inv.get("eval_batch")

@@ -138,7 +138,7 @@ def experiment_status(plan_path: str | Path, now: float | None = None) -> dict[s
     record = plan.record / RECORD_FILE
     invocation = _open_invocation(plan.out)
     in_progress = None
-    working = [r.state for r in runs if r.name == active] + ([base.state] if base is not None else [])
+    working = [r.state for r in runs] + ([base.state] if base is not None else [])  # training/evaluating: held only
     what = "step" if "training" in working else "evaluation" if "evaluating" in working else None
     since = _since(specs, invocation) if what else None
     if since is not None:
