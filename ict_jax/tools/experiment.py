@@ -45,6 +45,7 @@ from ict_jax.config import ConfigError
 from ict_jax.heartbeat import duration
 from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.tools.experiment_box import TimeBox
+from ict_jax.tools.experiment_branch import branch_points, fork, take_snapshot
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (
     CHUNKS_FILE,
@@ -55,6 +56,7 @@ from ict_jax.tools.experiment_record import (
     STATUS_FILE,
     append_jsonl,
     build_record,
+    chunk_eval_seconds,
     eval_seconds,
     pace,
     read_jsonl,
@@ -193,13 +195,13 @@ def _train_chunk(spec: RunSpec, until: int, box: TimeBox, progress: bool) -> tup
 
 
 def _next_fits(spec: RunSpec, done: int, box: TimeBox) -> bool:
-    """Whether what run ``spec`` does next after ``done`` RL steps fits in ``box``: a step, with the final
-    evaluation when it is the run's last step (the evaluation runs inside it), or only the evaluation when
-    every step is done."""
-    steps, evaluates = spec.config.train.steps, bool(spec.config.data.eval)
+    """Whether what run ``spec`` does next after ``done`` RL steps fits in ``box``: a step, with an evaluation
+    when it is the run's last step or one that ``train.eval_every`` evaluates after (the evaluation runs inside
+    it), or only the final evaluation when every step is done."""
+    steps, evaluates, every = spec.config.train.steps, bool(spec.config.data.eval), spec.config.train.eval_every
     if done >= steps:
         return box.fits(evaluation=evaluates)
-    return box.fits(steps=1, evaluation=evaluates and done + 1 == steps)
+    return box.fits(steps=1, evaluation=evaluates and (done + 1 == steps or bool(every) and (done + 1) % every == 0))
 
 
 def _evaluate_base(spec: RunSpec, box: TimeBox, progress: bool, say: Callable[[str], None]) -> None:
@@ -259,8 +261,16 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
     """Every run's chunks in ``order`` (:func:`_turns`): each unfinished run trains up to the chunk's end;
     after each chunk the chunk's line, the record and a progress line (its ETA at the pace of ``box``'s
     chunks so far: :meth:`~ict_jax.tools.experiment_box.TimeBox.eta_pace`)."""
+    by_name = {s.name: s for s in specs}
     for end, spec in _turns(plan, specs, order):
+        if spec.branch is not None and end <= spec.branch.step:
+            continue  # its steps up to the branch point are its parent's
         status = run_status(spec.run_dir, plan.steps)
+        if spec.branch is not None and status == "pending":
+            info = fork(plan, spec, by_name[spec.parent])
+            say(f"{spec.arm} s{spec.seed}: branched from {info['from']} at step {info['step']} "
+                f"(checkpoint sha256 {info['checkpoint_sha256'][:12]})")
+            status = run_status(spec.run_dir, plan.steps)
         start = steps_done(spec.run_dir, plan.steps)
         # a run at its last step but not finished was stopped in its final evaluation: it evaluates again
         if status in ("finished", "diverged") or (start >= end and end < plan.steps):
@@ -273,8 +283,11 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
         append_jsonl(plan.out / CHUNKS_FILE, {"run": spec.name, "from": start, "to": done, "status": what,
                                               "wall_s": round(wall, 1), "time": now_iso(), "invocation": inv_id,
                                               **code_commit()})
-        eval_s = eval_seconds(spec.run_dir, plan.steps) if what == "finished" else None
-        box.chunk_done(wall, done - start, what == "finished", eval_s)
+        if done in branch_points(plan, spec):  # the arms branching here start from this checkpoint
+            take_snapshot(plan, spec, done)
+            say(f"{spec.arm} s{spec.seed}: checkpoint of step {done} kept for the arms that branch from it")
+        eval_s = chunk_eval_seconds(spec.run_dir, start, done, what == "finished")
+        box.chunk_done(wall, done - start, eval_s is not None, eval_s)
         eta_step_s, eta_eval_s = box.eta_pace()
         record = _update_record(plan, plan_info)
         left = record["status"]["steps_planned"] - record["status"]["steps_done"]

@@ -33,7 +33,8 @@ from typing import Any, Mapping, Sequence
 from ict_jax.config import Config, ConfigError, load_config
 from ict_jax.train.record import flatten
 
-__all__ = ["PlanError", "Outcome", "Arm", "Plan", "RunSpec", "load_plan", "plan_runs", "base_run", "OWNED_KEYS"]
+__all__ = ["PlanError", "Outcome", "Arm", "Branch", "Plan", "RunSpec", "load_plan", "plan_runs", "base_run",
+           "OWNED_KEYS", "BRANCH_MAY_DIFFER"]
 
 #: Config keys the plan sets for every run itself: an arm's or the common overrides may not set them.
 OWNED_KEYS = ("seed", "run_dir", "train.steps", "rl.selector.method")
@@ -58,9 +59,11 @@ class Outcome:
     first: int | None = None
     last: int | None = None
     label: str | None = None
+    at: int | None = None  # an evaluation outcome at RL step ``at`` (train.eval_every) instead of the final one
 
     @property
     def final_eval(self) -> bool:
+        """An evaluation outcome (``eval/...``): the final evaluation's, or the one at step :attr:`at`."""
         return self.metric.startswith("eval/")
 
     @property
@@ -68,7 +71,7 @@ class Outcome:
         if self.label:
             return self.label
         if self.final_eval:
-            return f"final {self.metric}"
+            return f"{self.metric} at step {self.at}" if self.at is not None else f"final {self.metric}"
         return f"{self.metric} steps {self.first}-{self.last}" if self.first != self.last \
             else f"{self.metric} step {self.first}"
 
@@ -76,7 +79,17 @@ class Outcome:
         d: dict[str, Any] = {"metric": self.metric, "name": self.name}
         if not self.final_eval:
             d["steps"] = [self.first, self.last]
+        if self.at is not None:
+            d["step"] = self.at
         return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+    """Where a branched arm starts: its parent arm's checkpoint at RL step ``step`` (same seed)."""
+
+    arm: str
+    step: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +98,7 @@ class Arm:
     method: str
     overrides: tuple[tuple[str, Any], ...] = ()
     description: str = ""
+    branch: Branch | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +109,21 @@ class RunSpec:
     seed: int
     run_dir: Path
     config: Config
+    branch: Branch | None = None  # a branched arm: the parent arm and step its run starts from
 
     @property
     def name(self) -> str:
         return f"{self.arm}_s{self.seed}"
+
+    @property
+    def parent(self) -> str | None:
+        """The run this one branches from (the parent arm at the same seed), or None."""
+        return f"{self.branch.arm}_s{self.seed}" if self.branch is not None else None
+
+    @property
+    def first_step(self) -> int:
+        """The RL steps the run inherits from its parent (0 for an unbranched run): it trains the rest."""
+        return self.branch.step if self.branch is not None else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +171,8 @@ class Plan:
         return {
             "name": self.name, "description": self.description, "config": str(self.config_path),
             "overrides": dict(self.overrides),
-            "arms": {a.name: {"method": a.method, "overrides": dict(a.overrides), "description": a.description}
+            "arms": {a.name: {"method": a.method, "overrides": dict(a.overrides), "description": a.description,
+                              **({"branch": {"from": a.branch.arm, "step": a.branch.step}} if a.branch else {})}
                      for a in self.arms},
             "seeds": list(self.seeds), "steps": self.steps, "chunk_steps": self.chunk_steps,
             "reference_arms": list(self.reference_arms), "primary_outcome": self.primary.to_dict(),
@@ -190,9 +216,9 @@ def _overrides(path: Path, key: str, value: Any) -> tuple[tuple[str, Any], ...]:
 def _outcome(path: Path, key: str, value: Any, steps: int) -> Outcome:
     if not isinstance(value, Mapping):
         raise _err(path, key, f"expected a mapping like {{metric: reward/mean, steps: [21, 40]}}, got {value!r}")
-    unknown = sorted(set(value) - {"metric", "steps", "label"})
+    unknown = sorted(set(value) - {"metric", "steps", "step", "label"})
     if unknown:
-        raise _err(path, f"{key}.{unknown[0]}", "unknown key (allowed: metric, steps, label)")
+        raise _err(path, f"{key}.{unknown[0]}", "unknown key (allowed: metric, steps, step, label)")
     metric = value.get("metric")
     if not isinstance(metric, str) or not metric:
         raise _err(path, f"{key}.metric", f"expected a metric name, got {metric!r}")
@@ -201,10 +227,17 @@ def _outcome(path: Path, key: str, value: Any, steps: int) -> Outcome:
         raise _err(path, f"{key}.label", f"expected text, got {label!r}")
     if metric.startswith("eval/"):
         if "steps" in value:
-            raise _err(path, f"{key}.steps", "a final-evaluation outcome (eval/...) has no steps")
+            raise _err(path, f"{key}.steps", "an evaluation outcome (eval/...) has no steps (step: S for the "
+                       "evaluation at RL step S, none for the final one)")
         if not metric.rsplit("/", 1)[-1].startswith("pass@"):
             raise _err(path, f"{key}.metric", f"{metric!r}: expected eval/pass@k or eval/<benchmark>/pass@k")
-        return Outcome(metric, label=label)
+        at = value.get("step")
+        if at is not None and (isinstance(at, bool) or not isinstance(at, int) or not 1 <= at <= steps):
+            raise _err(path, f"{key}.step", f"{at!r}: expected an RL step 1..{steps} (an evaluation there: "
+                       "train.eval_every)")
+        return Outcome(metric, label=label, at=at)
+    if "step" in value:
+        raise _err(path, f"{key}.step", "a per-step outcome takes steps: [first, last]")
     rng = value.get("steps")
     if (not isinstance(rng, (list, tuple)) or len(rng) != 2
             or any(isinstance(x, bool) or not isinstance(x, int) for x in rng)):
@@ -225,17 +258,58 @@ def _arms(path: Path, value: Any) -> tuple[Arm, ...]:
             raise _err(path, key, "an arm's name is letters, digits, _ . - (it names its run directories)")
         if not isinstance(spec, Mapping):
             raise _err(path, key, f"expected {{method: ..., overrides: {{...}}}}, got {spec!r}")
-        unknown = sorted(set(spec) - {"method", "overrides", "description"})
+        unknown = sorted(set(spec) - {"method", "overrides", "description", "branch"})
         if unknown:
-            raise _err(path, f"{key}.{unknown[0]}", "unknown key (allowed: method, overrides, description)")
+            raise _err(path, f"{key}.{unknown[0]}", "unknown key (allowed: method, overrides, description, branch)")
         method = spec.get("method")
         if not isinstance(method, str) or not method:
             raise _err(path, f"{key}.method", f"expected a selector method (ict, grpo, random, ...), got {method!r}")
         desc = spec.get("description", "")
         if not isinstance(desc, str):
             raise _err(path, f"{key}.description", f"expected text, got {desc!r}")
-        arms.append(Arm(name, method, _overrides(path, f"{key}.overrides", spec.get("overrides")), desc))
+        arms.append(Arm(name, method, _overrides(path, f"{key}.overrides", spec.get("overrides")), desc,
+                        _branch(path, f"{key}.branch", spec.get("branch"), arms)))
     return tuple(arms)
+
+
+def _branch(path: Path, key: str, value: Any, earlier: Sequence[Arm]) -> Branch | None:
+    """An arm's ``branch: {from: ARM, step: S}``: ``from`` an arm listed before it that is not branched itself."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) != {"from", "step"}:
+        raise _err(path, key, f"expected {{from: <an earlier arm>, step: <RL step>}}, got {value!r}")
+    parents = [a.name for a in earlier if a.branch is None]
+    if value["from"] not in parents:
+        raise _err(path, f"{key}.from", f"{value['from']!r}: expected an arm listed before this one that is not "
+                   f"branched itself ({', '.join(parents) or 'none'})")
+    return Branch(value["from"], _int(path, f"{key}.step", value["step"], 1))
+
+
+#: Keys a branched arm's config may set differently from its parent's: how the loss reads the rollouts.
+#: Anything else (the model, the optimizer, the data, the sampler) would not continue the parent's run.
+BRANCH_MAY_DIFFER = ("rl.", "stats.")
+
+
+def _check_branches(plan: Plan, specs: Sequence[RunSpec]) -> None:
+    """A branch point is a chunk end before the last step, and a branched run's config differs from its
+    parent's only in :data:`BRANCH_MAY_DIFFER` (a resume from the parent's checkpoint continues it)."""
+    by_name = {s.name: s for s in specs}
+    for arm in plan.arms:
+        if arm.branch is None:
+            continue
+        key = f"arms.{arm.name}.branch.step"
+        if arm.branch.step >= plan.steps or arm.branch.step not in plan.chunk_ends():
+            raise _err(plan.path, key, f"{arm.branch.step}: a branch point is a chunk end before the last step "
+                       f"(chunk ends: {', '.join(map(str, plan.chunk_ends()[:-1])) or 'none'})")
+        spec = next(s for s in specs if s.arm == arm.name)
+        child = flatten(spec.config.to_dict())
+        parent = flatten(by_name[spec.parent].config.to_dict())
+        bad = sorted(k for k in set(child) | set(parent) if k != "run_dir" and not k.startswith(BRANCH_MAY_DIFFER)
+                     and canonical_json(child.get(k)) != canonical_json(parent.get(k)))
+        if bad:
+            raise _err(plan.path, f"arms.{arm.name}", f"a branched arm continues {arm.branch.arm}'s run, so its "
+                       f"config may differ only in {', '.join(k + '*' for k in BRANCH_MAY_DIFFER)}; it differs in "
+                       + ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else ""))
 
 
 def _seeds(path: Path, seeds: Any) -> list[int]:
@@ -348,7 +422,7 @@ def load_plan(path: str | Path) -> Plan:
                 steps=steps, chunk_steps=chunk, reference_arms=tuple(refs), primary=primary, secondary=secondary,
                 evaluate_base=evaluate_base, base_seed=base_seed, stopping_rule=data["stopping_rule"],
                 design=dict(design), calibration=data.get("calibration"), out=out, record=record)
-    plan_runs(plan)  # every run's config is valid, before any work
+    _check_branches(plan, plan_runs(plan))  # every run's config is valid, before any work
     if evaluate_base:
         base_run(plan)
     return plan
@@ -383,7 +457,7 @@ def plan_runs(plan: Plan) -> list[RunSpec]:
     for arm in plan.arms:
         for seed in plan.seeds:
             run_dir = plan.out / "runs" / f"{arm.name}_s{seed}"
-            specs.append(RunSpec(arm.name, seed, run_dir, _run_config(plan, common, arm, seed, run_dir)))
+            specs.append(RunSpec(arm.name, seed, run_dir, _run_config(plan, common, arm, seed, run_dir), arm.branch))
     return specs
 
 

@@ -35,7 +35,8 @@ from ict_jax.train.record import read_summary
 
 __all__ = ["FORMAT", "RECORD_FILE", "PLAN_FILE", "INVOCATIONS_FILE", "CHUNKS_FILE", "STATUS_FILE", "RESTORED_FILE",
            "COMPILATION_CACHE", "ATTEMPTS_DIR", "SAMPLE_METRICS", "build_record", "read_attempts", "compare_attempt",
-           "write_json", "run_status", "steps_done", "eval_seconds", "pace", "outcome_value", "append_jsonl",
+           "write_json", "run_status", "steps_done", "read_branch", "trained_steps", "BRANCH_FILE",
+           "chunk_eval_seconds", "eval_seconds", "pace", "outcome_value", "append_jsonl",
            "read_jsonl"]
 
 FORMAT = 1
@@ -46,6 +47,7 @@ CHUNKS_FILE = "chunks.jsonl"  # in <out>: one line per run chunk done
 STATUS_FILE = "experiment_status.json"  # in a run directory: a run the experiment stopped (diverged)
 RESTORED_FILE = "restored.json"  # in a run directory written back from the record (experiment_recover)
 COMPILATION_CACHE = "jax_cache"  # in <out>: the persistent compilation cache of an experiment
+BRANCH_FILE = "branch.json"  # in a branched run's directory: the parent's checkpoint it started from
 ATTEMPTS_DIR = "attempts"  # in <out>: one JSON list per run started again from step 0 (experiment_recover)
 #: per-step metrics that measure the machine, not the run: not compared between attempts of a run
 IGNORED_IN_COMPARISON = ("time/", "throughput/")
@@ -105,6 +107,21 @@ def steps_done(run_dir: Path, steps: int) -> int:
         return int(ck.latest_step() or 0)
 
 
+def read_branch(run_dir: Path) -> dict[str, Any] | None:
+    """A branched run's ``branch.json`` (:mod:`ict_jax.tools.experiment_branch`; None for a run that did not
+    branch, or has not yet)."""
+    path = run_dir / BRANCH_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def trained_steps(spec: RunSpec, done: int) -> int:
+    """The RL steps of ``done`` that ``spec``'s run trained itself: a branched run's first steps are its
+    parent's (0 until it has branched)."""
+    if spec.branch is None:
+        return done
+    return max(0, done - spec.branch.step) if read_branch(spec.run_dir) is not None else 0
+
+
 def run_status(run_dir: Path, steps: int) -> str:
     """``finished``, ``diverged`` (the experiment stopped it), ``started`` (some steps done), or ``pending``."""
     status_file = run_dir / STATUS_FILE
@@ -128,6 +145,17 @@ def eval_seconds(run_dir: Path, step: int) -> float | None:
         return None
 
 
+def chunk_eval_seconds(run_dir: Path, start: int, done: int, finished: bool) -> float | None:
+    """The seconds a run's chunk from RL step ``start`` to ``done`` spent evaluating: the evaluations after
+    its steps (``train.eval_every``) and, when ``finished``, its final one (at its last step, or after it
+    when the chunk only evaluated); None when it evaluated nothing."""
+    found = [eval_seconds(run_dir, s) for s in range(start + 1, done + 1)]
+    if finished and done == start:
+        found.append(eval_seconds(run_dir, done))
+    found = [v for v in found if v is not None]
+    return sum(found) if found else None
+
+
 def pace(plan: Plan, specs: Sequence[RunSpec]) -> tuple[float | None, float | None]:
     """Seconds an RL step and seconds a final evaluation took in the last invocation that measured them
     (``chunks.jsonl``: a chunk's wall time less its final evaluation's, over its steps; the evaluation's own
@@ -140,7 +168,8 @@ def pace(plan: Plan, specs: Sequence[RunSpec]) -> tuple[float | None, float | No
         spec = by_name.get(row.get("run"))
         if spec is None:
             continue
-        ev = eval_seconds(spec.run_dir, plan.steps) if row.get("status") == "finished" else None
+        ev = chunk_eval_seconds(spec.run_dir, int(row.get("from", 0)), int(row.get("to", 0)),
+                                row.get("status") == "finished")
         if ev is not None:
             eval_s.append(ev)
         n = int(row.get("to", 0)) - int(row.get("from", 0))
@@ -155,11 +184,14 @@ def _finite(v: Any) -> bool:
 
 
 def outcome_value(outcome: Outcome, rows: Sequence[Mapping[str, Any]], eval_final: Mapping[str, Any] | None,
-                  ) -> float | None:
+                  evals: Sequence[Mapping[str, Any]] = ()) -> float | None:
     """One run's value of ``outcome``: the mean of its metric over RL steps first..last (1-based; rows are
     0-based steps), None until every one of those steps is logged or when none has a finite value; a
-    final-evaluation outcome from ``eval_final`` (``eval/pass@k``: the mean over benchmarks)."""
+    final-evaluation outcome from ``eval_final`` (``eval/pass@k``: the mean over benchmarks), one at step
+    ``outcome.at`` from the evaluation row logged at that step (``evals``; None until there is one)."""
     if outcome.final_eval:
+        if outcome.at is not None:
+            eval_final = next((r for r in evals if int(r["step"]) == outcome.at), None)
         if not eval_final:
             return None
         if outcome.metric in eval_final:
@@ -205,6 +237,8 @@ def read_run(spec: RunSpec, steps: int, chunks: Sequence[Mapping[str, Any]], out
         out["error"] = json.loads((d / STATUS_FILE).read_text()).get("error")
     if (d / RESTORED_FILE).is_file():
         out["restored"] = json.loads((d / RESTORED_FILE).read_text())
+    if spec.branch is not None:
+        out["branch"] = {"from": spec.parent, "step": spec.branch.step, **(read_branch(d) or {"forked": None})}
     attempts = read_attempts(spec.name, out_dir) if out_dir is not None else []
     if attempts:
         out["attempts"] = [{**a, "comparison": compare_attempt(out["metrics"], a.get("metrics") or [])}
@@ -292,7 +326,7 @@ def build_record(plan: Plan, *, plan_info: Mapping[str, Any]) -> dict[str, Any]:
     runs = {}
     for spec in specs:
         r = read_run(spec, plan.steps, chunks, plan.out)
-        r["outcomes"] = {o.name: outcome_value(o, r["metrics"], r["eval_final"]) for o in plan.outcomes}
+        r["outcomes"] = {o.name: outcome_value(o, r["metrics"], r["eval_final"], r["evals"]) for o in plan.outcomes}
         runs[spec.name] = r
     base = None
     if plan.evaluate_base:
@@ -302,8 +336,8 @@ def build_record(plan: Plan, *, plan_info: Mapping[str, Any]) -> dict[str, Any]:
         base = {"run_dir": str(b.run_dir), "seed": b.seed, "status": "finished" if finished else "pending",
                 "eval_final": summary.get("eval_final") if finished else None, "wall_s": summary.get("wall_s")}
     invocations = _invocations(read_jsonl(plan.out / INVOCATIONS_FILE))
-    total = len(specs) * plan.steps
-    done = sum(r["steps_done"] for r in runs.values())
+    total = sum(plan.steps - spec.first_step for spec in specs)  # a branched run trains from its branch point
+    done = sum(trained_steps(spec, runs[spec.name]["steps_done"]) for spec in specs)
     finished = sum(r["status"] == "finished" for r in runs.values())
     complete = finished + sum(r["status"] == "diverged" for r in runs.values()) == len(specs) \
         and (base is None or base["status"] == "finished")

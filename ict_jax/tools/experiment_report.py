@@ -125,6 +125,7 @@ def format_report(record: Mapping[str, Any], figures: Sequence[str] = tuple(FIGU
     lines += ["", "Every arm: " + (", ".join(f"{k}={_value(v)}" for k, v in common.items()) or "the base config")
               + ". Config keys that differ between the arms: "
               + (", ".join(f"`{k}`" for k in record.get("arm_differences", {})) or "none") + ".", ""]
+    lines += _branch_lines(record)
     lines += ["## Design", ""]
     n = design["n_seeds"]
     if design["mde"] is not None:
@@ -222,6 +223,22 @@ def _planning_lines(record: Mapping[str, Any]) -> list[str]:
     lines += _table(head, rows)
     lines += ["", "n/a: fewer than two pairs with the outcome yet, or no spread."]
     return lines
+
+
+def _branch_lines(record: Mapping[str, Any]) -> list[str]:
+    """The branched arms (none: no line): which parent each starts from, and each run's starting checkpoint."""
+    arms = {a: s["branch"] for a, s in record["plan"]["arms"].items() if s.get("branch")}
+    if not arms:
+        return []
+    lines = ["Branched arms share their parent's first steps exactly (docs/experiments.md \"Branching\"): "
+             + "; ".join(f"`{a}` starts from `{b['from']}`'s checkpoint at step {b['step']} (same seed) and trains "
+                         f"steps {b['step'] + 1}-{record['plan']['steps']}" for a, b in arms.items()) + ".", ""]
+    for name, r in record["runs"].items():
+        b = r.get("branch")
+        if b is not None:
+            lines.append(f"- `{name}`: " + (f"from `{b['checkpoint']}` (sha256 `{b['checkpoint_sha256'][:16]}...`), "
+                                            f"branched {b['forked']}" if b.get("forked") else "not branched yet"))
+    return lines + [""]
 
 
 def _runs_lines(record: Mapping[str, Any]) -> list[str]:

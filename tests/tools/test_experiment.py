@@ -1,7 +1,7 @@
 """The pre-registered experiment (``ict-jax compare --plan``): the plan's checks, a run interrupted and
 continued ending bitwise equal to one never stopped, the refusals (a changed plan, an uncommitted plan, a
-second invocation), the paired statistics against hand computations, and the report rebuilt from the
-record byte for byte."""
+second invocation), the paired statistics against hand computations, the report rebuilt from the
+record byte for byte, and branched arms (started from their parent's checkpoint, resumed bitwise)."""
 
 from __future__ import annotations
 
@@ -318,7 +318,7 @@ def test_record_and_report_show_the_selected_fraction_and_warn_when_a_sparse_arm
     (("  grpo: {method: grpo}", "  grpo: {method: nope}"), "arms.grpo: "),
     (("stopping_rule: every run trains all 3 steps", "stopping_rule: ''"), "stopping_rule: state the rule"),
     (("chunk_steps: 2", "chunk_size: 2"), "chunk_size: unknown key"),
-    (("  - {metric: eval/pass@1}", "  - {metric: eval/pass@1, steps: [1, 1]}"), "a final-evaluation outcome"),
+    (("  - {metric: eval/pass@1}", "  - {metric: eval/pass@1, steps: [1, 1]}"), "an evaluation outcome (eval/...) has no steps"),
     (("name: tiny", "name: 'a b'"), "name: 'a b': letters, digits"),
 ])
 def test_a_plan_that_cannot_run_is_one_line_naming_the_key(tmp_path, edit, message):
@@ -762,3 +762,118 @@ def test_a_lost_working_folder_is_refused_then_recovered_from_the_record(tmp_pat
     said.clear()
     again = run_experiment(path, order="runs", recover=True, say=said.append)
     assert any("nothing to recover" in s for s in said) and again["runs"] == rec["runs"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Branched arms (docs/experiments.md "Branching")
+# ------------------------------------------------------------------------------------------------
+# the tiny plan of test_experiment, with GRPO first and ICT branched from its step-2 checkpoint: 4 steps in
+# chunks of 2, the ICT arm's warm-up ends at the branch point (its steps 3-4 are sparse), an evaluation every
+# 2 steps (the one at step 2 is GRPO's, before the branch point) and at the end; train.keep 1, so that GRPO's checkpoint of step 2 is gone once it saved step 4 (the snapshot keeps it)
+BRANCHED = (PLAN.replace("  ict: {{method: ict}}\n  grpo: {{method: grpo}}\n",
+                         "  grpo: {{method: grpo}}\n"
+                         "  ict: {{method: ict, branch: {{from: grpo, step: 2}}, "
+                         "overrides: {{rl.selector.warmup_steps: 2}}}}\n")
+            .replace("steps: 3\nchunk_steps: 2", "steps: 4\nchunk_steps: 2")
+            .replace("primary_outcome: {{metric: reward/mean, steps: [2, 3]}}",
+                     "primary_outcome: {{metric: reward/mean, steps: [3, 4]}}")
+            .replace("  - {{metric: eval/pass@1}}\n", "  - {{metric: eval/pass@1, step: 2}}\n  - {{metric: eval/pass@1}}\n")
+            .replace("  train.save_every: 2\n", "  train.save_every: 2\n  train.keep: 1\n  train.eval_every: 2\n"))
+
+
+def _branched(tmp_path: Path, name: str, text: str | None = None) -> Path:
+    return _plan(tmp_path, name, (text or BRANCHED).format(config=DEMO, out=tmp_path / name))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("  ict: {{method: ict, branch: {{from: grpo, step: 2}}", "  ict: {{method: ict, branch: {{from: ict, step: 2}}"),
+     "arms.ict.branch.from: 'ict': expected an arm listed before this one that is not branched itself (grpo)"),
+    (("branch: {{from: grpo, step: 2}}", "branch: {{from: grpo, step: 3}}"),
+     "arms.ict.branch.step: 3: a branch point is a chunk end before the last step (chunk ends: 2)"),
+    (("branch: {{from: grpo, step: 2}}", "branch: {{from: grpo, step: 4}}"),
+     "arms.ict.branch.step: 4: a branch point is a chunk end"),
+    (("branch: {{from: grpo, step: 2}}", "branch: {{from: grpo}}"), "arms.ict.branch: expected {from:"),
+    (("  - {{metric: eval/pass@1, step: 2}}", "  - {{metric: eval/pass@1, step: 5}}"),
+     "secondary_outcomes[1].step: 5: expected an RL step 1..4"),
+    (("  - {{metric: eval/pass@1, step: 2}}", "  - {{metric: eval/pass@1, steps: [2, 2]}}"),
+     "secondary_outcomes[1].steps: an evaluation outcome (eval/...) has no steps"),
+    (("  - {{metric: grad/norm, steps: [1, 1]}}", "  - {{metric: grad/norm, step: 1}}"),
+     "secondary_outcomes[0].step: a per-step outcome takes steps: [first, last]"),
+    (("overrides: {{rl.selector.warmup_steps: 2}}", "overrides: {{optim.lr: 0.5}}"),
+     "arms.ict: a branched arm continues grpo's run, so its config may differ only in rl.*, stats.*; it differs "
+     "in optim.lr"),
+])
+def test_a_branch_that_cannot_continue_its_parent_is_one_line_naming_the_key(tmp_path, edit, message):
+    assert edit[0] in BRANCHED
+    with pytest.raises(PlanError) as err:
+        load_plan(_branched(tmp_path, "p", BRANCHED.replace(edit[0], edit[1], 1)))
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_branched_run_names_its_parent_and_skips_the_turns_before_its_branch_point(tmp_path):
+    plan = load_plan(_branched(tmp_path, "p"))
+    specs = plan_runs(plan)
+    assert [(s.name, s.parent, s.first_step) for s in specs] == [("grpo_s0", None, 0), ("ict_s0", "grpo_s0", 2)]
+    assert plan.to_dict()["arms"]["ict"]["branch"] == {"from": "grpo", "step": 2}
+    assert "branch" not in plan.to_dict()["arms"]["grpo"]
+
+
+def test_a_branched_arm_starts_from_its_parents_checkpoint_and_resumes_bitwise(tmp_path, reward_module):
+    # never stopped, in turns of chunks: GRPO to 2, ICT branches at 2, both to 4
+    whole = _branched(tmp_path, "whole")
+    said: list[str] = []
+    run_experiment(whole, progress=False, say=said.append)
+    assert any(s.startswith("ict s0: branched from grpo_s0 at step 2 (checkpoint sha256 ") for s in said), said
+    # seed by seed (GRPO runs to its end first: its step-2 checkpoint is gone by the time ICT branches, the
+    # snapshot holds it), and stopped after ICT's first step of its own (step 3), then continued
+    cut = _branched(tmp_path, "cut")
+    calls: list[int] = []
+
+    def stop_in_ict() -> bool:
+        calls.append(1)
+        return (tmp_path / "cut" / "runs" / "ict_s0" / "branch.json").is_file() and len(
+            read_metrics(tmp_path / "cut" / "runs" / "ict_s0" / "metrics.jsonl")) == 3
+
+    with pytest.raises(ExperimentStopped):
+        run_experiment(cut, progress=False, should_stop=stop_in_ict, say=lambda s: None, order="runs")
+    assert not (tmp_path / "cut" / "runs" / "grpo_s0" / "checkpoints" / "2").exists()
+    rec = json.loads((tmp_path / "cut" / RECORD_FILE).read_text())
+    assert rec["runs"]["ict_s0"]["steps_done"] == 3 and rec["status"]["steps_done"] == 4 + 1
+    run_experiment(cut, progress=False, say=lambda s: None, order="runs")
+
+    for folder in ("whole", "cut"):
+        runs = tmp_path / folder / "runs"
+        grpo, ict = (read_metrics(runs / n / "metrics.jsonl") for n in ("grpo_s0", "ict_s0"))
+        assert [r["step"] for r in grpo] == [r["step"] for r in ict] == [0, 1, 2, 3]
+        # its first two steps are GRPO's rows; its third samples GRPO's rollouts from GRPO's weights ...
+        assert ict[:2] == grpo[:2]
+        for key in ("reward/mean", "response/length_mean", "adv/zero_std_group_frac"):
+            assert ict[2][key] == grpo[2][key], key
+        # ... and trains on ICT's tokens from there (its warm-up of 2 steps is over at the restored step)
+        assert ict[2]["mask/selected_frac"] < 0.5 and grpo[2]["mask/selected_frac"] == 1.0
+        assert ict[3]["reward/mean"] != grpo[3]["reward/mean"] or ict[3]["grad/norm"] != grpo[3]["grad/norm"]
+        # the evaluation at the branch point is GRPO's (the same policy), the final ones are each arm's own
+        evals = [read_metrics(runs / n / "metrics.jsonl", "eval") for n in ("grpo_s0", "ict_s0")]
+        assert [[r["step"] for r in e] for e in evals] == [[2, 4], [2, 4]] and evals[0][0] == evals[1][0]
+    # stopped and continued = never stopped, bitwise
+    for name in ("grpo_s0", "ict_s0"):
+        a, b = tmp_path / "whole" / "runs" / name, tmp_path / "cut" / "runs" / name
+        assert [_keep(r) for r in read_metrics(a / "metrics.jsonl")] == [_keep(r) for r in read_metrics(b / "metrics.jsonl")]
+        (sa, pa), (sb, pb) = _final_params(a), _final_params(b)
+        assert sa == sb == 4
+        chex.assert_trees_all_equal(pa, pb)
+    # the record names the checkpoint each branched run started from (and the sha256 of the copy it started from)
+    recs = [json.loads((tmp_path / f / RECORD_FILE).read_text()) for f in ("whole", "cut")]
+    branches = [r["runs"]["ict_s0"]["branch"] for r in recs]
+    for f, b in zip(("whole", "cut"), branches):
+        assert b["from"] == "grpo_s0" and b["step"] == 2
+        assert b["checkpoint"] == str(tmp_path / f / "runs" / "grpo_s0" / "checkpoints" / "2")
+        assert b["snapshot"] == str(tmp_path / f / "branches" / "grpo_s0@2")
+        snap = json.loads((tmp_path / f / "branches" / "grpo_s0@2" / "snapshot.json").read_text())
+        assert b["checkpoint_sha256"] == snap["checkpoint_sha256"] and len(b["checkpoint_sha256"]) == 64
+    assert "branch" not in recs[0]["runs"]["grpo_s0"]
+    at2 = [recs[0]["runs"][n]["outcomes"]["eval/pass@1 at step 2"] for n in ("grpo_s0", "ict_s0")]
+    assert at2[0] is not None and at2[0] == at2[1]
+    # steps counted as trained: GRPO's 4 and ICT's own 2
+    assert [r["status"]["steps_done"] for r in recs] == [6, 6] and recs[0]["status"]["steps_planned"] == 6
+    assert all(r["status"]["complete"] for r in recs)
