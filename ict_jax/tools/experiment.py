@@ -45,7 +45,7 @@ from ict_jax.config import ConfigError
 from ict_jax.heartbeat import duration
 from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.tools.experiment_box import TimeBox
-from ict_jax.tools.experiment_branch import branch_points, fork, take_snapshot
+from ict_jax.tools.experiment_branch import branch_points, fork, needs_rederive, rederive_spec, take_snapshot
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (
     CHUNKS_FILE,
@@ -267,6 +267,7 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
             continue  # its steps up to the branch point are its parent's
         status = run_status(spec.run_dir, plan.steps)
         if spec.branch is not None and status == "pending":
+            _rederive_if_lost(plan, spec, by_name[spec.parent], inv_id, box, progress, say)
             info = fork(plan, spec, by_name[spec.parent])
             say(f"{spec.arm} s{spec.seed}: branched from {info['from']} at step {info['step']} "
                 f"(checkpoint sha256 {info['checkpoint_sha256'][:12]})")
@@ -308,6 +309,33 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
                     + (f"; first difference at step {first['step'] + 1} ({', '.join(sorted(first['metrics'])[:4])}"
                        + (", ..." if len(first["metrics"]) > 4 else "") + ")" if first else ""))
         if what == "paused" and done < end:  # the time box or a stop request paused it mid-chunk
+            raise ExperimentStopped(box.why())
+
+
+def _rederive_if_lost(plan: Plan, spec: RunSpec, parent: RunSpec, inv_id: str, box: TimeBox, progress: bool,
+                      say: Callable[[str], None]) -> None:
+    """When branched run ``spec``'s branch point is lost (no snapshot, no parent checkpoint of that step: the
+    working folder was rebuilt from the record), train the parent's config again to the branch step
+    (:func:`~ict_jax.tools.experiment_branch.rederive_spec`, in the box like any chunk; logged in
+    ``chunks.jsonl`` under ``<parent>@<step>``)."""
+    if not needs_rederive(plan, spec, parent):
+        return
+    redo, step = rederive_spec(plan, parent, spec.branch.step), spec.branch.step
+    start = steps_done(redo.run_dir, plan.steps)
+    if start < step:
+        say(f"{spec.arm} s{spec.seed}: the checkpoint of {parent.name} at step {step} is gone (a lost working "
+            f"folder): training {parent.name} again to step {step} in {redo.run_dir}")
+        if not _next_fits(redo, start, box):
+            raise ExperimentStopped(box.why())
+        t0 = time.monotonic()
+        what, done = _train_chunk(redo, step, box, progress)
+        append_jsonl(plan.out / CHUNKS_FILE, {"run": f"{parent.name}@{step}", "from": start, "to": done,
+                                              "status": what, "wall_s": round(time.monotonic() - t0, 1),
+                                              "time": now_iso(), "invocation": inv_id, **code_commit()})
+        if what == "diverged":
+            raise PlanError(f"plan {str(plan.path)!r}: {parent.name} trained again to step {step} diverged at step "
+                            f"{done} ({redo.run_dir}): {spec.name} has no branch point to start from")
+        if done < step:
             raise ExperimentStopped(box.why())
 
 

@@ -12,12 +12,17 @@ step S: every random stream continues at its step, the data position is the pare
 samples the parent's rollouts, and a stop and a continue end bitwise equal to a run never stopped.
 
 Both are written into a temporary folder and renamed into place, so a kill leaves either nothing or the
-whole snapshot / run directory. A snapshot lost with its machine cannot be taken again once the parent's
-checkpoint at S is gone: :func:`fork` then refuses with one line (:class:`PlanError`).
+whole snapshot / run directory. A snapshot lost with its machine (the working folder rebuilt from the record)
+is taken again from a re-derivation: the parent's config trained again from step 0 to S in
+``<out>/branches/<parent>@S.rederive`` (:func:`rederive_spec`, trained by the runner like any run), compared
+step by step with the parent's recorded rows (bitwise on the same machine and code; on another CPU the floats
+part in their last bits, and the samples follow once one token differs). The snapshot and every branched run
+started from it say so (``rederived``: the folder and the comparison).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -25,12 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec
-from ict_jax.tools.experiment_record import BRANCH_FILE, read_branch, write_json
+from ict_jax.tools.experiment_record import BRANCH_FILE, compare_attempt, read_branch, write_json
 from ict_jax.tools.provenance import now_iso
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.logs import read_metrics
 
-__all__ = ["SNAPSHOTS_DIR", "snapshot_dir", "take_snapshot", "fork", "branch_points"]
+__all__ = ["SNAPSHOTS_DIR", "snapshot_dir", "take_snapshot", "fork", "branch_points", "rederive_spec",
+           "needs_rederive"]
 
 SNAPSHOTS_DIR = "branches"  # in <out>: <parent run>@<step>/, the parent's checkpoint at a branch point
 _SNAPSHOT_FILE = "snapshot.json"
@@ -80,25 +86,51 @@ def _replace_into(tmp: Path, final: Path) -> None:
     tmp.rename(final)
 
 
+def rederive_spec(plan: Plan, parent: RunSpec, step: int) -> RunSpec:
+    """The parent's run again, in ``<out>/branches/<parent>@<step>.rederive``: the same config but the run
+    directory, trained to ``step`` when the snapshot and the parent's checkpoint of ``step`` are both gone."""
+    d = snapshot_dir(plan, parent.name, step).with_name(f"{parent.name}@{step}.rederive")
+    return dataclasses.replace(parent, run_dir=d, config=parent.config.replace(run_dir=str(d)))
+
+
+def needs_rederive(plan: Plan, spec: RunSpec, parent: RunSpec) -> bool:
+    """Whether branched run ``spec`` can start only from a re-derived branch point: it has not branched, its
+    snapshot is missing and its parent holds no checkpoint of the branch step (a lost working folder)."""
+    assert spec.branch is not None
+    step = spec.branch.step
+    return (read_branch(spec.run_dir) is None and not (snapshot_dir(plan, parent.name, step) / _SNAPSHOT_FILE).is_file()
+            and step not in _checkpoint_steps(parent.run_dir))
+
+
 def take_snapshot(plan: Plan, parent: RunSpec, step: int) -> dict[str, Any]:
-    """Copy ``parent``'s checkpoint at ``step`` and its metrics rows up to it into
-    :func:`snapshot_dir`; returns the snapshot's description. Nothing happens when the snapshot exists.
-    :class:`PlanError` when the parent has no finished checkpoint at ``step``."""
+    """Copy ``parent``'s checkpoint at ``step`` and its metrics rows up to it into :func:`snapshot_dir` (from
+    its re-derivation, :func:`rederive_spec`, when that holds the checkpoint and the parent does not); returns
+    the snapshot's description. Nothing happens when the snapshot exists. :class:`PlanError` when neither
+    has a finished checkpoint at ``step``."""
     final = snapshot_dir(plan, parent.name, step)
     if (final / _SNAPSHOT_FILE).is_file():
         return json.loads((final / _SNAPSHOT_FILE).read_text())
-    steps = _checkpoint_steps(parent.run_dir)
-    if step not in steps:
+    source = parent.run_dir
+    steps = _checkpoint_steps(source)
+    redo = rederive_spec(plan, parent, step).run_dir
+    if step not in steps and step in _checkpoint_steps(redo):
+        source = redo
+    elif step not in steps:
         raise PlanError(f"plan {str(plan.path)!r}: {parent.name} has no checkpoint at step {step} to branch from "
                         f"(its checkpoints: {', '.join(map(str, steps)) or 'none'}; the snapshot "
-                        f"{str(final)!r} is missing): run the plan again from a working folder that holds it")
+                        f"{str(final)!r} is missing)")
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    shutil.copytree(parent.run_dir / "checkpoints" / str(step), tmp / "checkpoints" / str(step))
-    (tmp / _METRICS).write_text(_metrics_lines(parent.run_dir, step))
-    info = {"parent": parent.name, "step": step, "checkpoint": str(parent.run_dir / "checkpoints" / str(step)),
-            "checkpoint_sha256": _digest(tmp / "checkpoints"), "taken": now_iso()}
+    shutil.copytree(source / "checkpoints" / str(step), tmp / "checkpoints" / str(step))
+    (tmp / _METRICS).write_text(_metrics_lines(source, step))
+    info: dict[str, Any] = {"parent": parent.name, "step": step, "checkpoint": str(source / "checkpoints" / str(step)),
+                            "checkpoint_sha256": _digest(tmp / "checkpoints"), "taken": now_iso()}
+    if source == redo:  # the trajectory it continues, against the parent's as recorded
+        rows = [r for r in read_metrics(redo / _METRICS, "rl") if int(r["step"]) < step]
+        recorded = [r for r in read_metrics(parent.run_dir / _METRICS, "rl") if int(r["step"]) < step] \
+            if (parent.run_dir / _METRICS).is_file() else []
+        info["rederived"] = {"run_dir": str(redo), "comparison": compare_attempt(rows, recorded)}
     write_json(tmp / _SNAPSHOT_FILE, info)
     final.parent.mkdir(parents=True, exist_ok=True)
     _replace_into(tmp, final)
@@ -130,7 +162,8 @@ def fork(plan: Plan, spec: RunSpec, parent: RunSpec) -> dict[str, Any]:
     shutil.copyfile(src / _METRICS, tmp / _METRICS)
     (tmp / "config.json").write_text(json.dumps(spec.config.to_dict(), indent=2))
     info = {"from": parent.name, "step": spec.branch.step, "checkpoint": snap["checkpoint"],
-            "checkpoint_sha256": snap["checkpoint_sha256"], "snapshot": str(src), "forked": now_iso()}
+            "checkpoint_sha256": snap["checkpoint_sha256"], "snapshot": str(src), "forked": now_iso(),
+            **({"rederived": snap["rederived"]} if "rederived" in snap else {})}
     write_json(tmp / BRANCH_FILE, info)
     _replace_into(tmp, d)
     return info

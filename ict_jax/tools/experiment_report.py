@@ -237,8 +237,19 @@ def _branch_lines(record: Mapping[str, Any]) -> list[str]:
         b = r.get("branch")
         if b is not None:
             lines.append(f"- `{name}`: " + (f"from `{b['checkpoint']}` (sha256 `{b['checkpoint_sha256'][:16]}...`), "
-                                            f"branched {b['forked']}" if b.get("forked") else "not branched yet"))
+                                            f"branched {b['forked']}" if b.get("forked") else "not branched yet")
+                         + _rederived_text(b.get("rederived")))
     return lines + [""]
+
+
+def _rederived_text(rederived: Mapping[str, Any] | None) -> str:
+    """A branched run whose branch point was trained again (its snapshot lost with a working folder)."""
+    if not rederived:
+        return ""
+    c = rederived["comparison"]
+    return (f"; the branch point was lost with its working folder and trained again (`{rederived['run_dir']}`): "
+            f"{c['steps_equal']} of {c['steps_compared']} steps equal to the parent's record bitwise, "
+            f"{c['steps_same_samples']} with the same samples")
 
 
 def _runs_lines(record: Mapping[str, Any]) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -769,7 +770,8 @@ def test_a_lost_working_folder_is_refused_then_recovered_from_the_record(tmp_pat
 # ------------------------------------------------------------------------------------------------
 # the tiny plan of test_experiment, with GRPO first and ICT branched from its step-2 checkpoint: 4 steps in
 # chunks of 2, the ICT arm's warm-up ends at the branch point (its steps 3-4 are sparse), an evaluation every
-# 2 steps (the one at step 2 is GRPO's, before the branch point) and at the end; train.keep 1, so that GRPO's checkpoint of step 2 is gone once it saved step 4 (the snapshot keeps it)
+# 2 steps (the one at step 2 is GRPO's, before the branch point) and at the end; the record beside the working
+# folder (so that a lost working folder can be rebuilt from it); train.keep 1, so that GRPO's checkpoint of step 2 is gone once it saved step 4 (the snapshot keeps it)
 BRANCHED = (PLAN.replace("  ict: {{method: ict}}\n  grpo: {{method: grpo}}\n",
                          "  grpo: {{method: grpo}}\n"
                          "  ict: {{method: ict, branch: {{from: grpo, step: 2}}, "
@@ -778,7 +780,8 @@ BRANCHED = (PLAN.replace("  ict: {{method: ict}}\n  grpo: {{method: grpo}}\n",
             .replace("primary_outcome: {{metric: reward/mean, steps: [2, 3]}}",
                      "primary_outcome: {{metric: reward/mean, steps: [3, 4]}}")
             .replace("  - {{metric: eval/pass@1}}\n", "  - {{metric: eval/pass@1, step: 2}}\n  - {{metric: eval/pass@1}}\n")
-            .replace("  train.save_every: 2\n", "  train.save_every: 2\n  train.keep: 1\n  train.eval_every: 2\n"))
+            .replace("  train.save_every: 2\n", "  train.save_every: 2\n  train.keep: 1\n  train.eval_every: 2\n")
+            + "record: {out}-record\n")
 
 
 def _branched(tmp_path: Path, name: str, text: str | None = None) -> Path:
@@ -837,16 +840,21 @@ def test_a_branched_arm_starts_from_its_parents_checkpoint_and_resumes_bitwise(t
     with pytest.raises(ExperimentStopped):
         run_experiment(cut, progress=False, should_stop=stop_in_ict, say=lambda s: None, order="runs")
     assert not (tmp_path / "cut" / "runs" / "grpo_s0" / "checkpoints" / "2").exists()
-    rec = json.loads((tmp_path / "cut" / RECORD_FILE).read_text())
+    rec = json.loads((tmp_path / "cut-record" / RECORD_FILE).read_text())
     assert rec["runs"]["ict_s0"]["steps_done"] == 3 and rec["status"]["steps_done"] == 4 + 1
-    run_experiment(cut, progress=False, say=lambda s: None, order="runs")
+    # the machine lost: the working folder (checkpoints, the snapshot) is gone, rebuilt from the record; GRPO's
+    # finished run is written back without checkpoints, so ICT's branch point is trained again (GRPO to step 2)
+    shutil.rmtree(tmp_path / "cut")
+    said = []
+    run_experiment(cut, progress=False, say=said.append, order="runs", recover=True)
+    assert any("the checkpoint of grpo_s0 at step 2 is gone" in s for s in said), said
 
     for folder in ("whole", "cut"):
         runs = tmp_path / folder / "runs"
         grpo, ict = (read_metrics(runs / n / "metrics.jsonl") for n in ("grpo_s0", "ict_s0"))
         assert [r["step"] for r in grpo] == [r["step"] for r in ict] == [0, 1, 2, 3]
         # its first two steps are GRPO's rows; its third samples GRPO's rollouts from GRPO's weights ...
-        assert ict[:2] == grpo[:2]
+        assert [_keep(r) for r in ict[:2]] == [_keep(r) for r in grpo[:2]]
         for key in ("reward/mean", "response/length_mean", "adv/zero_std_group_frac"):
             assert ict[2][key] == grpo[2][key], key
         # ... and trains on ICT's tokens from there (its warm-up of 2 steps is over at the restored step)
@@ -855,22 +863,33 @@ def test_a_branched_arm_starts_from_its_parents_checkpoint_and_resumes_bitwise(t
         # the evaluation at the branch point is GRPO's (the same policy), the final ones are each arm's own
         evals = [read_metrics(runs / n / "metrics.jsonl", "eval") for n in ("grpo_s0", "ict_s0")]
         assert [[r["step"] for r in e] for e in evals] == [[2, 4], [2, 4]] and evals[0][0] == evals[1][0]
-    # stopped and continued = never stopped, bitwise
+    # stopped, its machine lost and continued = never stopped, bitwise (GRPO's run written back from the record)
     for name in ("grpo_s0", "ict_s0"):
         a, b = tmp_path / "whole" / "runs" / name, tmp_path / "cut" / "runs" / name
         assert [_keep(r) for r in read_metrics(a / "metrics.jsonl")] == [_keep(r) for r in read_metrics(b / "metrics.jsonl")]
-        (sa, pa), (sb, pb) = _final_params(a), _final_params(b)
-        assert sa == sb == 4
-        chex.assert_trees_all_equal(pa, pb)
+    (sa, pa), (sb, pb) = _final_params(tmp_path / "whole" / "runs" / "ict_s0"), _final_params(
+        tmp_path / "cut" / "runs" / "ict_s0")
+    assert sa == sb == 4
+    chex.assert_trees_all_equal(pa, pb)
     # the record names the checkpoint each branched run started from (and the sha256 of the copy it started from)
-    recs = [json.loads((tmp_path / f / RECORD_FILE).read_text()) for f in ("whole", "cut")]
+    recs = [json.loads((tmp_path / f"{f}-record" / RECORD_FILE).read_text()) for f in ("whole", "cut")]
     branches = [r["runs"]["ict_s0"]["branch"] for r in recs]
     for f, b in zip(("whole", "cut"), branches):
         assert b["from"] == "grpo_s0" and b["step"] == 2
-        assert b["checkpoint"] == str(tmp_path / f / "runs" / "grpo_s0" / "checkpoints" / "2")
         assert b["snapshot"] == str(tmp_path / f / "branches" / "grpo_s0@2")
         snap = json.loads((tmp_path / f / "branches" / "grpo_s0@2" / "snapshot.json").read_text())
         assert b["checkpoint_sha256"] == snap["checkpoint_sha256"] and len(b["checkpoint_sha256"]) == 64
+    # the whole experiment branched from GRPO's own checkpoint; the cut one from GRPO trained again, equal to it
+    # bitwise on this machine (the comparison says so)
+    assert branches[0]["checkpoint"] == str(tmp_path / "whole" / "runs" / "grpo_s0" / "checkpoints" / "2")
+    assert "rederived" not in branches[0]
+    redo = tmp_path / "cut" / "branches" / "grpo_s0@2.rederive"
+    assert branches[1]["checkpoint"] == str(redo / "checkpoints" / "2")
+    assert branches[1]["rederived"] == {"run_dir": str(redo), "comparison": {
+        "steps_compared": 2, "steps_equal": 2, "first_difference": None, "steps_same_samples": 2,
+        "first_sample_difference": None}}
+    assert "trained again" in (tmp_path / "cut-record" / "report.md").read_text()
+    assert recs[1]["runs"]["ict_s0"]["attempts"][0]["steps_done"] == 3  # the attempt lost with the machine
     assert "branch" not in recs[0]["runs"]["grpo_s0"]
     at2 = [recs[0]["runs"][n]["outcomes"]["eval/pass@1 at step 2"] for n in ("grpo_s0", "ict_s0")]
     assert at2[0] is not None and at2[0] == at2[1]
