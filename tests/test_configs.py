@@ -43,7 +43,9 @@ STEP_METRICS = {
     "response/truncated_frac", "mask/selected_frac", "mask/selected_prob_mean", "mask/high_low_entropy_ratio",
     "stats/H1_mean", "stats/H2_mean", "stats/H1_selected_mean", "stats/H2_selected_mean", "stats/js_mean",
     "stats/js_p90", "stats/js_selected_mean", "loss/policy", "loss/kl", "kl/valid_mean", "clip/frac_selected",
-    "clip/frac_unselected", "grad/norm", "rollout/logp_abs_diff_mean",
+    "clip/frac_unselected", "grad/norm", "rollout/logp_abs_diff_mean", "mask/selected_eos_frac",
+    "mask/selected_after_shortest_frac", "mask/selected_truncated_frac", "mask/selected_neg_adv_frac",
+    "optim/update_norm",
 }
 
 

@@ -3,12 +3,16 @@
 :func:`step_metrics` turns a rollout batch, its mask and token statistics into the §5 device scalars
 the train step returns (stable names: plots and tables read them), and two measures of how saturated
 ICT's cut is (docs/statistics.md): ``stats/u_at_ceiling`` and ``mask/tie_selected_frac``
-(:mod:`ict_jax.rl.saturation`). Their quantiles (the lower median
+(:mod:`ict_jax.rl.saturation`), and what the mask reaches (``mask/selected_eos_frac``, ...:
+:func:`ict_jax.rl.coverage.reach_shares`). :func:`update_norm` is ``optim/update_norm``, the norm of an
+applied update. Their quantiles (the lower median
 of H1, ``stats/js_p90``) are :func:`ict_jax.rl.quantile.valid_quantile`, the one quantile over valid
 entries, which STAPO's entropy quantile (:func:`ict_jax.rl.selectors.stapo_quantile`) also takes.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +20,7 @@ from jaxtyping import Array, Float
 
 from ict_jax.config import SelectorSection
 from ict_jax.rl.batch import RolloutBatch
+from ict_jax.rl.coverage import reach_shares
 from ict_jax.rl.losses import zero_std_groups
 from ict_jax.rl.quantile import valid_quantile
 from ict_jax.rl.saturation import RANKED_BY, tie_selected_frac, u_at_ceiling
@@ -34,7 +39,9 @@ def step_metrics(batch: RolloutBatch, valid: Float[Array, "B T"], mask: Float[Ar
                  micro_batches: int = 1) -> dict[str, jax.Array]:
     """docs/method.md §5 metrics of the rollout batch, masks and statistics (device scalars).
 
-    The train step adds the loss metrics (``loss/*``, ``kl/*``, ``clip/*``) and ``grad/norm``; the
+    The train step adds the loss metrics (``loss/*``, ``kl/*``, ``clip/*``), ``grad/norm`` and
+    ``optim/update_norm``; what the mask reaches (the four shares of :data:`ict_jax.rl.coverage.REACH_KEYS`)
+    is :func:`~ict_jax.rl.coverage.reach_shares` of the selected tokens. The
     statistics a pass did not compute (a ``None`` field of ``stats``) give no metric.
     ``mask/high_low_entropy_ratio`` = #(M and H1 > med) / max(1, #(M and H1 <= med)), med the lower
     median of H1 over valid tokens; ``stats/js_p90`` the linear 0.9 quantile of u over valid tokens.
@@ -57,6 +64,7 @@ def step_metrics(batch: RolloutBatch, valid: Float[Array, "B T"], mask: Float[Ar
         "mask/selected_frac": sel.sum() / jnp.maximum(valid.sum(), 1.0),
         "rollout/logp_abs_diff_mean": _masked_mean(jnp.abs(batch.sampler_logp - logp_old), valid),
     }
+    m.update(reach_shares(sel, batch.response_valid, batch.truncated, batch.advantages, group_size, batch.row_valid))
     if stats.logp is not None:
         m["mask/selected_prob_mean"] = _masked_mean(jnp.exp(jax.lax.stop_gradient(stats.logp)), sel)
     if stats.H1 is not None:
@@ -83,3 +91,11 @@ def step_metrics(batch: RolloutBatch, valid: Float[Array, "B T"], mask: Float[Ar
                                                         set_rows=rows, ties=selector.ties,
                                                         rho=selector.resolved_rho)
     return m
+
+
+def update_norm(old: Any, new: Any) -> jax.Array:
+    """``optim/update_norm`` (docs/method.md §5): the global L2 norm of the update applied to the
+    parameters, sqrt(sum over leaves of sum (new - old)^2), each difference taken in float32 (0 for an
+    update that was skipped: new = old)."""
+    sq = jax.tree.map(lambda a, b: jnp.sum(jnp.square(jnp.asarray(b, F32) - jnp.asarray(a, F32))), old, new)
+    return jnp.sqrt(sum(jax.tree.leaves(sq), jnp.zeros((), F32)))

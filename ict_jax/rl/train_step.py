@@ -62,7 +62,7 @@ from ict_jax.config import Config, LossSection, SelectorSection
 from ict_jax.rl.batch import RolloutBatch, response_extent, trim_response
 from ict_jax.rl.group_stats import GroupStatsRequest, group_stats, head_inputs
 from ict_jax.rl.losses import LossDenominators, loss_denominators, micro_batch_loss, policy_loss
-from ict_jax.rl.metrics import step_metrics
+from ict_jax.rl.metrics import step_metrics, update_norm
 from ict_jax.rl.selectors import select, selector_needs
 from ict_jax.rl.state import ModelDef, TrainState, check_lora_state, kl_reference, make_optimizer
 from ict_jax.rl.token_stats import ALL_STATS, GROUP_STATS, TokenStats, stats_and_surrogate
@@ -366,9 +366,10 @@ def mini_batch_update(plan: StepPlan, graphdef: Any, key: jax.Array, step: jax.A
         out = micro_batched_grads(plan, params, graphdef, mb, valid, logp_old, logp_ref, group_old, key, step,
                                   index)
     grads, loss, lm, mask, stats, lp_old_used = out
-    params, opt_state, gnorm, skipped = apply_update(plan.tx, params, opt_state, grads, loss)
-    lm = dict(lm, **{"grad/norm": gnorm, "train/skipped": skipped.astype(F32), "loss/total": loss})
-    return (params, opt_state), (lm, mask, stats, lp_old_used)
+    new_params, opt_state, gnorm, skipped = apply_update(plan.tx, params, opt_state, grads, loss)
+    lm = dict(lm, **{"grad/norm": gnorm, "optim/update_norm": update_norm(params, new_params),
+                     "train/skipped": skipped.astype(F32), "loss/total": loss})
+    return (new_params, opt_state), (lm, mask, stats, lp_old_used)
 
 
 def step_fn(plan: StepPlan, state: TrainState, batch: RolloutBatch, ref_params: Any) -> tuple[TrainState, dict]:

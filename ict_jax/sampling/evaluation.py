@@ -29,7 +29,7 @@ from ict_jax.heartbeat import Heartbeat, duration
 from ict_jax.rewards.pool import RewardPool
 
 __all__ = ["EVAL_DEFAULTS", "pass_at_k", "standard_error", "aggregate", "format_table", "evaluate",
-           "evaluate_benchmarks"]
+           "evaluate_benchmarks", "truncated_of"]
 
 _DEFAULTS = eval_settings()
 #: docs/method.md §6: samples per problem, the k reported, and the sampling settings of the eval generate_fn;
@@ -222,12 +222,19 @@ def _jsonable(x: Any) -> Any:
         return str(x)
 
 
+def truncated_of(response: Any) -> bool | None:
+    """Whether a response of ``generate_fn`` was cut at the length limit: its ``truncated`` attribute (a
+    :class:`~ict_jax.sampling.text_generation.Response`), None for a plain string (not known)."""
+    t = getattr(response, "truncated", None)
+    return None if t is None else bool(t)
+
+
 def _write_samples(file: Any, name: str, index: int, ex: Any, responses: Sequence[str], checks: Sequence[Any]) -> None:
     """One JSONL line per sample of problem ``index`` of benchmark ``name`` (:func:`evaluate`'s samples file)."""
     for j, c in enumerate(checks):
-        rec = {"benchmark": name, "index": index, "sample": j, "prompt": ex.prompt, "response": responses[j],
+        rec = {"benchmark": name, "index": index, "sample": j, "prompt": ex.prompt, "response": str(responses[j]),
                "answer": c.answer, "gold": _jsonable(ex.answer), "correct": c.correct, "reward": c.reward,
-               "status": c.status}
+               "status": c.status, "truncated": truncated_of(responses[j])}
         file.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
@@ -243,9 +250,11 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
     responses for each, in order. Scoring of a batch runs on ``pool`` (a :class:`RewardPool`; None = a
     temporary 2-worker pool) while the next batch is generated. ``limit``: first problems per benchmark.
     Writes the results as JSON (``json_path``: the :func:`aggregate` dict plus ``n``, ``ks``,
-    ``settings``, per-benchmark ``no_answer`` fraction, ``timeouts`` and ``seconds``) and one JSONL line
-    per sample (``samples_path``: benchmark, index, sample, prompt, response, answer (extracted), gold,
-    correct, reward, status); prints the table (:func:`format_table`); returns the results dict.
+    ``settings``, per-benchmark ``no_answer`` (the fraction of samples with no extractable answer),
+    ``truncated`` (the fraction cut at the length limit, from each response's ``truncated``; None when
+    ``generate_fn`` returns plain strings, which do not say), ``timeouts`` and ``seconds``) and one JSONL
+    line per sample (``samples_path``: benchmark, index, sample, prompt, response, answer (extracted), gold,
+    correct, reward, status, truncated); prints the table (:func:`format_table`); returns the results dict.
     ``progress``: lines (or a bar) on stderr (:class:`Progress`); ``listener(done, total, phase)`` hears
     the problems done and what is being sampled, with or without them (a training run's heartbeat)."""
     ks = tuple(int(k) for k in ks)
@@ -267,18 +276,18 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
         for name, scorer, examples in benches:
             t0 = time.monotonic()
             rows: list[list[bool]] = []
-            no_answer = timeouts = 0
+            statuses: list[str] = []
+            cut: list[bool | None] = []  # truncated_of of every sample
             inflight: list[tuple[int, list, list[list[str]], Any]] = []
 
             def collect(item: tuple[int, list, list[list[str]], Any]) -> None:
-                nonlocal no_answer, timeouts
                 start, chunk, responses, fut = item
                 checks = fut.result()
                 for p, ex in enumerate(chunk):
                     row = checks[p * n:(p + 1) * n]
                     rows.append([c.correct for c in row])
-                    no_answer += sum(c.status == "no_answer" for c in row)
-                    timeouts += sum(c.status == "timeout" for c in row)
+                    statuses.extend(c.status for c in row)
+                    cut.extend(truncated_of(r) for r in responses[p])
                     if sample_file is not None:
                         _write_samples(sample_file, name, start + p, ex, responses[p], row)
                 bar.update(len(chunk))
@@ -292,7 +301,7 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
                 if len(responses) != len(chunk) or any(len(r) != n for r in responses):
                     raise ValueError(f"evaluate: {name}: generate_fn returned {[len(r) for r in responses]} "
                                      f"responses for {len(chunk)} prompts, expected {n} each")
-                flat = [r for rs in responses for r in rs]
+                flat = [str(r) for rs in responses for r in rs]  # plain text to the reward workers
                 fut = pool.check_async(scorer, flat, [ex.answer for ex in chunk for _ in range(n)],
                                        [ex.meta for ex in chunk for _ in range(n)])
                 inflight.append((start, chunk, responses, fut))
@@ -301,8 +310,7 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
             for item in inflight:
                 collect(item)
             correct[name] = rows
-            total = max(1, len(rows) * n)
-            extra[name] = {"no_answer": no_answer / total, "timeouts": timeouts, "seconds": time.monotonic() - t0}
+            extra[name] = _sample_figures(statuses, cut, time.monotonic() - t0)
     finally:
         bar.close()
         if sample_file is not None:
@@ -310,6 +318,17 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
         if own_pool:
             pool.close()
     return _results(correct, extra, n, ks, settings, print_table, json_path)
+
+
+def _sample_figures(statuses: Sequence[str], cut: Sequence[bool | None], seconds: float) -> dict[str, Any]:
+    """A benchmark's figures beside pass@k from its samples' check statuses and :func:`truncated_of`:
+    ``no_answer`` and ``truncated`` (fractions of the samples; ``truncated`` None unless every sample says),
+    ``timeouts`` (a count) and ``seconds``."""
+    total = max(1, len(statuses))
+    known = bool(cut) and all(c is not None for c in cut)
+    return {"no_answer": sum(s == "no_answer" for s in statuses) / total,
+            "truncated": sum(map(bool, cut)) / total if known else None,
+            "timeouts": sum(s == "timeout" for s in statuses), "seconds": seconds}
 
 
 def _results(correct: Mapping[str, list[list[bool]]], extra: Mapping[str, dict[str, Any]], n: int,

@@ -15,6 +15,9 @@ Over-long prompts are never truncated: a prompt of more than ``max_prompt_len`` 
 with ``max_new_tokens`` after it would pass the model's ``max_position_embeddings``, raises
 ``ValueError`` (``overlong="error"``, the default), or (``overlong="skip"``) gets n empty responses
 (scored wrong: no answer) and is counted in ``gen.skipped``.
+
+Each response is a :class:`Response`, a ``str`` that also says whether it was cut at ``max_new_tokens``
+(``.truncated``: no EOS within the limit), which the evaluation counts (``truncated_frac``).
 """
 
 from __future__ import annotations
@@ -35,16 +38,29 @@ from ict_jax.rng import EVAL_STREAM, stream_key
 from ict_jax.sampling.sampler import SampleSettings, make_generate_fn, state_mesh
 from ict_jax.sharding import check_prompts_divide, to_host
 
-__all__ = ["TextGenerator", "make_text_generator"]
+__all__ = ["Response", "TextGenerator", "make_text_generator"]
 _ROLLOUT = RolloutSection()  # the config tree's defaults (one source per default)
 
 
+class Response(str):
+    """A decoded response: the text itself (a ``str``), with ``truncated`` True when the sampler hit
+    ``max_new_tokens`` before an EOS. ``str(r)`` is the plain text."""
+
+    truncated: bool
+
+    def __new__(cls, text: str, truncated: bool = False) -> Response:
+        obj = super().__new__(cls, text)
+        obj.truncated = bool(truncated)
+        return obj
+
+
 class TextGenerator:
-    """``gen(prompts, n) -> list[list[str]]``: n responses per prompt, in order. Built by
-    :func:`make_text_generator` (its docstring lists the settings). Attributes: ``state`` (the model
-    state sampled from; assign a new one to follow training), ``skipped`` (over-long prompts answered
-    with empty responses), ``calls`` (generate programs run; the sampling key of run i is
-    ``fold_in(key(seed), i)``), ``buckets``, ``fns`` (n -> :class:`ict_jax.sampling.sampler.GenerateFn`)."""
+    """``gen(prompts, n) -> list[list[Response]]``: n responses per prompt, in order (each a ``str``
+    with ``.truncated``). Built by :func:`make_text_generator` (its docstring lists the settings).
+    Attributes: ``state`` (the model state sampled from; assign a new one to follow training),
+    ``skipped`` (over-long prompts answered with empty responses), ``calls`` (generate programs run; the
+    sampling key of run i is ``fold_in(key(seed), i)``), ``buckets``, ``fns`` (n ->
+    :class:`ict_jax.sampling.sampler.GenerateFn`)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float,
                  top_k: int, template: str, max_prompt_len: int, batch_size: int, seed: int, mesh: Any,
@@ -115,14 +131,14 @@ class TextGenerator:
                 encoded.append(None)
         return encoded, [i for i, ids in enumerate(encoded) if ids is not None]
 
-    def __call__(self, prompts: Sequence[str], n: int) -> list[list[str]]:
+    def __call__(self, prompts: Sequence[str], n: int) -> list[list[Response]]:
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings, got one string")
         n = int(n)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         encoded, keep = self._encode_all(prompts)
-        out: list[list[str]] = [[""] * n for _ in prompts]
+        out: list[list[Response]] = [[Response("")] * n for _ in prompts]  # a skipped prompt: nothing sampled
         fn, bs, tok = self._fn(n), self.batch_size, self.tokenizer
         for start in range(0, len(keep), bs):
             rows = keep[start:start + bs]
@@ -131,11 +147,11 @@ class TextGenerator:
             ids, mask = pad_left(seqs, bucket_for(max(len(s) for s in seqs), self.buckets), tok.pad_id)
             r = fn(self.state, ids, mask, jax.random.fold_in(self.key, self.calls))
             self.calls += 1
-            tokens, valid = to_host((r.tokens, r.valid))  # all-gathered in a multi-process run
+            tokens, valid, truncated = to_host((r.tokens, r.valid, r.truncated))  # all-gathered in a multi-process run
             for p, i in enumerate(rows):
                 for j in range(n):
                     row = p * n + j
-                    out[i][j] = decode_response(tok, tokens[row], valid[row])
+                    out[i][j] = Response(decode_response(tok, tokens[row], valid[row]), bool(truncated[row]))
         return out
 
     def compiled_programs(self) -> int:
@@ -173,7 +189,7 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
                         generate_fns: Mapping[int, Callable[..., Any]] | None = None,
                         min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
                         gather_weights: bool = _ROLLOUT.gather_weights) -> TextGenerator:
-    """``generate_fn(prompts: list[str], n: int) -> list[list[str]]`` sampling from ``model``.
+    """``generate_fn(prompts: list[str], n: int) -> list[list[Response]]`` sampling from ``model``.
 
     - ``model``: a :class:`ict_jax.Qwen2`, or ``(graphdef, state)`` from ``nnx.split`` (the returned
       generator's ``.state`` can be reassigned later, e.g. to the trainer's current weights);

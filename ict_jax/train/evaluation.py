@@ -23,15 +23,26 @@ from ict_jax.train.logs import format_eval
 from ict_jax.train.parts import RunParts
 from ict_jax.train.programs import kv_cache_dtype, sampler_prompts
 
+#: docs/method.md §5 metric of an evaluation -> its per-benchmark field in
+#: :func:`ict_jax.sampling.evaluation.evaluate`'s results (fractions of the samples)
+SHARE_METRICS = {"no_answer_frac": "no_answer", "truncated_frac": "truncated"}
+
 
 def pass_at_k_metrics(results: Mapping[str, Any]) -> dict[str, float]:
-    """``{"eval/<benchmark>/pass@k": value}`` of :func:`ict_jax.sampling.evaluation.evaluate`'s results."""
+    """The docs/method.md §5 metrics of :func:`ict_jax.sampling.evaluation.evaluate`'s results:
+    ``{"eval/<benchmark>/pass@k": value}``, with ``eval/<benchmark>/no_answer_frac`` (samples with no
+    extractable answer) and ``eval/<benchmark>/truncated_frac`` (samples cut at the length limit) where the
+    results hold them."""
     flat: dict[str, float] = {}
     for bench, vals in results.get("benchmarks", results).items():
         if isinstance(vals, dict):
             for k, v in vals.items():
                 if k.startswith("pass@") and isinstance(v, (int, float)):
                     flat[f"eval/{bench}/{k}"] = float(v)
+            for metric, field in SHARE_METRICS.items():
+                v = vals.get(field)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    flat[f"eval/{bench}/{metric}"] = float(v)
     return flat
 
 

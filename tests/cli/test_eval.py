@@ -81,6 +81,10 @@ def test_eval_cli_end_to_end(assets, tmp_path, capsys):
     expect = gen([ex.prompt for ex in ds[:2]], 4) + gen([ex.prompt for ex in ds[2:]], 4)
     assert [r["response"] for r in rows] == [s for per in expect for s in per]
     assert len({r["response"] for r in rows}) > 1  # sampled, not one repeated string
+    # truncated_frac and no_answer_frac of the evaluation: the shares of the samples, from the JSONL
+    assert [r["truncated"] for r in rows] == [s.truncated for per in expect for s in per]
+    assert b["truncated"] == sum(r["truncated"] for r in rows) / 12
+    assert b["no_answer"] == sum(r["status"] == "no_answer" for r in rows) / 12
 
 
 @pytest.mark.e2e  # two evaluations compiled and run (~30 s); the sampler's 8-device check is in the default suite
@@ -223,6 +227,9 @@ def test_text_generator_decodes_valid_tokens(model):
                  temperature=0.6, top_p=0.95, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
     want = [tok.decode(np.asarray(r.tokens)[j, :int(r.lengths[j])]) for j in range(4)]
     assert got == [want[:2], want[2:]]
+    # each response says whether it hit max_new_tokens without an EOS, as the sampler's rollout does
+    assert [s.truncated for per in got for s in per] == np.asarray(r.truncated).tolist()
+    assert all(type(str(s)) is str for per in got for s in per)
 
 
 def test_text_generator_overlong_prompts(model):

@@ -278,12 +278,47 @@ def test_metrics_hold_every_method_section5_key():
                 "mask/high_low_entropy_ratio", "stats/H1_mean", "stats/H2_mean", "stats/H1_selected_mean",
                 "stats/H2_selected_mean", "stats/js_mean", "stats/js_p90", "stats/js_selected_mean",
                 "loss/policy", "loss/kl", "kl/valid_mean", "clip/frac_selected", "clip/frac_unselected",
-                "grad/norm", "rollout/logp_abs_diff_mean",
+                "grad/norm", "rollout/logp_abs_diff_mean", "mask/selected_eos_frac",
+                "mask/selected_after_shortest_frac", "mask/selected_truncated_frac", "mask/selected_neg_adv_frac",
+                "optim/update_norm",
                 "stats/u_at_ceiling", "mask/tie_selected_frac"}  # docs/statistics.md, beside the §5 keys
     assert expected <= set(m)
     assert 0.0 <= m["stats/u_at_ceiling"] <= 1.0 and 0.0 <= m["mask/tie_selected_frac"] <= 1.0
     assert m["adv/zero_std_group_frac"] >= 0.25  # the all-equal group
     assert all(np.isfinite(v) for v in m.values())
+
+
+def test_reach_shares_and_update_norm_of_a_real_update():
+    """dense selects every valid token, so what it reaches is a count of the batch's tokens (closed forms,
+    float64); ``optim/update_norm`` is the norm of the parameters' change under AdamW, in float64 from the
+    parameters before and after (the step donates its state: copied first)."""
+    cfg = _config("dense", "token-mean", 1, "rl.loss.kl_coef=0", "optim.lr=1e-3", "optim.lr_warmup_steps=0")
+    b = _batch()
+    rv = np.asarray(b.response_valid)
+    L = rv.sum(1)
+    trunc = (L == LR).astype(np.float32)  # the full-length responses hit the limit
+    assert 0 < trunc.sum() < len(L)
+    b = b.replace(truncated=jnp.asarray(trunc))
+    adv = np.asarray(b.advantages)
+    assert (adv < 0).any() and (adv >= 0).any()
+    model = ict_jax.init_model(MODEL, seed=1)
+    state = init_train_state(cfg, model)
+    before = [np.asarray(a, np.float64) for a in jax.tree.leaves(state.params)]
+    new, m = make_train_step(cfg)(state, b)
+    after = [np.asarray(a, np.float64) for a in jax.tree.leaves(new.params)]
+    total = L.sum()
+    shortest = np.repeat(L.reshape(P, G).min(1), G)
+    want = {"mask/selected_eos_frac": (trunc == 0).sum() / total,
+            "mask/selected_after_shortest_frac": (L - shortest).sum() / total,
+            "mask/selected_truncated_frac": (L * trunc).sum() / total,
+            "mask/selected_neg_adv_frac": (L * (adv < 0)).sum() / total}
+    for k, v in want.items():
+        assert 0 < v < 1, k
+        np.testing.assert_allclose(float(m[k]), v, rtol=1e-6, atol=0, err_msg=k)
+    norm = math.sqrt(sum(float(np.sum((a - o) ** 2)) for a, o in zip(after, before)))
+    assert norm > 1e-3  # a real update (lr 1e-3 on every parameter a gradient reaches)
+    np.testing.assert_allclose(float(m["optim/update_norm"]), norm, rtol=1e-6, atol=0)
+    assert abs(float(m["optim/update_norm"]) - float(m["grad/norm"])) > 0.1 * norm  # not the gradient's norm
 
 
 # ------------------------------------------------------------------------------------------------

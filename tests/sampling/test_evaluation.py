@@ -116,11 +116,42 @@ def test_evaluate_writes_table_json_jsonl(pool, tmp_path, capsys):
     assert len(lines) == (7 + 3) * n
     first = lines[0]
     assert set(first) == {"benchmark", "index", "sample", "prompt", "response", "answer", "gold", "correct",
-                          "reward", "status"}
+                          "reward", "status", "truncated"}
+    assert all(x["truncated"] is None for x in lines)  # plain strings do not say whether they were cut
+    assert g["truncated"] is None and m["truncated"] is None
     q1 = [x for x in lines if x["benchmark"] == "gsm_fake" and x["index"] == 1]
     assert [x["correct"] for x in q1] == [True, False, False, False]
     assert q1[0]["answer"] == "1" and q1[0]["gold"] == "1" and q1[2]["status"] == "no_answer"
     assert sum(x["correct"] for x in lines) == sum(counts) + 3
+
+
+def test_evaluate_counts_truncated_and_no_answer(pool, tmp_path):
+    """``truncated``: the share of samples whose Response says it hit the length limit; ``no_answer``: the
+    share with no extractable answer (3 problems x 4 samples, counted by hand)."""
+    from ict_jax.sampling.text_generation import Response
+
+    ds = Dataset("d", [Example(f"q{i}", "1") for i in range(3)], "gsm8k")
+    # per problem: (text, truncated) of its 4 samples; "#### 1" right, "#### 2" wrong, "..." no answer
+    samples = {"q0": [("#### 1", False), ("...", True), ("...", True), ("#### 2", False)],
+               "q1": [("#### 1", True), ("#### 1", False), ("...", False), ("#### 1", False)],
+               "q2": [("...", True), ("#### 2", False), ("#### 1", False), ("#### 1", False)]}
+    seen = []
+
+    def generate_fn(prompts, n):
+        out = [[Response(t, c) for t, c in samples[p]] for p in prompts]
+        seen.extend(type(r) for rs in out for r in rs)
+        return out
+
+    res = evaluate(generate_fn, [ds], pool, n=4, ks=(1,), batch_size=2, samples_path=tmp_path / "s.jsonl",
+                   progress=False, print_table=False)
+    b = res["benchmarks"]["d"]
+    assert seen == [Response] * 12
+    assert b["truncated"] == 4 / 12 and b["no_answer"] == 4 / 12 and b["pass@1"] == pytest.approx(6 / 12)
+    lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [x["truncated"] for x in lines] == [c for p in ("q0", "q1", "q2") for _, c in samples[p]]
+    assert [x["response"] for x in lines] == [t for p in ("q0", "q1", "q2") for t, _ in samples[p]]
+    # a truncated response with an answer is scored like any other
+    assert [x["correct"] for x in lines if x["index"] == 1] == [True, True, False, True]
 
 
 def test_evaluate_limit_and_errors(pool):

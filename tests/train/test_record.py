@@ -645,6 +645,24 @@ def test_the_heartbeat_names_the_work_between_steps(tmp_path, monkeypatch, capsy
     assert after and all(ln.endswith(" in rl)") for ln in after), after
 
 
+def test_an_evaluations_metrics_carry_the_shares_of_each_benchmark():
+    """An evaluation's row: pass@k, and docs/method.md §5's eval/<benchmark>/no_answer_frac and
+    truncated_frac from evaluate()'s per-benchmark no_answer and truncated (no metric where a share is None)."""
+    from ict_jax.train.evaluation import pass_at_k_metrics
+
+    results = {"benchmarks": {
+        "gsm8k_test": {"problems": 3, "samples": 12, "pass@1": 0.25, "pass@4": 0.5, "se": {"pass@1": 0.1},
+                       "no_answer": 4 / 12, "truncated": 5 / 12, "timeouts": 0, "seconds": 1.5},
+        "math500": {"problems": 2, "samples": 8, "pass@1": 0.0, "pass@4": 0.0, "no_answer": 1.0, "truncated": None,
+                    "timeouts": 2},
+    }, "average": {"pass@1": 0.125}, "n": 4}
+    assert pass_at_k_metrics(results) == {
+        "eval/gsm8k_test/pass@1": 0.25, "eval/gsm8k_test/pass@4": 0.5, "eval/gsm8k_test/no_answer_frac": 4 / 12,
+        "eval/gsm8k_test/truncated_frac": 5 / 12,
+        "eval/math500/pass@1": 0.0, "eval/math500/pass@4": 0.0, "eval/math500/no_answer_frac": 1.0,
+    }
+
+
 def test_a_runs_evaluation_feeds_its_heartbeat_and_clears_it_even_when_it_fails(tmp_path, monkeypatch):
     """The Evaluator hands evaluate() a listener that names the evaluation in the run's heartbeat
     (problems done, the batch being sampled) and clears it afterwards, also when the evaluation fails."""

@@ -34,8 +34,9 @@ SECTION5 = {"reward/mean", "reward/accuracy", "adv/zero_std_group_frac", "respon
             "mask/high_low_entropy_ratio", "stats/H1_mean", "stats/H2_mean", "stats/H1_selected_mean",
             "stats/H2_selected_mean", "stats/js_mean", "stats/js_p90", "stats/js_selected_mean", "loss/policy",
             "loss/kl", "kl/valid_mean", "clip/frac_selected", "clip/frac_unselected", "grad/norm",
-            "rollout/logp_abs_diff_mean", "time/rollout_s", "time/sample_s", "time/rewards_s", "time/update_s",
-            "throughput/tokens_per_s"}
+            "rollout/logp_abs_diff_mean", "mask/selected_eos_frac", "mask/selected_after_shortest_frac",
+            "mask/selected_truncated_frac", "mask/selected_neg_adv_frac", "optim/update_norm", "time/rollout_s",
+            "time/sample_s", "time/rewards_s", "time/update_s", "throughput/tokens_per_s"}
 
 
 # ict stays in the default suite as the trainer's representative end-to-end run (SFT warm start, RL,
