@@ -46,7 +46,8 @@ def add_diagnose_args(p: argparse.ArgumentParser) -> None:
                         + "\" (multiple-choice data sets: \"" + MC_INSTRUCTION.replace("%", "%%") + "\"); none: the "
                         "prompts as given. The report states it")
     p.add_argument("--rho", type=float, default=SELECTOR_DEFAULTS["ict"][0],
-                   help=f"ICT's fraction per response (default {SELECTOR_DEFAULTS['ict'][0]})")
+                   help=f"ICT's fraction per response (default {SELECTOR_DEFAULTS['ict'][0]}), also the count of "
+                        "random, lowest_p and entropy[sequence]")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--chunk", type=int, default=StatsSection().chunk,
                    help=f"positions per statistics block (default stats.chunk's {StatsSection().chunk})")

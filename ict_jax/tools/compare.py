@@ -51,8 +51,10 @@ from ict_jax.train.record import run_finished
 from ict_jax.train.trainer import Trainer, TrainingDiverged
 
 #: Named variants accepted in ``methods`` beside the selector methods: a method with config overrides.
-#: ``ict_norm_valid``: ICT's tokens with GRPO's denominators (``normalize_over: valid``), which separates
-#: the choice of tokens from the 1/rho up-weighting of ``normalize_over: selected`` (docs/method.md §4).
+#: ``ict_norm_valid``: ICT's tokens with GRPO's denominators (``normalize_over: valid``), without the 1/rho
+#: up-weighting of ``normalize_over: selected``: under AdamW close to a constant rescaling of the gradient,
+#: which Adam cancels, so it changes how responses weigh against each other, not the step size
+#: (docs/method.md §4).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ict_norm_valid": ("ict", {"rl.loss.normalize_over": "valid"}),
 }

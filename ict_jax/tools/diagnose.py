@@ -5,12 +5,17 @@ a data set's prompts, scores them with the data set's verifiable reward, recompu
 token's statistics (docs/method.md §1: logp, H1, H2, max_v p, and u with Q(o_t) under every reading of
 ``stats.u_form``) and selects tokens with every selector (docs/method.md §2) through the train step's
 entry point :func:`ict_jax.rl.selectors.select`, one sampling batch being the mini-batch; ICT under both
-tie rules (``rl.selector.ties``: ``ict[r]`` keeps exactly k, ``ict[r,ties=all]`` every token tied at the cut).
+tie rules (``rl.selector.ties``: ``ict[r]`` keeps exactly k, ``ict[r,ties=all]`` every token tied at the cut),
+and two references at ICT's count per response: 20-Entropy per response (``entropy[sequence]``) and the
+diagnose-only ``lowest_p`` (each response's tokens with the lowest p(o_t), :func:`lowest_p_mask`).
 :func:`ict_jax.tools.diagnose_measures.diagnostics` then computes, in float64 NumPy, the paper's
 diagnostics of the selected tokens (docs/method.md §5): sorted-u curves and their elbow, p(o_t), its
 purity and max_v p, Q(o_t), the high/low-entropy ratio, the most frequent selected and unselected and
 the forking tokens, u against position, and corr(mean u, advantage): plain, within groups, over finished
-responses and given the response length (:mod:`ict_jax.tools.diagnose_advantage`).
+responses and given the response length (:mod:`ict_jax.tools.diagnose_advantage`); and what each
+selector reaches, with the train step's function (:mod:`ict_jax.rl.coverage`, float32): the shares of
+its tokens that are EOS, after the group's shortest response, on truncated responses and with A < 0, and
+its share of each 16-token bin's valid tokens.
 
 :func:`run_diagnose` does every setting and writes ``diagnose.json``, the Markdown report and the plots
 (:mod:`ict_jax.tools.diagnose_report`).
@@ -39,15 +44,15 @@ from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.saturation import RANKED_BY, tie_decided
-from ict_jax.rl.selectors import select
+from ict_jax.rl.selectors import select, topk_mask
 from ict_jax.rl.token_stats import ALL_STATS, U_FORMS, TokenStats
 from ict_jax.rng import DIAGNOSE_STREAM, stream_key
 from ict_jax.sampling.sampler import make_generate_fn
 from ict_jax.tools.diagnose_measures import diagnostics, marked_examples
 from ict_jax.tools.diagnose_report import format_markdown, plot_setting
 
-__all__ = ["PAPER", "Setting", "collect", "ict_all_name", "outcome_advantages", "reanalyse", "run_diagnose",
-           "selector_specs"]
+__all__ = ["LOWEST_P", "PAPER", "Setting", "collect", "ict_all_name", "lowest_p_mask", "outcome_advantages",
+           "reanalyse", "run_diagnose", "selector_specs"]
 
 #: The paper's token diagnostics of ICT's selected tokens (docs/method.md §5; Qwen2.5, GSM8K / MATH).
 PAPER = {
@@ -79,14 +84,29 @@ def ict_all_name(form: str) -> str:
     return f"ict[{form},ties=all]"
 
 
+#: The diagnose-only selector (no training method): the rho fraction of each response's tokens with the
+#: lowest p(o_t) (:func:`lowest_p_mask`).
+LOWEST_P = "lowest_p"
+
+
+def lowest_p_mask(logp: jax.Array, valid: jax.Array, rho: float) -> jax.Array:
+    """``lowest_p``: the k = max(1, ceil(rho n)) valid tokens of each response with the lowest p(o_t)
+    (docs/method.md §2's count and ties: :func:`ict_jax.rl.selectors.topk_mask` of -logp, scope
+    ``sequence``), float32 {0, 1}."""
+    return topk_mask(-jnp.asarray(logp, jnp.float32), valid, rho=rho, scope="sequence")
+
+
 def selector_specs(u_forms: Sequence[str], rho: float | None = None) -> dict[str, tuple[SelectorSection, str]]:
     """name -> (selector section with no warm-up, the reading of u it reads) for every selector the
     diagnostics compare: per reading ``ict[r]``, ``ict[r,ties=all]`` (the same cut keeping every token
     tied at it, ``rl.selector.ties: all``), ``frequent[r]`` (the paper's complement) and
-    ``selectable[r]`` (valid and u > 0); then ``entropy``, ``stapo[low_prob_positive]``, ``stapo[valid]``,
-    ``random`` (ICT's counts) and ``all`` (every valid token: the reference row). ``rho`` is ICT's (and
-    its complement's and random's) fraction, None = ``rl.selector.rho``'s default for ICT. Every other
-    selector uses the default tie rule, ``position``."""
+    ``selectable[r]`` (valid and u > 0); then ``entropy`` (20-Entropy: rho 0.2 over the mini-batch),
+    ``entropy[sequence]`` (20-Entropy at ICT's rho per response), ``stapo[low_prob_positive]``,
+    ``stapo[valid]``, ``random`` (ICT's counts), ``lowest_p`` (ICT's counts, the least likely tokens:
+    method :data:`LOWEST_P`, computed by :func:`lowest_p_mask`, not :func:`~ict_jax.rl.selectors.select`)
+    and ``all`` (every valid token: the reference row). ``rho`` is ICT's (and its complement's, random's,
+    lowest_p's and ``entropy[sequence]``'s) fraction, None = ``rl.selector.rho``'s default for ICT. Every
+    other selector uses the default tie rule, ``position``."""
     specs: dict[str, tuple[SelectorSection, str]] = {}
     for form in u_forms:
         for method in ("ict", "frequent", "selectable"):
@@ -96,9 +116,13 @@ def selector_specs(u_forms: Sequence[str], rho: float | None = None) -> dict[str
                 specs[ict_all_name(form)] = (SelectorSection(method="ict", rho=rho, ties="all", warmup_steps=0), form)
     default = u_forms[0]
     specs["entropy"] = (SelectorSection(method="entropy", warmup_steps=0), default)
+    ict_rho = SelectorSection(method="ict", rho=rho).resolved_rho
+    specs["entropy[sequence]"] = (SelectorSection(method="entropy", rho=ict_rho, scope="sequence", warmup_steps=0),
+                                  default)
     for over in ("low_prob_positive", "valid"):
         specs[f"stapo[{over}]"] = (SelectorSection(method="stapo", stapo_quantile_over=over, warmup_steps=0), default)
     specs["random"] = (SelectorSection(method="random", rho=rho, warmup_steps=0), default)
+    specs[LOWEST_P] = (SelectorSection(method=LOWEST_P, rho=ict_rho, scope="sequence", warmup_steps=0), default)  # type: ignore[arg-type]
     specs["all"] = (SelectorSection(method="dense", warmup_steps=0), default)
     return specs
 
@@ -171,9 +195,17 @@ def _select_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[s
     base, out = per[first], {}
     for name, (cfg, form) in specs.items():
         st = TokenStats(base.logp, base.H1, base.H2, per[form].js)
-        out[name] = np.asarray(select(cfg.method, st, jnp.asarray(adv), jnp.asarray(valid), step=step, config=cfg,
-                                      key=key, group_size=G)) > 0
+        out[name] = np.asarray(_mask(cfg, st, jnp.asarray(adv), jnp.asarray(valid), step, G, key)) > 0
     return out
+
+
+def _mask(cfg: SelectorSection, st: TokenStats, adv: jax.Array, valid: jax.Array, step: int, G: int,
+          key: jax.Array) -> jax.Array:
+    """The mask of one selector spec: :func:`lowest_p_mask` for :data:`LOWEST_P`, else the train step's
+    :func:`~ict_jax.rl.selectors.select`."""
+    if cfg.method == LOWEST_P:
+        return lowest_p_mask(st.logp, valid, cfg.resolved_rho)
+    return select(cfg.method, st, adv, valid, step=step, config=cfg, key=key, group_size=G)
 
 
 def _checked_setting(setting: Setting, max_new_tokens: int) -> tuple[int, float, int]:
@@ -339,8 +371,9 @@ def _load_arrays(path: Path, meta: Mapping[str, Any], u_forms: Sequence[str]) ->
 def reanalyse(out: str | Path, tokenizer: Any, *, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Rebuild the diagnostics of a finished :func:`run_diagnose` in ``out`` from its saved per-token arrays
     (no sampling): the advantages from correctness (:func:`outcome_advantages`), the STAPO masks from them
-    (the one selector that reads A), ICT's ``ties: all`` masks and tie records from u where the arrays
-    predate them, then :func:`diagnostics`; rewrites ``diagnose.json``,
+    (the one selector that reads A), the masks of every selector the arrays predate (ICT's ``ties: all``,
+    ``entropy[sequence]``, ``lowest_p``; with their tie records for the top-k selectors), then
+    :func:`diagnostics`; rewrites ``diagnose.json``,
     ``diagnose.md`` and the plots. Wall and phase times are the original run's."""
     out = Path(out)
     results = json.loads((out / "diagnose.json").read_text())
@@ -353,22 +386,23 @@ def reanalyse(out: str | Path, tokenizer: Any, *, say: Callable[[str], None] = l
         st = TokenStats(jnp.asarray(data["logp"]), jnp.asarray(data["H1"]), None, None)
         rows_per_batch = results.get("batch_rows", 64) // G * G or G
         for sel_name, (cfg, form) in specs.items():
-            ict_all = cfg.canonical_method == "ict" and cfg.ties == "all"  # absent from arrays saved before it was
-            if cfg.canonical_method != "stapo" and not (ict_all and sel_name not in data["masks"]):
+            # a selector absent from arrays saved before it was (not random: its masks drew the run's keys)
+            missing = sel_name not in data["masks"] and cfg.canonical_method != "random"
+            if cfg.canonical_method != "stapo" and not missing:
                 continue
+            ranked = RANKED_BY.get(cfg.canonical_method) if missing else None  # its tie record too
             masks, ties = [], []
             for start in range(0, len(data["tokens"]), rows_per_batch):  # the original mini-batches
                 sl = slice(start, start + rows_per_batch)
                 sub = TokenStats(st.logp[sl], st.H1[sl], None, jnp.asarray(data["js"][form][sl]))
                 v = jnp.asarray(data["valid"][sl])
-                m = np.asarray(select(cfg.method, sub, jnp.asarray(data["advantage"][sl]), v, key=jax.random.key(0),
-                                      step=0, config=cfg, group_size=G)) > 0
+                m = np.asarray(_mask(cfg, sub, jnp.asarray(data["advantage"][sl]), v, 0, G, jax.random.key(0))) > 0
                 masks.append(m)
-                if ict_all:
-                    ties.append(np.asarray(_tie_decided(sub.js, m, v, scope=cfg.resolved_scope, group_size=G,
-                                                        ties="all", rho=cfg.resolved_rho)))
+                if ranked:
+                    ties.append(np.asarray(_tie_decided(getattr(sub, ranked), m, v, scope=cfg.resolved_scope,
+                                                        group_size=G, ties=cfg.ties, rho=cfg.resolved_rho)))
             data["masks"][sel_name] = np.concatenate(masks)
-            if ict_all:
+            if ranked:
                 data["ties"][sel_name] = np.concatenate(ties)
         d = diagnostics(data, tokenizer)
         d.update(wall_s=old.get("wall_s"), setting=old["setting"], examples=marked_examples(data, tokenizer, forms[0]))

@@ -9,7 +9,12 @@
   the most frequent selected and unselected tokens, the forking tokens selected
   (:func:`fork_positions`), u against position, and the correlation of a response's mean u with its
   advantage, plain, within groups, over finished responses and given the response length
-  (:func:`ict_jax.tools.diagnose_advantage.advantage_correlations`).
+  (:func:`ict_jax.tools.diagnose_advantage.advantage_correlations`); and what the selector reaches, by
+  the train step's own functions (:mod:`ict_jax.rl.coverage`, float32): ``reach``, the shares of its
+  tokens that are EOS, after the group's shortest response, on truncated responses and with A < 0
+  (:func:`~ict_jax.rl.coverage.reach_shares`), and ``selected_by_position``, the share of each 16-token
+  bin's valid tokens it selects (:func:`~ict_jax.rl.coverage.selected_share_by_bin`; None for a bin
+  without valid tokens).
 """
 
 from __future__ import annotations
@@ -21,11 +26,15 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from ict_jax.rl.coverage import REACH_KEYS, reach_shares, selected_share_by_bin
 from ict_jax.rl.saturation import CEILING_FRACTION, u_ceiling
 from ict_jax.tools.diagnose_advantage import advantage_correlations
 
 #: :func:`~ict_jax.rl.saturation.u_ceiling` compiled once per shape and reading (not op by op)
 _u_ceiling = jax.jit(u_ceiling, static_argnames=("group_size", "u_form"))
+#: :mod:`ict_jax.rl.coverage` compiled once per shape (not op by op)
+_reach_shares = jax.jit(reach_shares, static_argnames=("group_size",))
+_share_by_bin = jax.jit(selected_share_by_bin, static_argnames=("bin_size",))
 
 #: Rank fractions of the sorted-u curves.
 GRID = np.linspace(0.0, 1.0, 101)
@@ -152,6 +161,22 @@ def _u_summary(u: np.ndarray, valid: np.ndarray, ceiling: np.ndarray) -> dict[st
                                  "u_at_ceiling": float(at_ceiling.sum() / valid.sum())}
 
 
+def reach(sel: np.ndarray, valid: np.ndarray, truncated: np.ndarray, adv: np.ndarray, group_size: int
+          ) -> dict[str, float]:
+    """What a selection reaches (:func:`ict_jax.rl.coverage.reach_shares`, the train step's metrics): its
+    shares keyed without the ``mask/`` prefix (``selected_eos_frac``, ...). Every row counts; rows
+    prompt-major in groups of ``group_size``."""
+    m = _reach_shares(sel, valid, np.asarray(truncated, np.float32), np.asarray(adv, np.float32), group_size)
+    return {k.split("/", 1)[1]: float(m[k]) for k in REACH_KEYS}
+
+
+def share_by_bin(sel: np.ndarray, valid: np.ndarray) -> list[float | None]:
+    """The share of each :data:`POSITION_BIN`-token bin's valid tokens that ``sel`` selects
+    (:func:`ict_jax.rl.coverage.selected_share_by_bin`), None for a bin without valid tokens."""
+    share, n = (np.asarray(x) for x in _share_by_bin(sel, valid, bin_size=POSITION_BIN))
+    return [float(s) if c else None for s, c in zip(share, n)]
+
+
 def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
     """The docs/method.md §5 diagnostics of one setting's :func:`collect` output (module docstring)."""
     valid = np.asarray(data["valid"], bool)
@@ -214,7 +239,8 @@ def diagnostics(data: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
             "top20_share": hi20 / max(hi20 + lo20, 1),
             "forks": int(forks.sum()), "forks_selected": int((forks & sel).sum()),
             "top_selected": top_sel, "top_unselected": top_unsel,
-            "selected_by_position": by_position(sel.astype(np.float64), valid),
+            "selected_by_position": share_by_bin(sel, valid),
+            "reach": reach(sel, valid, truncated, adv, int(data["group_size"])),
         }
     n_resp = int(valid.any(1).sum())
     return {

@@ -1,7 +1,9 @@
 """The report of ``ict-jax diagnose``: a summary table over settings (p(o_t) with Q(o_t) beside it), then per
 setting a Markdown table with the paper's column beside every reading of u, the advantage diagnostic
-(plain, within groups, finished only, partial on length, n beside each), every selector; a cell that
-cannot be computed says why. One figure per setting (sorted-u curves, u and selection against position).
+(plain, within groups, finished only, partial on length, n beside each), every selector and what it reaches
+(shares of its tokens that are EOS, after the group's shortest response, truncated, with A < 0; its share of
+each 16-token bin); a cell that cannot be computed says why. One figure per setting (sorted-u curves, u and
+selection against position).
 
 Reads the plain dict that :func:`ict_jax.tools.diagnose.run_diagnose` builds (also ``diagnose.json``), so
 a report can be rebuilt from the JSON alone: ``format_markdown(json.load(open("diagnose.json")))``.
@@ -166,6 +168,28 @@ def _others_table(d: Mapping[str, Any], forms: list[str]) -> list[str]:
     return _table(head, rows)
 
 
+#: The shares of a selector's tokens that ``reach`` holds (ict_jax.rl.coverage, docs/method.md §5) and
+#: their columns in the report.
+REACH_COLUMNS = {"selected_eos_frac": "EOS", "selected_after_shortest_frac": "after the group's shortest",
+                 "selected_truncated_frac": "on truncated responses", "selected_neg_adv_frac": "with A < 0"}
+
+
+def _reach_table(d: Mapping[str, Any]) -> list[str]:
+    """Per selector: the shares of its selected tokens that are EOS, after the group's shortest response, on
+    truncated responses and with A < 0, then its share of every 16-token bin's valid tokens."""
+    sel = d["selectors"]
+    if any("reach" not in s for s in sel.values()):
+        return ["Not in this diagnose.json: `ict-jax diagnose --reanalyse --out DIR` computes it from the saved "
+                "per-token arrays."]
+    head = ["selector", "selected (% of valid)"] + [f"share {c}" for c in REACH_COLUMNS.values()] + [
+        f"selected share of each bin's valid tokens (bins of {POSITION_BIN} from t = 0; - = no valid token)"]
+    rows = [[n, f"{s['selected']} ({100 * s['selected_frac']:.1f} %)"]
+            + [_num(s["reach"][k], ".2f") for k in REACH_COLUMNS]
+            + [" ".join("-" if x is None else format(x, ".2f") for x in s["selected_by_position"])]
+            for n, s in sel.items()]
+    return _table(head, rows)
+
+
 def _ms(stat: Mapping[str, Any] | None) -> str:
     if not stat or stat.get("mean") is None:
         return "n/a (none selected)"
@@ -250,6 +274,14 @@ ADVANTAGE_INTRO = (
     "(in groups).")
 
 
+#: What the reach table of a setting shows (ict_jax.rl.coverage, docs/statistics.md).
+REACH_INTRO = (
+    "Shares of each selector's selected tokens: the response's EOS (its last token, in a response that was not "
+    "truncated); at or past the position just after the group's shortest response's last token (t >= the shortest "
+    "length: fewer than G responses still running, where u's ceiling is lower); in responses cut at the length "
+    "limit; in responses with A < 0. Then, per bin of positions, the share of the bin's valid tokens selected.")
+
+
 def _summary_notes(results: Mapping[str, Any]) -> list[str]:
     """Under the summary table: why Q(o_t) cannot tell the selections apart, and why a cell is n/a."""
     gs = sorted({int(d["setting"]["group_size"]) for d in results["settings"].values()})
@@ -283,7 +315,7 @@ def _summary_notes(results: Mapping[str, Any]) -> list[str]:
 def format_markdown(results: Mapping[str, Any]) -> str:
     """The report: the summary over settings and its notes (Q(o_t), why a cell is n/a), then per setting
     ICT's selected tokens under every reading beside the paper's numbers, the advantage diagnostic, every
-    other selector, and two responses with ICT's tokens in brackets."""
+    other selector, what each selector reaches, and two responses with ICT's tokens in brackets."""
     forms = list(results["u_forms"])
     paper = results["paper"]
     intro = (f"Data {results['dataset']}, {results['prompts']} prompts, up to {results['max_new_tokens']} new "
@@ -313,6 +345,8 @@ def format_markdown(results: Mapping[str, Any]) -> str:
         out += _advantage_table(d, forms)
         out += ["", "### Every selector", ""]
         out += _others_table(d, forms)
+        out += ["", "### What each selector reaches", "", REACH_INTRO, ""]
+        out += _reach_table(d)
         out += ["", f"### Two responses, ICT's tokens (u {forms[0]}) in brackets", ""]
         for ex in d.get("examples", []):
             out += ["```", f"{'correct' if ex.get('correct') else 'wrong'} (reward {ex['reward']:g}): {ex['marked']}",

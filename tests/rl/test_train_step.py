@@ -288,24 +288,45 @@ def test_metrics_hold_every_method_section5_key():
     assert all(np.isfinite(v) for v in m.values())
 
 
+REAL_UPDATE = ("dense", "token-mean", 1, "rl.loss.kl_coef=0", "optim.lr=1e-3", "optim.lr_warmup_steps=0")
+
+
+def _real_update(mesh=None):
+    """One AdamW step of dense on :func:`_batch` with its full-length responses marked truncated:
+    (batch, truncated, advantages, (parameters before, after, metrics)), the parameters as float64 leaves."""
+    cfg = _config(*REAL_UPDATE)
+    b = _batch()
+    trunc = (np.asarray(b.response_valid).sum(1) == LR).astype(np.float32)  # the full-length responses hit the limit
+    assert 0 < trunc.sum() < len(trunc)
+    b = b.replace(truncated=jnp.asarray(trunc))
+    adv = np.asarray(b.advantages)
+    assert (adv < 0).any() and (adv >= 0).any()
+    state = init_train_state(cfg, ict_jax.init_model(MODEL, seed=1, mesh=mesh))
+    before = [np.asarray(a, np.float64) for a in jax.tree.leaves(state.params)]
+    new, m = make_train_step(cfg, mesh)(state, b if mesh is None else ict_jax.sharding.shard_batch(b, mesh))
+    after = [np.asarray(a, np.float64) for a in jax.tree.leaves(new.params)]
+    return b, trunc, adv, (before, after, {k: float(v) for k, v in m.items()})
+
+
+def test_reach_shares_and_update_norm_on_eight_devices(devices8):
+    """Rows split over 8 devices (groups whole per shard): the same shares, and the norm of the update
+    the step applied there."""
+    _, _, _, (_, _, m1) = _real_update()
+    _, _, _, (before, after, m8) = _real_update(ict_jax.make_mesh(data=2, fsdp=2, tensor=2))
+    for k in ("mask/selected_eos_frac", "mask/selected_after_shortest_frac", "mask/selected_truncated_frac",
+              "mask/selected_neg_adv_frac"):
+        assert m8[k] == m1[k], k
+    norm = math.sqrt(sum(float(np.sum((a - o) ** 2)) for a, o in zip(after, before)))
+    np.testing.assert_allclose(m8["optim/update_norm"], norm, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(m8["optim/update_norm"], m1["optim/update_norm"], rtol=1e-5, atol=0)
+
+
 def test_reach_shares_and_update_norm_of_a_real_update():
     """dense selects every valid token, so what it reaches is a count of the batch's tokens (closed forms,
     float64); ``optim/update_norm`` is the norm of the parameters' change under AdamW, in float64 from the
     parameters before and after (the step donates its state: copied first)."""
-    cfg = _config("dense", "token-mean", 1, "rl.loss.kl_coef=0", "optim.lr=1e-3", "optim.lr_warmup_steps=0")
-    b = _batch()
-    rv = np.asarray(b.response_valid)
-    L = rv.sum(1)
-    trunc = (L == LR).astype(np.float32)  # the full-length responses hit the limit
-    assert 0 < trunc.sum() < len(L)
-    b = b.replace(truncated=jnp.asarray(trunc))
-    adv = np.asarray(b.advantages)
-    assert (adv < 0).any() and (adv >= 0).any()
-    model = ict_jax.init_model(MODEL, seed=1)
-    state = init_train_state(cfg, model)
-    before = [np.asarray(a, np.float64) for a in jax.tree.leaves(state.params)]
-    new, m = make_train_step(cfg)(state, b)
-    after = [np.asarray(a, np.float64) for a in jax.tree.leaves(new.params)]
+    b, trunc, adv, (before, after, m) = _real_update()
+    L = np.asarray(b.response_valid).sum(1)
     total = L.sum()
     shortest = np.repeat(L.reshape(P, G).min(1), G)
     want = {"mask/selected_eos_frac": (trunc == 0).sum() / total,

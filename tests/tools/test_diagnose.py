@@ -16,7 +16,7 @@ from ict_jax.cli.main import main
 from ict_jax.data.datasets import load_dataset
 from ict_jax.model.tokenizers import CharTokenizer
 from ict_jax.rl.token_stats import U_FORMS
-from ict_jax.tools.diagnose import PAPER, Setting, reanalyse, run_diagnose, selector_specs
+from ict_jax.tools.diagnose import LOWEST_P, PAPER, Setting, lowest_p_mask, reanalyse, run_diagnose, selector_specs
 from ict_jax.tools.diagnose_measures import GRID, diagnostics, fork_positions, sorted_u_curve
 from ict_jax.tools.diagnose_report import format_markdown
 
@@ -113,6 +113,75 @@ def test_diagnostics_hand_computed():
     assert "0.18 ± 0.09" in md and "1.03 / 0.99" in md and "ICT, u aligned" in md
 
 
+def test_what_each_selector_reaches_hand_computed():
+    """diagnose's coverage shares are the train step's (ict_jax.rl.coverage) on the setting's arrays: one
+    group of G = 2, N = 4; response 0 truncated (4 tokens, no EOS), response 1 ended with EOS after 2 tokens
+    (the group's shortest); A = +0.71 / -0.71. ICT's mask selects t 1, 3 of response 0 and t 1 of response 1
+    (its EOS; t 3 of response 1 is padding)."""
+    tok = CharTokenizer()
+    data = _synthetic(tok)
+    data["valid"] = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], bool)
+    data["truncated"] = np.array([True, False])
+    data["masks"]["ict[aligned]"] = np.array([[0, 1, 0, 1], [0, 1, 0, 1]], bool)
+    d = diagnostics(data, tok)
+    # 3 selected: EOS row 1 t 1; after the shortest (t >= 2): row 0 t 3; truncated: row 0's two; A < 0: row 1's one
+    assert d["selectors"]["ict[aligned]"]["reach"] == {
+        "selected_eos_frac": float(np.float32(1) / np.float32(3)),
+        "selected_after_shortest_frac": float(np.float32(1) / np.float32(3)),
+        "selected_truncated_frac": float(np.float32(2) / np.float32(3)),
+        "selected_neg_adv_frac": float(np.float32(1) / np.float32(3))}
+    # one bin of 16 positions: 3 of its 6 valid tokens selected
+    assert d["selectors"]["ict[aligned]"]["selected_by_position"] == [0.5]
+    # every valid token (all): 1 EOS of 6, 2 tokens after the shortest, 4 truncated, 2 with A < 0
+    assert d["selectors"]["all"]["reach"] == {k: float(np.float32(c) / np.float32(6)) for k, c in (
+        ("selected_eos_frac", 1), ("selected_after_shortest_frac", 2), ("selected_truncated_frac", 4),
+        ("selected_neg_adv_frac", 2))}
+    results = {"title": "t", "dataset": "x", "prompts": 1, "max_new_tokens": 4, "u_forms": ["aligned"], "rho": 0.1,
+               "seed": 0, "template": "none", "paper": PAPER,
+               "settings": {"G2_T1": d | {"setting": {"group_size": 2, "temperature": 1.0}}}}
+    md = format_markdown(results)
+    assert "### What each selector reaches" in md
+    assert "| ict[aligned] | 3 (50.0 %) | 0.33 | 0.33 | 0.67 | 0.33 | 0.50 |" in md
+    assert "| all | 6 (100.0 %) | 0.17 | 0.33 | 0.67 | 0.33 | 1.00 |" in md
+    for s in d["selectors"].values():  # a diagnose.json from before: n/a and how to add it
+        del s["reach"]
+    assert "Not in this diagnose.json: `ict-jax diagnose --reanalyse" in format_markdown(results)
+
+
+def test_selected_share_by_bin_leaves_bins_without_valid_tokens_empty():
+    tok = CharTokenizer()
+    data = _synthetic(tok)
+    N = 40  # bins [0, 16), [16, 32), [32, 40); no valid token past t 19
+    for k in ("tokens", "logp", "H1", "H2", "pmax"):
+        data[k] = np.concatenate([data[k]] * 10, axis=1)
+    for k in ("js", "pbar_tok"):
+        data[k] = {f: np.concatenate([v] * 10, axis=1) for f, v in data[k].items()}
+    data["valid"] = np.zeros((2, N), bool)
+    data["valid"][0, :20] = True
+    data["valid"][1, :10] = True
+    sel = np.zeros((2, N), bool)
+    sel[0, [0, 17, 30]] = True  # t 30 is padding
+    sel[1, [3, 9]] = True
+    data["masks"] = {name: sel for name in data["masks"]}
+    s = diagnostics(data, tok)["selectors"]["ict[aligned]"]
+    assert s["selected_by_position"] == [float(np.float32(3) / np.float32(26)), 0.25, None]
+
+
+def test_lowest_p_and_entropy_per_response_at_icts_count():
+    """lowest_p keeps each response's k = max(1, ceil(rho n)) least likely tokens (ties to the earlier one);
+    entropy[sequence] is 20-Entropy at ICT's rho per response."""
+    logp = np.log(np.array([[0.9, 0.2, 0.5, 0.1, 0.3], [0.6, 0.6, 0.9, 0.9, 0.9]], np.float32))
+    valid = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)  # n = 5 and 3
+    assert np.asarray(lowest_p_mask(logp, valid, 0.1)).tolist() == [[0, 0, 0, 1, 0], [1, 0, 0, 0, 0]]
+    assert np.asarray(lowest_p_mask(logp, valid, 0.5)).tolist() == [[0, 1, 0, 1, 1], [1, 1, 0, 0, 0]]
+    specs = selector_specs(["aligned", "pooled"], rho=0.1)
+    lp, ent = specs[LOWEST_P][0], specs["entropy[sequence]"][0]
+    assert (lp.resolved_rho, lp.resolved_scope) == (0.1, "sequence")
+    assert (ent.method, ent.resolved_rho, ent.resolved_scope) == ("entropy", 0.1, "sequence")
+    assert {"ict[aligned]", "ict[pooled]", "random", LOWEST_P, "entropy[sequence]"} <= set(specs)
+    assert selector_specs(["aligned"])["entropy[sequence]"][0].resolved_rho == 0.1  # ICT's default rho
+
+
 def test_ict_under_both_tie_rules_in_the_report():
     """ICT's rows come under both tie rules (rl.selector.ties): ``ict[r]`` (position, exactly k) and
     ``ict[r,ties=all]`` (every token tied at the cut); the report gives each its selected count and tie share."""
@@ -189,7 +258,7 @@ def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch
     assert set(z.files) == ({"tokens", "valid", "logp", "H1", "H2", "pmax", "truncated", "reward", "correct",
                              "advantage", "group"} | {f"{k}.{f}" for k in ("js", "pbar_tok") for f in U_FORMS}
                             | {f"masks.{n}" for n in specs}
-                            | {f"ties.{n}" for n in specs if n.startswith("ict[") or n == "entropy"})
+                            | {f"ties.{n}" for n in specs if n.startswith(("ict[", "entropy"))})
     old = json.loads((tmp_path / "diagnose.json").read_text())
     for r in old["settings"]["G2_T1"]["readings"].values():
         for key in ("adv_corr_within", "adv_corr_finished", "adv_corr_partial_length"):
@@ -197,9 +266,11 @@ def test_run_diagnose_tiny_end_to_end(tmp_path, tiny_hf_dir, capsys, monkeypatch
         del r["adv_corr"]["why"]
     (tmp_path / "diagnose.json").write_text(json.dumps(old))
     assert "Not in this diagnose.json" in format_markdown(old)
-    # arrays saved before ICT's ties: all selection existed: reanalyse recomputes it (and its tie record) from u
+    # arrays saved before ICT's ties: all selection, entropy[sequence] and lowest_p existed: reanalyse recomputes
+    # them (and their tie records) from u, H1 and logp
     arrays = dict(np.load(tmp_path / "G2_T1.npz"))
-    np.savez_compressed(tmp_path / "G2_T1.npz", **{k: v for k, v in arrays.items() if "ties=all" not in k})
+    later = ("ties=all", "entropy[sequence]", LOWEST_P)
+    np.savez_compressed(tmp_path / "G2_T1.npz", **{k: v for k, v in arrays.items() if not any(n in k for n in later)})
     # the report rebuilt from the saved arrays, without sampling, gives the same diagnostics
     again = reanalyse(tmp_path, tok)["settings"]["G2_T1"]
     assert set(np.load(tmp_path / "G2_T1.npz").files) == set(arrays)
