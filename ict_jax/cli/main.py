@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                 "HTML page of a group's tokens: JS/H1/H2, ICT/entropy/STAPO masks"),
     "diagnose": ("ict_jax.cli.diagnose", "add_diagnose_args", "diagnose_main",
                  "the paper's token diagnostics of every reading of u and every selector on a real model"),
+    "align": ("ict_jax.cli.align", "add_align_args", "align_main",
+              "the gradient-alignment check: each selector's gradient against the dense gradient of other batches"),
     "compile": ("ict_jax.cli.compile", "add_compile_args", "compile_main",
                 "compile a run's programs for a TPU slice (or the local devices) without running: memory, fit, "
                 "collectives"),

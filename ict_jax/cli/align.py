@@ -1,0 +1,41 @@
+"""``ict-jax align``: the gradient-alignment check of a run's selectors on its own rollouts from its starting
+policy (:mod:`ict_jax.tools.gradient_alignment`; docs/results.md "Gradient alignment"). A line per batch, and
+a heartbeat at least every ``$ICT_JAX_HEARTBEAT_S`` seconds (30 by default) naming the phase that runs."""
+
+from __future__ import annotations
+
+import argparse
+
+from ict_jax.cli.errors import UserError
+from ict_jax.config import load_config
+from ict_jax.outputs import check_output_dir
+
+
+def add_align_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, metavar="YAML", help="the run's config (its model, LoRA, data, sampler)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. seed=3")
+    p.add_argument("--batches", type=int, default=16, metavar="N",
+                   help="rollout batches with a group of unequal rewards to take (default 16)")
+    p.add_argument("--out", default="runs/align", help="output folder (default runs/align); must not hold a report")
+
+
+def _say(line: str) -> None:
+    print(f"[align] {line}", flush=True)
+
+
+def align_main(args: argparse.Namespace) -> int:
+    if args.batches < 2:
+        raise UserError(f"--batches {args.batches}: the leave-one-out reference needs at least 2")
+    out = check_output_dir(args.out, "--out")
+    if (out / "alignment.json").exists() or (out / "run").exists():
+        raise UserError(f"--out {str(out)!r} already holds a check: choose another folder")
+    cfg = load_config(args.config, args.overrides)
+
+    from ict_jax.heartbeat import Heartbeat
+    from ict_jax.tools.gradient_alignment import run_alignment
+
+    with Heartbeat(_say) as beat:
+        beat.phase("loading the model, sampling and taking gradients")
+        run_alignment(cfg, batches=args.batches, out=out, say=_say)
+    print(f"wrote {out / 'alignment.md'}, {out / 'alignment.json'}")
+    return 0
