@@ -28,6 +28,10 @@ finished), and the table of every stage is printed at the end (``<out>/accelerat
   ``stats.chunk``: ms a pass, the compiler's temporaries and the device's peak memory.
 - ``memory``: ``ict-jax compile --topology local``'s prediction for ``train_0p5b``'s step (the run's own
   program builder, ``aot.compile.compile_run``) against the peak ``train_0p5b`` measured.
+- ``attention``: the fused attention ``model.attention: auto`` picks on the device (cuDNN on a GPU; on a
+  CPU ``xla``, the same path's XLA form) against the dense form, one layer's value_and_grad at the train
+  step's rows and positions (0.5B heads, left-padded rows, the compute dtype): the largest differences
+  of the values and gradients, and the ms of each.
 - the variants (:data:`VARIANTS`): a stage above run again with the settings of one change, today's
   program beside it: ``train_0p5b_dense`` and ``rollout_dense`` (``model.attention=dense``, the attention
   before the fused kernel that ``auto`` picks on a GPU), ``train_0p5b_blocked``, ``rollout_unrolled``
@@ -61,9 +65,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "rollout_dense": ("rollout", {"model.attention": "dense"}),  # the prefill before the fused attention
     "rollout_unrolled": ("rollout", {"unroll_layers": True}),  # per-layer KV caches: no slice copied a step
 }
-STAGES = ("train_0p5b", "train_1p5b", "rollout", "torch", "stats", "memory", *VARIANTS)
+STAGES = ("train_0p5b", "train_1p5b", "rollout", "torch", "stats", "memory", "attention", *VARIANTS)
 #: default seconds a stage may take at the real shapes (compiles included); the whole run: TOTAL_S
 STAGE_S = {"train_0p5b": 120, "train_1p5b": 150, "rollout": 120, "torch": 120, "stats": 60, "memory": 90,
+           "attention": 60,
            "train_0p5b_dense": 120, "train_0p5b_blocked": 120, "rollout_dense": 120, "rollout_unrolled": 150}
 TOTAL_S = 540
 RECIPES = {"0p5b": "configs/qwen2p5_0p5b_ict.yaml", "1p5b": "configs/qwen2p5_1p5b_ict.yaml"}
@@ -400,6 +405,57 @@ def stage_torch(smoke: bool, deadline: float) -> dict[str, Any]:
                 peak_memory=int(torch.cuda.max_memory_allocated()) if device == "cuda" else None)
 
 
+def stage_attention(smoke: bool, deadline: float) -> dict[str, Any]:
+    """The fused attention the platform's ``model.attention: auto`` picks (cuDNN on a GPU; ``xla``, its
+    path's XLA form, on a CPU) against the dense form at the train step's shapes: one layer's
+    ``value_and_grad`` w.r.t. q, k, v of a weighted sum over the real positions of left-padded rows, in
+    the compute dtype; the largest differences of the values and gradients (the parity of
+    tests/model/test_fused_attention.py, here at the recipe's shapes and on the device's kernel) and the
+    ms of each."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ict_jax.model.attention import attend
+    from ict_jax.model.config import resolve_attention
+    from ict_jax.model.fused_attention import IMPLEMENTATIONS, fused_attend
+
+    s = shapes(smoke)
+    mc = model_config("0p5b", smoke)
+    platform = jax.devices()[0].platform
+    impl = resolve_attention("auto", platform, s["dtype"])
+    impl = impl if impl in IMPLEMENTATIONS else "xla"
+    B, T, H, KV, hd = s["G"], s["Lp"] + s["N"] - 1, mc.num_heads, mc.num_kv_heads, mc.resolved_head_dim
+    dtype = jnp.dtype(s["dtype"])
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in
+               ((B, T, H, hd), (B, KV, T, hd), (B, KV, T, hd)))
+    pad = rng.integers(0, s["Lp"], B)  # left-padded prompts
+    mask = jnp.asarray(np.arange(T)[None, :] >= pad[:, None], jnp.int32)
+    allowed = jnp.tril(jnp.ones((T, T), bool))[None] & (mask[:, None, :] > 0)
+    w = jnp.asarray(rng.standard_normal((B, T, H, hd)), jnp.float32) * mask[:, :, None, None]
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: (fn(q, k, v).astype(jnp.float32) * w).sum(),
+                                          argnums=(0, 1, 2)))
+
+    fns = {"dense": loss(lambda q, k, v: attend(q, k, v, allowed, dtype)),
+           impl: loss(lambda q, k, v: fused_attend(q, k, v, mask, dtype, impl))}
+    outs, ms = {}, {}
+    for name, fn in fns.items():
+        compiled = fn.lower(q, k, v).compile()
+        dump_hlo(f"attention_{name}", compiled)
+        outs[name] = jax.block_until_ready(compiled(q, k, v))
+        ms[name] = 1e3 * median(timed(lambda c=compiled: c(q, k, v), 5 if not smoke else 2, deadline))
+    (l_ref, g_ref), (l_got, g_got) = outs["dense"], outs[impl]
+    grad_diff = {n: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
+                 for n, a, b in zip("qkv", g_got, g_ref)}
+    grad_scale = {n: float(jnp.abs(b.astype(jnp.float32)).max()) for n, b in zip("qkv", g_ref)}
+    return dict(stage="attention", implementation=impl, rows=B, positions=T, heads=H, kv_heads=KV, head_dim=hd,
+                dtype=str(dtype), loss=float(l_ref), loss_diff=abs(float(l_got) - float(l_ref)),
+                grad_max_diff=grad_diff, grad_max=grad_scale, ms=ms, speedup=ms["dense"] / ms[impl], **device_info())
+
+
 def stage_stats(smoke: bool, deadline: float) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -473,6 +529,8 @@ def _run_base(base: str, name: str, settings: dict[str, Any], smoke: bool, out: 
         return stage_stats(smoke, deadline)
     if base == "memory":
         return stage_memory(smoke, deadline, out)
+    if base == "attention":
+        return stage_attention(smoke, deadline)
     raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
 
 
@@ -519,6 +577,11 @@ def summary_rows(results: dict[str, dict]) -> list[tuple[str, str]]:
         elif name == "memory":
             rows.append((name, f"predicted {_gib(r['predicted_live'])} live, measured peak {_gib(r['measured_peak'])}"
                                + ("" if r["ratio"] is None else f" ({r['ratio']:.2f}x)")))
+        elif name == "attention":
+            diff = max(r["grad_max_diff"].values())
+            rows.append((name, f"{r['implementation']} {r['ms'][r['implementation']]:.2f} ms vs dense "
+                               f"{r['ms']['dense']:.2f} ms ({r['speedup']:.2f}x) a layer's value_and_grad, "
+                               f"{r['rows']} rows x {r['positions']}; max |grad - dense| {diff:.2e}"))
         base = results.get(VARIANTS[name][0], {}) if name in VARIANTS and rows and rows[-1][0] == name else {}
         if base.get("tokens_per_s") and r.get("tokens_per_s"):  # a variant beside the program it varies
             rows[-1] = (name, rows[-1][1] + f"; {r['tokens_per_s'] / base['tokens_per_s']:.2f}x the speed of "

@@ -68,11 +68,15 @@ def test_smoke_runs_every_stage_and_writes_its_record(smoke, capsys):
     # every compiled program's HLO text, in the output folder
     import gzip
 
-    for name in ("train_0p5b", "train_1p5b", "rollout", "stats", *bench.VARIANTS):
+    for name in ("train_0p5b", "train_1p5b", "rollout", "stats", "attention_dense", "attention_xla", *bench.VARIANTS):
         with gzip.open(out / "hlo" / f"{name}.hlo.txt.gz", "rt") as f:
             assert f.read(200).startswith("HloModule"), name
     stats = summary["stages"]["stats"]
     assert stats["tokens"] == 2 * 64 and stats["pass_ms"] > 0 and stats["temporaries"] > 0
+    att = summary["stages"]["attention"]  # on a CPU: the xla path against dense, float32
+    assert att["implementation"] == "xla" and att["positions"] == 8 + 16 - 1 and set(att["ms"]) == {"dense", "xla"}
+    assert max(att["grad_max_diff"].values()) <= 1e-5 * max(1.0, max(att["grad_max"].values()))
+    assert att["loss_diff"] <= 1e-5 * max(1.0, abs(att["loss"]))
     mem = summary["stages"]["memory"]
     assert mem["predicted_live"] > 0 and mem["measured_peak"] is None  # a CPU keeps no peak
     table = bench.render(summary["stages"])
