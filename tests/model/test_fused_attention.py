@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -197,3 +198,24 @@ def test_the_splash_kernel_compiles_for_a_v5e_slice_and_keeps_the_scores_on_chip
     for n in (T, Tp):  # neither the sequence nor its padded length squared, per chip or in all
         for rows_ in (B, B // 4):
             assert f"[{rows_},{H},{n},{n}]" not in text and f"[{rows_},2,2,{n},{n}]" not in text
+
+
+@needs_libtpu
+def test_the_recipe_compiled_for_a_tpu_runs_splash_and_keeps_memory_discipline(tmp_path):
+    """``ict-jax compile`` of the 0.5B recipe shrunk to the tiny preset (tests/aot/test_compile.py's) for
+    v5e:2x2: ``model.attention: auto`` resolves to splash for the target, the step's HLO holds the kernel,
+    and every memory-discipline check holds (the kernel's block tables are constants, not parameters)."""
+    from ict_jax.aot.compile import compile_run, get_target
+    from ict_jax.config import load_config
+
+    tiny = ["model.preset=tiny", "train.prompts_per_step=16", "train.mini_batches=1", "train.micro_batches=2",
+            "rollout.max_prompt_len=32", "rollout.max_new_tokens=40", "stats.chunk=16", "data.eval_n=4",
+            "mesh.data=1", "mesh.fsdp=-1"]
+    recipe = pathlib.Path(__file__).resolve().parents[2] / "configs" / "qwen2p5_0p5b_ict.yaml"
+    cfg = load_config(str(recipe), tiny)
+    assert cfg.model.attention == "auto"
+    (step,), _ = compile_run(cfg, get_target("v5e:2x2"), ("step",), dump_dir=tmp_path)
+    assert step.compiled and step.fits
+    assert [c for c in step.checks if not c.ok] == []
+    text = "".join(p.read_text() for p in tmp_path.rglob("*") if p.is_file())
+    assert 'custom_call_target="tpu_custom_call"' in text
