@@ -154,21 +154,21 @@ def _splash(q, k, v, mask, interpret: bool) -> jax.Array:
         ids = SegmentIds(q=sr, kv=sr)
         return jax.vmap(lambda qh, kh, vh: kernel(qh, kh, vh, segment_ids=ids))(qr, kr, vr)
 
-    out = _over_batch_shards(jax.vmap(one_row), qs, k, v, seg)  # [B, KV, G, Tp, hd]
+    axes = (("batch", "kv_heads", None, None, None), ("batch", "kv_heads", None, None),
+            ("batch", "kv_heads", None, None), ("batch", None))
+    out = _per_shard(jax.vmap(one_row), axes, qs, k, v, seg)  # [B, KV, G, Tp, hd]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, Tp, H, hd)[:, :T]
 
 
-def _over_batch_shards(fn, *args):
-    """``fn(*args)`` (arrays with the batch first) under ``shard_map`` over the mesh's batch axes when a
-    mesh is set: a Pallas kernel is one custom call the SPMD partitioner cannot split, so each device
-    runs it on its own rows (everything else replicated within the shard)."""
-
+def _per_shard(fn, axes, *args):
+    """``fn(*args)`` under ``shard_map`` when a mesh is set, each argument split by its logical ``axes``
+    (the rule table's ``batch`` and ``kv_heads``; a dimension the mesh does not divide stays whole), the
+    result split as the first argument: a Pallas kernel is one custom call the SPMD partitioner cannot
+    split, so each device runs it on its own rows and KV heads (a KV head's query heads come with it)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         return fn(*args)
-    batch = logical_to_spec(("batch",), (args[0].shape[0],), mesh)[0]
-    if batch is None:
+    specs = tuple(logical_to_spec(a, x.shape, mesh) for a, x in zip(axes, args))
+    if all(d is None for spec in specs for d in spec):
         return fn(*args)
-    P = jax.sharding.PartitionSpec
-    specs = tuple(P(batch, *([None] * (a.ndim - 1))) for a in args)
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)

@@ -219,3 +219,30 @@ def test_the_recipe_compiled_for_a_tpu_runs_splash_and_keeps_memory_discipline(t
     assert [c for c in step.checks if not c.ok] == []
     text = "".join(p.read_text() for p in tmp_path.rglob("*") if p.is_file())
     assert 'custom_call_target="tpu_custom_call"' in text
+
+
+@needs_libtpu
+def test_the_splash_kernel_runs_on_each_devices_rows_and_kv_heads_under_tensor_parallelism():
+    """fsdp 2 x tensor 2 on v5e:2x2 (the 1.5B recipe's kind of mesh): each device's kernel calls take its 4
+    of the 8 rows and its 1 of the 2 KV heads (with that head's 2 query heads), ``[4 x 1, 2, 256, 16]``:
+    not the whole ``[8 x 2, ...]`` gathered onto every device."""
+    from flax import nnx
+
+    from ict_jax.aot.compile import get_target
+    from ict_jax.sharding import make_mesh
+    from ict_jax.train.checkpoints import abstract_params
+
+    mesh = make_mesh(data=1, fsdp=2, tensor=2, devices=get_target("v5e:2x2").devices)
+    c = ModelConfig.tiny(compute_dtype="bfloat16", attention="splash", remat="block")
+    graphdef, params, _ = abstract_params(c, mesh)
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None))
+    ids = jax.ShapeDtypeStruct((8, 200), jnp.int32, sharding=rows)
+
+    def loss(p, ids, mask):
+        return nnx.merge(graphdef, p).hidden_states(ids, mask).astype(jnp.float32).sum()
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.grad(loss)).lower(params, ids, ids).compile().as_text()
+    calls = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert len(calls) == 3 and all("bf16[4,2,256,16]" in line for line in calls)
+    assert not any("[8,2,256,16]" in line or "[16,2,256,16]" in line for line in calls)
