@@ -28,6 +28,18 @@ finished), and the table of every stage is printed at the end (``<out>/accelerat
   ``stats.chunk``: ms a pass, the compiler's temporaries and the device's peak memory.
 - ``memory``: ``ict-jax compile --topology local``'s prediction for ``train_0p5b``'s step (the run's own
   program builder, ``aot.compile.compile_run``) against the peak ``train_0p5b`` measured.
+- ``attention``: the fused attention ``model.attention: auto`` picks on the device (cuDNN on a GPU; on a
+  CPU ``xla``, the same path's XLA form) against the dense form, one layer's value_and_grad at the train
+  step's rows and positions (0.5B heads, left-padded rows, the compute dtype): the largest differences
+  of the values and gradients, and the ms of each.
+- the variants (:data:`VARIANTS`): a stage above run again with the settings of one change, today's
+  program beside it: ``train_0p5b_dense`` and ``rollout_dense`` (``model.attention=dense``, the attention
+  before the fused kernel that ``auto`` picks on a GPU), ``train_0p5b_blocked``, ``rollout_unrolled``
+  (``unroll_layers=True``: per-layer KV caches, the decode that reads its cache in place). Each record
+  names the stage it varies and the settings; the table gives its speed over that stage's.
+
+Every compiled program's optimised HLO text goes to ``<out>/hlo/<stage>.hlo.txt.gz`` (``--dump-hlo DIR``
+elsewhere, ``--no-hlo`` not at all): the lent machine's time is short, its programs are read here.
 
 Imports only what the stages need (no gguf, math-verify, tensorboardX or reasoning-gym: the lent GPU
 machine lacks them). docs/benchmarks.md "Accelerator".
@@ -45,10 +57,19 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-STAGES = ("train_0p5b", "train_1p5b", "rollout", "torch", "stats", "memory", "rollout_unrolled", "train_0p5b_blocked")
+#: the variant stages: today's program against each change, by its settings: name -> (the stage it varies,
+#: the settings that differ: ``model.*`` config keys, or the sampler's ``unroll_layers``)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "train_0p5b_dense": ("train_0p5b", {"model.attention": "dense"}),  # the step before the fused attention
+    "train_0p5b_blocked": ("train_0p5b", {"model.attention": "blocked"}),
+    "rollout_dense": ("rollout", {"model.attention": "dense"}),  # the prefill before the fused attention
+    "rollout_unrolled": ("rollout", {"unroll_layers": True}),  # per-layer KV caches: no slice copied a step
+}
+STAGES = ("train_0p5b", "train_1p5b", "rollout", "torch", "stats", "memory", "attention", *VARIANTS)
 #: default seconds a stage may take at the real shapes (compiles included); the whole run: TOTAL_S
 STAGE_S = {"train_0p5b": 120, "train_1p5b": 150, "rollout": 120, "torch": 120, "stats": 60, "memory": 90,
-           "rollout_unrolled": 150, "train_0p5b_blocked": 120}
+           "attention": 60,
+           "train_0p5b_dense": 120, "train_0p5b_blocked": 120, "rollout_dense": 120, "rollout_unrolled": 150}
 TOTAL_S = 540
 RECIPES = {"0p5b": "configs/qwen2p5_0p5b_ict.yaml", "1p5b": "configs/qwen2p5_1p5b_ict.yaml"}
 PRESETS = {"0p5b": "qwen2p5_0p5b", "1p5b": "qwen2p5_1p5b"}
@@ -67,13 +88,16 @@ def shapes(smoke: bool) -> dict[str, Any]:
                 steps=5, dtype="bfloat16", model=None)
 
 
-def model_config(size: str, smoke: bool, *, param_dtype: str = "float32"):
+def model_config(size: str, smoke: bool, *, param_dtype: str = "float32", attention: str | None = None):
+    """The model at ``size``'s shape (``attention``: ``model.attention``, default the config's own)."""
+    from ict_jax.config import ModelSection
     from ict_jax.model.config import ModelConfig
 
     s = shapes(smoke)
+    kw = dict(compute_dtype=s["dtype"], param_dtype=param_dtype, attention=attention or ModelSection().attention)
     if smoke:
-        return ModelConfig.tiny(compute_dtype=s["dtype"], param_dtype=param_dtype)
-    return ModelConfig.preset(PRESETS[size], compute_dtype=s["dtype"], param_dtype=param_dtype)
+        return ModelConfig.tiny(**kw)
+    return ModelConfig.preset(PRESETS[size], **kw)
 
 
 def train_config(size: str, smoke: bool, attention: str | None = None):
@@ -127,7 +151,7 @@ def peak_memory() -> int | None:
 
 #: a compiled program runs when its live bytes are at most this fraction of the device's allocator limit
 FIT_FRACTION = 0.95
-#: where ``--dump-hlo`` writes each stage's compiled program (None: nowhere)
+#: where each stage's compiled program goes (``<out>/hlo`` unless ``--dump-hlo DIR`` or ``--no-hlo``)
 DUMP_DIR: Path | None = None
 
 
@@ -144,10 +168,15 @@ def compiled_live(compiled) -> int:
 
 
 def dump_hlo(name: str, compiled) -> None:
-    """With ``--dump-hlo DIR``: the compiled program's optimised HLO text as ``DIR/<name>.hlo.txt``."""
+    """The compiled program's optimised HLO text as ``DUMP_DIR/<name>.hlo.txt.gz`` (gzip: a 0.5B step's text
+    is tens of MB, and what the lent machine returns is limited; ``zcat`` or ``aot.hlo.parse_hlo`` of the
+    decompressed text read it)."""
+    import gzip
+
     if DUMP_DIR is not None:
         DUMP_DIR.mkdir(parents=True, exist_ok=True)
-        (DUMP_DIR / f"{name}.hlo.txt").write_text(compiled.as_text())
+        with gzip.open(DUMP_DIR / f"{name}.hlo.txt.gz", "wt") as f:
+            f.write(compiled.as_text())
 
 
 def hlo_cost(compiled, **kw):
@@ -183,7 +212,8 @@ def median(xs: list[float]) -> float:
 # ------------------------------------------------------------------------------------------------
 # Stages (each returns its JSON record)
 # ------------------------------------------------------------------------------------------------
-def stage_train(size: str, smoke: bool, deadline: float, attention: str | None = None) -> dict[str, Any]:
+def stage_train(size: str, smoke: bool, deadline: float, attention: str | None = None,
+                name: str | None = None) -> dict[str, Any]:
     """The train step at ``size``'s shape with the recipe's settings (``attention``: ``model.attention``
     instead of the recipe's)."""
     import jax
@@ -199,7 +229,7 @@ def stage_train(size: str, smoke: bool, deadline: float, attention: str | None =
 
     s = shapes(smoke)
     cfg = train_config(size, smoke, attention)
-    name = f"train_{size}" + ("" if attention is None else f"_{attention}")
+    name = name or f"train_{size}"
     mc, _ = target_model_config(cfg, jax.devices()[0].platform)  # what `ict-jax compile` builds
     model = ict_jax.init_model(mc, seed=0)
     state = init_train_state(cfg, model)
@@ -253,14 +283,14 @@ def stage_train(size: str, smoke: bool, deadline: float, attention: str | None =
                 loss=float(run()[1]["loss/total"]), **info)
 
 
-def rollout_setup(smoke: bool):
+def rollout_setup(smoke: bool, attention: str | None = None):
     """The 0.5B-shaped model in bfloat16 (float32 in --smoke) and the prompts, shared by rollout and torch."""
     import numpy as np
 
     import ict_jax
 
     s = shapes(smoke)
-    mc = model_config("0p5b", smoke, param_dtype=s["dtype"])
+    mc = model_config("0p5b", smoke, param_dtype=s["dtype"], attention=attention)
     model = ict_jax.init_model(mc, seed=0)
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, mc.vocab_size, (s["rollout_prompts"], s["Lp"])).astype(np.int32)
@@ -283,9 +313,11 @@ def least_decode_bytes(mc, rows: int, Lp: int, N: int, min_bucket: int | None) -
     return total, weights + kv_slot * (Lp + N - 1)
 
 
-def stage_rollout(smoke: bool, deadline: float, unroll: bool | None = None) -> dict[str, Any]:
+def stage_rollout(smoke: bool, deadline: float, unroll: bool | None = None, attention: str | None = None,
+                  name: str = "rollout") -> dict[str, Any]:
     """The sampler with its default layer loop for the platform (``unroll`` None: a scan on an accelerator),
-    or with ``unroll_layers=True`` (per-layer weights and KV caches: no slice of a stacked cache a step)."""
+    or with ``unroll_layers=True`` (per-layer weights and KV caches: no slice of a stacked cache a step);
+    ``attention``: the prefill's ``model.attention`` (default the config's)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -294,12 +326,11 @@ def stage_rollout(smoke: bool, deadline: float, unroll: bool | None = None) -> d
     from ict_jax.sampling.sampler import SampleSettings, decode_unrolled, make_generate_fn
 
     s = shapes(smoke)
-    mc, model, prompts = rollout_setup(smoke)
+    mc, model, prompts = rollout_setup(smoke, attention)
     G, Lp, N = s["G"], s["Lp"], s["N"]
     rows = prompts.shape[0] * G
     graphdef, state = nnx.split(model)
     min_bucket = RolloutSection().min_response_bucket
-    name = "rollout_unrolled" if unroll else "rollout"
     fn = make_generate_fn(graphdef, num_samples=G, max_new_tokens=N, temperature=1.0, eos_ids=(),
                           min_response_bucket=min_bucket, unroll_layers=unroll)
     unrolled = decode_unrolled(SampleSettings(max_new_tokens=N, unroll_layers=unroll), mc.num_layers)
@@ -319,7 +350,7 @@ def stage_rollout(smoke: bool, deadline: float, unroll: bool | None = None) -> d
                     decode_steps=decode_steps(N, min_bucket), decode_min_bytes=least_step)
     info = device_info()
     bw = info["chip"]["hbm_bw"] if info["chip"] else None
-    return dict(stage=name, unrolled=unrolled, rows=rows, prompt=Lp, new_tokens=N, dtype=s["dtype"], params=mc.num_params(),
+    return dict(stage=name, unrolled=unrolled, attention=mc.resolved_attention(), rows=rows, prompt=Lp, new_tokens=N, dtype=s["dtype"], params=mc.num_params(),
                 compile_s=compile_s, runs_s=times, generate_s=gen_s, tokens_per_s=tokens / gen_s,
                 least_bytes=least, memory_roofline_s=None if bw is None else least / bw,
                 memory_roofline_tokens_per_s=None if bw is None else tokens / (least / bw),
@@ -372,6 +403,57 @@ def stage_torch(smoke: bool, deadline: float) -> dict[str, Any]:
                 torch=torch.__version__, transformers=transformers.__version__, first_call_s=first_s,
                 runs_s=times, generate_s=gen_s, tokens_per_s=ids.shape[0] * new / gen_s,
                 peak_memory=int(torch.cuda.max_memory_allocated()) if device == "cuda" else None)
+
+
+def stage_attention(smoke: bool, deadline: float) -> dict[str, Any]:
+    """The fused attention the platform's ``model.attention: auto`` picks (cuDNN on a GPU; ``xla``, its
+    path's XLA form, on a CPU) against the dense form at the train step's shapes: one layer's
+    ``value_and_grad`` w.r.t. q, k, v of a weighted sum over the real positions of left-padded rows, in
+    the compute dtype; the largest differences of the values and gradients (the parity of
+    tests/model/test_fused_attention.py, here at the recipe's shapes and on the device's kernel) and the
+    ms of each."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ict_jax.model.attention import attend
+    from ict_jax.model.config import resolve_attention
+    from ict_jax.model.fused_attention import IMPLEMENTATIONS, fused_attend
+
+    s = shapes(smoke)
+    mc = model_config("0p5b", smoke)
+    platform = jax.devices()[0].platform
+    impl = resolve_attention("auto", platform, s["dtype"])
+    impl = impl if impl in IMPLEMENTATIONS else "xla"
+    B, T, H, KV, hd = s["G"], s["Lp"] + s["N"] - 1, mc.num_heads, mc.num_kv_heads, mc.resolved_head_dim
+    dtype = jnp.dtype(s["dtype"])
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in
+               ((B, T, H, hd), (B, KV, T, hd), (B, KV, T, hd)))
+    pad = rng.integers(0, s["Lp"], B)  # left-padded prompts
+    mask = jnp.asarray(np.arange(T)[None, :] >= pad[:, None], jnp.int32)
+    allowed = jnp.tril(jnp.ones((T, T), bool))[None] & (mask[:, None, :] > 0)
+    w = jnp.asarray(rng.standard_normal((B, T, H, hd)), jnp.float32) * mask[:, :, None, None]
+
+    def loss(fn):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: (fn(q, k, v).astype(jnp.float32) * w).sum(),
+                                          argnums=(0, 1, 2)))
+
+    fns = {"dense": loss(lambda q, k, v: attend(q, k, v, allowed, dtype)),
+           impl: loss(lambda q, k, v: fused_attend(q, k, v, mask, dtype, impl))}
+    outs, ms = {}, {}
+    for name, fn in fns.items():
+        compiled = fn.lower(q, k, v).compile()
+        dump_hlo(f"attention_{name}", compiled)
+        outs[name] = jax.block_until_ready(compiled(q, k, v))
+        ms[name] = 1e3 * median(timed(lambda c=compiled: c(q, k, v), 5 if not smoke else 2, deadline))
+    (l_ref, g_ref), (l_got, g_got) = outs["dense"], outs[impl]
+    grad_diff = {n: float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max())
+                 for n, a, b in zip("qkv", g_got, g_ref)}
+    grad_scale = {n: float(jnp.abs(b.astype(jnp.float32)).max()) for n, b in zip("qkv", g_ref)}
+    return dict(stage="attention", implementation=impl, rows=B, positions=T, heads=H, kv_heads=KV, head_dim=hd,
+                dtype=str(dtype), loss=float(l_ref), loss_diff=abs(float(l_got) - float(l_ref)),
+                grad_max_diff=grad_diff, grad_max=grad_scale, ms=ms, speedup=ms["dense"] / ms[impl], **device_info())
 
 
 def stage_stats(smoke: bool, deadline: float) -> dict[str, Any]:
@@ -428,17 +510,27 @@ def stage_memory(smoke: bool, deadline: float, out: Path) -> dict[str, Any]:
 
 def run_stage(name: str, smoke: bool, out: Path, stage_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + 0.6 * stage_s  # leave the rest for compiles already counted
-    if name.startswith("train_"):  # train_<size>[_<model.attention>]
-        size, _, attention = name[len("train_"):].partition("_")
-        return stage_train(size, smoke, deadline, attention or None)
-    if name in ("rollout", "rollout_unrolled"):
-        return stage_rollout(smoke, deadline, unroll=True if name == "rollout_unrolled" else None)
-    if name == "torch":
+    base, settings = VARIANTS.get(name, (name, {}))
+    rec = _run_base(base, name, settings, smoke, out, deadline)
+    if name in VARIANTS:
+        rec.update(variant_of=base, settings=settings)
+    return rec
+
+
+def _run_base(base: str, name: str, settings: dict[str, Any], smoke: bool, out: Path, deadline: float):
+    attention = settings.get("model.attention")
+    if base in ("train_0p5b", "train_1p5b"):
+        return stage_train(base[len("train_"):], smoke, deadline, attention, name=name)
+    if base == "rollout":
+        return stage_rollout(smoke, deadline, unroll=settings.get("unroll_layers"), attention=attention, name=name)
+    if base == "torch":
         return stage_torch(smoke, deadline)
-    if name == "stats":
+    if base == "stats":
         return stage_stats(smoke, deadline)
-    if name == "memory":
+    if base == "memory":
         return stage_memory(smoke, deadline, out)
+    if base == "attention":
+        return stage_attention(smoke, deadline)
     raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
 
 
@@ -470,7 +562,7 @@ def summary_rows(results: dict[str, dict]) -> list[tuple[str, str]]:
                                f"ceiling {_pct(roof['mfu_ceiling'])}; peak {_gib(r['peak_memory'])}; "
                                f"compile {r['compile_s']:.0f} s"
                                + (f"; train.micro_batches {r['micro_batches']}" if r.get("micro_batches", 1) > 1 else "")))
-        elif name in ("rollout", "rollout_unrolled"):
+        elif name == "rollout" or VARIANTS.get(name, ("",))[0] == "rollout":
             rows.append((name, f"{r['tokens_per_s']:,.0f} tok/s ({r['rows']} rows x {r['new_tokens']}); memory roofline "
                                + ("-" if r["memory_roofline_tokens_per_s"] is None else
                                   f"{r['memory_roofline_tokens_per_s']:,.0f} tok/s ({_pct(r['roofline_fraction'])} of it)")
@@ -485,6 +577,15 @@ def summary_rows(results: dict[str, dict]) -> list[tuple[str, str]]:
         elif name == "memory":
             rows.append((name, f"predicted {_gib(r['predicted_live'])} live, measured peak {_gib(r['measured_peak'])}"
                                + ("" if r["ratio"] is None else f" ({r['ratio']:.2f}x)")))
+        elif name == "attention":
+            diff = max(r["grad_max_diff"].values())
+            rows.append((name, f"{r['implementation']} {r['ms'][r['implementation']]:.2f} ms vs dense "
+                               f"{r['ms']['dense']:.2f} ms ({r['speedup']:.2f}x) a layer's value_and_grad, "
+                               f"{r['rows']} rows x {r['positions']}; max |grad - dense| {diff:.2e}"))
+        base = results.get(VARIANTS[name][0], {}) if name in VARIANTS and rows and rows[-1][0] == name else {}
+        if base.get("tokens_per_s") and r.get("tokens_per_s"):  # a variant beside the program it varies
+            rows[-1] = (name, rows[-1][1] + f"; {r['tokens_per_s'] / base['tokens_per_s']:.2f}x the speed of "
+                                            f"{VARIANTS[name][0]}")
     return rows
 
 
@@ -512,7 +613,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--in-process", action="store_true",
                     help="run the stages in this process (no hard time limit; what the tests use)")
     ap.add_argument("--dump-hlo", type=Path, default=None, metavar="DIR",
-                    help="write each compiled program's optimised HLO text to DIR/<stage>.hlo.txt")
+                    help="write each compiled program's optimised HLO text to DIR/<stage>.hlo.txt.gz "
+                         "(default: <out>/hlo)")
+    ap.add_argument("--no-hlo", action="store_true", help="write no HLO text")
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # a child process: run this stage only
     args = ap.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
@@ -521,6 +624,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--stages: unknown {', '.join(bad)}; stages: {', '.join(STAGES)}")
     args.stage_list = stages
     args.out = args.out or default_out()
+    args.dump_hlo = None if args.no_hlo else (args.dump_hlo or args.out / "hlo")
     return args
 
 
@@ -579,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cmd = [sys.executable, __file__, "--stage", name, "--out", str(args.out), "--stage-s", str(limit)]
             cmd += ["--smoke"] if args.smoke else []
-            cmd += ["--dump-hlo", str(args.dump_hlo)] if args.dump_hlo else []
+            cmd += ["--dump-hlo", str(args.dump_hlo)] if args.dump_hlo else ["--no-hlo"]
             t0 = time.monotonic()
             try:
                 subprocess.run(cmd, timeout=limit, check=False)

@@ -1,13 +1,16 @@
-"""Benchmark: dense vs blocked attention (``model.attention``) at a Qwen2.5-0.5B layer's heads.
+"""Benchmark: dense vs blocked vs fused attention (``model.attention``) at a Qwen2.5-0.5B layer's heads.
 
 ``jax.value_and_grad`` (w.r.t. q, k and v) of a weighted sum of one layer's attention over left-padded
 causal rows, through (a) :func:`ict_jax.model.attention.attend` (the ``[B, KV, G, T, T]`` float32 scores
-at once) and (b) :func:`ict_jax.model.attention.blocked_attend` with key blocks of ``--blocks``. Reports
+at once), (b) :func:`ict_jax.model.attention.blocked_attend` with key blocks of ``--blocks`` and (c)
+:func:`ict_jax.model.fused_attention.fused_attend` with the implementations of ``--fused`` that run
+here (``xla``: the CPU's; ``splash`` only in Pallas' interpreter, ``cudnn`` only on a GPU). Reports
 XLA's ``compiled.memory_analysis()`` temporaries at ``--memory-T`` (compile only) and the CPU time of
 both at ``--time-T`` (interleaved rounds: each round times every variant once), float32.
 
     python benchmarks/attention.py                      # writes benchmarks/results/attention.json
     python benchmarks/attention.py --blocks 64 128 --reps 2
+    python benchmarks/attention.py --blocks 128 --fused xla --out benchmarks/results/attention_fused.json
 """
 
 from __future__ import annotations
@@ -23,14 +26,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from ict_jax.model.attention import attend, blocked_attend
+from ict_jax.model.fused_attention import fused_attend
 
 H, KV, HD = 14, 2, 64  # Qwen2.5-0.5B: 14 query heads, 2 KV heads, head_dim 64
 
 
-def make_fn(block: int | None):
+def make_fn(block: int | str | None):
+    """``block``: None = dense, an int = blocked, a string = that fused implementation."""
     def loss(q, k, v, allowed, w):
-        out = attend(q, k, v, allowed, jnp.float32) if block is None else \
-            blocked_attend(q, k, v, allowed, jnp.float32, block)
+        if isinstance(block, str):  # the key mask: the last query row of a causal mask sees every real key
+            out = fused_attend(q, k, v, allowed[:, -1, :], jnp.float32, block)
+        elif block is None:
+            out = attend(q, k, v, allowed, jnp.float32)
+        else:
+            out = blocked_attend(q, k, v, allowed, jnp.float32, block)
         return jnp.sum(out * w)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
@@ -46,11 +55,12 @@ def inputs(rows: int, T: int, concrete: bool):
     pad = rng.integers(0, T // 4, rows)  # left padding of each row
     mask = np.arange(T)[None, :] >= pad[:, None]
     allowed = jnp.asarray(np.tril(np.ones((T, T), bool))[None] & mask[:, None, :])
-    return [q, k, v, allowed, w]
+    # the loss reads real positions only, as every loss does: a padding query's output differs between forms
+    return [q, k, v, allowed, w * jnp.asarray(mask, jnp.float32)[:, :, None, None]]
 
 
-def label(block: int | None) -> str:
-    return "dense" if block is None else f"blocked {block}"
+def label(block: int | str | None) -> str:
+    return "dense" if block is None else block if isinstance(block, str) else f"blocked {block}"
 
 
 def main() -> None:
@@ -59,10 +69,11 @@ def main() -> None:
     ap.add_argument("--memory-T", type=int, default=1152, help="positions for the memory compile (128 + 1,024)")
     ap.add_argument("--time-T", type=int, default=384, help="positions for the timing (128 + 256, the CPU recipe)")
     ap.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--fused", nargs="*", default=[], help="fused implementations to add (xla)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/attention.json")
     args = ap.parse_args()
-    variants = [None, *args.blocks]
+    variants = [None, *args.blocks, *args.fused]
 
     memory = {}
     for b in variants:

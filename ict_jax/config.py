@@ -136,10 +136,12 @@ class ModelSection:
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     remat: Literal["none", "block", "full"] = "block"
     scan_layers: bool = True
-    # the full-sequence forwards' attention: "dense" (the [B, H, T, T] float32 scores of a layer at once) or
-    # "blocked" (keys in blocks of attention_block, online softmax, recomputed in the backward pass: the same
-    # result without that matrix; ict_jax.model.attention, docs/architecture.md)
-    attention: Literal["dense", "blocked"] = "dense"
+    # the full-sequence forwards' attention (training, scoring, prefill): "dense" (the [B, H, T, T] float32
+    # scores of a layer at once), "blocked" (keys in blocks of attention_block, online softmax, recomputed in
+    # the backward pass; ict_jax.model.attention), a fused kernel: "xla" / "cudnn" (jax.nn.dot_product_attention)
+    # or "splash" (Pallas, TPU; ict_jax.model.fused_attention); "auto": cudnn on a GPU (bfloat16 / float16
+    # compute), splash on a TPU, dense elsewhere (docs/architecture.md "Attention")
+    attention: Literal["auto", "dense", "blocked", "xla", "cudnn", "splash"] = "auto"
     attention_block: int = 128
     # "char" = the built-in CharTokenizer; a path = an HF tokenizer dir or .gguf; None = from model.path
     tokenizer: str | None = None

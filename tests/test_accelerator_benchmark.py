@@ -56,17 +56,33 @@ def test_smoke_runs_every_stage_and_writes_its_record(smoke, capsys):
     assert roll["rows"] == 4 * 4 and roll["new_tokens"] == 16 and roll["tokens_per_s"] > 0
     assert roll["roofline"]["decode_steps"] and roll["decode_step_ratio"] > 1.0
     blocked = summary["stages"]["train_0p5b_blocked"]  # the same step with model.attention=blocked
-    assert blocked["attention"] == "blocked" and train["attention"] == "dense"
+    assert blocked["attention"] == "blocked" and train["attention"] == "dense"  # auto on a CPU: dense
     assert blocked["shape"] == train["shape"] and blocked["tokens_per_s"] > 0
+    assert blocked["variant_of"] == "train_0p5b" and blocked["settings"] == {"model.attention": "blocked"}
+    dense = summary["stages"]["train_0p5b_dense"]  # today's step: what auto replaces on a GPU
+    assert dense["attention"] == "dense" and dense["settings"] == {"model.attention": "dense"}
     unrolled = summary["stages"]["rollout_unrolled"]  # per-layer caches; on a CPU the default decode is too
     assert unrolled["unrolled"] is True and roll["unrolled"] is True and unrolled["rows"] == roll["rows"]
+    assert unrolled["variant_of"] == "rollout" and unrolled["settings"] == {"unroll_layers": True}
+    assert summary["stages"]["rollout_dense"]["attention"] == "dense"
+    # every compiled program's HLO text, in the output folder
+    import gzip
+
+    for name in ("train_0p5b", "train_1p5b", "rollout", "stats", "attention_dense", "attention_xla", *bench.VARIANTS):
+        with gzip.open(out / "hlo" / f"{name}.hlo.txt.gz", "rt") as f:
+            assert f.read(200).startswith("HloModule"), name
     stats = summary["stages"]["stats"]
     assert stats["tokens"] == 2 * 64 and stats["pass_ms"] > 0 and stats["temporaries"] > 0
+    att = summary["stages"]["attention"]  # on a CPU: the xla path against dense, float32
+    assert att["implementation"] == "xla" and att["positions"] == 8 + 16 - 1 and set(att["ms"]) == {"dense", "xla"}
+    assert max(att["grad_max_diff"].values()) <= 1e-5 * max(1.0, max(att["grad_max"].values()))
+    assert att["loss_diff"] <= 1e-5 * max(1.0, abs(att["loss"]))
     mem = summary["stages"]["memory"]
     assert mem["predicted_live"] > 0 and mem["measured_peak"] is None  # a CPU keeps no peak
     table = bench.render(summary["stages"])
     assert [line.split()[0] for line in table.splitlines()] == stages
     assert "tok/s" in table and "MFU" in table
+    assert "x the speed of train_0p5b" in dict(bench.summary_rows(summary["stages"]))["train_0p5b_blocked"]
 
 
 def test_bad_stage_is_refused(capsys):
@@ -114,7 +130,10 @@ def test_a_train_step_over_the_device_is_recompiled_with_more_micro_batches(monk
     assert rec["micro_batches"] == 2 and [t["micro_batches"] for t in rec["fit"]] == [1, 2]
     assert [t["live"] for t in rec["fit"]] == [100, 10] and rec["device_bytes_limit"] == 50
     assert len(rec["steps_s"]) == 1 and rec["tokens_per_s"] > 0
-    assert "HloModule" in (tmp_path / "hlo" / "train_0p5b.hlo.txt").read_text()[:200]
+    import gzip
+
+    with gzip.open(tmp_path / "hlo" / "train_0p5b.hlo.txt.gz", "rt") as f:
+        assert "HloModule" in f.read(200)
     assert "train.micro_batches 2" in bench.render({"train_0p5b": rec})
 
 
@@ -127,3 +146,10 @@ def test_a_train_step_that_fits_nowhere_is_an_error(monkeypatch):
     monkeypatch.setattr(bench, "compiled_live", lambda compiled: 100)
     with pytest.raises(MemoryError, match="even at train.micro_batches 2, over 95% of"):
         bench.stage_train("0p5b", True, deadline=0.0)
+
+
+def test_the_hlo_goes_to_the_output_folder_unless_told_otherwise(tmp_path):
+    bench = _load()
+    assert bench.parse_args(["--out", str(tmp_path)]).dump_hlo == tmp_path / "hlo"
+    assert bench.parse_args(["--out", str(tmp_path), "--dump-hlo", str(tmp_path / "x")]).dump_hlo == tmp_path / "x"
+    assert bench.parse_args(["--out", str(tmp_path), "--no-hlo"]).dump_hlo is None

@@ -76,6 +76,25 @@ def resolve_compute_dtype(setting: str, platform: str | None = None) -> str:
     return "float32" if platform == "cpu" else "bfloat16"
 
 
+#: ``model.attention`` values: ``auto``, the two plain-JAX forms, the fused kernels
+ATTENTIONS = ("auto", "dense", "blocked", "xla", "cudnn", "splash")
+
+
+def resolve_attention(setting: str, platform: str | None = None, compute_dtype: str = "bfloat16") -> str:
+    """The attention the ``model.attention`` ``setting`` means on ``platform`` (``cpu``, ``gpu``, ``tpu``;
+    default: JAX's default backend) at ``compute_dtype`` (resolved): ``auto`` is ``cudnn`` on a GPU computing
+    in bfloat16 or float16 (cuDNN's flash attention takes no float32), ``splash`` on a TPU and ``dense``
+    otherwise (XLA's CPU backend has no fused kernel: ``xla`` computes the dense form's scores too); any
+    other setting itself. Resolved at trace time (:meth:`ModelConfig.resolved_attention`) or for a target
+    platform (``ict-jax compile``, :func:`ict_jax.train.model_source.resolve_model`)."""
+    if setting != "auto":
+        return setting
+    platform = jax.default_backend() if platform is None else platform
+    if platform in ("gpu", "cuda", "rocm") and compute_dtype in ("bfloat16", "float16"):
+        return "cudnn"
+    return "splash" if platform == "tpu" else "dense"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of :class:`ict_jax.Qwen2`.
@@ -85,11 +104,13 @@ class ModelConfig:
     block but keeps its matmul outputs (``dots_with_no_batch_dims_saveable``); ``full`` keeps only the
     block inputs (``nothing_saveable``). ``scan_layers`` runs the stacked layers with ``lax.scan`` (one
     compiled layer body; compile time independent of depth) instead of an unrolled Python loop; the
-    parameter layout is the same either way. ``attention``: ``dense`` scores every query against every
-    key at once (a ``[B, H, T, T]`` float32 matrix a layer); ``blocked`` walks the keys in blocks of
-    ``attention_block`` with an online softmax and recomputes them in the backward pass, the same result
-    without that matrix (:mod:`ict_jax.model.attention`). Both are full-sequence forwards; the decode
-    step is dense (one query).
+    parameter layout is the same either way. ``attention`` (the full-sequence forwards: training,
+    scoring, prefill): ``dense`` scores every query against every key at once (a ``[B, H, T, T]`` float32
+    matrix a layer); ``blocked`` walks the keys in blocks of ``attention_block`` with an online softmax and
+    recomputes them in the backward pass, the same result without that matrix
+    (:mod:`ict_jax.model.attention`); ``xla``, ``cudnn`` and ``splash`` are fused kernels
+    (:mod:`ict_jax.model.fused_attention`); ``auto`` picks the backend's (:func:`resolve_attention`). The
+    decode step is dense (one query).
     """
 
     vocab_size: int
@@ -108,7 +129,7 @@ class ModelConfig:
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     remat: Literal["none", "block", "full"] = _SECTION.remat
     scan_layers: bool = _SECTION.scan_layers
-    attention: Literal["dense", "blocked"] = _SECTION.attention
+    attention: Literal["auto", "dense", "blocked", "xla", "cudnn", "splash"] = _SECTION.attention
     attention_block: int = _SECTION.attention_block  # key positions a block of the blocked attention
     lora: LoraSpec | None = None  # low-rank adapters on the projections (docs/lora.md); None = none
 
@@ -130,8 +151,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: head_dim={self.resolved_head_dim} must be even (RoPE)")
         if self.remat not in ("none", "block", "full"):
             raise ValueError(f"ModelConfig.remat must be one of none, block, full; got {self.remat!r}")
-        if self.attention not in ("dense", "blocked"):
-            raise ValueError(f"ModelConfig.attention must be dense or blocked; got {self.attention!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"ModelConfig.attention must be one of {', '.join(ATTENTIONS)}; got {self.attention!r}")
         if not isinstance(self.attention_block, int) or self.attention_block < 1:
             raise ValueError(f"ModelConfig.attention_block must be a positive integer, got {self.attention_block!r}")
 
@@ -148,6 +169,10 @@ class ModelConfig:
     def resolved_compute_dtype(self, platform: str | None = None) -> str:
         """The compute dtype on ``platform`` (default: JAX's default backend), :func:`resolve_compute_dtype`."""
         return resolve_compute_dtype(self.compute_dtype, platform)
+
+    def resolved_attention(self, platform: str | None = None) -> str:
+        """The full-sequence attention on ``platform`` (default: JAX's default backend), :func:`resolve_attention`."""
+        return resolve_attention(self.attention, platform, self.resolved_compute_dtype(platform))
 
     def replace(self, **kw: Any) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

@@ -25,6 +25,8 @@ from jaxtyping import Array, Float, Int
 from ict_jax.deprecation import REMOVED_IN, MovedNames
 from ict_jax.model.attention import attend, blocked_attend
 from ict_jax.model.config import ModelConfig
+from ict_jax.model.fused_attention import IMPLEMENTATIONS as FUSED
+from ict_jax.model.fused_attention import RESIDUALS, fused_attend
 from ict_jax.model.lora import LoraStack, adapter_keys, lora_delta
 from ict_jax.sharding import constrain, state_shardings
 
@@ -172,20 +174,32 @@ def finish_layer(p: dict[str, jax.Array], x: jax.Array, attn: jax.Array, c: Mode
 
 def decoder_layer(p, x, cos, sin, allowed, c: ModelConfig, dtype):
     """One pre-norm decoder block over a full sequence: x ``[B, T, D]`` -> ``[B, T, D]``; its attention
-    dense or over key blocks (``c.attention``, :mod:`ict_jax.model.attention`)."""
+    by ``c.attention`` (:func:`sequence_attention`; ``allowed``: :meth:`Qwen2._full_sequence_tables`'s)."""
     q, k, v = attention_qkv(p, x, c, cos, sin, dtype)
-    if c.attention == "blocked":
-        attn = blocked_attend(q, k, v, allowed, dtype, c.attention_block)
-    else:
-        attn = attend(q, k, v, allowed, dtype)
-    return finish_layer(p, x, attn, c, dtype)
+    return finish_layer(p, x, sequence_attention(q, k, v, allowed, c, dtype), c, dtype)
+
+
+def sequence_attention(q, k, v, allowed, c: ModelConfig, dtype) -> jax.Array:
+    """Causal self-attention of a full sequence, q ``[B, T, H, hd]``, k/v ``[B, KV, T, hd]``, by
+    ``c.resolved_attention()``: ``dense`` or ``blocked`` (:mod:`ict_jax.model.attention`) read ``allowed``
+    as the causal & key mask ``[B, T, T]``; the fused kernels (:mod:`ict_jax.model.fused_attention`)
+    read it as the key mask ``[B, T]`` (1: a real token) and are causal themselves."""
+    kind = c.resolved_attention()
+    if kind in FUSED:
+        return fused_attend(q, k, v, allowed, dtype, kind)
+    if kind == "blocked":
+        return blocked_attend(q, k, v, allowed, dtype, c.attention_block)
+    return attend(q, k, v, allowed, dtype)
 
 
 def _remat(fn, mode: str):
     if mode == "none":
         return fn
-    policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if mode == "block"
-              else jax.checkpoint_policies.nothing_saveable)
+    cp = jax.checkpoint_policies
+    # block: the matmul outputs and the splash kernel's residuals (its output and log-sum-exp), so the
+    # backward pass does not run the attention kernel's forward again
+    policy = (cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(RESIDUALS))
+              if mode == "block" else cp.nothing_saveable)
     return jax.checkpoint(fn, policy=policy, static_argnums=(5, 6))
 
 
@@ -251,10 +265,14 @@ class Qwen2(nnx.Module):
 
     # -- full forward ----------------------------------------------------------------------------
     def _full_sequence_tables(self, input_ids, attention_mask):
-        """RoPE tables from real-token positions, and the causal & key-padding mask ``[B, T, T]``."""
+        """RoPE tables from real-token positions, and the attention's mask: the causal & key-padding mask
+        ``[B, T, T]`` for ``dense`` and ``blocked``, the key mask ``[B, T]`` for a fused kernel
+        (:func:`sequence_attention`)."""
         B, T = input_ids.shape
         mask = jnp.ones((B, T), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
         cos, sin = rope_tables(positions_from_mask(mask), self.config.resolved_head_dim, self.config.rope_theta)
+        if self.config.resolved_attention() in FUSED:
+            return cos, sin, mask
         allowed = jnp.tril(jnp.ones((T, T), bool))[None] & (mask[:, None, :] > 0)
         return cos, sin, allowed
 
@@ -313,12 +331,16 @@ class Qwen2(nnx.Module):
                        pos=jnp.zeros((batch,), jnp.int32), index=jnp.zeros((), jnp.int32))
 
     def extend(self, input_ids: Int[Array, "B T"], attention_mask: Int[Array, "B T"] | None,
-               cache: KVCache, window: int | None = None) -> tuple[Float[Array, "B T D"], KVCache]:
+               cache: KVCache, window: int | None = None, *,
+               prefill: bool = False) -> tuple[Float[Array, "B T D"], KVCache]:
         """Append ``T`` tokens to the cache (slots ``index .. index+T-1``) and return their post-norm
         hidden states. Prefill is ``extend`` on an empty cache; decode is ``extend`` with ``T = 1``.
         Padding tokens (mask 0) occupy a slot that no later token attends to. ``window`` (static): the
         new tokens attend over the cache's first ``window`` slots only (the caller keeps
-        ``index + T <= window``; the sampler's decode phases, docs/sampler.md); None = every slot."""
+        ``index + T <= window``; the sampler's decode phases, docs/sampler.md); None = every slot.
+        ``prefill`` (static): the cache is empty (``index`` 0), so the new tokens attend among themselves:
+        with a fused ``model.attention`` through its kernel (:func:`sequence_attention`), else over the
+        cache as any extend does (the same result)."""
         c, dtype = self.config, self.compute_dtype
         B, T = input_ids.shape
         S = cache.mask.shape[1] if window is None else window
@@ -333,14 +355,19 @@ class Qwen2(nnx.Module):
         allowed = (slot[None, None, :] <= qslot[None, :, None]) & (seen[:, None, :] > 0)
         params = self.layers.arrays()
         kdt = cache.k.dtype
+        fused = prefill and T > 1 and c.resolved_attention() in FUSED
 
         def body(x, inputs):
             p, k_l, v_l = inputs
             q, k, v = attention_qkv(p, x, c, cos, sin, dtype)
             k_l = jax.lax.dynamic_update_slice(k_l, k.astype(kdt), (0, 0, cache.index, 0))
             v_l = jax.lax.dynamic_update_slice(v_l, v.astype(kdt), (0, 0, cache.index, 0))
-            k_a, v_a = (k_l, v_l) if window is None else (k_l[:, :, :window], v_l[:, :, :window])
-            x = finish_layer(p, x, attend(q, k_a.astype(dtype), v_a.astype(dtype), allowed, dtype), c, dtype)
+            if fused:  # an empty cache: the new tokens' own keys, in the cache's dtype as a decode reads them
+                attn = sequence_attention(q, k.astype(kdt), v.astype(kdt), mask, c, dtype)
+            else:
+                k_a, v_a = (k_l, v_l) if window is None else (k_l[:, :, :window], v_l[:, :, :window])
+                attn = attend(q, k_a.astype(dtype), v_a.astype(dtype), allowed, dtype)
+            x = finish_layer(p, x, attn, c, dtype)
             return x, (k_l, v_l)
 
         def scan_body(carry, p):

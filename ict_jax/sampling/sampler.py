@@ -364,7 +364,7 @@ def _generate_pure(graphdef: Any, s: SampleSettings, state: Any, prompt_ids: Int
     bounds = phase_ends(s, Lp)  # where each phase's slots end; None: one phase
     phased = bounds is not None
     cache = _cache_constrain(model.init_cache(P, Lp if phased else Lp + N - 1, s.kv_cache_dtype))
-    h, cache = model.extend(prompt_ids, prompt_mask, cache)
+    h, cache = model.extend(prompt_ids, prompt_mask, cache, prefill=True)
     logits = jnp.repeat(model.logits_from_hidden(h[:, -1]), G, axis=0)  # [B, V], prompt-major
     cache = _cache_constrain(_repeat_cache(cache, G))
 

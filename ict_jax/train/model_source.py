@@ -39,7 +39,7 @@ from flax import nnx
 from ict_jax.config import Config
 from ict_jax.deprecation import REMOVED_IN, MovedNames, warn
 from ict_jax.model.adapters import attach_lora
-from ict_jax.model.config import ModelConfig, resolve_compute_dtype, run_settings
+from ict_jax.model.config import ModelConfig, resolve_attention, resolve_compute_dtype, run_settings
 from ict_jax.model.lora import lora_spec
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.source import PRESET_PREFIX, ModelSource
@@ -73,8 +73,9 @@ def resolve_model(spec: str | os.PathLike | Config, *, tokenizer: str | os.PathL
     With a :class:`~ict_jax.config.Config` only: ``weights``, a model directory whose parameters load
     instead of ``model.path``'s or the preset's (the tokenizer stays the run's: a LoRA run resumed after its
     warm start, the warm start's model); ``adapters=False`` leaves ``model.lora``'s fresh adapters off;
-    ``platform`` resolves ``model.compute_dtype: auto`` for a target platform
-    (:func:`~ict_jax.model.config.resolve_compute_dtype`) instead of at trace time; ``missing="preset"``:
+    ``platform`` resolves ``model.compute_dtype: auto`` and ``model.attention: auto`` for a target platform
+    (:func:`~ict_jax.model.config.resolve_compute_dtype`, :func:`~ict_jax.model.config.resolve_attention`)
+    instead of at trace time; ``missing="preset"``:
     a ``model.path`` or tokenizer that is not on this machine gives ``model.preset``'s architecture at its
     own vocabulary (``ict-jax compile`` of a recipe for another machine).
 
@@ -108,6 +109,8 @@ def _config_source(cfg: Config, *, weights: str | os.PathLike | None, adapters: 
     settings = dict(param_dtype=m.param_dtype, **run_settings(m),
                     compute_dtype=m.compute_dtype if platform is None else resolve_compute_dtype(m.compute_dtype,
                                                                                                  platform))
+    if platform is not None:  # model.attention: auto, for the target platform too
+        settings["attention"] = resolve_attention(m.attention, platform, settings["compute_dtype"])
     kw = dict(lora=m.lora if adapters else None, seed=cfg.seed, **settings)
     if weights is not None:  # the run's tokenizer, recorded as the run records it
         source = ModelSource.from_files(weights, tokenizer=m.tokenizer or m.path or "char", **kw)

@@ -283,3 +283,19 @@ def test_scan_decode_path_equals_unrolled(model, prompts, greedy):
                  unroll_layers=False)  # model.decode under lax.scan over the stacked layers
     np.testing.assert_array_equal(np.asarray(r.tokens), np.asarray(greedy.tokens))
     np.testing.assert_allclose(np.asarray(r.logp), np.asarray(greedy.logp), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("unroll", [True, False])
+def test_a_fused_attention_prefill_gives_the_same_samples(model, prompts, sampled, unroll):
+    """``model.attention: xla`` (the path cuDNN takes on a GPU): the prefill's left-padded prompts attend
+    through the fused kernel (``Qwen2.extend(..., prefill=True)``), the decode as before; the same tokens
+    and log-probabilities as the dense prefill, for both layer loops."""
+    from ict_jax.model.qwen2 import Qwen2
+
+    graphdef, state = nnx.split(model)
+    fused = nnx.merge(nnx.split(Qwen2(model.config.replace(attention="xla"), rngs=nnx.Rngs(0)))[0], state)
+    assert fused.config.resolved_attention() == "xla"
+    r = generate(fused, *prompts, jax.random.key(3), num_samples=G, max_new_tokens=N, temperature=TEMP,
+                 eos_ids=EOS, unroll_layers=unroll)
+    np.testing.assert_array_equal(np.asarray(r.tokens), np.asarray(sampled.tokens))
+    np.testing.assert_allclose(np.asarray(r.logp), np.asarray(sampled.logp), atol=1e-5, rtol=0)
