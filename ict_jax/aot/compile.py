@@ -49,6 +49,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ict_jax.aot import hlo, roofline
+from ict_jax.aot.breakdown import breakdown
 from ict_jax.aot.chips import chip_for
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.memory import fmt_bytes
@@ -184,14 +185,31 @@ def get_target(name: str | None) -> Target:
         # when they are unset; name the slice being compiled for and this host (compiling only)
         os.environ["TPU_ACCELERATOR_TYPE"] = accelerator_type(gen, math.prod(dims))
         os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
-    from jax.experimental import topologies  # imported here: it loads the TPU compiler plugin
-
-    try:
-        devs = tuple(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    try:  # topology_devices imports jax.experimental.topologies here: it loads the TPU compiler plugin
+        devs = tuple(topology_devices(name, dims))
     except Exception as e:  # noqa: BLE001 - libtpu rejects the name: its message, one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"--topology {name!r}: libtpu does not accept it: {msg}") from None
     return Target(name, "tpu", devs, devs[0].device_kind, hbm_bytes(devs), gen)
+
+
+_HOST_BOUNDS = "not divisible by the given (or default) chips_per_host_bounds"
+
+
+def topology_devices(name: str, dims: Sequence[int]) -> list[Any]:
+    """The abstract devices of the TPU topology ``name`` (its chip grid ``dims``). libtpu lays a topology
+    out over hosts of 2x2x1 chips by default and rejects a smaller one (``v5p:1x1x1``, ``v5e:1x1``: "not
+    divisible by ... chips_per_host_bounds"); such a slice is one host holding all its chips, so it is
+    asked for again with ``chips_per_host_bounds`` = its own grid."""
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=name).devices
+    except Exception as e:  # noqa: BLE001 - libtpu's INVALID_ARGUMENT
+        if _HOST_BOUNDS not in str(e):
+            raise
+    bounds = list(dims) + [1] * (3 - len(dims))
+    return topologies.get_topology_desc(platform="tpu", topology_name=name, chips_per_host_bounds=bounds).devices
 
 
 def with_run_budget(target: Target, cfg: Config) -> Target:
@@ -377,6 +395,8 @@ class ProgramReport:
     unknown_loops: int = 0
     checks: list[Check] = dataclasses.field(default_factory=list)
     roofline: roofline.Roofline | None = None  # counted from the compiled HLO (docs/tpu.md "Roofline")
+    # the roofline's bytes and FLOPs by category (aot.breakdown): {category: {"bytes": b, "flops": f}}
+    breakdown: dict[str, dict[str, float]] | None = None
 
     @property
     def live(self) -> int | None:
@@ -529,6 +549,7 @@ def compile_program(program: CompileJob, target: Target, mesh: jax.sharding.Mesh
                                          training=program.name in ("step", "sft"),
                                          decode_steps=i.get("decode_steps"),
                                          decode_min_bytes=i.get("decode_min_bytes"))
+        rep.breakdown = {k: {"bytes": c.bytes, "flops": c.flops} for k, c in breakdown(module, text, mult).items()}
     return rep
 
 
