@@ -134,11 +134,17 @@ def _proj(p: dict[str, jax.Array], name: str, x: jax.Array, c: ModelConfig, dtyp
 
 def _mm(a: jax.Array, b: jax.Array, dtype: Any, k: int = 1) -> jax.Array:
     """Contract the last ``k`` dims of activations ``a`` with the first ``k`` dims of weights ``b`` as ONE
-    2-D matmul (float32 accumulation). Flattening to 2-D makes XLA CPU's backward pass ~2.5x faster
-    than the equivalent batched einsum (the weight gradient becomes a plain [in, M] x [M, out] dot)."""
+    2-D matmul in ``dtype``: float32 accumulation inside the dot, the result in ``dtype``. Flattening to
+    2-D makes XLA CPU's backward pass ~2.5x faster than the equivalent batched einsum (the weight gradient
+    becomes a plain [in, M] x [M, out] dot).
+
+    The result type is the compute dtype, not float32 cast back: a float32 result is written to memory
+    and read again by the cast, and its transpose hands the backward dots float32 cotangents with the
+    bfloat16 operands converted up (on the 0.5B TPU step 23 % of the bytes, docs/benchmarks.md "The
+    step's bytes by category"); with ``preferred_element_type=dtype`` both passes stay in ``dtype``."""
     lead, inner, out = a.shape[:-k], math.prod(a.shape[-k:]), b.shape[k:]
-    y = jnp.dot(a.reshape(-1, inner), b.astype(dtype).reshape(inner, -1), preferred_element_type=jnp.float32)
-    return y.astype(dtype).reshape(lead + out)
+    y = jnp.dot(a.astype(dtype).reshape(-1, inner), b.astype(dtype).reshape(inner, -1), preferred_element_type=dtype)
+    return y.reshape(lead + out)
 
 
 def attention_qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: jax.Array, sin: jax.Array, dtype: Any):

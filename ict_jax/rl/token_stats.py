@@ -320,14 +320,19 @@ def _block_logits(h, unembed, temperature: float, *, transposed: bool = False):
 
 
 def _block_grad(h, tok, g, p, unembed_t, temperature: float):
-    """One block's d(sum g*logp): dz = g (onehot(o) - p) / T_s; returns (dh [B, C, D], dW [D, V]) in
-    float32. ``unembed_t`` is W^T [V, D]: dh contracts over V as a plain matmul (XLA CPU's NT form
-    was ~1.7x slower)."""
+    """One block's d(sum g*logp): dz = g (onehot(o) - p) / T_s; returns (dh [B, C, D] in h's dtype,
+    dW [D, V] in float32). ``unembed_t`` is W^T [V, D]: dh contracts over V as a plain matmul (XLA CPU's
+    NT form was ~1.7x slower).
+
+    dz is computed in float32 and enters both matmuls in the compute dtype (h's), as every matmul of
+    the model does (docs/architecture.md "Precision"): a float32 dz would have the compiler convert
+    the [V, D] head and the block's h up to float32 and multiply at float32 width. Accumulation is
+    float32 inside both dots; dW stays float32 (summed over the blocks)."""
     V = unembed_t.shape[0]
     onehot = tok[..., None] == lax.broadcasted_iota(jnp.int32, (1, 1, V), 2)
     g = (g / temperature)[..., None]  # fold 1/T_s into the [B, C] cotangent
-    dz = jnp.where(onehot, g, 0.0) - g * p
-    dh = jnp.einsum("bcv,vd->bcd", dz, unembed_t, preferred_element_type=jnp.float32)
+    dz = (jnp.where(onehot, g, 0.0) - g * p).astype(h.dtype)
+    dh = jnp.einsum("bcv,vd->bcd", dz, unembed_t.astype(h.dtype), preferred_element_type=h.dtype)
     dW = jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
     return dh, dW
 
