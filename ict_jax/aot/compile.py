@@ -461,7 +461,11 @@ def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hl
                         f"{n:,} vocabulary rows; at most {what} = {i['rows'] * block:,}{dense}"))
     if program.name in ("step", "sft"):
         L = i["num_layers"]
-        stacked = [c for c in _gathers(items) if c.result.dims[:1] == (L,) and c.result.elements in i["stacked"]]
+        # a gather that runs inside a layer loop (a while of L trips) is one layer's, whatever its shape (a tiny
+        # model's one-layer [4, 16, 64] may be laid out as [2, 2, 16, 64] beside a stacked [2, 64, 2, 16])
+        per_layer = _inside_loops(module, L)
+        stacked = [c for c in _gathers(items) if c.result.dims[:1] == (L,) and c.result.elements in i["stacked"]
+                   and c.computation not in per_layer]
         largest = max((c.bytes for c in _gathers(items)), default=0)
         checks.append(Check("layer-wise gathers", not stacked,
                             f"{len(stacked)} all-gathers of stacked [{L}, ...] weights"
@@ -483,6 +487,21 @@ def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hl
         checks.append(Check("kv cache", found, f"[{', '.join(map(str, want))}] x 2 (k, v) = {fmt_bytes(2 * size)} "
                             f"a device{where}"))
     return checks
+
+
+def _inside_loops(module: hlo.HloModule, trips: int) -> set[str]:
+    """The computations that run inside a ``while`` loop of ``trips`` iterations (its body and what it
+    calls, nested loops included)."""
+    inside: set[str] = set()
+    todo = [hlo.called(ins, "body") for _, ins in module.instructions()
+            if ins.opcode == "while" and hlo.trip_count(module, ins) == trips]
+    while todo:
+        comp = todo.pop()
+        if comp is None or comp in inside or comp not in module.computations:
+            continue
+        inside.add(comp)
+        todo += [callee for ins in module.computations[comp] for _, callee in hlo.callees(module, ins)]
+    return inside
 
 
 @contextlib.contextmanager
