@@ -54,6 +54,13 @@ JOBS: dict[str, list[str]] = {
                          "model.remat=full", "stats.chunk=64"],
     "7b_v5e32_m2_full": ["--config", _7B, "--topology", "v5e:4x8", "--program", "step", "train.micro_batches=2",
                          "model.remat=full", "stats.chunk=64"],
+    # the H200 benchmark's 0.5B step (benchmarks/accelerator.py: P 4 x G 8, 128 + 1,024 tokens, one mini-batch
+    # of one micro-batch, bf16) on one v5p chip, with the bytes by category: the before/after check of the
+    # step's memory traffic (docs/benchmarks.md "The step's bytes by category")
+    "0p5b_h200_v5p1": ["--config", _0P5B, "--topology", "v5p:1x1x1", "--program", "step", "--breakdown",
+                       "train.prompts_per_step=4", "rollout.num_samples=8", "rollout.max_prompt_len=128",
+                       "rollout.max_new_tokens=1024", "train.mini_batches=1", "train.micro_batches=1", "mesh.data=1",
+                       "mesh.fsdp=-1", "mesh.tensor=1"],
     # LoRA: the 7B on one v5e-8 host, base frozen in bfloat16, rank 16 on the seven projections;
     # every program (the full-parameter step does not fit here: 7b_v5e8_m8_full)
     "7b_lora_v5e8": ["--config", _7B, "--topology", "v5e:2x4", "model.lora.enabled=true",

@@ -306,6 +306,10 @@ ACROSS_MODULES = {
     "train/test_lora_real.py": "the real Qwen2.5-0.5B through a LoRA run, its resume and its PEFT export (slow)",
     "sampling/test_decode_bytes.py": "the compiled sampler's decode step (sampling.sampler) read through the "
                                      "HLO byte count of aot.roofline",
+    "model/test_matmul_dtype.py": "the matmuls' result dtype (model.qwen2, rl.token_stats' head) read through the "
+                                  "bf16 train step's HLO (aot.hlo.upcast_matmuls)",
+    "rl/test_stats_bytes.py": "the statistics pass (rl.token_stats) read through the TPU compiler's HLO byte "
+                              "count (aot.cost)",
 }
 #: test files at the top of tests/: the project as a whole, a top-level module of ict_jax, or a test-support
 #: module at the top of tests/ (test_covering.py: covering.py, the slow matrices' covering designs), or a

@@ -49,6 +49,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ict_jax.aot import hlo, roofline
+from ict_jax.aot.breakdown import breakdown
 from ict_jax.aot.chips import chip_for
 from ict_jax.config import Config, ConfigError, parse_topology
 from ict_jax.memory import fmt_bytes
@@ -184,14 +185,31 @@ def get_target(name: str | None) -> Target:
         # when they are unset; name the slice being compiled for and this host (compiling only)
         os.environ["TPU_ACCELERATOR_TYPE"] = accelerator_type(gen, math.prod(dims))
         os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
-    from jax.experimental import topologies  # imported here: it loads the TPU compiler plugin
-
-    try:
-        devs = tuple(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    try:  # topology_devices imports jax.experimental.topologies here: it loads the TPU compiler plugin
+        devs = tuple(topology_devices(name, dims))
     except Exception as e:  # noqa: BLE001 - libtpu rejects the name: its message, one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"--topology {name!r}: libtpu does not accept it: {msg}") from None
     return Target(name, "tpu", devs, devs[0].device_kind, hbm_bytes(devs), gen)
+
+
+_HOST_BOUNDS = "not divisible by the given (or default) chips_per_host_bounds"
+
+
+def topology_devices(name: str, dims: Sequence[int]) -> list[Any]:
+    """The abstract devices of the TPU topology ``name`` (its chip grid ``dims``). libtpu lays a topology
+    out over hosts of 2x2x1 chips by default and rejects a smaller one (``v5p:1x1x1``, ``v5e:1x1``: "not
+    divisible by ... chips_per_host_bounds"); such a slice is one host holding all its chips, so it is
+    asked for again with ``chips_per_host_bounds`` = its own grid."""
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=name).devices
+    except Exception as e:  # noqa: BLE001 - libtpu's INVALID_ARGUMENT
+        if _HOST_BOUNDS not in str(e):
+            raise
+    bounds = list(dims) + [1] * (3 - len(dims))
+    return topologies.get_topology_desc(platform="tpu", topology_name=name, chips_per_host_bounds=bounds).devices
 
 
 def with_run_budget(target: Target, cfg: Config) -> Target:
@@ -377,6 +395,8 @@ class ProgramReport:
     unknown_loops: int = 0
     checks: list[Check] = dataclasses.field(default_factory=list)
     roofline: roofline.Roofline | None = None  # counted from the compiled HLO (docs/tpu.md "Roofline")
+    # the roofline's bytes and FLOPs by category (aot.breakdown): {category: {"bytes": b, "flops": f}}
+    breakdown: dict[str, dict[str, float]] | None = None
 
     @property
     def live(self) -> int | None:
@@ -441,7 +461,11 @@ def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hl
                         f"{n:,} vocabulary rows; at most {what} = {i['rows'] * block:,}{dense}"))
     if program.name in ("step", "sft"):
         L = i["num_layers"]
-        stacked = [c for c in _gathers(items) if c.result.dims[:1] == (L,) and c.result.elements in i["stacked"]]
+        # a gather that runs inside a layer loop (a while of L trips) is one layer's, whatever its shape (a tiny
+        # model's one-layer [4, 16, 64] may be laid out as [2, 2, 16, 64] beside a stacked [2, 64, 2, 16])
+        per_layer = _inside_loops(module, L)
+        stacked = [c for c in _gathers(items) if c.result.dims[:1] == (L,) and c.result.elements in i["stacked"]
+                   and c.computation not in per_layer]
         largest = max((c.bytes for c in _gathers(items)), default=0)
         checks.append(Check("layer-wise gathers", not stacked,
                             f"{len(stacked)} all-gathers of stacked [{L}, ...] weights"
@@ -463,6 +487,21 @@ def discipline_checks(program: CompileJob, module: hlo.HloModule, items: list[hl
         checks.append(Check("kv cache", found, f"[{', '.join(map(str, want))}] x 2 (k, v) = {fmt_bytes(2 * size)} "
                             f"a device{where}"))
     return checks
+
+
+def _inside_loops(module: hlo.HloModule, trips: int) -> set[str]:
+    """The computations that run inside a ``while`` loop of ``trips`` iterations (its body and what it
+    calls, nested loops included)."""
+    inside: set[str] = set()
+    todo = [hlo.called(ins, "body") for _, ins in module.instructions()
+            if ins.opcode == "while" and hlo.trip_count(module, ins) == trips]
+    while todo:
+        comp = todo.pop()
+        if comp is None or comp in inside or comp not in module.computations:
+            continue
+        inside.add(comp)
+        todo += [callee for ins in module.computations[comp] for _, callee in hlo.callees(module, ins)]
+    return inside
 
 
 @contextlib.contextmanager
@@ -529,6 +568,7 @@ def compile_program(program: CompileJob, target: Target, mesh: jax.sharding.Mesh
                                          training=program.name in ("step", "sft"),
                                          decode_steps=i.get("decode_steps"),
                                          decode_min_bytes=i.get("decode_min_bytes"))
+        rep.breakdown = {k: {"bytes": c.bytes, "flops": c.flops} for k, c in breakdown(module, text, mult).items()}
     return rep
 
 

@@ -48,7 +48,7 @@ class Cost:
         return Cost(self.flops * n, self.bytes * n)
 
 
-class _Symbols:
+class Symbols:
     """Instructions by name, per computation (built on first use)."""
 
     def __init__(self, module: HloModule):
@@ -146,7 +146,7 @@ def _convolution_flops(ins: Instruction, lhs: Array | None, rhs: Array) -> float
     return flops
 
 
-def _param_reads(module: HloModule, syms: _Symbols, fused: str, depth: int = 0) -> dict[int, int | None]:
+def _param_reads(module: HloModule, syms: Symbols, fused: str, depth: int = 0) -> dict[int, int | None]:
     """Per parameter of a fused computation: the bytes it reads of that operand when only part of it is
     read (every use slices it, or it is the buffer a root dynamic-update-slice writes into: 0), None
     when the whole operand is read."""
@@ -190,7 +190,7 @@ def _param_reads(module: HloModule, syms: _Symbols, fused: str, depth: int = 0) 
     return out
 
 
-def _written(module: HloModule, syms: _Symbols, fused: str, ins: Instruction) -> int:
+def _written(module: HloModule, syms: Symbols, fused: str, ins: Instruction) -> int:
     """Bytes a fusion writes: its result, except that a root dynamic-update-slice (in place) writes its
     update only."""
     table = syms(fused)
@@ -213,7 +213,7 @@ def _written(module: HloModule, syms: _Symbols, fused: str, ins: Instruction) ->
     return written(root)
 
 
-def instruction_bytes(module: HloModule, syms: _Symbols, comp: str, ins: Instruction) -> int:
+def instruction_bytes(module: HloModule, syms: Symbols, comp: str, ins: Instruction) -> int:
     """Bytes one execution of an instruction of a control computation reads and writes (HBM traffic, to a
     first approximation): its operands and its result, with three exceptions: slicing reads only what
     it returns, a dynamic-update-slice reads and writes only its update (in place), and a fusion (or the
@@ -253,7 +253,7 @@ def cost(module: HloModule, mult: dict[str, int] | None = None) -> Cost:
     no on-chip memory spaces)."""
     mult = mult if mult is not None else multiplicity(module)[0]
     control, fused = computation_roles(module)
-    syms = _Symbols(module)
+    syms = Symbols(module)
     flops, nbytes = 0.0, 0.0
     for comp, instrs in module.computations.items():
         n = mult.get(comp, 0)

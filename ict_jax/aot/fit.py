@@ -161,21 +161,30 @@ def estimate_memory(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> dict[st
     return out
 
 
+def nograd_passes(mini_batches: int, micro_batches: int) -> int:
+    """The step's no-grad forwards of the policy (``rl.train_step``): none when fused (one mini-batch of
+    one micro-batch), one with one mini-batch of several micro-batches (the old-policy pass is the
+    statistics pass, ``StepPlan.shared_nograd``), else two (the old policy, then each mini-batch's
+    statistics: counted once, as a whole batch's)."""
+    if mini_batches * micro_batches == 1:
+        return 0
+    return 1 if mini_batches == 1 else 2
+
+
 def step_flops(cfg: Config, mc: ModelConfig, ov: dict[str, Any]) -> float:
     """FLOPs of one step, analytically (``cost_analysis`` counts a loop body once): 2 x matmul
     parameters x tokens per forward, plus attention (4 T H hd a token a layer, the full T x T score
     matrix) and the vocabulary head over the response positions; a backward pass is twice a forward.
-    Passes: the reference (kl_coef > 0), the old policy and the statistics pass (not fused), the
-    gradient pass with its remat recomputation."""
+    Passes: the reference (kl_coef > 0), the old policy and the statistics pass (not fused; one pass
+    with one mini-batch, :func:`nograd_passes`), the gradient pass with its remat recomputation."""
     P, G, Lp, N = cfg.train.prompts_per_step, cfg.rollout.num_samples, prompt_len(cfg), cfg.rollout.max_new_tokens
     T, B = Lp + N, P * G
     L, H, hd, D, V = mc.num_layers, mc.num_heads, mc.resolved_head_dim, mc.hidden_size, mc.vocab_size
     body = B * T * (2 * L * _layer_params(mc) + 4 * L * T * H * hd)
     head = B * N * 2 * D * V
     t = cfg.train
-    fused = t.mini_batches * ov["train.micro_batches"] == 1
     fwd = body + head
-    passes = (cfg.rl.loss.kl_coef > 0) + (0 if fused else 2)  # reference; old policy + statistics pass
+    passes = (cfg.rl.loss.kl_coef > 0) + nograd_passes(t.mini_batches, ov["train.micro_batches"])
     grad = 3 * fwd + REMAT_EXTRA[ov["model.remat"]] * body
     return passes * fwd + grad
 
@@ -193,8 +202,8 @@ def estimate_seconds(cfg: Config, mc: ModelConfig, ov: dict[str, Any], target: T
     n, t = mc.num_params(), cfg.train
     chunks = t.mini_batches * ov["train.micro_batches"]
     cb = 4 if mc.resolved_compute_dtype() == "float32" else 2
-    fused = chunks == 1
-    passes = (cfg.rl.loss.kl_coef > 0) + (0 if fused else 2) + 2 + (ov["model.remat"] == "full")
+    passes = (cfg.rl.loss.kl_coef > 0) + nograd_passes(t.mini_batches, ov["train.micro_batches"]) + 2 + (
+        ov["model.remat"] == "full")
     gather = 0.0 if fsdp == 1 else passes * chunks * n / tensor * cb * (fsdp - 1) / fsdp
     reduce = chunks * n / tensor * 4 * (data * fsdp - 1) / (data * fsdp) * (2 if fsdp == 1 else 1)
     P, G, N = t.prompts_per_step, cfg.rollout.num_samples, cfg.rollout.max_new_tokens

@@ -151,13 +151,37 @@ def operand_names(ins: Instruction) -> list[str]:
     text = ins.text[len(ins.opcode):]
     if not text.startswith("("):
         return []
-    depth = 0
+    depth, end = 0, len(text)
     for i, ch in enumerate(text):
         depth += ch in "({"
         depth -= ch in ")}"
         if depth == 0:
-            return _OPERAND_NAME.findall(text[1:i])
-    return _OPERAND_NAME.findall(text)
+            end = i
+            break
+    group = text[1:end]
+    names = _OPERAND_NAME.findall(group)
+    if names or "%" in group:
+        return names
+    # a lowered (unoptimised) module prints its operands bare: ``dot(reshape.35, reshape.36)``
+    return [n for n in (_top_level(group)) if _BARE_NAME.fullmatch(n)]
+
+
+_BARE_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+
+
+def _top_level(group: str) -> list[str]:
+    """The comma-separated items of ``group`` at depth 0 (each item's last word: a name after its type)."""
+    items, depth, cur = [], 0, ""
+    for ch in group:
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    items.append(cur)
+    return [item.split()[-1] for item in items if item.strip()]
 
 
 def _tuple_index(ins: Instruction | None) -> int | None:
@@ -345,6 +369,94 @@ def summarize_collectives(items: list[Collective]) -> dict[str, dict[str, int]]:
         s["bytes"] += c.bytes * c.runs
         s["largest"] = max(s["largest"], c.bytes)
     return out
+
+
+#: Instructions that only move or relabel their single operand's elements (a dot reading through them
+#: reads that operand's values).
+_LAYOUT = frozenset({"bitcast", "copy", "reshape", "transpose", "broadcast", "slice", "dynamic-slice"})
+_PARAMETER = re.compile(r"^parameter\((\d+)\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Upcast:
+    """A matmul that reads a float32 operand converted from a narrower float: its values were rounded to
+    the narrow type and are then moved (and multiplied) at float32 width."""
+
+    computation: str
+    matmul: str  # the dot or convolution
+    operand: Array  # the float32 operand it reads
+    source: Array  # the narrower array the convert read
+
+    def __str__(self) -> str:
+        return f"{self.matmul} ({self.computation}): {self.operand} converted from {self.source}"
+
+
+def upcast_matmuls(module: HloModule, narrow: tuple[str, ...] = ("bf16", "f16")) -> list[Upcast]:
+    """Every ``dot`` and ``convolution`` with a float32 operand that is a ``convert`` of a ``narrow``
+    value, followed through layout-only instructions (:data:`_LAYOUT`), fusion parameters (to the
+    fusion's operand in its caller) and fusions whose root is such a convert; a dot whose operands mix
+    float32 and a ``narrow`` type (an unoptimised module: the compiler converts the narrow one) too.
+    Empty when every matmul runs on its operands' own types (docs/architecture.md "Precision")."""
+    tables = {c: {i.name: i for i in instrs} for c, instrs in module.computations.items()}
+    callers: dict[str, list[tuple[str, Instruction]]] = {}
+    for comp, ins in module.instructions():
+        if ins.opcode == "fusion":
+            callee = called(ins, "calls")
+            if callee:
+                callers.setdefault(callee, []).append((comp, ins))
+
+    def roots(comp: str, name: str, depth: int = 0) -> list[tuple[str, Instruction]]:
+        """The producers of ``name`` in ``comp`` past layout instructions and fusion parameters."""
+        ins = tables[comp].get(name)
+        if ins is None or depth > 32:
+            return []
+        if ins.opcode in _LAYOUT:
+            ops = operand_names(ins)
+            return roots(comp, ops[0], depth + 1) if ops else []
+        m = _PARAMETER.match(ins.text)
+        if m and comp in callers:
+            k = int(m.group(1))
+            out = []
+            for caller, fusion in callers[comp]:
+                ops = operand_names(fusion)
+                if k < len(ops):
+                    out += roots(caller, ops[k], depth + 1)
+            return out
+        if ins.opcode == "fusion":
+            callee = called(ins, "calls")
+            root = next((i for i in module.computations.get(callee or "", []) if i.root), None)
+            if root is not None and root.opcode != "tuple":
+                return roots(callee, root.name, depth + 1) or [(comp, ins)]
+        return [(comp, ins)]
+
+    def source(comp: str, ins: Instruction) -> Array | None:
+        """The narrow array a float32 convert reads (None when it is not one)."""
+        if ins.opcode != "convert" or not ins.arrays or ins.arrays[0].dtype != "f32":
+            return None
+        ops = operand_names(ins)
+        for _, src in (roots(comp, ops[0]) if ops else []):
+            if src.arrays and src.arrays[0].dtype in narrow:
+                return src.arrays[0]
+        return None
+
+    found = []
+    for comp, ins in module.instructions():
+        if ins.opcode not in ("dot", "convolution"):
+            continue
+        ops = [tables[comp].get(n) for n in operand_names(ins)[:2]]
+        types = {o.arrays[0].dtype for o in ops if o is not None and o.arrays}
+        if "f32" in types and types & set(narrow):
+            wide = next(o for o in ops if o.arrays[0].dtype == "f32")
+            thin = next(o for o in ops if o.arrays and o.arrays[0].dtype in narrow)
+            found.append(Upcast(comp, ins.name, wide.arrays[0], thin.arrays[0]))
+            continue
+        for name in operand_names(ins)[:2]:
+            for c, producer in roots(comp, name):
+                src = source(c, producer)
+                if src is not None:
+                    found.append(Upcast(comp, ins.name, producer.arrays[0], src))
+                    break
+    return found
 
 
 def entry_parameters(module: HloModule) -> list[Array]:

@@ -102,6 +102,21 @@ def roofline_note(reports: Sequence[ProgramReport]) -> str:
     return note
 
 
+def breakdown_table(reports: Sequence[ProgramReport]) -> str:
+    """Per program and category (:mod:`ict_jax.aot.breakdown`): the bytes a device reads and writes per
+    run, their share of the program's, and the category's matmul FLOPs."""
+    rows = [("program", "category", "HLO bytes", "share", "HLO flops")]
+    for r in reports:
+        if not r.breakdown:
+            continue
+        total = sum(c["bytes"] for c in r.breakdown.values()) or 1.0
+        for name, c in r.breakdown.items():
+            rows.append((r.program, name, _si(c["bytes"], "B"), f"{c['bytes'] / total:.1%}", _si(c["flops"], "FLOP")))
+        rows.append((r.program, "total", _si(total, "B"), "100%",
+                     _si(sum(c["flops"] for c in r.breakdown.values()), "FLOP")))
+    return _table(rows) if len(rows) > 1 else ""
+
+
 def checks_lines(reports: Sequence[ProgramReport]) -> list[str]:
     out = []
     for r in reports:
@@ -124,7 +139,8 @@ def not_fitting_line(r: ProgramReport) -> str:
 
 
 def render(config_name: str, target: Target, mesh: dict[str, int], model_source: str,
-           reports: Sequence[ProgramReport]) -> str:
+           reports: Sequence[ProgramReport], *, with_breakdown: bool = False) -> str:
+    """The report of ``ict-jax compile``; ``with_breakdown``: also the bytes by category (``--breakdown``)."""
     parts = [header(config_name, target, mesh, model_source), "", memory_table(reports)]
     coll = collectives_table(reports)
     if coll:
@@ -133,6 +149,9 @@ def render(config_name: str, target: Target, mesh: dict[str, int], model_source:
     if roof:
         parts += ["", "roofline a device, per run, counted from the compiled HLO (" + roofline_note(reports) + "):",
                   roof]
+    table = breakdown_table(reports) if with_breakdown else ""
+    if table:
+        parts += ["", "the HLO bytes by category, a device per run (loop trip counts multiplied in):", table]
     lines = checks_lines(reports)
     if lines:
         parts += ["", "memory discipline:"] + lines

@@ -36,6 +36,10 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="--fit: at most this many candidate settings are compiled to confirm (default 4)")
     p.add_argument("--headroom", type=float, default=0.05,
                    help="--fit: fraction of each chip's HBM to leave free (default 0.05)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also print each program's HLO bytes (and matmul FLOPs) by category: attention, matmul "
+                        "I/O, converts, norms/elementwise, vocabulary head + statistics, optimizer, other "
+                        "(loop trip counts multiplied in; --json always holds them)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON to OUT")
     p.add_argument("--dump-hlo", default=None, metavar="DIR", help="write each compiled program's HLO text to DIR")
 
@@ -79,7 +83,7 @@ def compile_main(args: argparse.Namespace) -> int:
                                       on_start=lambda name: _progress(f"{name}: compiling for {target.name} ..."),
                                       on_report=lambda r: _progress(program_done_line(r, time.perf_counter() - t0)))
         mesh = reports[0].mesh
-    print(render(args.config, target, mesh, source, reports))
+    print(render(args.config, target, mesh, source, reports, with_breakdown=args.breakdown))
     _write_json(args.json, to_json(args.config, target, mesh, source, reports, fit))
     bad = [r for r in reports if not r.fits]
     if bad:

@@ -124,32 +124,47 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _proj(p: dict[str, jax.Array], name: str, x: jax.Array, c: ModelConfig, dtype: Any, k: int = 1) -> jax.Array:
+def _proj(p: dict[str, jax.Array], name: str, x: jax.Array, c: ModelConfig, dtype: Any, k: int = 1,
+          wide: bool = False) -> jax.Array:
     """Projection ``name`` of one layer's weights ``p``: ``x W``, plus ``(alpha / r) (x A) B`` when ``p``
     carries the projection's LoRA adapters (docs/lora.md)."""
-    y = _mm(x, p[name], dtype, k)
+    y = _mm(x, p[name], dtype, k, wide)
     a_key, b_key = adapter_keys(name)
     if a_key in p:
         y = y + lora_delta(x, p[a_key], p[b_key], c.lora.scale, dtype, k)
     return y
 
 
-def _mm(a: jax.Array, b: jax.Array, dtype: Any, k: int = 1) -> jax.Array:
+def _mm(a: jax.Array, b: jax.Array, dtype: Any, k: int = 1, wide: bool = False) -> jax.Array:
     """Contract the last ``k`` dims of activations ``a`` with the first ``k`` dims of weights ``b`` as ONE
-    2-D matmul (float32 accumulation). Flattening to 2-D makes XLA CPU's backward pass ~2.5x faster
-    than the equivalent batched einsum (the weight gradient becomes a plain [in, M] x [M, out] dot)."""
+    2-D matmul in ``dtype``: float32 accumulation inside the dot, the result in ``dtype``. Flattening to
+    2-D makes XLA CPU's backward pass ~2.5x faster than the equivalent batched einsum (the weight gradient
+    becomes a plain [in, M] x [M, out] dot).
+
+    The result type is the compute dtype, not float32 cast back: a float32 result is written to memory
+    and read again by the cast, and its transpose hands the backward dots float32 cotangents with the
+    bfloat16 operands converted up (on the 0.5B TPU step 23 % of the bytes, docs/benchmarks.md "The
+    step's bytes by category"); with ``preferred_element_type=dtype`` both passes stay in ``dtype``.
+    ``wide``: the float32 result cast to ``dtype`` instead (the KV-cache passes' k and v, :func:`attention_qkv`)."""
     lead, inner, out = a.shape[:-k], math.prod(a.shape[-k:]), b.shape[k:]
-    y = jnp.dot(a.reshape(-1, inner), b.astype(dtype).reshape(inner, -1), preferred_element_type=jnp.float32)
+    y = jnp.dot(a.astype(dtype).reshape(-1, inner), b.astype(dtype).reshape(inner, -1),
+                preferred_element_type=jnp.float32 if wide else dtype)
     return y.astype(dtype).reshape(lead + out)
 
 
-def attention_qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: jax.Array, sin: jax.Array, dtype: Any):
+def attention_qkv(p: dict[str, jax.Array], x: jax.Array, c: ModelConfig, cos: jax.Array, sin: jax.Array, dtype: Any,
+                  cache: bool = False):
     """The first half of a decoder block: pre-norm, q/k/v projections (+ biases) and RoPE.
-    x ``[B, T, D]`` -> q ``[B, T, H, hd]``, k and v ``[B, KV, T, hd]`` (the KV-cache layout)."""
+    x ``[B, T, D]`` -> q ``[B, T, H, hd]``, k and v ``[B, KV, T, hd]`` (the KV-cache layout).
+
+    ``cache`` (the KV-cache passes, never differentiated): k and v come out of float32 matmul results
+    cast to ``dtype``. Returned in ``dtype`` by the dot itself, XLA TPU fuses the projection into the
+    cache's in-place update and then copies each layer's cache out for attention: 2x the bytes of a
+    decode step (tests/sampling/test_decode_bytes.py)."""
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps, dtype)
     q = _proj(p, "wq", h, c, dtype)  # [B, T, H, hd]
-    k = _proj(p, "wk", h, c, dtype)
-    v = _proj(p, "wv", h, c, dtype)
+    k = _proj(p, "wk", h, c, dtype, wide=cache)
+    v = _proj(p, "wv", h, c, dtype, wide=cache)
     if "bq" in p:
         q = q + _lead(p["bq"].astype(dtype), q.ndim)
         k = k + _lead(p["bk"].astype(dtype), k.ndim)
@@ -359,7 +374,7 @@ class Qwen2(nnx.Module):
 
         def body(x, inputs):
             p, k_l, v_l = inputs
-            q, k, v = attention_qkv(p, x, c, cos, sin, dtype)
+            q, k, v = attention_qkv(p, x, c, cos, sin, dtype, cache=True)
             k_l = jax.lax.dynamic_update_slice(k_l, k.astype(kdt), (0, 0, cache.index, 0))
             v_l = jax.lax.dynamic_update_slice(v_l, v.astype(kdt), (0, 0, cache.index, 0))
             if fused:  # an empty cache: the new tokens' own keys, in the cache's dtype as a decode reads them
@@ -375,7 +390,7 @@ class Qwen2(nnx.Module):
             # scanning over the cache as xs and stacking ys copies every layer's cache at every step (read
             # and written once more than attention needs: 3x the cache traffic, measured on the HLO)
             x, ks, vs, i = carry
-            q, k, v = attention_qkv(p, x, c, cos, sin, dtype)
+            q, k, v = attention_qkv(p, x, c, cos, sin, dtype, cache=True)
             at = (i, 0, 0, cache.index, 0)
             ks = jax.lax.dynamic_update_slice(ks, k.astype(kdt)[None], at)
             vs = jax.lax.dynamic_update_slice(vs, v.astype(kdt)[None], at)

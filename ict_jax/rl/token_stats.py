@@ -128,13 +128,13 @@ def _js(p, q):
 
 
 def _group_q(pg, w, u_form: str):
-    """Q of docs/method.md §1's reading ``u_form`` (not ``pooled``) from the group's p ``[P, G, C, V]``
-    and weights ``w [P, G, C]``. Returns ``(Q, alone)``: Q ``[P, 1, C, V]`` shared by the group
-    (aligned, literal) or ``[P, G, C, V]`` per row (loo); ``alone [P, G, C]`` marks rows whose u is 0 by
-    definition (loo: no other rollout active), or None."""
-    group_size = pg.shape[1]
+    """Q of docs/method.md §1's reading ``u_form`` (not ``pooled``) from the group's p, one ``[P, C, V]``
+    array per row j of the groups (``pg[j]``), and weights ``w [P, G, C]``. Returns ``(Q, alone)``: Q
+    ``[P, 1, C, V]`` shared by the group (aligned, literal) or ``[P, G, C, V]`` per row (loo); ``alone
+    [P, G, C]`` marks rows whose u is 0 by definition (loo: no other rollout active), or None."""
+    group_size = len(pg)
     # G static slices added up: XLA CPU runs a middle-axis reduce ~5x slower than this loop fusion
-    terms = [w[:, j, :, None] * pg[:, j] for j in range(group_size)]
+    terms = [w[:, j, :, None] * pg[j] for j in range(group_size)]
     cnt = jnp.sum(w, axis=1)  # [P, C] active rollouts of the group at t
     if u_form == "loo":
         # sum over j != i from prefix and suffix sums (never total - own: no cancellation)
@@ -161,50 +161,72 @@ def _block_stats(z, tokens, valid, plan: StatsPlan, *, with_p: bool = False, qpo
     ``with_p=True`` appends p ``[B, C, V]`` (the one-pass gradient reuses it). ``qpool [P, V]`` is the
     ``pooled`` reading's Q (:func:`_pooled_q`).
 
-    Cost per vocabulary entry (this is the hot loop of every train step): one ``exp`` (p is the
-    normalised exponential of the logsumexp pass, not a second ``exp``), and with ``js`` one ``log p``
-    shared by H1 and JS, one ``log m``, and ``log Q`` once per group (not once per rollout; once per row
-    under ``loo``). The JS stays in docs/method.md §1's KL form with ``log`` of both arguments, so p == Q
-    gives exactly 0.
+    Cost per vocabulary entry (this is the hot loop of every train step, and memory-bound on an
+    accelerator): the block's logits are the only ``[B, C, V]`` array the statistics need in memory. p
+    is the normalised exponential of the logsumexp pass (one ``exp``, not a second one), formed where
+    it is used; H1 = log Z - sum_v p z, as sum_v p (log S - (z - max z)) (no log p array); Q is formed
+    once per group (per row under ``loo``), and each row's JS, H1 and H2 are one pass over its logits
+    and its group's Q, row by row (:func:`_row_stats`), so Q is never broadcast to every row of its
+    group (``[P, G, C, V]``). The JS stays in docs/method.md §1's KL form with ``log`` of both
+    arguments, so p == Q gives exactly 0.
     """
     B, C, V = z.shape
     want, group_size = plan.want, plan.group_size
     zmax = jnp.max(z, axis=-1, keepdims=True)
     zmax = jnp.where(jnp.isfinite(zmax), zmax, 0.0)  # an all -inf row gives no NaN
-    e = jnp.exp(z - zmax)
-    S = jnp.sum(e, axis=-1)
-    logZ = jnp.log(S) + zmax[..., 0]
+    zs = z - zmax
+    S = jnp.sum(jnp.exp(zs), axis=-1)
+    logS = jnp.log(S)
+    logZ = logS + zmax[..., 0]
+    inv = 1.0 / S
     out = dict.fromkeys(_ALL)
     if "logp" in want:
         z_tok = jnp.take_along_axis(z, tokens[..., None], axis=-1)[..., 0]
         out["logp"] = z_tok - logZ
     if "pmax" in want:
-        out["pmax"] = 1.0 / S  # the largest e is exp(0) = 1
-    p = None
-    if with_p or want & ({"H1", "H2"} | GROUP_STATS):
-        p = e * (1.0 / S)[..., None]
-        if want & ({"H1"} | GROUP_STATS):
-            logp_v = _safe_log(p)
-        if "H1" in want:
-            out["H1"] = -jnp.sum(p * logp_v, axis=-1)
-        if "H2" in want:
-            out["H2"] = -jnp.log(jnp.sum(p * p, axis=-1))
+        out["pmax"] = inv  # the largest exp(z - max z) is exp(0) = 1
+    if want & ({"H1", "H2"} | GROUP_STATS):
+        P = B // group_size
+        zg, invg, logSg = zs.reshape(P, group_size, C, V), inv.reshape(P, group_size, C), logS.reshape(P, group_size, C)
+        q, logq, alone = None, None, None
         if want & GROUP_STATS:
-            P = B // group_size
             w = valid.astype(jnp.float32).reshape(P, group_size, C)
-            pg = p.reshape(P, group_size, C, V)
             if plan.u_form == "pooled":
-                q, alone = qpool[:, None, None, :], None  # [P, 1, 1, V]
+                q = qpool[:, None, None, :]  # [P, 1, 1, V]
             else:
-                q, alone = _group_q(pg, w, plan.u_form)
-            if "js" in want:
-                logq = _safe_log(q)  # once per group (per row under loo)
-                js = _js_logs(pg, logp_v.reshape(pg.shape), q, logq)
-                out["js"] = (js if alone is None else jnp.where(alone, 0.0, js)).reshape(B, C)
-            if "pbar_tok" in want:
-                qb = jnp.broadcast_to(q, (P, group_size, C, V))
-                out["pbar_tok"] = jnp.take_along_axis(qb, tokens.reshape(P, group_size, C, 1), axis=-1).reshape(B, C)
-    return (logZ,) + tuple(out[k] for k in _ALL) + ((p,) if with_p else ())
+                q, alone = _group_q([jnp.exp(zg[:, j]) * invg[:, j, :, None] for j in range(group_size)], w,
+                                    plan.u_form)
+            logq = _safe_log(q)  # once per group (per row under loo)
+        rows = [_row_stats(zg[:, j], invg[:, j], logSg[:, j],
+                           None if q is None else q[:, j if q.shape[1] > 1 else 0],
+                           None if logq is None else logq[:, j if logq.shape[1] > 1 else 0],
+                           tokens.reshape(P, group_size, C)[:, j], want) for j in range(group_size)]
+        for name in ("H1", "H2", "js", "pbar_tok"):
+            if name in want:
+                x = jnp.stack([r[name] for r in rows], axis=1)  # [P, G, C]
+                if name == "js" and alone is not None:
+                    x = jnp.where(alone, 0.0, x)
+                out[name] = x.reshape(B, C)
+    extra = (jnp.exp(zs) * inv[..., None],) if with_p else ()
+    return (logZ,) + tuple(out[k] for k in _ALL) + extra
+
+
+def _row_stats(zs, inv, logS, q, logq, tok, want) -> dict[str, jax.Array]:
+    """Row j of every group (``[P, C, V]`` shifted logits ``zs``, ``inv`` = 1/S and ``log S`` ``[P, C]``,
+    its Q and log Q ``[P, C, V]`` or ``[P, 1, V]``): H1, H2, JS and Q(o) as asked, each ``[P, C]``."""
+    p = jnp.exp(zs) * inv[..., None]
+    out = {}
+    if "H1" in want:
+        # H1 = -sum p log p = log Z - sum p z; log p = (z - max z) - log S where p > 0
+        out["H1"] = jnp.sum(jnp.where(p > 0, p * (logS[..., None] - zs), 0.0), axis=-1)
+    if "H2" in want:
+        out["H2"] = -jnp.log(jnp.sum(p * p, axis=-1))
+    if "js" in want:
+        out["js"] = _js_logs(p, _safe_log(p), q, logq)
+    if "pbar_tok" in want:
+        qb = jnp.broadcast_to(q, p.shape)  # [P, 1, V] under pooled
+        out["pbar_tok"] = jnp.take_along_axis(qb, tok[..., None], axis=-1)[..., 0]
+    return out
 
 
 def _pooled_sum(z, valid, group_size: int):
@@ -320,14 +342,19 @@ def _block_logits(h, unembed, temperature: float, *, transposed: bool = False):
 
 
 def _block_grad(h, tok, g, p, unembed_t, temperature: float):
-    """One block's d(sum g*logp): dz = g (onehot(o) - p) / T_s; returns (dh [B, C, D], dW [D, V]) in
-    float32. ``unembed_t`` is W^T [V, D]: dh contracts over V as a plain matmul (XLA CPU's NT form
-    was ~1.7x slower)."""
+    """One block's d(sum g*logp): dz = g (onehot(o) - p) / T_s; returns (dh [B, C, D] in h's dtype,
+    dW [D, V] in float32). ``unembed_t`` is W^T [V, D]: dh contracts over V as a plain matmul (XLA CPU's
+    NT form was ~1.7x slower).
+
+    dz is computed in float32 and enters both matmuls in the compute dtype (h's), as every matmul of
+    the model does (docs/architecture.md "Precision"): a float32 dz would have the compiler convert
+    the [V, D] head and the block's h up to float32 and multiply at float32 width. Accumulation is
+    float32 inside both dots; dW stays float32 (summed over the blocks)."""
     V = unembed_t.shape[0]
     onehot = tok[..., None] == lax.broadcasted_iota(jnp.int32, (1, 1, V), 2)
     g = (g / temperature)[..., None]  # fold 1/T_s into the [B, C] cotangent
-    dz = jnp.where(onehot, g, 0.0) - g * p
-    dh = jnp.einsum("bcv,vd->bcd", dz, unembed_t, preferred_element_type=jnp.float32)
+    dz = (jnp.where(onehot, g, 0.0) - g * p).astype(h.dtype)
+    dh = jnp.einsum("bcv,vd->bcd", dz, unembed_t.astype(h.dtype), preferred_element_type=h.dtype)
     dW = jnp.einsum("bcd,bcv->dv", h, dz, preferred_element_type=jnp.float32)
     return dh, dW
 

@@ -13,8 +13,10 @@
 (c) :func:`micro_batched_grads`: a scan over mini-batches (whole groups, :func:`mini_batch_update`).
     With several micro-batches a no-grad statistics pass over the mini-batch first gives H1, the STAPO
     quantile, the global top-k mask and every loss denominator; then micro-batch gradients are
-    accumulated. :func:`apply_update` applies one AdamW update (global-norm clipping first); a
-    non-finite loss or gradient skips that update (``train/skipped``).
+    accumulated. With one mini-batch that pass and (b)'s old-policy pass are the same forward over the
+    same rows under the same parameters: it runs once (:attr:`StepPlan.shared_nograd`).
+    :func:`apply_update` applies one AdamW update (global-norm clipping first); a non-finite loss or
+    gradient skips that update (``train/skipped``).
 
 Micro-batches may hold part of a group: once the statistics pass has fixed the mask and every
 denominator over the whole mini-batch, a micro-batch's loss is a partial sum over its rows, whatever
@@ -133,6 +135,21 @@ class StepPlan:
         is the old policy."""
         extra = tuple(s for s in self.needs if s not in _CURRENT_COMPUTE and s not in GROUP_STATS)
         return _CURRENT_COMPUTE + extra + (self.old_group_compute if self.fused else ())
+
+    @property
+    def shared_nograd(self) -> bool:
+        """One mini-batch of several micro-batches: the old-policy pass and schedule (c)'s no-grad
+        statistics pass are the same forward (the same parameters over the same rows), so the old-policy
+        pass computes both passes' statistics once (:attr:`shared_compute`) and the micro-batches
+        read them."""
+        return self.mini_batches == 1 and not self.fused
+
+    @property
+    def shared_compute(self) -> tuple[str, ...]:
+        """The statistics of the old-policy pass: logp and the group statistics, and under
+        :attr:`shared_nograd` also the statistics pass's (:attr:`current_compute`)."""
+        want = ("logp",) + self.old_group_compute + (self.current_compute if self.shared_nograd else ())
+        return tuple(s for s in ALL_STATS if s in want)
 
     @property
     def one_pass(self) -> bool:
@@ -273,7 +290,9 @@ def old_policy_pass(plan: StepPlan, params: Any, ref_params: Any, graphdef: Any,
                     valid: jax.Array, ref_def: ModelDef | None = None
                     ) -> tuple[jax.Array | None, jax.Array | None, dict[str, jax.Array]]:
     """docs/method.md §4 (a)-(b): ``(logp_old, logp_ref, group_old)`` over the whole rollout batch:
-    ``[B, Lr]`` or None, and the old policy's group statistics by name (``js`` = u, ``pbar_tok``).
+    ``[B, Lr]`` or None, and the old policy's group statistics by name (``js`` = u, ``pbar_tok``); under
+    :attr:`StepPlan.shared_nograd` every statistic of that pass by name (:attr:`StepPlan.shared_compute`:
+    it is the micro-batches' statistics pass too).
 
     With kl_coef > 0 the reference pass gives logp_ref: ``ref_params`` under ``ref_def`` (default: the
     policy's ``graphdef``; LoRA: the base with the adapters off). Unless fused, the no-grad old-policy
@@ -287,13 +306,14 @@ def old_policy_pass(plan: StepPlan, params: Any, ref_params: Any, graphdef: Any,
         logp_ref = nograd_stats(plan, ref_params, ref_graph, batch, valid, ("logp",), n).logp
     old = None
     if not plan.fused:  # (a): old-policy pass over the whole rollout batch
-        old = nograd_stats(plan, params, graphdef, batch, valid, ("logp",) + plan.old_group_compute, n)
+        old = nograd_stats(plan, params, graphdef, batch, valid, plan.shared_compute, n)
     logp_old = None
     if plan.loss.old_logp == "sampler":
         logp_old = jnp.where(valid > 0, batch.sampler_logp, 0.0)
     elif old is not None:
         logp_old = old.logp
-    return logp_old, logp_ref, {} if old is None else {k: getattr(old, k) for k in plan.old_group_compute}
+    keep = plan.shared_compute if plan.shared_nograd else plan.old_group_compute
+    return logp_old, logp_ref, {} if old is None else {k: getattr(old, k) for k in keep}
 
 
 def fused_grads(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutBatch, valid: jax.Array,
@@ -327,10 +347,15 @@ def micro_batched_grads(plan: StepPlan, params: Any, graphdef: Any, mb: RolloutB
     """docs/method.md §4 (c), a mini-batch of ``micro_batches`` micro-batches: a no-grad statistics pass
     over the mini-batch gives H1, STAPO's quantile, the global top-k mask and every denominator (u is the
     old policy's, ``group_old``, docs/method.md §2); then the micro-batch gradients, losses and metrics are
-    summed (the denominators are the mini-batch's, so the sums are the mini-batch's values)."""
+    summed (the denominators are the mini-batch's, so the sums are the mini-batch's values). Under
+    :attr:`StepPlan.shared_nograd` the old-policy pass was that statistics pass: ``group_old`` holds its
+    statistics and no second pass runs."""
     n = plan.micro_batches
-    cur = nograd_stats(plan, params, graphdef, mb, valid, plan.current_compute, n)
-    cur = cur._replace(**group_old)  # ICT's u comes from the old policy (docs/method.md §2)
+    if plan.shared_nograd:
+        cur = TokenStats(**{k: group_old.get(k) for k in TokenStats._fields})
+    else:
+        cur = nograd_stats(plan, params, graphdef, mb, valid, plan.current_compute, n)
+        cur = cur._replace(**group_old)  # ICT's u comes from the old policy (docs/method.md §2)
     mask = plan_select(plan, cur, mb.advantages, valid, key, step, minibatch)
     denoms = loss_denominators(valid, mask, plan.loss)
     micro = functools.partial(_micro_batch_grads, plan, params, graphdef, denoms, key, step)

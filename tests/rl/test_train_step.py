@@ -241,6 +241,32 @@ def test_one_pass_head_gives_the_two_pass_gradients(method, monkeypatch):
     assert not calls
 
 
+@pytest.mark.parametrize("method", ["ict", pytest.param("stapo", marks=pytest.mark.e2e)])
+def test_one_no_grad_pass_gives_the_two_pass_schedule(method, monkeypatch):
+    """One mini-batch of micro-batches: the old-policy pass is also the statistics pass (one no-grad
+    forward of the policy; the KL reference's is the other), and the step's gradients and every metric
+    equal the schedule that runs the two passes."""
+    import ict_jax.rl.train_step as ts
+
+    calls = []
+    real = ts.nograd_stats
+    monkeypatch.setattr(ts, "nograd_stats", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    cfg = _config(method, METHOD_AGG[method], 2)
+    one, m1 = _param_delta(cfg)
+    assert len(calls) == 2 and calls[0] == ("logp",)  # the reference's pass, then the one policy pass
+    assert set(calls[1]) >= {"logp", "H1", "H2", "js"}
+    calls.clear()
+    monkeypatch.setattr(ts.StepPlan, "shared_nograd", property(lambda self: False))
+    two, m2 = _param_delta(cfg)
+    assert len(calls) == 3  # reference, old policy, statistics
+    assert max(np.abs(x).max() for x in jax.tree.leaves(one)) > 1e-4  # a real gradient
+    assert 0 < m1["mask/selected_frac"] < 1
+    _assert_close_trees(one, two)
+    assert m1.keys() == m2.keys()
+    for k in m1:
+        np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
 def test_one_pass_head_on_eight_devices(devices8):
     cfg = _config("dense", "token-mean", 1, "rl.loss.kl_coef=0")
     d1, m1 = _param_delta(cfg)
