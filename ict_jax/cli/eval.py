@@ -203,6 +203,7 @@ def _mesh(spec: str | None):
 def eval_main(args: argparse.Namespace) -> int:
     from ict_jax.cli.errors import UserError
     from ict_jax.data.datasets import load_dataset
+    from ict_jax.data.extras import check_extras
     from ict_jax.data.prompts import prompt_fits
     from ict_jax.data.templates import template_dataset, template_mismatch
     from ict_jax.heartbeat import Heartbeat
@@ -215,9 +216,11 @@ def eval_main(args: argparse.Namespace) -> int:
     from ict_jax.train.model_source import resolve_model
 
     check_output_dir(args.out or DEFAULT_OUT, "--out")  # before any work
+    check_extras(args.benchmarks or ())  # a missing optional extra (gym:, tfds:) before the model is resolved
     record = (source := resolve_model(args.model, tokenizer=args.tokenizer)).run_config  # no weights read yet
     s, sources = resolve_settings(args, record[0] if record else None)
     _validate(s, args)
+    check_extras(s["benchmarks"])  # those the run recorded
     for line in settings_lines(s, sources, record[1] if record else None):
         print(line, flush=True)
     datasets = {name: load_dataset(name, data_dir=s["data_dir"], limit=s["limit"], seed=s["seed"])

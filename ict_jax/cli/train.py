@@ -72,6 +72,9 @@ def _setup(args: argparse.Namespace):
     if args.print_config:
         return cfg
     check_output_dir(cfg.run_dir, "run_dir")  # before anything is built
+    from ict_jax.data.extras import check_extras
+
+    check_extras((*cfg.data.train, *cfg.data.eval))  # a missing optional extra (gym:, tfds:) before the model loads
     from ict_jax.train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
