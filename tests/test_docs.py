@@ -131,7 +131,7 @@ def test_few_blocks_are_not_run_and_each_says_why():
 
 @pytest.mark.e2e  # every ```python block of the docs, run: about a minute on 2 cores
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.name)
-def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch):
+def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch, capsys):
     (tmp_path / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__main__"}
@@ -140,7 +140,19 @@ def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch):
             continue
         code = compile(block["code"], f"{page.name}, the block at line {block['line']}", "exec")
         exec(code, namespace)  # noqa: S102 - the documentation's own examples
+        out = capsys.readouterr().out
+        assert not signed_zeros(out), f"{page.name}, the block at line {block['line']} prints a signed zero: {out}"
     assert os.getcwd() == str(tmp_path)
+
+
+def signed_zeros(text: str) -> list[str]:
+    """The numbers ``-0``, ``-0.0``, ``-0.0000`` ... in ``text``: a rounded -0.0 a snippet prints."""
+    return [m.group(0) for m in re.finditer(r"(?<![\w.])-0(?:\.0+)?(?![\d.])", text)]
+
+
+def test_signed_zeros_on_hand_cases():
+    assert signed_zeros("loss -0.0000, selected 0.167; x -0 y -0.0") == ["-0.0000", "-0", "-0.0"]
+    assert signed_zeros("loss 0.0000, -0.0012, -0.5, 1-0.0 is a range, -0.01e-3, a-0") == []
 
 
 # ------------------------------------------------------------------------------------------------
