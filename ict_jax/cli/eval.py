@@ -168,6 +168,9 @@ def _validate(s: dict, args: argparse.Namespace) -> None:
         raise UserError(f"--reward-fn {args.reward_fn!r}: expected package.module:function")
     if len(set(s["benchmarks"])) != len(s["benchmarks"]):
         raise UserError(f"--benchmarks lists a benchmark twice: {','.join(s['benchmarks'])}")
+    from ict_jax.data.extras import check_extras
+
+    check_extras(s["benchmarks"])  # the run's recorded benchmarks too, before the model loads
 
 
 def settings_lines(values: dict, sources: dict, where: str | None) -> list[str]:
@@ -220,7 +223,6 @@ def eval_main(args: argparse.Namespace) -> int:
     record = (source := resolve_model(args.model, tokenizer=args.tokenizer)).run_config  # no weights read yet
     s, sources = resolve_settings(args, record[0] if record else None)
     _validate(s, args)
-    check_extras(s["benchmarks"])  # those the run recorded
     for line in settings_lines(s, sources, record[1] if record else None):
         print(line, flush=True)
     datasets = {name: load_dataset(name, data_dir=s["data_dir"], limit=s["limit"], seed=s["seed"])

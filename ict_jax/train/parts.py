@@ -47,12 +47,12 @@ from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_re
 from ict_jax.train.resume import (
     SFT_CHECKPOINTS,
     ResumePoint,
-    check_run_dir,
     drop_rows_logged_again,
     reference_model,
     resume_point,
     sft_ahead,
 )
+from ict_jax.train.run_dir import check_run_dir
 from ict_jax.train.tracking import WandbTracker, require_wandb
 from ict_jax.train.training_data import TrainingPrompts, encode_training_data
 
