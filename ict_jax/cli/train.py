@@ -94,14 +94,15 @@ def _setup(args: argparse.Namespace) -> tuple:
         from ict_jax.train.run_dir import hold_run_dir
 
         hold.enter_context(hold_run_dir(Path(cfg.run_dir), args.resume, primary=True))
-    try:
-        from ict_jax.train.distributed import maybe_initialize_distributed
-
-        maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    except BaseException:
-        hold.close()
-        raise
     return cfg, hold, held
+
+
+def _start(args: argparse.Namespace, beat) -> None:
+    """The command's first phase, under its heartbeat: JAX imported (a multi-process run initialised)."""
+    beat.phase("starting (importing JAX and the trainer)")
+    from ict_jax.train.distributed import maybe_initialize_distributed
+
+    maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
 
 
 def print_config(cfg) -> None:
@@ -111,26 +112,41 @@ def print_config(cfg) -> None:
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False), end="")
 
 
+def heartbeat(args: argparse.Namespace):
+    """The command's heartbeat on stderr (:class:`ict_jax.heartbeat.Heartbeat`) from its first second, where
+    progress is lines (redirected, or ``--no-progress``): a line naming the phase whenever 30 s pass without
+    one, while the trainer is imported and the run is built (data, model, compile and the memory
+    pre-flight, reward workers, weights) and after its last step; in between the run's own lines and
+    heartbeat (:class:`ict_jax.train.logs.RunLogger`) take over (``phase(None)``)."""
+    from ict_jax.heartbeat import Heartbeat
+
+    return Heartbeat(lambda line: print(f"ict-jax {args.command}: {line}", file=sys.stderr, flush=True),
+                     enabled=args.no_progress or not sys.stderr.isatty())
+
+
 def train_main(args: argparse.Namespace) -> int:
     cfg, hold, held = _setup(args)
     if args.print_config:
         print_config(cfg)
         return 0
-    with hold:
-        return _train(args, cfg, held)
+    with hold, heartbeat(args) as beat:
+        _start(args, beat)
+        return _train(args, cfg, held, beat)
 
 
-def _train(args: argparse.Namespace, cfg, held: bool) -> int:
+def _train(args: argparse.Namespace, cfg, held: bool, beat) -> int:
     from ict_jax.train.trainer import Trainer
 
     profile = _parse_profile(args.profile_steps)
     with Trainer(cfg, resume=args.resume, progress=not args.no_progress, profile_steps=profile,
-                 held=held) as trainer:
+                 held=held, tell=beat.phase) as trainer:
+        beat.phase(None)  # the run's own lines and heartbeat from here
         if trainer.finished is not None:
             _say(f"{cfg.run_dir}: finished at step {trainer.finished.get('steps', cfg.train.steps)}; nothing to do "
                  "(raise train.steps to train it further)")
             return 0
         summary = trainer.train()
+        beat.phase("finishing (the last checkpoint, the summary and its plots)")
     _print_summary(summary)
     return 0
 
@@ -143,11 +159,12 @@ def sft_main(args: argparse.Namespace) -> int:
     if args.print_config:
         print_config(cfg)
         return 0
-    with hold:
-        return _sft(args, cfg, held)
+    with hold, heartbeat(args) as beat:
+        _start(args, beat)
+        return _sft(args, cfg, held, beat)
 
 
-def _sft(args: argparse.Namespace, cfg, held: bool) -> int:
+def _sft(args: argparse.Namespace, cfg, held: bool, beat) -> int:
     from ict_jax.train.trainer import Trainer
 
     if cfg.train.sft_steps <= 0:
@@ -159,8 +176,11 @@ def _sft(args: argparse.Namespace, cfg, held: bool) -> int:
         return 0
     # the SFT warm start alone: the pre-flight checks the programs it runs, the SFT step (and the evaluation
     # sampler with data.eval), not RL's (docs/memory.md)
-    with Trainer(cfg, resume=args.resume, progress=not args.no_progress, rl=False, held=held) as trainer:
+    with Trainer(cfg, resume=args.resume, progress=not args.no_progress, rl=False, held=held,
+                 tell=beat.phase) as trainer:
+        beat.phase(None)  # the run's own lines and heartbeat from here
         summary = trainer.warm_start()  # also writes <run_dir>/sft_model
+        beat.phase("finishing (the warm start's model and the summary)")
     _print_summary(summary)
     return 0
 

@@ -78,13 +78,13 @@ class Trainer:
     :attr:`state`: the SFT state (the only optimizer state alive) until the warm start ends, then RL's.
 
     The run directory is held from the start (``train.run_dir.hold_run_dir``, before the model loads) until
-    :meth:`close` / the ``with`` block's end: a second Trainer on it, in this process or another, is
-    refused at once with :class:`~ict_jax.outputs.OutputInUse` naming the holder; with ``held``, the caller
-    holds it (``ict-jax train`` does from its first second) and the Trainer only checks it."""
+    :meth:`close` / the ``with`` block's end: a second Trainer, in this process or another, is refused at
+    once with :class:`~ict_jax.outputs.OutputInUse` naming the holder; with ``held``, the caller holds it
+    (``ict-jax train`` does from its first second). ``tell(text)``: what the build is doing (a heartbeat)."""
 
-    def __init__(self, config: Config, *, resume: bool = False, progress: bool = True,
-                 profile_steps: tuple[int, int] | None = None, model: Qwen2 | None = None,
-                 tokenizer: Tokenizer | None = None, preflight: bool = True, rl: bool = True, held: bool = False):
+    def __init__(self, config: Config, *, resume: bool = False, progress: bool = True, model: Qwen2 | None = None,
+                 profile_steps: tuple[int, int] | None = None, tokenizer: Tokenizer | None = None, rl: bool = True,
+                 preflight: bool = True, held: bool = False, tell: Callable[[str], None] | None = None):
         self.cfg, self.resume, self.run_dir, self.rl = config, resume, Path(config.run_dir), rl
         self.parts, self.summary, self.hooks, self.sft_hooks = None, None, Hooks(), Hooks()
         self.state = self.ref_params = None
@@ -98,7 +98,7 @@ class Trainer:
                 return
             self.parts, self.state, self.ref_params = build_parts(config, resume=resume, progress=progress,
                                                                   model=model, tokenizer=tokenizer, preflight=preflight,
-                                                                  rl=rl)
+                                                                  rl=rl, tell=tell)
             self.phase = "sft" if self.parts.sft_ahead else "rl"
             self.summary = RunSummary(self.run_dir, resume=resume)
             self.evaluator = Evaluator(self.parts, eval_on_record(self.run_dir, self.parts.resume_point))
