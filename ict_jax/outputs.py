@@ -137,8 +137,7 @@ def _lock(folder: Path, what: str) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise OutputInUse(f"{what} {str(folder)!r} is in use by {_holder(lock)}: wait for it to end or stop "
-                              "it (nothing was written)") from None
+            raise _in_use(what, folder, _holder(lock)) from None
         try:
             same = os.path.samestat(os.fstat(fd), os.stat(lock))
         except FileNotFoundError:
@@ -146,6 +145,20 @@ def _lock(folder: Path, what: str) -> int:
         if same:
             return fd
         os.close(fd)
+
+
+def _in_use(what: str, folder: Path, holder: str) -> OutputInUse:
+    return OutputInUse(f"{what} {str(folder)!r} is in use by {holder}: wait for it to end or stop it "
+                       "(nothing was written)")
+
+
+def check_not_held(path: str | os.PathLike, what: str = "output folder") -> None:
+    """:class:`OutputInUse`, naming the holder, when another process holds folder ``path`` now
+    (:func:`held_by`; nothing is locked or written): what a command that reads the folder checks first, so
+    that a folder in use is never taken for an empty or a finished one."""
+    holder = held_by(path)
+    if holder is not None:
+        raise _in_use(what, Path(path), holder)
 
 
 @contextlib.contextmanager

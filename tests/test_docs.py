@@ -8,6 +8,11 @@
   fresh folder that has the repository's `configs/`, with the tiny models the blocks build themselves. A
   block that cannot run offline is marked by the line `<!-- not run: <reason> -->` right above its fence;
   there must be few.
+- Every ``ict-jax`` command of a ```bash block parses with the command line's own parser (required flags,
+  choices, types).
+- Every ```bash block marked runnable runs as written (bash -e, in a fresh folder that has the
+  repository's `configs/`): the line `<!-- run -->` right above its fence (the default suite: seconds, a
+  tiny model) or `<!-- run: slow -->` (marked `slow`: minutes).
 - Every experiment report committed under docs/experiments/ is its record's, rebuilt unchanged.
 """
 
@@ -131,7 +136,7 @@ def test_few_blocks_are_not_run_and_each_says_why():
 
 @pytest.mark.e2e  # every ```python block of the docs, run: about a minute on 2 cores
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.name)
-def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch):
+def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch, capsys):
     (tmp_path / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__main__"}
@@ -140,7 +145,120 @@ def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch):
             continue
         code = compile(block["code"], f"{page.name}, the block at line {block['line']}", "exec")
         exec(code, namespace)  # noqa: S102 - the documentation's own examples
+        out = capsys.readouterr().out
+        assert not signed_zeros(out), f"{page.name}, the block at line {block['line']} prints a signed zero: {out}"
     assert os.getcwd() == str(tmp_path)
+
+
+def signed_zeros(text: str) -> list[str]:
+    """The numbers ``-0``, ``-0.0``, ``-0.0000`` ... in ``text``: a rounded -0.0 a snippet prints."""
+    return [m.group(0) for m in re.finditer(r"(?<![\w.])-0(?:\.0+)?(?![\d.])", text)]
+
+
+def test_signed_zeros_on_hand_cases():
+    assert signed_zeros("loss -0.0000, selected 0.167; x -0 y -0.0") == ["-0.0000", "-0", "-0.0"]
+    assert signed_zeros("loss 0.0000, -0.0012, -0.5, 1-0.0 is a range, -0.01e-3, a-0") == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Shell commands: every documented `ict-jax` command parses; the blocks marked runnable run
+# ------------------------------------------------------------------------------------------------
+RUN = re.compile(r"<!--\s*run(?::\s*(?P<kind>slow))?\s*-->")
+SHELL = {"bash", "sh", "shell"}
+
+
+def shell_blocks(page: Path) -> list[dict]:
+    """The ```bash blocks of a page, each with ``run``: None (not run), "default" or "slow"."""
+    blocks, _ = fenced_blocks(page.read_text())
+    out = []
+    for b in blocks:
+        if b["info"].split()[:1] and b["info"].split()[0] in SHELL:
+            m = RUN.search(b["before"])
+            out.append({**b, "run": None if m is None else (m["kind"] or "default")})
+    return out
+
+
+def shell_commands(code: str) -> list[str]:
+    """The ``ict-jax ...`` commands of a shell block: continuation lines joined, split at ``&&``, ``||``,
+    ``;`` and ``|``, leading ``VAR=value`` assignments and ``nice -n N`` dropped; a command that reads a
+    shell variable (``$s``) is left out (its value is not known here)."""
+    import shlex
+
+    text = code.replace("\\\n", " ")
+    found = []
+    for line in text.splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        words = list(lexer)  # `#` comments dropped; `&&`, `;`, `|` their own words
+        segment: list[str] = []
+        for w in [*words, "&&"]:
+            if w in ("&&", "||", ";", "|"):
+                while segment and (re.fullmatch(r"[A-Za-z_]\w*=.*", segment[0]) or segment[0] == "nice"):
+                    segment = segment[3:] if segment[0] == "nice" else segment[1:]
+                if segment[:1] == ["ict-jax"] and not any("$" in x for x in segment):
+                    found.append(shlex.join(segment))
+                segment = []
+            else:
+                segment.append(w)
+    return found
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(where, command) of every ``ict-jax`` command in a bash block (a code span names a command's form or
+    one of its flags, not a whole command)."""
+    return [(f"{page.name}:{b['line']}", c) for page in PAGES for b in shell_blocks(page)
+            for c in shell_commands(b["code"])]
+
+
+def test_the_shell_command_reader_on_hand_cases():
+    code = ("pip install x && ict-jax info   # a comment\nICT_X=1 nice -n 5 ict-jax eval --model m \\\n"
+            "    --n 2; rc=$?\nfor s in 0 1; do ict-jax sample --seed $s; done\n")
+    assert shell_commands(code) == ["ict-jax info", "ict-jax eval --model m --n 2"], shell_commands(code)
+
+
+def test_every_documented_command_parses():
+    import contextlib
+    import io
+    import shlex
+
+    from ict_jax.cli.main import build_parser, join_negative_values
+
+    parser = build_parser()
+    commands = documented_commands()
+    assert len(commands) > 20, commands  # the reader found the docs' commands
+    bad = []
+    for where, command in commands:
+        argv = join_negative_values(shlex.split(command)[1:])
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                args, extra = parser.parse_known_args(argv)
+        except SystemExit:
+            bad.append(f"{where}: {command!r}: {err.getvalue().strip().splitlines()[-1:]}")
+            continue
+        if [e for e in extra if "=" not in e or e.startswith("-")] or (extra and not hasattr(args, "overrides")):
+            bad.append(f"{where}: {command!r}: unrecognized {extra}")
+    assert not bad, "documented commands the command line refuses:\n" + "\n".join(bad)
+
+
+RUNNABLE = [(p, b) for p in PAGES for b in shell_blocks(p) if b["run"] is not None]
+
+
+def test_runnable_blocks_are_marked():
+    assert RUNNABLE and {b["run"] for _, b in RUNNABLE} <= {"default", "slow"}
+
+
+@pytest.mark.parametrize("page, block", [pytest.param(p, b, id=f"{p.name}:{b['line']}",
+                                                      marks=[pytest.mark.slow] if b["run"] == "slow" else [])
+                                         for p, b in RUNNABLE])
+def test_every_runnable_shell_block_runs_as_written(page, block, tmp_path):
+    import subprocess
+
+    (tmp_path / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block["code"]], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, f"{page.name}, the block at line {block['line']}:\n{r.stdout[-2000:]}{r.stderr[-3000:]}"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -132,6 +132,10 @@ def _plan_main(args: argparse.Namespace) -> int:
     except ExperimentStopped as e:
         print(f"ict-jax compare: stopped ({e}); run the same command to continue", file=sys.stderr)
         return EXIT_STOPPED
+    except KeyboardInterrupt:  # after the step in progress, its checkpoint saved and the record written
+        print(f"ict-jax compare: interrupted (Ctrl-C); the runs keep their last checkpoints: continue with "
+              f"ict-jax compare --plan {args.plan}", file=sys.stderr)
+        return 130
     return 0
 
 

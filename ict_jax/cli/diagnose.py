@@ -106,6 +106,9 @@ def diagnose_main(args: argparse.Namespace) -> int:
         return 0
     if args.prompts is None:
         raise UserError("--prompts SRC is required (except with --reanalyse)")
+    from ict_jax.data.extras import check_extras
+
+    check_extras([args.prompts])  # a missing optional extra (gym:, tfds:) before anything loads
     if (out / "diagnose.json").exists() and not args.force:
         raise UserError(f"--out {str(out)!r} already holds a report (pass --force to write over it)")
 

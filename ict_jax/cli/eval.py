@@ -168,6 +168,9 @@ def _validate(s: dict, args: argparse.Namespace) -> None:
         raise UserError(f"--reward-fn {args.reward_fn!r}: expected package.module:function")
     if len(set(s["benchmarks"])) != len(s["benchmarks"]):
         raise UserError(f"--benchmarks lists a benchmark twice: {','.join(s['benchmarks'])}")
+    from ict_jax.data.extras import check_extras
+
+    check_extras(s["benchmarks"])  # the run's recorded benchmarks too, before the model loads
 
 
 def settings_lines(values: dict, sources: dict, where: str | None) -> list[str]:
@@ -203,6 +206,7 @@ def _mesh(spec: str | None):
 def eval_main(args: argparse.Namespace) -> int:
     from ict_jax.cli.errors import UserError
     from ict_jax.data.datasets import load_dataset
+    from ict_jax.data.extras import check_extras
     from ict_jax.data.prompts import prompt_fits
     from ict_jax.data.templates import template_dataset, template_mismatch
     from ict_jax.heartbeat import Heartbeat
@@ -215,6 +219,7 @@ def eval_main(args: argparse.Namespace) -> int:
     from ict_jax.train.model_source import resolve_model
 
     check_output_dir(args.out or DEFAULT_OUT, "--out")  # before any work
+    check_extras(args.benchmarks or ())  # a missing optional extra (gym:, tfds:) before the model is resolved
     record = (source := resolve_model(args.model, tokenizer=args.tokenizer)).run_config  # no weights read yet
     s, sources = resolve_settings(args, record[0] if record else None)
     _validate(s, args)

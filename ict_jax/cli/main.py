@@ -56,7 +56,8 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     # ValueError covers the library's input checks (mesh shapes, configs, checkpoints); set
     # ICT_JAX_DEBUG=1 to get the traceback instead.
     types: list[type[BaseException]] = [UserError, ConfigError, FileNotFoundError, FileExistsError, ValueError]
-    for module, name in (("ict_jax.data.example", "DataError"), ("ict_jax.model.weights", "WeightError")):
+    for module, name in (("ict_jax.data.example", "DataError"), ("ict_jax.data.extras", "MissingExtra"),
+                         ("ict_jax.model.weights", "WeightError")):
         try:
             types.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -67,15 +69,40 @@ def _load(args: argparse.Namespace):
     return resume_config(str(run_dir), args.overrides)
 
 
-def _setup(args: argparse.Namespace):
+def _multi_process(args: argparse.Namespace) -> bool:
+    """Whether this is one process of a multi-process run (the flags or the environment name one: what
+    ``train.distributed.maybe_initialize_distributed`` reads)."""
+    return any(v is not None for v in (args.coordinator, args.num_processes)) or any(
+        os.environ.get(k) for k in ("ICT_JAX_COORDINATOR", "ICT_JAX_NUM_PROCESSES"))
+
+
+def _setup(args: argparse.Namespace) -> tuple:
+    """(config, the hold of its run_dir, whether that hold is taken): the run directory is checked and held
+    from the command's first second, before JAX and the trainer are imported, so that a second run (or a
+    ``--resume``) on it is refused at once, naming this process. A process of a multi-process run leaves the
+    hold to the trainer (process 0 holds it, known once JAX is initialised)."""
     cfg = _load(args)
+    hold = contextlib.ExitStack()
     if args.print_config:
-        return cfg
+        return cfg, hold, False
     check_output_dir(cfg.run_dir, "run_dir")  # before anything is built
+    from ict_jax.data.extras import check_extras
+
+    check_extras((*cfg.data.train, *cfg.data.eval))  # a missing optional extra (gym:, tfds:) before the model loads
+    held = not _multi_process(args)
+    if held:
+        from ict_jax.train.run_dir import hold_run_dir
+
+        hold.enter_context(hold_run_dir(Path(cfg.run_dir), args.resume, primary=True))
+    return cfg, hold, held
+
+
+def _start(args: argparse.Namespace, beat) -> None:
+    """The command's first phase, under its heartbeat: JAX imported (a multi-process run initialised)."""
+    beat.phase("starting (importing JAX and the trainer)")
     from ict_jax.train.distributed import maybe_initialize_distributed
 
     maybe_initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    return cfg
 
 
 def print_config(cfg) -> None:
@@ -85,20 +112,41 @@ def print_config(cfg) -> None:
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False), end="")
 
 
+def heartbeat(args: argparse.Namespace):
+    """The command's heartbeat on stderr (:class:`ict_jax.heartbeat.Heartbeat`) from its first second, where
+    progress is lines (redirected, or ``--no-progress``): a line naming the phase whenever 30 s pass without
+    one, while the trainer is imported and the run is built (data, model, compile and the memory
+    pre-flight, reward workers, weights) and after its last step; in between the run's own lines and
+    heartbeat (:class:`ict_jax.train.logs.RunLogger`) take over (``phase(None)``)."""
+    from ict_jax.heartbeat import Heartbeat
+
+    return Heartbeat(lambda line: print(f"ict-jax {args.command}: {line}", file=sys.stderr, flush=True),
+                     enabled=args.no_progress or not sys.stderr.isatty())
+
+
 def train_main(args: argparse.Namespace) -> int:
-    cfg = _setup(args)
+    cfg, hold, held = _setup(args)
     if args.print_config:
         print_config(cfg)
         return 0
+    with hold, heartbeat(args) as beat:
+        _start(args, beat)
+        return _train(args, cfg, held, beat)
+
+
+def _train(args: argparse.Namespace, cfg, held: bool, beat) -> int:
     from ict_jax.train.trainer import Trainer
 
     profile = _parse_profile(args.profile_steps)
-    with Trainer(cfg, resume=args.resume, progress=not args.no_progress, profile_steps=profile) as trainer:
+    with Trainer(cfg, resume=args.resume, progress=not args.no_progress, profile_steps=profile,
+                 held=held, tell=beat.phase) as trainer:
+        beat.phase(None)  # the run's own lines and heartbeat from here
         if trainer.finished is not None:
             _say(f"{cfg.run_dir}: finished at step {trainer.finished.get('steps', cfg.train.steps)}; nothing to do "
                  "(raise train.steps to train it further)")
             return 0
         summary = trainer.train()
+        beat.phase("finishing (the last checkpoint, the summary and its plots)")
     _print_summary(summary)
     return 0
 
@@ -107,10 +155,16 @@ def sft_main(args: argparse.Namespace) -> int:
     """Supervised warm start only: ``train.sft_steps`` updates, then the model is written as a Hugging
     Face checkpoint to ``<run_dir>/sft_model`` (usable as ``model.path`` of a later run). ``--resume``
     continues an interrupted warm start; ``ict-jax train --resume`` on the same run_dir goes on with RL."""
-    cfg = _setup(args)
+    cfg, hold, held = _setup(args)
     if args.print_config:
         print_config(cfg)
         return 0
+    with hold, heartbeat(args) as beat:
+        _start(args, beat)
+        return _sft(args, cfg, held, beat)
+
+
+def _sft(args: argparse.Namespace, cfg, held: bool, beat) -> int:
     from ict_jax.train.trainer import Trainer
 
     if cfg.train.sft_steps <= 0:
@@ -122,8 +176,11 @@ def sft_main(args: argparse.Namespace) -> int:
         return 0
     # the SFT warm start alone: the pre-flight checks the programs it runs, the SFT step (and the evaluation
     # sampler with data.eval), not RL's (docs/memory.md)
-    with Trainer(cfg, resume=args.resume, progress=not args.no_progress, rl=False) as trainer:
+    with Trainer(cfg, resume=args.resume, progress=not args.no_progress, rl=False, held=held,
+                 tell=beat.phase) as trainer:
+        beat.phase(None)  # the run's own lines and heartbeat from here
         summary = trainer.warm_start()  # also writes <run_dir>/sft_model
+        beat.phase("finishing (the warm start's model and the summary)")
     _print_summary(summary)
     return 0
 

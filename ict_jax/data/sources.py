@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ict_jax.data.example import DataError, Example
+from ict_jax.data.extras import require
 from ict_jax.rewards.checks import last_boxed
 
 
@@ -279,11 +280,7 @@ def examples_from_files(files: list[str], parser: Callable[..., Example | None],
 # --------------------------------------------------------------------------------------------------
 def tfds_examples(builder_name: str, *, data_dir: str | None, split: str, source: str) -> list[Example]:
     """Rows of a prepared TFDS builder whose features hold GSM8K-style ``question``/``answer``."""
-    try:
-        import tensorflow_datasets as tfds  # optional: the `tfds` extra
-    except ImportError:
-        raise ImportError("tensorflow-datasets is not installed: pip install 'ict_jax[tfds]' (needed only for "
-                          f"'tfds:{builder_name}'; local JSONL/Parquet files need nothing more)") from None
+    tfds = require("tfds")  # optional: MissingExtra (one line naming the extra) without it
 
     prepare = (f"prepare it once on a machine with network access: python -c \"import tensorflow_datasets as tfds, "
                f"tensorflow_datasets.text.gsm8k; tfds.builder('{builder_name}', "
@@ -318,20 +315,11 @@ def tfds_examples(builder_name: str, *, data_dir: str | None, split: str, source
 # --------------------------------------------------------------------------------------------------
 # reasoning-gym generators
 # --------------------------------------------------------------------------------------------------
-def _reasoning_gym():
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise ImportError("reasoning-gym is not installed: pip install 'ict_jax[gym]' "
-                          "(it builds a few packages from source and needs a C compiler)") from None
-    return reasoning_gym
-
-
 def gym_examples(name: str, *, size: int, seed: int, source: str, **config: Any) -> list[Example]:
     """``reasoning_gym.create_dataset(name, size=size, seed=seed, **config)`` entries as Examples; the
     entry itself is ``meta['gym_entry']`` so that :func:`ict_jax.rewards.checks.gym_answer_score` can score a
     response against it."""
-    rg = _reasoning_gym()
+    rg = require("gym")  # MissingExtra (one line naming the extra) without it
     try:
         ds = rg.create_dataset(name, size=size, seed=seed, **config)
     except Exception as e:

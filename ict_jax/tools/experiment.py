@@ -66,7 +66,7 @@ from ict_jax.tools.experiment_record import (
 )
 from ict_jax.tools.experiment_recover import lost_working_folder, recover_from_record
 from ict_jax.tools.experiment_report import REPORT_FILE, selection_warnings, write_report
-from ict_jax.tools.provenance import code_commit, environment, file_commit, now_iso
+from ict_jax.tools.provenance import code_commit, environment, file_commit, file_name, now_iso
 from ict_jax.train.evaluation import evaluated_steps
 from ict_jax.train.logs import read_metrics
 from ict_jax.train.parts import run_mesh_checked
@@ -115,7 +115,7 @@ def _plan_info(plan: Plan, git_state: Mapping[str, Any]) -> dict[str, Any]:
                         "pre-registered plan is fixed; for other settings write a new plan with another name and out")
     if known is not None and "text" in known:
         return known
-    info = {"sha256": plan.sha256, "text": plan.text, "path": str(plan.path), "git": dict(git_state),
+    info = {"sha256": plan.sha256, "text": plan.text, "path": file_name(plan.path), "git": dict(git_state),
             "first_run": now_iso()}
     if jax.process_index() == 0:
         write_json(path, info)

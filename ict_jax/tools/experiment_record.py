@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 from ict_jax.tools.compare_report import dense_steps, has_checkpoint, pass_at_k, selection
 from ict_jax.tools.experiment_plan import Outcome, Plan, RunSpec, base_run, differing_keys, plan_runs
 from ict_jax.tools.experiment_stats import mean_sd, minimum_detectable_effect, paired_differences
+from ict_jax.tools.provenance import file_name
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.evaluation import eval_results
 from ict_jax.train.logs import read_metrics
@@ -342,7 +343,7 @@ def build_record(plan: Plan, *, plan_info: Mapping[str, Any]) -> dict[str, Any]:
     complete = finished + sum(r["status"] == "diverged" for r in runs.values()) == len(specs) \
         and (base is None or base["status"] == "finished")
     return {
-        "format": FORMAT, "name": plan.name, "plan_file": str(plan.path), "plan_sha256": plan_info["sha256"],
+        "format": FORMAT, "name": plan.name, "plan_file": file_name(plan.path), "plan_sha256": plan_info["sha256"],
         "plan_git": plan_info.get("git"), "plan_text": plan_info["text"], "plan": plan.to_dict(),
         "arm_differences": differing_keys(specs),
         "environment": invocations[0]["environment"] if invocations else None, "invocations": invocations,

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["git", "file_commit", "code_commit", "machine", "environment", "now_iso"]
+__all__ = ["git", "file_commit", "file_name", "code_commit", "machine", "environment", "now_iso"]
 
 #: the distributions whose versions a record names
 PACKAGES = ("ict_jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "transformers",
@@ -50,6 +50,20 @@ def file_commit(path: Path) -> dict[str, Any]:
     status = git(folder, "status", "--porcelain", "--", path.name)
     return {"in_git": True, "commit": commit or None, "committed": tracked and bool(commit),
             "clean": tracked and bool(commit) and status == ""}
+
+
+def file_name(path: Path) -> str:
+    """How a record names a file (a plan): its path relative to the root of the git work tree that holds
+    it (``configs/experiments/demo_plan.yaml``, wherever the command ran), else its bare name: never an
+    absolute path of the machine that ran it."""
+    path = Path(path).resolve()
+    top = git(path.parent, "rev-parse", "--show-toplevel")
+    if top:
+        try:
+            return path.relative_to(Path(top).resolve()).as_posix()
+        except ValueError:
+            pass
+    return path.name
 
 
 def code_commit() -> dict[str, Any]:

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from flax import nnx
@@ -47,12 +47,12 @@ from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_re
 from ict_jax.train.resume import (
     SFT_CHECKPOINTS,
     ResumePoint,
-    check_run_dir,
     drop_rows_logged_again,
     reference_model,
     resume_point,
     sft_ahead,
 )
+from ict_jax.train.run_dir import check_run_dir
 from ict_jax.train.tracking import WandbTracker, require_wandb
 from ict_jax.train.training_data import TrainingPrompts, encode_training_data
 
@@ -168,7 +168,8 @@ def check_resumed_base(lora_base: LoraBase, run_dir: Path) -> None:
 
 def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, model: Qwen2 | None = None,
                 tokenizer: Tokenizer | None = None, preflight: bool = True,
-                rl: bool = True) -> tuple[RunParts, TrainState, nnx.State | None]:
+                rl: bool = True, tell: Callable[[str], None] | None = None
+                ) -> tuple[RunParts, TrainState, nnx.State | None]:
     """``(parts, state, KL reference parameters or None)`` of a run of ``cfg``: a new run, or with
     ``resume`` the one in ``run_dir`` continued (its last RL checkpoint restored into the state). The
     state is that of the phase the run starts in: with SFT steps ahead (``parts.sft_ahead``) the SFT state
@@ -178,7 +179,8 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     step when SFT is ahead; with ``rl`` the RL programs: ``rl`` False is the warm start alone) and check
     that they fit the machine's memory (``train.preflight``, ``train.memory_check``) before anything is
     written; a run that would not fit raises :class:`~ict_jax.train.preflight.DoesNotFit` with nothing
-    written."""
+    written. ``tell(text)``: what runs now, as each part starts (a command's heartbeat names it)."""
+    tell = tell or (lambda text: None)
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, resume)
     ahead = sft_ahead(cfg, run_dir, resume)
@@ -189,6 +191,7 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     if jax.process_count() > 1:  # every process has checked before any process writes
         multihost_utils.sync_global_devices("ict_jax: run_dir checked")
     mesh = run_mesh_checked(cfg)
+    tell(f"loading the training data ({', '.join(cfg.data.train)})")
     datasets = [load_dataset(name, data_dir=cfg.data.data_dir, seed=cfg.seed) for name in cfg.data.train]
     custom = [ds.name for ds in datasets if ds.scorer == CUSTOM_KIND]
     if custom and cfg.rl.reward.fn is None:
@@ -200,6 +203,7 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
         model = None  # a given model is not the warm start: build from the weights
     source = None
     if model is None:  # the architecture first: the programs compile and are checked before the weights load
+        tell(f"resolving the model {cfg.model.path or 'preset:' + cfg.model.preset}")
         source = resolve_model(cfg)
         mc, tokenizer, tok_spec = source.config, source.tokenizer(), source.tokenizer_spec
     else:
@@ -210,16 +214,20 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     state = start_state(cfg, model, ahead) if model is not None else abstract_train_state(cfg, mc, mesh=mesh)
     programs = build_programs(cfg, mesh, mc, state, TokenIds.of(tokenizer))
     # the memory pre-flight: in seconds, before the reward workers start and the weights load (both counted)
+    tell("compiling the run's programs (the memory pre-flight)" if preflight else "building the run's programs")
     fit = compile_and_check(cfg, programs, sft=ahead, rl=rl) if preflight else None
+    tell("starting the reward workers")
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:
         if model is None:
+            tell(f"loading the weights of {source.spec if weights is None else weights}")
             model, state, programs = _load_weights(cfg, mesh, source if weights is None else
                                                    resolve_model(cfg, weights=weights), tokenizer, programs, ahead)
         lora_base = None if model.config.lora is None else LoraBase(
             loaded_identity(cfg, model, weights=weights, given=tok_spec == "given"), run_dir, cfg.train.sft_steps > 0)
         if resume and lora_base is not None:  # before anything is written
             check_resumed_base(lora_base, run_dir)
+        tell("starting the run (checkpoints, the KL reference, the logs)")
         parts, state, ref = _start_run(cfg, run_dir, resume, changes, progress, mesh, model, tokenizer, tok_spec,
                                        prompts, iterator, programs, pool, state, lora_base, ahead)
         return dataclasses.replace(parts, memory=fit, sft_ahead=ahead), state, ref

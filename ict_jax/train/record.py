@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ict_jax.config import Config, ConfigError, from_dict, load_config
+from ict_jax.outputs import check_not_held
 
 SFT_MODEL = "sft_model"  # <run_dir>/sft_model: the finished SFT warm start (a Hugging Face directory)
 
@@ -69,6 +70,7 @@ def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
     """The config that continues the run in ``run_dir``: its recorded ``config.json`` with ``overrides``
     (``key=value``) on top, so that the overrides are the only changes the resume rules
     (:func:`check_resume`) see. ``ict-jax train --resume run_dir=R`` without ``--config``."""
+    check_not_held(run_dir, "run_dir")  # a run that starts there has no config.json yet: name its process
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"--resume: {str(path)!r} does not exist: no run is recorded in run_dir {str(run_dir)!r} "

@@ -1,54 +1,25 @@
 """Where a run directory stands and what a resumed run continues from (docs/checkpoints.md "Resume"):
-the run-directory checks, the resume point (RL checkpoint, finished or unfinished SFT warm start), a
-finished run, the KL reference of a resumed run, and the logged rows a resumed run writes again."""
+the resume point (RL checkpoint, finished or unfinished SFT warm start), a finished run, the KL reference of
+a resumed run, and the logged rows a resumed run writes again. The run directory's checks and its hold are
+:mod:`ict_jax.train.run_dir`."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 from flax import nnx
 
-from ict_jax.config import Config, ConfigError
+from ict_jax.config import Config
 from ict_jax.model.qwen2 import Qwen2
-from ict_jax.outputs import has_entries, hold_output_dir
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.logs import read_metrics, truncate_metrics
 from ict_jax.train.model_source import resolve_model
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, read_summary, run_finished
 
 SFT_CHECKPOINTS = "checkpoints_sft"  # <run_dir>/checkpoints_sft/<sft step>/: an unfinished SFT warm start
-
-
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """A new run never writes over an existing one; ``--resume`` continues one that exists. A folder that
-    holds nothing but a hold's lock file (:func:`hold_run_dir`) holds no run."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"run_dir: {str(run_dir)!r} exists and is not a directory")
-    if resume and not run_dir.is_dir():
-        raise ConfigError(f"--resume: run_dir {str(run_dir)!r} does not exist, so there is nothing to resume "
-                          "(drop --resume to start a new run there)")
-    if not resume and has_entries(run_dir):
-        raise ConfigError(f"run_dir: {str(run_dir)!r} already holds a run; pass --resume to continue it or "
-                          "choose another run_dir (nothing was written)")
-
-
-@contextlib.contextmanager
-def hold_run_dir(run_dir: Path, resume: bool) -> Iterator[None]:
-    """:func:`check_run_dir`, then hold ``run_dir`` while the block runs (:func:`ict_jax.outputs.hold_output_dir`,
-    on process 0 of a multi-process run): a second run on the same directory is refused at once with
-    :class:`~ict_jax.outputs.OutputInUse`, naming the process that holds it. The hold is a ``flock`` on
-    ``<run_dir>/.lock``, which the kernel releases however the holder ends (a kill included); a new run
-    that fails before writing anything leaves no directory behind."""
-    check_run_dir(run_dir, resume)
-    if jax.process_index() != 0:
-        yield
-        return
-    with hold_output_dir(run_dir, "run_dir"):
-        yield
 
 
 @dataclasses.dataclass(frozen=True)

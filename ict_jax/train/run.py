@@ -15,7 +15,7 @@ from ict_jax.deprecation import REMOVED_IN, MovedNames
 # name -> its module in ict_jax.train
 _MOVED = {
     "maybe_initialize_distributed": "distributed",
-    "check_run_dir": "resume", "ResumePoint": "resume", "resume_point": "resume", "finished_sft_steps": "resume",
+    "check_run_dir": "run_dir", "ResumePoint": "resume", "resume_point": "resume", "finished_sft_steps": "resume",
     "SFT_CHECKPOINTS": "resume", "SFT_MODEL": "resume",
     "model_overrides": "model_source", "build_model_and_tokenizer": "model_source",
     "TrainingPrompts": "training_data", "encode_training_data": "training_data",

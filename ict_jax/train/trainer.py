@@ -55,8 +55,9 @@ from ict_jax.train.logs import RunLogger, last_logged_step, metrics_to_floats
 from ict_jax.train.parts import build_parts
 from ict_jax.train.phase import Phase, PhaseEnd, run_phase
 from ict_jax.train.preflight import programs_to_check
-from ict_jax.train.resume import SFT_MODEL, eval_on_record, finished_run, hold_run_dir
+from ict_jax.train.resume import SFT_MODEL, eval_on_record, finished_run
 from ict_jax.train.rollout import collect_rollout
+from ict_jax.train.run_dir import hold_run_dir
 from ict_jax.train.stopping import Interrupted, TrainingDiverged, stop_after_step  # noqa: F401 - public here
 from ict_jax.train.summary import RunSummary
 from ict_jax.train.warm_start import load_warm_start, run_warm_start, save_warm_start, sft_state, start_rl
@@ -76,27 +77,28 @@ class Trainer:
     is written (``train.preflight``; :class:`~ict_jax.train.preflight.DoesNotFit` when they would not fit).
     :attr:`state`: the SFT state (the only optimizer state alive) until the warm start ends, then RL's.
 
-    The run directory is held from the start (``train.resume.hold_run_dir``, before the model loads) until
-    :meth:`close` / the ``with`` block's end: a second Trainer on it, in this process or another, is
-    refused at once with :class:`~ict_jax.outputs.OutputInUse` naming the holder."""
+    The run directory is held from the start (``train.run_dir.hold_run_dir``, before the model loads) until
+    :meth:`close` / the ``with`` block's end: a second Trainer, in this process or another, is refused at
+    once with :class:`~ict_jax.outputs.OutputInUse` naming the holder; with ``held``, the caller holds it
+    (``ict-jax train`` does from its first second). ``tell(text)``: what the build is doing (a heartbeat)."""
 
-    def __init__(self, config: Config, *, resume: bool = False, progress: bool = True,
-                 profile_steps: tuple[int, int] | None = None, model: Qwen2 | None = None,
-                 tokenizer: Tokenizer | None = None, preflight: bool = True, rl: bool = True):
+    def __init__(self, config: Config, *, resume: bool = False, progress: bool = True, model: Qwen2 | None = None,
+                 profile_steps: tuple[int, int] | None = None, tokenizer: Tokenizer | None = None, rl: bool = True,
+                 preflight: bool = True, held: bool = False, tell: Callable[[str], None] | None = None):
         self.cfg, self.resume, self.run_dir, self.rl = config, resume, Path(config.run_dir), rl
         self.parts, self.summary, self.hooks, self.sft_hooks = None, None, Hooks(), Hooks()
         self.state = self.ref_params = None
         self.phase = "rl"  # the phase self.state belongs to: "sft" (an SFT state) or "rl"
         self.paused: int | None = None  # the step a paused run stopped at (run_loop's pause)
         self._hold = contextlib.ExitStack()  # the run directory, held until close() (before anything slow)
-        self._hold.enter_context(hold_run_dir(self.run_dir, resume))
+        self._hold.enter_context(hold_run_dir(self.run_dir, resume, primary=False if held else None))
         try:
             self.finished = finished_run(config, self.run_dir) if resume else None
             if self.finished is not None:
                 return
             self.parts, self.state, self.ref_params = build_parts(config, resume=resume, progress=progress,
                                                                   model=model, tokenizer=tokenizer, preflight=preflight,
-                                                                  rl=rl)
+                                                                  rl=rl, tell=tell)
             self.phase = "sft" if self.parts.sft_ahead else "rl"
             self.summary = RunSummary(self.run_dir, resume=resume)
             self.evaluator = Evaluator(self.parts, eval_on_record(self.run_dir, self.parts.resume_point))

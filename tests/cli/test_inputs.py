@@ -314,3 +314,45 @@ def test_training_data_drops_and_counts_prompts_past_the_models_positions(caplog
     assert "dropped 2 of 6 prompts that with max_new_tokens=6 exceed the model's max_position_embeddings=16" \
         in caplog.text
     assert encode_prompts(ds, CharTokenizer(), template="none", max_prompt_len=16).dropped == 1  # no limit given
+
+
+# ------------------------------------------------------------------------------------------------
+# A missing optional extra (gym: without reasoning-gym) is one line naming it, exit 2, before any model
+# ------------------------------------------------------------------------------------------------
+GYM_MISSING = ("'gym:chain_sum?size=4' needs the gym extra (reasoning-gym), which is not installed: "
+               "pip install -e '.[gym]' in the ict_jax checkout")
+
+
+def test_eval_without_the_gym_extra_is_one_line_in_a_subprocess(tmp_path):
+    """The README's gym: evaluation in a process where reasoning-gym cannot be found (a sitecustomize
+    module blocks it before anything runs): one line naming the extra, exit 2, nothing written."""
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['reasoning_gym'] = None\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(blocker), os.environ["PYTHONPATH"]])}
+    p = _cli("eval", "--model", "preset:tiny", "--tokenizer", "char", "--benchmarks", "gym:chain_sum?size=4",
+             "--out", str(tmp_path / "out"), env=env)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith(f"ict-jax eval: error: {GYM_MISSING} ("), p.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, spec", [
+    (["eval", "--model", "MISSING", "--benchmarks", "split,gym:chain_sum?size=4"], "gym:chain_sum?size=4"),
+    (["train", "--config", str(ROOT / "configs" / "qwen2p5_coder_0p5b_cpu_ict.yaml"), "run_dir=RUN"],
+     "gym:chain_sum"),
+    (["sft", "--config", str(DEMO), 'data.eval=["gym:chain_sum?size=4"]', "run_dir=RUN"], "gym:chain_sum?size=4"),
+    (["diagnose", "--model", "qwen2.5-coder-0.5b-instruct", "--prompts", "gym:chain_sum?size=4", "--out", "RUN"],
+     "gym:chain_sum?size=4"),
+], ids=["eval", "train", "sft", "diagnose"])
+def test_a_missing_extra_is_refused_before_the_model_is_resolved(argv, spec, tmp_path, capsys, monkeypatch):
+    """The real 0.5B recipe and diagnose on the real model, without the gym extra: refused before the model
+    is resolved (resolving it here would fail the test: the real-model guard, and the patch below)."""
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+    _no_model_resolved(monkeypatch, lambda *a, **k: (_ for _ in ()).throw(AssertionError("model resolved")))
+    argv = [str(tmp_path / "no_model") if a == "MISSING" else a.replace("RUN", str(tmp_path / "run")) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    line = GYM_MISSING.replace("gym:chain_sum?size=4", spec)
+    assert err.count("\n") == 1 and err.startswith(f"ict-jax {argv[0]}: error: {line} ("), err
+    assert not (tmp_path / "run").exists()

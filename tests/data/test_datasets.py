@@ -428,7 +428,8 @@ def test_chat_template_falls_back_to_qwen2p5():
 def test_tfds_missing_is_one_line_naming_the_extra(monkeypatch):
     """tensorflow-datasets is an optional extra: without it a tfds: source says how to get it."""
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # makes `import tensorflow_datasets` fail
-    with pytest.raises(ImportError, match=r"pip install 'ict_jax\[tfds\]'"):
+    with pytest.raises(ImportError, match=r"^tensorflow-datasets \(the tfds extra\) is not installed: pip install -e "
+                                          r"'\.\[tfds\]' in the ict_jax checkout \(needed only for tfds: sources"):
         load_dataset("tfds:gsm8k", data_dir="/nonexistent", split="train")
 
 

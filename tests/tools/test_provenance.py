@@ -48,3 +48,23 @@ def test_the_environment_is_the_machine_then_the_software():
     assert env["backend"] == "cpu" and env["devices"].endswith("x cpu")
     assert set(env["versions"]) == set(provenance.PACKAGES) and env["versions"]["jax"]
     assert {"commit", "dirty"} <= set(env)
+
+
+def test_a_file_is_named_relative_to_its_repository_or_by_its_bare_name(tmp_path, monkeypatch):
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "configs" / "experiments").mkdir(parents=True)
+    plan = repo / "configs" / "experiments" / "p.yaml"
+    plan.write_text("name: p\n")
+    if subprocess.run(["git", "init", "-q", str(repo)], capture_output=True).returncode != 0:
+        pytest.skip("git is not available")
+    monkeypatch.chdir(tmp_path)  # wherever the command runs, absolute or relative paths name it alike
+    assert provenance.file_name(plan) == "configs/experiments/p.yaml"
+    assert provenance.file_name(Path("repo/configs/experiments/p.yaml")) == "configs/experiments/p.yaml"
+    monkeypatch.chdir(repo / "configs")
+    assert provenance.file_name(Path("experiments/p.yaml")) == "configs/experiments/p.yaml"
+    loose = tmp_path / "elsewhere" / "q.yaml"
+    loose.parent.mkdir()
+    loose.write_text("name: q\n")
+    assert provenance.file_name(loose) == "q.yaml"  # outside a repository: the bare name

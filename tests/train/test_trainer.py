@@ -181,7 +181,7 @@ class _Built(Exception):
 
 
 def _stand_in_build(cfg, *, resume=False, **kwargs):
-    from ict_jax.train.resume import check_run_dir
+    from ict_jax.train.run_dir import check_run_dir
 
     check_run_dir(Path(cfg.run_dir), resume)  # what the real build checks first: the lock file holds no run
     raise _Built
