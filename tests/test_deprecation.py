@@ -111,11 +111,12 @@ def test_the_packages_old_names_go_through_the_one_mechanism():
     import ict_jax.sampling.sampler
     import ict_jax.train.checkpoints
     import ict_jax.train.model_source
+    import ict_jax.train.resume
     import ict_jax.train.run
 
     for tables in (ict_jax._FORMER, ict_jax.config._FORMER, ict_jax.train.run._FORMER, ict_jax.model.loading._FORMER,
                    ict_jax.train.checkpoints._FORMER, ict_jax.train.model_source._FORMER, ict_jax.aot.hlo._FORMER,
-                   ict_jax.model.qwen2._FORMER, ict_jax.sampling.sampler._FORMER):
+                   ict_jax.model.qwen2._FORMER, ict_jax.sampling.sampler._FORMER, ict_jax.train.resume._FORMER):
         assert tables.removed_in == REMOVED_IN and tables.homes
     assert [f for f in sys.meta_path if isinstance(f, MovedModules) and f.homes == ict_jax._MOVED_MODULES]
     makers = [f"{path.relative_to(PACKAGE)}:{node.lineno}"
