@@ -11,7 +11,7 @@ The innermost frame in ``ict_jax`` or ``optax`` decides, first match in :data:`C
 
 - ``optimizer``: optax, ``rl/state.py``, ``rl.train_step.apply_update``;
 - ``vocabulary head + statistics``: ``rl/token_stats.py``, ``Qwen2.logits_from_hidden``/``unembedding``;
-- ``attention``: ``model/attention.py``;
+- ``attention``: ``model/attention.py`` and ``model/fused_attention.py`` (the fused kernels' calls);
 - ``converts``: any other instruction that only changes a dtype (a ``convert``, or a fusion of a convert
   and layout moves): the float32 copies of bfloat16 values that matmuls returning float32 cause;
 - ``matmul I/O``: any other dot or convolution, or a fusion holding one (its operands and result);
@@ -141,7 +141,7 @@ def category(module: HloModule, ins: Instruction, frames: dict[int, tuple[Frame,
         return "optimizer"
     if path == "ict_jax/rl/token_stats.py" or function in ("Qwen2.logits_from_hidden", "Qwen2.unembedding"):
         return "vocabulary head + statistics"
-    if path == "ict_jax/model/attention.py":
+    if path in ("ict_jax/model/attention.py", "ict_jax/model/fused_attention.py"):  # dense / blocked; fused kernels
         return "attention"
     if _is_convert(module, ins):
         return "converts"
