@@ -298,6 +298,8 @@ TESTS = ROOT.parent / "tests"
 #: test files of a subpackage's folder that test more than one of its modules (or a real model), each with why
 ACROSS_MODULES = {
     "cli/test_inputs.py": "bad input to every command: one line and the exit code (cli.main and each command)",
+    "cli/test_compare_plan_cli.py": "cli.compare's --plan front end (tools/test_compare.py holds the module "
+                                    "name test_compare: pytest collects one module of a base name)",
     "model/test_real_qwen.py": "the real Qwen2.5 weights through loading, the model and the tokenizer",
     "rewards/test_rewards.py": "the answer checks and the worker pool that runs them",
     "rl/test_lora_train_step.py": "rl.train_step on a model with LoRA adapters (model.lora)",
