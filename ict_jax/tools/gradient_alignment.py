@@ -153,18 +153,12 @@ def selector_gradients(plan: StepPlan, params: Any, graphdef: Any, batch: Rollou
                        masks: Mapping[str, jax.Array], key: jax.Array, step: jax.Array) -> dict[str, Any]:
     """The gradient of the train step's loss (``loss_and_aux``, r = 1: logp_old is this policy's, no KL)
     under each mask of ``masks``, with that mask's denominators (docs/method.md §4)."""
-    def loss(p: Any, mask: jax.Array) -> jax.Array:
-        logp = jax.lax.stop_gradient(_logp(plan, p, graphdef, batch, valid))
+    def loss(p: Any, mask: jax.Array) -> jax.Array:  # logp_old None: this forward's, stop-gradient (r = 1)
         denoms = loss_denominators(valid, mask, plan.loss)
-        return loss_and_aux(plan, p, graphdef, batch, valid, logp, None, mask, denoms, key, step)[0]
+        return loss_and_aux(plan, p, graphdef, batch, valid, None, None, mask, denoms, key, step)[0]
 
     grad = jax.grad(loss)
     return {s: grad(params, m) for s, m in masks.items()}
-
-
-def _logp(plan: StepPlan, params: Any, graphdef: Any, batch: RolloutBatch, valid: jax.Array) -> jax.Array:
-    request = GroupStatsRequest(plan.group_size, plan.temperature, plan.chunk, ("logp",), ("aligned",))
-    return group_stats(params, graphdef, batch.tokens, batch.attention_mask, valid, request)["aligned"].logp
 
 
 def flat(tree: Any) -> np.ndarray:
