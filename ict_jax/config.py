@@ -31,7 +31,6 @@ Ties = Literal["position", "all"]
 #: independent of memory settings) or over each micro-batch, the micro-batch losses then averaged (verl's
 #: gradient accumulation, as 20-Entropy's official code runs it).
 NormalizeScope = Literal["mini_batch", "micro_batch"]
-LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 #: Readings of ICT's score u (docs/method.md §1, ``stats.u_form``): what p[i,t] is compared with.
 UForm = Literal["aligned", "loo", "literal", "pooled"]
 #: STAPO's two readings of its entropy quantile's candidate set (docs/method.md §2, ``stapo_quantile_over``).
@@ -211,7 +210,8 @@ class LossSection:
     dual_clip_c: float | None = 3.0  # verl's default; None turns dual clip off
     kl_coef: float = 0.001  # verl's GRPO default
     kl_masked: bool = True  # ICT Eq. 11
-    loss_agg: LossAgg = "seq-mean-token-mean"  # ICT Eq. 11
+    # a loss aggregation registered in ict_jax.rl.losses (or by a plugin), checked when the run is built
+    loss_agg: str = "seq-mean-token-mean"  # ICT Eq. 11
     normalize_over: Literal["selected", "valid"] = "selected"
     # the loss's denominators over the mini-batch, or over each micro-batch with the micro-batch losses
     # averaged (20-Entropy's official code: verl's gradient accumulation); docs/loss.md

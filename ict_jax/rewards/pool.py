@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ict_jax.rewards.checks import KINDS, RewardCheck, RewardSpec, check_text, math_equal, response_tail
+from ict_jax.rewards.checks import RewardCheck, RewardSpec, check_text, math_equal, response_tail, reward_kinds
 
 __all__ = ["RewardPool", "RewardFunctionError", "UnguardedScriptError", "import_user_module", "load_function",
            "load_plugins"]
@@ -247,8 +247,8 @@ class RewardPool:
             raise ValueError(f"RewardPool: {n} responses but {len(golds)} golds, {len(metas)} metas, "
                              f"{len(kinds)} kinds")
         for k in set(kinds):
-            if k not in KINDS and k not in self._args[1]:
-                raise ValueError(f"unknown reward kind {k!r}; expected one of {KINDS + tuple(self._args[1])}")
+            if k not in reward_kinds() and k not in self._args[1]:
+                raise ValueError(f"unknown reward kind {k!r}; expected one of {reward_kinds() + tuple(self._args[1])}")
         batch = _Batch(n)
         if n == 0:
             batch.future.set_result([])

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from ict_jax.config import Config, ConfigError
 from ict_jax.rewards.pool import RewardFunctionError, load_plugins
+from ict_jax.rl.losses import check_loss_agg
 from ict_jax.rl.selectors import check_selector
 
 
@@ -26,7 +27,8 @@ def import_plugins(modules: Sequence[str]) -> None:
 
 
 def check_registered(cfg: Config) -> None:
-    """``cfg.plugins`` imported, then ``rl.selector.method`` (and its ``params``) checked against the
-    selector registry: :class:`ConfigError`, one line naming the key and the registered names."""
+    """``cfg.plugins`` imported, then ``rl.selector.method`` (and its ``params``) and ``rl.loss.loss_agg``
+    checked against their registries: :class:`ConfigError`, one line naming the key and the registered names."""
     import_plugins(cfg.plugins)
     check_selector(cfg.rl.selector)
+    check_loss_agg(cfg.rl.loss)

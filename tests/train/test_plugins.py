@@ -75,6 +75,42 @@ def test_a_plugin_that_cannot_be_imported_and_bad_params_are_one_line(plugin_pat
         load_config(None, ["rl.selector.params=3"])
 
 
+def test_a_plugin_registers_a_loss_aggregation(plugin_path):
+    from ict_jax.config import LossSection
+    from ict_jax.rl.losses import policy_loss, registered_loss_aggs
+
+    assert "unknown" not in registered_loss_aggs()
+    msg = _error(["rl.loss.loss_agg=row-sum-mea"])
+    assert msg.startswith("rl.loss.loss_agg: 'row-sum-mea' is not a registered loss aggregation; registered: "
+                          "seq-mean-token-mean, token-mean, seq-mean-token-sum-norm")
+    check_registered(load_config(None, [f"plugins=[{PLUGIN}]", "rl.loss.loss_agg=row-sum-mean"]))
+    # sum w x / R against seq-mean-token-mean's (1/R) sum_i [sum_t w x / sum_t d]: equal when each row has 1 token
+    rng = np.random.default_rng(0)
+    logp = jnp.asarray(rng.normal(size=(4, 5)) - 2, jnp.float32)
+    valid = jnp.asarray(np.arange(5) < np.asarray([5, 4, 3, 2])[:, None], jnp.float32)
+    mask = jnp.zeros((4, 5)).at[:, 0].set(1.0) * valid
+    adv = jnp.asarray([1.0, -0.5, 0.25, 2.0])
+    losses = {agg: float(policy_loss(logp, logp, None, adv, valid, mask,
+                                       config=LossSection(loss_agg=agg, kl_coef=0.0))[0])
+              for agg in ("row-sum-mean", "seq-mean-token-mean")}
+    assert losses["row-sum-mean"] == pytest.approx(losses["seq-mean-token-mean"]), losses
+    assert losses["row-sum-mean"] == pytest.approx(-float(adv.mean()))
+
+
+def test_a_plugin_registers_a_reward_kind_the_workers_score(plugin_path, monkeypatch):
+    from ict_jax.rewards.checks import KINDS, answer_text, check_text, reward_kinds
+    from ict_jax.rewards.pool import RewardPool
+
+    check_registered(load_config(None, [f"plugins=[{PLUGIN}]"]))
+    assert "reversed" in reward_kinds() and "reversed" not in KINDS
+    assert check_text("reversed", answer_text("reversed", "123"), "123").correct
+    assert check_text("reversed", "123", "123").reward == 0.0
+    monkeypatch.chdir(TESTS)  # the workers search the working directory first
+    with RewardPool(1, plugins=[PLUGIN], mem_limit_mb=None) as pool:
+        checks = pool.check("reversed", ["  321", "123", ""], ["123"] * 3)
+    assert [c.correct for c in checks] == [True, False, False] and checks[2].status == "no_answer"
+
+
 def test_no_module_of_the_package_names_the_plugin():
     named = [str(p.relative_to(ROOT)) for p in (ROOT / "ict_jax").rglob("*.py") if "lowprob" in p.read_text()]
     assert not named, named
@@ -91,7 +127,7 @@ def test_train_with_a_plugin_selector(tmp_path):
             "train.sft_steps=0", "rl.selector.warmup_steps=0", "data.eval=[]", "stats.chunk=8",
             "rl.reward.workers=1", "train.save_every=0"]
     p = subprocess.run([sys.executable, "-m", "ict_jax.cli", "train", "--config", str(DEMO), "--no-progress",
-                        f"plugins=[{PLUGIN}]", "rl.selector.method=lowprob", "train.steps=2", *tiny,
+                        f"plugins=[{PLUGIN}]", "rl.selector.method=lowprob", "rl.loss.loss_agg=row-sum-mean", "train.steps=2", *tiny,
                         f"run_dir={run}"], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-4000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
