@@ -111,6 +111,18 @@ def test_a_plugin_registers_a_reward_kind_the_workers_score(plugin_path, monkeyp
     assert [c.correct for c in checks] == [True, False, False] and checks[2].status == "no_answer"
 
 
+def test_the_command_refuses_an_unregistered_method_before_writing(tmp_path, capsys):
+    """``ict-jax train`` with a method nothing registered: one line naming the key and the registered names,
+    exit 2, nothing written (the check runs first when the run is built)."""
+    from ict_jax.cli.main import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(DEMO), "rl.selector.method=lowprobb", f"run_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rl.selector.method: 'lowprobb' is not a registered selector; registered: " in err
+    assert not run.exists() or sorted(p.name for p in run.iterdir()) == []
+
+
 def test_no_module_of_the_package_names_the_plugin():
     named = [str(p.relative_to(ROOT)) for p in (ROOT / "ict_jax").rglob("*.py") if "lowprob" in p.read_text()]
     assert not named, named
