@@ -230,7 +230,7 @@ def target_model_config(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
 
     ``model.path``, when it is a local Hugging Face directory or a ``.gguf`` file, gives the
     architecture; otherwise ``model.preset`` does (the recipes name a placeholder path), sized to the
-    run's tokenizer as training sizes it. ``auto`` compute dtype resolves for the target platform. With
+    run's tokenizer as training sizes it. ``auto`` compute dtype and attention resolve for the target platform. With
     ``model.lora.enabled`` it carries the adapters: the train state is then the adapters and the frozen
     base."""
     source = resolve_model(cfg, platform=platform, missing="preset")

@@ -297,8 +297,9 @@ def test_compile_builds_the_lora_run_training_builds(tmp_path, devices8):
         assert ref is None and state.frozen is not None
         target = get_target("local")
         mc, source = target_model_config(cfg, target.platform)
-        # compile resolves compute_dtype "auto" for the target (float32 on CPU); training resolves it at use
-        assert mc == parts.model_config.replace(compute_dtype="float32") and "LoRA rank 4" in source
+        # compile resolves compute_dtype and attention "auto" for the target (float32 and dense attention on
+        # CPU); training resolves them at use
+        assert mc == parts.model_config.replace(compute_dtype="float32", attention="dense") and "LoRA rank 4" in source
         jobs = build_programs(cfg, mc, run_mesh(cfg, target))
         assert [job.name for job in jobs] == ["sft", "step", "generate", "eval"]  # the SFT step on adapters too
         for job in jobs:

@@ -31,6 +31,7 @@ from ict_jax.train.record import read_resumes
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 BENCH = "split?digits=1&size=4&seed=5"
+EVAL_METRICS = ("pass@1", "pass@2", "no_answer_frac", "truncated_frac")  # per benchmark, at every evaluation
 TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
         "rollout.max_prompt_len=16", "train.sft_steps=3", "train.sft_batch_size=8", "rl.selector.warmup_steps=1",
         "data.train=[\"arith?digits=1&size=64\"]", f"data.eval=[\"{BENCH}\"]", "data.eval_n=2", "data.eval_k=[1,2]",
@@ -93,7 +94,7 @@ def test_summary_sections_and_status(finished):
     s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "finished" and s["steps"] == 2 and s["resumes"] == []
     assert set(s["sft"]) == {"sft/loss", "sft/tokens", "sft/grad_norm"}
-    assert set(s["eval_after_sft"]) == set(s["eval_final"]) == {f"eval/{BENCH}/pass@1", f"eval/{BENCH}/pass@2"}
+    assert set(s["eval_after_sft"]) == set(s["eval_final"]) == {f"eval/{BENCH}/{m}" for m in EVAL_METRICS}
     assert s["final"]["reward/mean"] == read_metrics(run / "metrics.jsonl")[-1]["reward/mean"]
 
 
@@ -132,7 +133,7 @@ def test_tensorboard_has_sft_and_every_evaluation_with_single_tags_at_the_right_
 
     name = f"eval/{BENCH}/pass@1"
     tag = _clean_tag(name)
-    assert set(ev) == {tag, _clean_tag(f"eval/{BENCH}/pass@2")}  # the metric names: no eval/eval/...
+    assert set(ev) == {_clean_tag(f"eval/{BENCH}/{m}") for m in EVAL_METRICS}  # the names: no eval/eval/...
     assert not any(t.startswith("eval/eval/") or t.startswith("sft/sft/") for t in [*sft, *rl, *ev])
     summary = json.loads((run / "summary.json").read_text())
     # after SFT at step 0, the end at step 2 (= rollout batches done): not one step early
