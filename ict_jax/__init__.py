@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # name -> module (relative to this package). One line per public name, grouped by section.
 _API: dict[str, str] = {
