@@ -142,20 +142,9 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-#: the former model-loading names (deprecated wrappers, removed in 0.3.0): nothing in the package calls them
-FORMER_LOADERS = {"load_model_and_tokenizer", "load_model_tokenizer", "load_model_weights", "load_model_config",
-                  "load_tokenizer_spec", "training_run_hint", "build_model_and_tokenizer", "run_architecture",
-                  "run_tokenizer", "preset_architecture", "preset_config", "with_lora", "with_adapters",
-                  "model_overrides", "init_key", "load_params_from_checkpoint", "load_run_model", "run_model_tokenizer",
-                  "run_model_source", "run_tokenizer_spec", "recorded_run_config"}
-
-
 def test_every_command_resolves_its_model_through_one_function():
     """docs/architecture.md "One model resolver": the commands that take a model (and the run's parts, and
-    compile) import ``train.model_source.resolve_model``; no module uses a former loading name."""
-    bad = [f"ict_jax.{src} imports {name or dst} from ict_jax.{dst} (line {line})" for src, imps in GRAPH.items()
-           for dst, name, line in imps if name in FORMER_LOADERS or dst == "model.loading"]
-    assert not bad, "\n".join(bad)
+    compile) import ``train.model_source.resolve_model``."""
     for module in ("cli.eval", "cli.sample", "cli.inspect", "cli.diagnose", "cli.export", "aot.compile",
                    "train.parts", "train.export"):
         assert ("train.model_source", "resolve_model") in {(d, n) for d, n, _ in GRAPH[module]}, module

@@ -54,9 +54,6 @@ def test_response_buckets_are_the_prompt_ladder_up_to_max_new_tokens():
     assert bucket_for(17, response_buckets(128, 16)) == 32 and bucket_for(1, (16, 32)) == 16
     with pytest.raises(ValueError, match="rollout.min_response_bucket: 0 must be at least 1"):
         response_buckets(128, 0)
-    from ict_jax.data import prompts  # the prompt buckets' old home still has them
-
-    assert prompts.make_buckets is make_buckets and prompts.bucket_for is bucket_for
 
 
 def _wide(batch: RolloutBatch, width: int = W) -> RolloutBatch:

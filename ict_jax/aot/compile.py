@@ -63,12 +63,10 @@ from ict_jax.sharding import make_mesh
 from ict_jax.train.checkpoints import abstract_train_state
 from ict_jax.train.model_source import resolve_model
 from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
-from ict_jax.train.programs import (  # noqa: F401
+from ict_jax.train.programs import (
     PLACEHOLDER_IDS,
     PROGRAM_NAMES,
     TokenIds,
-    abstract_batch,
-    abstract_reference,
     kv_cache_dtype,
     per_device_bytes,
     prompt_len,
@@ -83,20 +81,6 @@ from ict_jax.train.programs import build_programs as build_run_programs
 PROGRAMS = PROGRAM_NAMES
 TPU_EXTRA = "pip install 'ict_jax[tpu]'"
 GIB = 1024 ** 3
-
-
-def __getattr__(name: str) -> Any:
-    """``CHIP_SPECS``, the former per-generation dict of TPU figures: built from the one chip table
-    (:data:`ict_jax.aot.chips.CHIPS`), with a DeprecationWarning."""
-    if name == "CHIP_SPECS":
-        from ict_jax.aot.chips import CHIPS
-        from ict_jax.deprecation import REMOVED_IN, warn
-
-        warn("ict_jax.aot.compile.CHIP_SPECS", "ict_jax.aot.chips.CHIPS (one Chip per accelerator, with sources)",
-             removed_in=REMOVED_IN)
-        return {n: {"peak_flops": c.peak_flops, "ici_bytes": c.ici_bytes, "hbm_bw": c.hbm_bw}
-                for n, c in CHIPS.items() if n in ("v4", "v5e", "v5p", "v6e")}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class TpuUnavailable(ValueError):

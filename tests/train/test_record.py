@@ -695,7 +695,7 @@ def test_a_runs_evaluation_feeds_its_heartbeat_and_clears_it_even_when_it_fails(
     assert work[-1] is None and len(work) == 6
 
 def test_first_ctrl_c_asks_to_stop_after_the_step_the_second_stops_at_once():
-    from ict_jax.train.trainer import stop_after_step
+    from ict_jax.train.stopping import stop_after_step
 
     said = []
     before = signal.getsignal(signal.SIGINT)  # default_int_handler; SIG_IGN in a background job (nohup ... &)
@@ -779,7 +779,8 @@ def test_wall_s_counts_an_interrupted_invocation(tmp_path):
     invocation that was interrupted (Ctrl-C) or stopped by an error. Both now count."""
     from ict_jax.config import load_config
     from ict_jax.train.record import read_summary
-    from ict_jax.train.trainer import Interrupted, Trainer
+    from ict_jax.train.stopping import Interrupted
+    from ict_jax.train.trainer import Trainer
 
     cfg = load_config(DEMO, TINY + ["train.sft_steps=0", "data.eval=[]", "train.steps=2", "mesh.data=-1",
                                      "mesh.tensor=2", f"run_dir={tmp_path / 'run'}"])
@@ -838,3 +839,10 @@ def test_a_row_is_written_whole_or_not_at_all_and_a_half_row_is_not_read(tmp_pat
     path.write_text('{"step": 0, "phase": "rl", "m": 1.0}\n{"step": 1, "phase": "rl", "m": 2.0}\n{"step": 2, "ph')
     assert [r["step"] for r in read_metrics(path)] == [0, 1]
     assert truncate_metrics(path, {"rl": 1}) == 1 and path.read_text() == '{"step": 0, "phase": "rl", "m": 1.0}\n'
+
+
+def test_an_evaluations_results_and_samples_paths(tmp_path):
+    from ict_jax.train.evaluation import eval_results
+
+    assert eval_results(tmp_path, 3) == tmp_path / "eval" / "step_000003.json"
+    assert eval_results(tmp_path, 3).with_suffix(".jsonl") == tmp_path / "eval" / "step_000003.jsonl"
