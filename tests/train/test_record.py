@@ -453,7 +453,7 @@ def test_wandb_missing_is_a_one_line_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     rc, _, err = train(tmp_path / "r", "logging.wandb=true")
-    assert rc == 2 and "pip install 'ict_jax[wandb]'" in err and not (tmp_path / "r").exists()
+    assert rc == 2 and "pip install -e '.[wandb]' in the ict_jax checkout" in err and not (tmp_path / "r").exists()
 
 
 # ------------------------------------------------------------------------------------------------
