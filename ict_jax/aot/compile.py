@@ -52,6 +52,7 @@ from ict_jax.aot import hlo, roofline
 from ict_jax.aot.breakdown import breakdown
 from ict_jax.aot.chips import chip_for
 from ict_jax.config import Config, ConfigError, parse_topology
+from ict_jax.install import install_line
 from ict_jax.memory import fmt_bytes
 from ict_jax.model.config import ModelConfig
 from ict_jax.platform import accelerator_type, tpu_chips_present
@@ -79,7 +80,7 @@ from ict_jax.train.programs import build_programs as build_run_programs
 #: Every program a run may compile, in the order a run executes them (``train.programs``); a run of a config
 #: compiles :func:`run_programs`.
 PROGRAMS = PROGRAM_NAMES
-TPU_EXTRA = "pip install 'ict_jax[tpu]'"
+TPU_EXTRA = install_line("tpu")
 GIB = 1024 ** 3
 
 

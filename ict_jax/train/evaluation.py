@@ -107,7 +107,10 @@ class Evaluator:
             # with data.eval_batch, each sampler call gets a whole batch of problems (the default hands it 8 a
             # time, as it always has, so that a run's evaluations keep their samples)
             batch = {"batch_size": d.eval_batch} if d.eval_batch else {}
-            res = evaluate(self.generator(state), self.datasets(), self.parts.pool, n=d.eval_n, ks=d.eval_k,
+            if self._datasets is None:  # the first evaluation loads the benchmarks (a tfds download: minutes)
+                logger.working_on(f"evaluating: loading the benchmarks ({','.join(d.eval)})")
+            datasets = self.datasets()
+            res = evaluate(self.generator(state), datasets, self.parts.pool, n=d.eval_n, ks=d.eval_k,
                            limit=d.eval_limit, **batch, json_path=results,
                            samples_path=results.with_suffix(".jsonl"), progress=False, print_table=False,
                            listener=lambda done, total, what: logger.working_on(evaluation_line(done, total, what)))

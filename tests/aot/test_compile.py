@@ -31,7 +31,7 @@ TINY = ["model.preset=tiny", "train.prompts_per_step=16", "train.mini_batches=1"
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 # CI (.ci/run) sets ICT_JAX_REQUIRE_LIBTPU=1: there a missing libtpu fails these tests instead of skipping them
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="the tpu extra: pip install 'ict_jax[tpu]' (.ci/run installs it)")
+                                  reason="the tpu extra: pip install -e '.[tpu]' (.ci/run installs it)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -610,7 +610,7 @@ def test_missing_libtpu_names_the_extra(monkeypatch, capsys):
 
     monkeypatch.setattr(tc.importlib.util, "find_spec", lambda name: None)
     rc, _, err = _cli(["compile", "--config", RECIPE, "--topology", "v5e:2x2"] + TINY, capsys)
-    assert rc == 2 and "pip install 'ict_jax[tpu]'" in err and err.count("\n") == 1
+    assert rc == 2 and "pip install -e '.[tpu]' in the ict_jax checkout" in err and err.count("\n") == 1
 
 
 # ------------------------------------------------------------------------------------------------

@@ -454,7 +454,7 @@ def test_wandb_missing_is_a_one_line_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     rc, _, err = train(tmp_path / "r", "logging.wandb=true")
-    assert rc == 2 and "pip install 'ict_jax[wandb]'" in err and not (tmp_path / "r").exists()
+    assert rc == 2 and "pip install -e '.[wandb]' in the ict_jax checkout" in err and not (tmp_path / "r").exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -666,7 +666,8 @@ def test_an_evaluations_metrics_carry_the_shares_of_each_benchmark():
 
 def test_a_runs_evaluation_feeds_its_heartbeat_and_clears_it_even_when_it_fails(tmp_path, monkeypatch):
     """The Evaluator hands evaluate() a listener that names the evaluation in the run's heartbeat
-    (problems done, the batch being sampled) and clears it afterwards, also when the evaluation fails."""
+    (the benchmarks loading, the problems done, the batch being sampled) and clears it afterwards, also when
+    the evaluation fails."""
     from types import SimpleNamespace
 
     import ict_jax.train.evaluation as evaluation
@@ -688,11 +689,12 @@ def test_a_runs_evaluation_feeds_its_heartbeat_and_clears_it_even_when_it_fails(
 
     monkeypatch.setattr(evaluation, "evaluate", fake)
     assert ev.evaluate(None, 1) == {"eval/three/pass@1": 0.5}
-    assert work == ["evaluating, 0/3 problems done (three: sampling problems 1-2 of 3, 2 responses each)",
+    assert work == ["evaluating: loading the benchmarks (three)",  # not loaded yet (the stand-in never keeps them)
+                    "evaluating, 0/3 problems done (three: sampling problems 1-2 of 3, 2 responses each)",
                     "evaluating, 2/3 problems done", None]
     with pytest.raises(RuntimeError, match="sampler failed"):
         ev.evaluate(None, 2)
-    assert work[-1] is None and len(work) == 6
+    assert work[-1] is None and len(work) == 8
 
 def test_first_ctrl_c_asks_to_stop_after_the_step_the_second_stops_at_once():
     from ict_jax.train.stopping import stop_after_step
