@@ -274,7 +274,6 @@ def part_compile(args) -> dict:
     import jax
     from flax import nnx
 
-    from ict_jax.aot.compile import abstract_batch, prompt_len
     from ict_jax.buckets import response_buckets
     from ict_jax.config import load_config
     from ict_jax.rl.state import init_train_state
@@ -282,6 +281,7 @@ def part_compile(args) -> dict:
     from ict_jax.sampling.sampler import make_generate_fn
     from ict_jax.sharding import make_mesh
     from ict_jax.train.model_source import resolve_model
+    from ict_jax.train.programs import abstract_batch, prompt_len
 
     N = max(args.lengths)
     cfg = load_config(args.config, [f"rollout.max_new_tokens={N}", f"model.path={args.model}"])

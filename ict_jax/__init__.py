@@ -4,10 +4,6 @@
 (``ict_jax.data.prompts.pad_left``, ``ict_jax.rl.losses.loss_denominators``, ...): docs/architecture.md
 maps every module. Names resolve lazily (PEP 562), so ``import ict_jax`` stays cheap (the CLI, reward
 worker processes) and only the module a name lives in is imported when the name is first used.
-
-Names that were top-level before the package was split into subpackages still resolve here (``_MOVED``,
-``_RENAMED``), and former module paths still import (``_MOVED_MODULES``), through ``ict_jax.deprecation``:
-a ``DeprecationWarning`` that names the new home and the version that removes the old name.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # name -> module (relative to this package). One line per public name, grouped by section.
 _API: dict[str, str] = {
@@ -85,7 +81,7 @@ _API: dict[str, str] = {
     "load_config": "config",
     # -- training runs (train/) --
     "Trainer": "train.trainer",
-    "TrainingDiverged": "train.trainer",
+    "TrainingDiverged": "train.stopping",
     "Checkpointer": "train.checkpoints",
     "export_checkpoint": "train.export",
     # -- tools (tools/) --
@@ -94,82 +90,8 @@ _API: dict[str, str] = {
     "run_comparison": "tools.compare",
 }
 
-# Former top-level names (before the subpackages): name -> module. They resolve with a DeprecationWarning
-# (ict_jax.deprecation, below).
-_MOVED: dict[str, str] = {
-    "KVCache": "model.qwen2",
-    "LOGICAL_RULES": "sharding",
-    "logical_sharding": "sharding",
-    "batch_sharding": "sharding",
-    "shard_batch": "sharding",
-    "logical_to_spec": "sharding",
-    "state_shardings": "sharding",
-    "check_prompts_divide": "sharding",
-    "Tokenizer": "model.tokenizers",
-    "HFTokenizer": "model.tokenizers",
-    "QWEN2P5_CHAT_TEMPLATE": "model.tokenizers",
-    "render_chat_template": "model.tokenizers",
-    "zero_std_groups": "rl.losses",
-    "loss_denominators": "rl.losses",
-    "LossDenominators": "rl.losses",
-    "RANDOM_MASK_STREAM": "rl.selectors",
-    "DataError": "data.example",
-    "DATASETS": "data.datasets",
-    "PAPER_BENCHMARKS": "data.datasets",
-    "format_prompt": "data.templates",
-    "template_dataset": "data.templates",
-    "EncodedPrompts": "data.prompts",
-    "encode_prompts": "data.prompts",
-    "PromptBatch": "data.prompts",
-    "PromptIterator": "data.prompts",
-    "make_buckets": "buckets",
-    "pad_left": "data.prompts",
-    "GenerateFn": "sampling.sampler",
-    "SampleSettings": "sampling.sampler",
-    "sample_token": "sampling.draw",
-    "TextGenerator": "sampling.text_generation",
-    "aggregate": "sampling.evaluation",
-    "format_table": "sampling.evaluation",
-    "EVAL_DEFAULTS": "sampling.evaluation",
-    "RewardCheck": "rewards.checks",
-    "math_equal": "rewards.checks",
-    "extract_answer": "rewards.checks",
-    "extract_choice": "rewards.checks",
-    "last_boxed": "rewards.checks",
-    "make_sft_step": "rl.sft",
-    "sft_loss": "rl.sft",
-}
-# Former public names kept as deprecated functions at their home (each call warns, naming what replaces it;
-# removed in 0.3.0): name -> module. Not in ``__all__``.
-_DEPRECATED: dict[str, str] = {
-    "load_model_and_tokenizer": "model.loading",
-    "load_params_from_checkpoint": "train.checkpoints",
-}
-# a former name whose object is now called differently: old name -> (module, new name)
-_RENAMED: dict[str, tuple[str, str]] = {"gym_score": ("rewards.checks", "gym_answer_score")}
-
 __all__ = sorted(_API) + ["__version__"]
 _SUBMODULES = ("config", "sharding", "model", "data", "rewards", "sampling", "rl", "train", "tools", "aot", "cli")
-
-# Former module paths: ``import ict_jax.tools.compile`` still works (the module at its new home, with a
-# DeprecationWarning). The AOT kit moved out of tools/ into aot/; the tokenizers moved into model/.
-_MOVED_MODULES: dict[str, str] = {
-    "ict_jax.tools.compile": "ict_jax.aot.compile",
-    "ict_jax.tools.compile_report": "ict_jax.aot.report",
-    "ict_jax.tools.fit": "ict_jax.aot.fit",
-    "ict_jax.tools.hlo": "ict_jax.aot.hlo",
-    "ict_jax.data.tokenizers": "ict_jax.model.tokenizers",
-}
-
-# The former names and module paths go through the one deprecation mechanism (imported by name, like every
-# facade import; it imports nothing of ict_jax), each removed in deprecation.REMOVED_IN.
-_deprecation = importlib.import_module(".deprecation", __name__)
-_FORMER = _deprecation.MovedNames(
-    __name__,
-    {**{name: f"{__name__}.{module}.{name}" for name, module in _MOVED.items()},
-     **{old: f"{__name__}.{module}.{new}" for old, (module, new) in _RENAMED.items()}},
-    removed_in=_deprecation.REMOVED_IN)
-_deprecation.MovedModules(_MOVED_MODULES, removed_in=_deprecation.REMOVED_IN).install()
 
 # What the command line does before JAX starts, for library and notebook use too: with libtpu installed
 # on a machine without a TPU (or a GPU), select the CPU, so that JAX's backend start prints no libtpu
@@ -185,12 +107,10 @@ def _resolve(module: str, name: str) -> Any:
 
 
 def __getattr__(name: str) -> Any:
-    if name in _API or name in _DEPRECATED:
-        value = _resolve(_API.get(name) or _DEPRECATED[name], name)
+    if name in _API:
+        value = _resolve(_API[name], name)
         globals()[name] = value  # cache: the next access skips __getattr__
         return value
-    if name in _FORMER:
-        return _FORMER.resolve(name)
     if name in _SUBMODULES:  # ``ict_jax.sharding.make_mesh`` after a bare ``import ict_jax``
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'ict_jax' has no attribute {name!r}")

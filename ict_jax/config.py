@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from ict_jax.deprecation import REMOVED_IN, MovedNames
-
 #: Candidate sets of a top-k selector (docs/method.md §2): a response, a prompt's group, the mini-batch, or
 #: (20-Entropy's official code, ``entropy`` only) each micro-batch of ``train.micro_batches``.
 Scope = Literal["sequence", "group", "batch", "micro_batch"]
@@ -629,16 +627,6 @@ def validate(cfg: Config) -> Config:
         if k < 1 or k > cfg.data.eval_n:
             raise ConfigError(f"data.eval_k: {k} must be between 1 and data.eval_n={cfg.data.eval_n}")
     return cfg
-
-
-# Names that moved out of this module: name -> its new home. They resolve with a DeprecationWarning (PEP 562),
-# the home imported by name only when asked for: config imports nothing of ict_jax but the deprecation leaf
-# (docs/architecture.md).
-_FORMER = MovedNames(__name__, {"rho_fraction": "ict_jax.rl.quantile.rho_fraction"}, removed_in=REMOVED_IN)
-
-
-def __getattr__(name: str) -> Any:
-    return _FORMER.resolve(name)
 
 
 def get_dotted(tree: Any, key: str, default: Any = None) -> Any:

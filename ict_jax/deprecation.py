@@ -3,7 +3,7 @@
 Each one is declared with the ict_jax version that removes it and warns, when used, with one category
 (``DeprecationWarning``) and one shape of text that names the old name, its replacement and that version::
 
-    ict_jax.pad_left is deprecated and will be removed in ict_jax 0.3.0: use ict_jax.data.prompts.pad_left
+    ict_jax.old_name is deprecated and will be removed in ict_jax 0.3.0: use ict_jax.new_home.new_name
 
 Three kinds, one text: a module's former attribute names (:class:`MovedNames`, the module's PEP 562
 ``__getattr__`` calls it), former module paths (:class:`MovedModules`, an import hook), and anything else a
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: The release that removes every name and form deprecated in ict_jax 0.1.x.
+#: The release that removes a name or form deprecated in ict_jax 0.2.x (none is, in 0.2.0).
 REMOVED_IN = "0.3.0"
 
 

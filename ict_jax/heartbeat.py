@@ -6,7 +6,9 @@ told from a hung one.
 without a line, it prints one, saying what is running (the current :meth:`Heartbeat.phase`) and for how
 long, or whatever its ``status`` function returns (``ict-jax eval``: problems done, elapsed, ETA). Lines
 the work prints itself count (:meth:`Heartbeat.said`), so a chatty phase gets no extra lines. The interval
-is ``interval`` when given, else the environment variable ``ICT_JAX_HEARTBEAT_S``, else 30 seconds.
+is ``interval`` when given, else the environment variable ``ICT_JAX_HEARTBEAT_S``, else 30 seconds. A
+command has one heartbeat from its first second; a part of the work with progress lines of its own (an
+evaluation's problems done) speaks through it for a while (:meth:`Heartbeat.lend`), on the same clock.
 
 Imports nothing of ict_jax: every layer may use it.
 """
@@ -72,15 +74,29 @@ class Heartbeat:
         with self._lock:
             self._last = time.monotonic()
 
+    def lend(self, say: Callable[[str], None], status: Callable[[], str | None]) -> Callable[[], None]:
+        """Until the returned function is called, the lines are ``status()`` said by ``say`` (a part of the
+        work that shows progress of its own: :class:`ict_jax.sampling.evaluation.Progress`); the clock goes
+        on, so a line stays due ``interval`` seconds after the last one, whoever said it."""
+        with self._lock:
+            before = self.say, self.status
+            self.say, self.status = say, status
+
+        def give_back() -> None:
+            with self._lock:
+                self.say, self.status = before
+
+        return give_back
+
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
     def line(self) -> str | None:
         """The heartbeat line due now (None: nothing to say)."""
-        if self.status is not None:
-            return self.status()
         with self._lock:
-            phase, since = self._phase, self._phase_start
+            status, phase, since = self.status, self._phase, self._phase_start
+        if status is not None:
+            return status()
         if phase is None:
             return None
         now = time.monotonic()
@@ -98,7 +114,9 @@ class Heartbeat:
             if self._stop.is_set():
                 return
             if text:
-                self.say(text)
+                with self._lock:
+                    say = self.say
+                say(text)
             self.said()
 
     def __enter__(self) -> "Heartbeat":

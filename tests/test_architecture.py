@@ -20,20 +20,21 @@ ALLOWED: dict[str, set[str]] = {
     "buckets": set(),
     "heartbeat": set(),
     "interrupts": set(),
+    "install": set(),
     "rewards": set(),
-    "data": {"rewards", "model.tokenizers", "rng", "buckets"},
-    "model": {"config", "sharding", "rng", "deprecation"},
+    "data": {"rewards", "model.tokenizers", "rng", "buckets", "install"},
+    "model": {"config", "sharding", "rng", "deprecation", "install"},
     "rl": {"config", "sharding", "rng", "buckets"},
     "sampling": {"config", "sharding", "rng", "buckets", "model", "data", "rewards", "outputs", "heartbeat",
                  "deprecation"},
     "train": {"config", "sharding", "rng", "buckets", "model", "data", "rewards", "rl", "sampling", "outputs",
-              "memory", "heartbeat", "interrupts", "deprecation"},
+              "memory", "heartbeat", "interrupts", "deprecation", "install"},
     "aot": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards", "rl",
-            "sampling", "train", "heartbeat", "deprecation"},
+            "sampling", "train", "heartbeat", "deprecation", "install"},
     "tools": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards",
-              "rl", "sampling", "train", "aot", "heartbeat", "deprecation"},
+              "rl", "sampling", "train", "aot", "heartbeat", "deprecation", "install"},
     "cli": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards",
-            "rl", "sampling", "train", "tools", "aot", "cli", "heartbeat", "interrupts", "deprecation", ""},
+            "rl", "sampling", "train", "tools", "aot", "cli", "heartbeat", "interrupts", "deprecation", "install", ""},
 }
 
 
@@ -206,20 +207,9 @@ def test_the_write_check_finds_a_registration_into_config():
     assert _writes_into(ast.parse("import ict_jax.config as c\nc.X = 1\n"), set(), {"c"}) == [2]
 
 
-#: the former model-loading names (deprecated wrappers, removed in 0.3.0): nothing in the package calls them
-FORMER_LOADERS = {"load_model_and_tokenizer", "load_model_tokenizer", "load_model_weights", "load_model_config",
-                  "load_tokenizer_spec", "training_run_hint", "build_model_and_tokenizer", "run_architecture",
-                  "run_tokenizer", "preset_architecture", "preset_config", "with_lora", "with_adapters",
-                  "model_overrides", "init_key", "load_params_from_checkpoint", "load_run_model", "run_model_tokenizer",
-                  "run_model_source", "run_tokenizer_spec", "recorded_run_config"}
-
-
 def test_every_command_resolves_its_model_through_one_function():
     """docs/architecture.md "One model resolver": the commands that take a model (and the run's parts, and
-    compile) import ``train.model_source.resolve_model``; no module uses a former loading name."""
-    bad = [f"ict_jax.{src} imports {name or dst} from ict_jax.{dst} (line {line})" for src, imps in GRAPH.items()
-           for dst, name, line in imps if name in FORMER_LOADERS or dst == "model.loading"]
-    assert not bad, "\n".join(bad)
+    compile) import ``train.model_source.resolve_model``."""
     for module in ("cli.eval", "cli.sample", "cli.inspect", "cli.diagnose", "cli.export", "aot.compile",
                    "train.parts", "train.export"):
         assert ("train.model_source", "resolve_model") in {(d, n) for d, n, _ in GRAPH[module]}, module

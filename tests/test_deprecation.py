@@ -1,9 +1,6 @@
 """ict_jax/deprecation.py: the one way an old name or form keeps working, on hand cases (a warning's
 category, text and version; an old name is the object at its new home; unknown names still raise), and
-that every deprecation of the package goes through it. (Each former name of the package, resolved:
-tests/test_foundation.py, tests/rl/test_quantile.py, tests/train/test_programs.py, tests/train/test_warm_start.py,
-tests/tools/test_compare.py, tests/sampling/test_draw.py, and the former model-loading names: tests/model/test_loading.py,
-tests/train/test_model_source.py.)"""
+that no other module of the package makes a deprecation warning itself."""
 
 from __future__ import annotations
 
@@ -61,14 +58,6 @@ def test_a_moved_name_whose_new_home_is_deprecated_names_the_replacement_in_its_
         assert former.resolve("dumps") is json.dumps  # still the object at the (deprecated) new home
     assert [str(w.message) for w in caught] == [
         "pkg.old.dumps is deprecated and will be removed in ict_jax 0.3.0: use json.dump(obj, f)"]
-    import ict_jax.train.model_source
-    import ict_jax.train.run
-
-    for name in ("model_overrides", "build_model_and_tokenizer"):  # the package's two such names
-        with pytest.warns(DeprecationWarning) as caught:
-            fn = getattr(ict_jax.train.run, name)
-        assert fn is getattr(ict_jax.train.model_source, name)
-        assert len(caught) == 1 and ": use ict_jax.resolve_model(config)" in str(caught[0].message)
 
 
 def test_a_modules_getattr_through_moved_names_warns_at_the_reader_and_unknown_names_raise():
@@ -100,25 +89,8 @@ def test_moved_modules_import_the_module_at_its_new_home_with_a_warning():
         sys.modules.pop("ict_jax_old_json_home", None)
 
 
-def test_the_packages_old_names_go_through_the_one_mechanism():
-    """The package's former names and paths are declared with REMOVED_IN, and no module of the package
-    but this one makes a DeprecationWarning itself."""
-    import ict_jax
-    import ict_jax.aot.hlo
-    import ict_jax.config
-    import ict_jax.model.loading
-    import ict_jax.model.qwen2
-    import ict_jax.sampling.sampler
-    import ict_jax.train.checkpoints
-    import ict_jax.train.model_source
-    import ict_jax.train.resume
-    import ict_jax.train.run
-
-    for tables in (ict_jax._FORMER, ict_jax.config._FORMER, ict_jax.train.run._FORMER, ict_jax.model.loading._FORMER,
-                   ict_jax.train.checkpoints._FORMER, ict_jax.train.model_source._FORMER, ict_jax.aot.hlo._FORMER,
-                   ict_jax.model.qwen2._FORMER, ict_jax.sampling.sampler._FORMER, ict_jax.train.resume._FORMER):
-        assert tables.removed_in == REMOVED_IN and tables.homes
-    assert [f for f in sys.meta_path if isinstance(f, MovedModules) and f.homes == ict_jax._MOVED_MODULES]
+def test_no_module_but_deprecation_makes_a_deprecation_warning():
+    """A deprecation goes through ict_jax.deprecation: no other module of the package names the warning."""
     makers = [f"{path.relative_to(PACKAGE)}:{node.lineno}"
               for path in PACKAGE.rglob("*.py") if path.name != "deprecation.py"
               for node in ast.walk(ast.parse(path.read_text()))
@@ -130,48 +102,3 @@ def test_importing_the_package_warns_nothing():
     out = subprocess.run([sys.executable, "-W", "error", "-c", "import ict_jax; import ict_jax.deprecation"],
                          capture_output=True, text=True, cwd=PACKAGE.parent)
     assert out.returncode == 0 and out.stderr == "", out.stderr
-
-
-def test_the_former_chip_table_of_aot_compile_still_reads_with_a_warning():
-    import ict_jax.aot.compile as compile_module
-    from ict_jax.aot.chips import CHIPS
-
-    with pytest.warns(DeprecationWarning, match=r"ict_jax\.aot\.compile\.CHIP_SPECS is deprecated .* use ict_jax\.aot\.chips\.CHIPS"):
-        specs = compile_module.CHIP_SPECS
-    assert specs == {"v5e": {"peak_flops": 197e12, "ici_bytes": 400e9, "hbm_bw": 819e9},
-                     "v6e": {"peak_flops": 918e12, "ici_bytes": 800e9, "hbm_bw": 1640e9},
-                     "v5p": {"peak_flops": 459e12, "ici_bytes": 1200e9, "hbm_bw": 2765e9},
-                     "v4": {"peak_flops": 275e12, "ici_bytes": 300e9, "hbm_bw": 1200e9}}  # the former values
-    assert specs["v5e"]["peak_flops"] == CHIPS["v5e"].peak_flops
-    with pytest.raises(AttributeError, match="has no attribute 'CHIP_SPEC'"):
-        compile_module.CHIP_SPEC  # noqa: B018
-
-
-def test_the_cost_counters_former_names_in_aot_hlo_are_its_names_in_aot_cost():
-    import ict_jax.aot.cost as cost_module
-    import ict_jax.aot.hlo as hlo_module
-
-    for name in ("Cost", "cost", "dot_flops", "instruction_bytes", "computation_roles", "NO_TRAFFIC", "SLICING"):
-        with pytest.warns(DeprecationWarning, match=rf"ict_jax\.aot\.hlo\.{name} is deprecated .* use ict_jax\.aot\.cost\.{name}"):
-            assert getattr(hlo_module, name) is getattr(cost_module, name)
-    with pytest.raises(AttributeError):
-        _ = hlo_module.no_such_name
-
-
-def test_the_attention_mask_value_read_from_qwen2_is_the_attention_modules():
-    import ict_jax.model.attention as attention
-    import ict_jax.model.qwen2 as qwen2
-
-    with pytest.warns(DeprecationWarning, match=r"ict_jax\.model\.qwen2\.MASKED is deprecated .* use ict_jax\.model\.attention\.MASKED"):
-        assert qwen2.MASKED == attention.MASKED
-    assert qwen2.attend is attention.attend  # still used by the model itself: no warning
-
-
-def test_eval_results_former_suffix_parameter_still_gives_the_samples_path_with_a_warning(tmp_path):
-    from ict_jax.train.evaluation import eval_results
-
-    results = eval_results(tmp_path, 3)
-    assert results == tmp_path / "eval" / "step_000003.json"
-    with pytest.warns(DeprecationWarning, match=r"eval_results\(\.\.\., suffix\) is deprecated .* use "
-                                                r"eval_results\(\.\.\.\)\.with_suffix\(suffix\)"):
-        assert eval_results(tmp_path, 3, ".jsonl") == tmp_path / "eval" / "step_000003.jsonl"

@@ -30,27 +30,6 @@ def test_public_api_resolves():
         assert getattr(ict_jax, name) is not None, name
 
 
-def test_former_names_and_module_paths_resolve_with_a_warning():
-    import importlib
-    import re
-    import sys
-
-    from ict_jax.deprecation import REMOVED_IN, message
-
-    for name, module in ict_jax._MOVED.items():
-        new = f"ict_jax.{module}.{name}"
-        with pytest.warns(DeprecationWarning, match=re.escape(message(f"ict_jax.{name}", new, REMOVED_IN))):
-            assert getattr(ict_jax, name) is getattr(importlib.import_module(f"ict_jax.{module}"), name)
-    for old, (module, name) in ict_jax._RENAMED.items():
-        new = f"ict_jax.{module}.{name}"
-        with pytest.warns(DeprecationWarning, match=re.escape(message(f"ict_jax.{old}", new, REMOVED_IN))):
-            assert getattr(ict_jax, old) is getattr(importlib.import_module(f"ict_jax.{module}"), name)
-    for old, new in ict_jax._MOVED_MODULES.items():
-        sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning, match=re.escape(message(old, new, REMOVED_IN))):
-            assert importlib.import_module(old) is importlib.import_module(new)
-
-
 def test_make_mesh_shapes_and_errors(devices8):
     m = ict_jax.make_mesh(data=2, fsdp=2, tensor=2)
     assert dict(m.shape) == {"data": 2, "fsdp": 2, "tensor": 2}

@@ -47,3 +47,20 @@ def test_the_interval_and_durations(monkeypatch):
         monkeypatch.setenv(INTERVAL_ENV, bad)
         assert heartbeat_interval() == DEFAULT_INTERVAL
     assert (duration(9), duration(75), duration(3725)) == ("9s", "1m15s", "1h02m")
+
+
+def test_a_lent_heartbeat_speaks_for_the_borrower_on_its_own_clock():
+    """A part of the work with progress of its own speaks through the running heartbeat (its lines, its
+    status) until it gives it back; the clock goes on: no second thread, no gap at the hand-over."""
+    own: list[str] = []
+    lent: list[str] = []
+    with Heartbeat(own.append, interval=0.05) as beat:
+        beat.phase("loading")
+        time.sleep(0.2)
+        give_back = beat.lend(lent.append, lambda: "eval 1/4 problems")
+        time.sleep(0.2)
+        give_back()
+        n = len(own)
+        time.sleep(0.2)
+    assert lent and set(lent) == {"eval 1/4 problems"}, lent
+    assert own and all(ln.startswith("loading: still running, ") for ln in own) and len(own) > n, own

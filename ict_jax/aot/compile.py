@@ -52,6 +52,7 @@ from ict_jax.aot import hlo, roofline
 from ict_jax.aot.breakdown import breakdown
 from ict_jax.aot.chips import chip_for
 from ict_jax.config import Config, ConfigError, parse_topology
+from ict_jax.install import install_line
 from ict_jax.memory import fmt_bytes
 from ict_jax.model.config import ModelConfig
 from ict_jax.platform import accelerator_type, tpu_chips_present
@@ -63,12 +64,10 @@ from ict_jax.sharding import make_mesh
 from ict_jax.train.checkpoints import abstract_train_state
 from ict_jax.train.model_source import resolve_model
 from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
-from ict_jax.train.programs import (  # noqa: F401
+from ict_jax.train.programs import (
     PLACEHOLDER_IDS,
     PROGRAM_NAMES,
     TokenIds,
-    abstract_batch,
-    abstract_reference,
     kv_cache_dtype,
     per_device_bytes,
     prompt_len,
@@ -81,22 +80,8 @@ from ict_jax.train.programs import build_programs as build_run_programs
 #: Every program a run may compile, in the order a run executes them (``train.programs``); a run of a config
 #: compiles :func:`run_programs`.
 PROGRAMS = PROGRAM_NAMES
-TPU_EXTRA = "pip install 'ict_jax[tpu]'"
+TPU_EXTRA = install_line("tpu")
 GIB = 1024 ** 3
-
-
-def __getattr__(name: str) -> Any:
-    """``CHIP_SPECS``, the former per-generation dict of TPU figures: built from the one chip table
-    (:data:`ict_jax.aot.chips.CHIPS`), with a DeprecationWarning."""
-    if name == "CHIP_SPECS":
-        from ict_jax.aot.chips import CHIPS
-        from ict_jax.deprecation import REMOVED_IN, warn
-
-        warn("ict_jax.aot.compile.CHIP_SPECS", "ict_jax.aot.chips.CHIPS (one Chip per accelerator, with sources)",
-             removed_in=REMOVED_IN)
-        return {n: {"peak_flops": c.peak_flops, "ici_bytes": c.ici_bytes, "hbm_bw": c.hbm_bw}
-                for n, c in CHIPS.items() if n in ("v4", "v5e", "v5p", "v6e")}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class TpuUnavailable(ValueError):
@@ -230,7 +215,7 @@ def target_model_config(cfg: Config, platform: str) -> tuple[ModelConfig, str]:
 
     ``model.path``, when it is a local Hugging Face directory or a ``.gguf`` file, gives the
     architecture; otherwise ``model.preset`` does (the recipes name a placeholder path), sized to the
-    run's tokenizer as training sizes it. ``auto`` compute dtype resolves for the target platform. With
+    run's tokenizer as training sizes it. ``auto`` compute dtype and attention resolve for the target platform. With
     ``model.lora.enabled`` it carries the adapters: the train state is then the adapters and the frozen
     base."""
     source = resolve_model(cfg, platform=platform, missing="preset")

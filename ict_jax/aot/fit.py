@@ -23,7 +23,6 @@ from typing import Any, Callable, Sequence
 
 from ict_jax.aot.chips import Chip, chip_for
 from ict_jax.aot.compile import (
-    PROGRAMS,  # noqa: F401 - importable from here as before
     ProgramReport,
     Target,
     build_programs,

@@ -19,8 +19,6 @@ import math
 import re
 from typing import Iterable, Sequence
 
-from ict_jax.deprecation import REMOVED_IN, MovedNames
-
 #: The collective operations reported, in this order.
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -470,13 +468,3 @@ def arrays_with_dim(module: HloModule, size: int) -> list[tuple[Array, str, str]
     listed too: a conservative view)."""
     hits = [(a, comp, ins.name) for comp, ins in module.instructions() for a in ins.arrays if size in a.dims]
     return sorted(hits, key=lambda h: -h[0].elements)
-
-
-#: The cost counter's names, read here before it moved to :mod:`ict_jax.aot.cost`.
-_FORMER = MovedNames(__name__, {name: f"ict_jax.aot.cost.{name}" for name in (
-    "Cost", "cost", "dot_flops", "instruction_bytes", "computation_roles", "NO_TRAFFIC", "SLICING")},
-    removed_in=REMOVED_IN)
-
-
-def __getattr__(name: str):
-    return _FORMER.resolve(name)

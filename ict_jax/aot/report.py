@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ict_jax.aot.compile import ProgramReport, Target, fmt_bytes
+from ict_jax.aot.compile import ProgramReport, Target
 from ict_jax.aot.hlo import COLLECTIVES
+from ict_jax.memory import fmt_bytes
 
 
 def header(config_name: str, target: Target, mesh: dict[str, int], model_source: str) -> str:

@@ -1,6 +1,8 @@
 """``ict-jax align``: the gradient-alignment check of a run's selectors on its own rollouts from its starting
 policy (:mod:`ict_jax.tools.gradient_alignment`; docs/results.md "Gradient alignment"). A line per batch, and
-a heartbeat at least every ``$ICT_JAX_HEARTBEAT_S`` seconds (30 by default) naming the phase that runs."""
+a heartbeat from the command's first second, at least every ``$ICT_JAX_HEARTBEAT_S`` seconds (30 by default),
+naming the phase that runs (importing JAX, each part of the run's build, each batch's sampling and gradients,
+the report)."""
 
 from __future__ import annotations
 
@@ -32,10 +34,15 @@ def align_main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
 
     from ict_jax.heartbeat import Heartbeat
-    from ict_jax.tools.gradient_alignment import run_alignment
 
-    with Heartbeat(_say) as beat:
-        beat.phase("loading the model, sampling and taking gradients")
-        run_alignment(cfg, batches=args.batches, out=out, say=_say)
+    def say(line: str) -> None:  # the check's own lines count for the heartbeat
+        _say(line)
+        beat.said()
+
+    with Heartbeat(_say) as beat:  # from the first second: importing JAX and the trainer alone takes a while
+        beat.phase("starting (importing JAX and the trainer)")
+        from ict_jax.tools.gradient_alignment import run_alignment
+
+        run_alignment(cfg, batches=args.batches, out=out, say=say, tell=beat.phase)
     print(f"wrote {out / 'alignment.md'}, {out / 'alignment.json'}")
     return 0

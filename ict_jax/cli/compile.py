@@ -99,7 +99,7 @@ def _progress(line: str) -> None:
 
 def program_done_line(r, elapsed: float) -> str:
     """``step: compiled in 12.3 s (lowered in 1.1 s), 3.2 GiB live a device of 15.8 GiB: fits (45 s so far)``"""
-    from ict_jax.aot.compile import fmt_bytes
+    from ict_jax.memory import fmt_bytes
 
     if not r.compiled:
         what = f"does not fit ({r.error})"

@@ -1,7 +1,8 @@
 """``ict-jax diagnose``: the paper's token diagnostics of every reading of u and every selector on a real
 model (:mod:`ict_jax.tools.diagnose`; docs/results.md). A line as each setting and batch starts and ends,
-and a heartbeat at least every ``$ICT_JAX_HEARTBEAT_S`` seconds (30 by default) naming the phase that runs
-(loading, sampling, scoring, statistics and masks, the diagnostics)."""
+and a heartbeat from the command's first second, at least every ``$ICT_JAX_HEARTBEAT_S`` seconds (30 by
+default), naming the phase that runs (importing JAX, loading the prompts and the model, sampling, scoring,
+statistics and masks, the diagnostics, the report)."""
 
 from __future__ import annotations
 
@@ -94,13 +95,23 @@ def diagnose_main(args: argparse.Namespace) -> int:
     if args.rho is not None and not 0 < args.rho <= 1:
         raise UserError(f"--rho {args.rho}: allowed 0 < rho <= 1")
     out = check_output_dir(args.out, "--out")
+    from ict_jax.heartbeat import Heartbeat
+
+    with Heartbeat(_say) as beat:  # from the first second: importing JAX alone takes a while
+        beat.phase("starting (importing JAX and the diagnostics)")
+        return _diagnose(args, out, beat, groups=groups, temps=temps, forms=forms)
+
+
+def _diagnose(args: argparse.Namespace, out, beat, *, groups: list, temps: list, forms: list) -> int:
     if args.reanalyse:
         if not (out / "diagnose.json").is_file():
             raise UserError(f"--reanalyse: {str(out / 'diagnose.json')!r} does not exist")
         from ict_jax.tools.diagnose import reanalyse
         from ict_jax.train.model_source import resolve_model
 
+        beat.phase(f"loading the tokenizer of {args.model}")
         tok = resolve_model(args.model, tokenizer=args.tokenizer).tokenizer()  # the tokenizer only, never the weights
+        beat.phase(f"rebuilding the report in {out}")
         reanalyse(out, tok, say=_say)
         print(f"wrote {out / 'diagnose.md'}, {out / 'diagnose.json'}")
         return 0
@@ -113,27 +124,29 @@ def diagnose_main(args: argparse.Namespace) -> int:
         raise UserError(f"--out {str(out)!r} already holds a report (pass --force to write over it)")
 
     from ict_jax.data.datasets import load_dataset
-    from ict_jax.heartbeat import Heartbeat
     from ict_jax.tools.diagnose import Setting, prompt_instruction, run_diagnose
     from ict_jax.train.model_source import resolve_model
 
+    beat.phase(f"loading the prompts ({args.prompts})")
     dataset = load_dataset(args.prompts, data_dir=args.data_dir, limit=args.num_prompts)
     if len(dataset) == 0:
         raise UserError(f"--prompts {args.prompts!r}: no prompts")
     _say(f"loading {args.model} ...")
+    beat.said()
     t0 = time.perf_counter()
-    with Heartbeat(_say) as beat:  # a real model's first load assembles and dequantises it: a minute or more
-        beat.phase(f"loading {args.model}")
-        source = resolve_model(args.model, tokenizer=args.tokenizer)
-        tok, model = source.tokenizer(), source.load()
+    beat.phase(f"loading {args.model}")  # a real model's first load assembles and dequantises it: a minute or more
+    source = resolve_model(args.model, tokenizer=args.tokenizer)
+    tok, model = source.tokenizer(), source.load()
+    beat.phase(None)
     _say(f"loaded in {time.perf_counter() - t0:.0f} s; {len(dataset)} prompts, "
          + (f"each followed by the instruction {instr!r}" if (instr := prompt_instruction(dataset, args.template))
             else "as given (template none)"))
+    beat.said()
     settings = [Setting(g, t) for g, t in itertools.product(groups, temps)]
     results = run_diagnose(model, tok, dataset, settings=settings, u_forms=forms, max_new_tokens=args.max_new_tokens,
                            batch_rows=args.batch_rows, template=args.template, seed=args.seed, rho=args.rho,
                            chunk=args.chunk, out=out, title=args.title or f"{args.model} on {args.prompts}",
-                           say=_say)
+                           say=_say, heartbeat=beat)
     print(f"wrote {out / 'diagnose.md'}, {out / 'diagnose.json'}, "
           + ", ".join(str(out / f"{n}.png") for n in results["settings"]))
     return 0

@@ -204,12 +204,23 @@ def _mesh(spec: str | None):
 
 
 def eval_main(args: argparse.Namespace) -> int:
-    from ict_jax.cli.errors import UserError
-    from ict_jax.data.datasets import load_dataset
+    """The command, under its heartbeat from the first second (:func:`ict_jax.cli.progress.command_heartbeat`;
+    unless ``--no-progress``): a line naming the phase whenever 30 s (``$ICT_JAX_HEARTBEAT_S``) pass without
+    one, while JAX is imported, the model resolved, the benchmarks and the tokenizer loaded, the prompts
+    measured, the weights loaded, the sampler built, the reward workers started and the results written;
+    while the problems are sampled and scored the evaluation's own lines speak through it
+    (:class:`ict_jax.sampling.evaluation.Progress`: problems done, ETA, the batch sampled or scored)."""
+    from ict_jax.cli.progress import command_heartbeat
+
+    with command_heartbeat("eval", enabled=not args.no_progress) as beat:
+        beat.phase("starting (importing JAX and the evaluation)")
+        return _eval(args, beat)
+
+
+def _eval(args: argparse.Namespace, beat) -> int:
     from ict_jax.data.extras import check_extras
     from ict_jax.data.prompts import prompt_fits
     from ict_jax.data.templates import template_dataset, template_mismatch
-    from ict_jax.heartbeat import Heartbeat
     from ict_jax.model.tokenizers import UnknownCharacterError
     from ict_jax.outputs import check_output_dir
     from ict_jax.rewards.checks import CUSTOM_KIND
@@ -220,42 +231,38 @@ def eval_main(args: argparse.Namespace) -> int:
 
     check_output_dir(args.out or DEFAULT_OUT, "--out")  # before any work
     check_extras(args.benchmarks or ())  # a missing optional extra (gym:, tfds:) before the model is resolved
+    beat.phase(f"resolving the model {args.model}")
     record = (source := resolve_model(args.model, tokenizer=args.tokenizer)).run_config  # no weights read yet
     s, sources = resolve_settings(args, record[0] if record else None)
     _validate(s, args)
     for line in settings_lines(s, sources, record[1] if record else None):
         print(line, flush=True)
-    datasets = {name: load_dataset(name, data_dir=s["data_dir"], limit=s["limit"], seed=s["seed"])
-                for name in s["benchmarks"]}
-    custom = [name for name, ds in datasets.items() if ds.scorer == CUSTOM_KIND]
-    if custom and not args.reward_fn:
-        raise UserError(f"benchmark {custom[0]!r} is scored by reward=custom: name the function with --reward-fn")
-    empty = [name for name, ds in datasets.items() if len(ds) == 0]
-    if empty:
-        raise UserError(f"benchmark {empty[0]!r} has no problems")
+    beat.phase(f"loading the benchmarks ({','.join(s['benchmarks'])})")
+    datasets = _load_benchmarks(s, args.reward_fn)
     mesh = _mesh(args.mesh)
     tokenizer = args.tokenizer or _recorded_tokenizer(source)
+    beat.phase("loading the tokenizer")
     tok = source.tokenizer()  # cheap: template and length-check first
     why = template_mismatch(tok, s["template"])
     if why:
         print(f"ict-jax eval: warning: template {s['template']}: {why}", file=sys.stderr)
     if record is None:
         _warn_defaults_guessed(s, sources)
+    beat.phase("templating the prompts and counting their tokens")
     templated = {name: template_dataset(ds, tok, s["template"]) for name, ds in datasets.items()}
     lengths = {name: _prompt_lengths(ds, tok, UnknownCharacterError) for name, ds in templated.items()}
     overlong = {name: sum(n > s["max_prompt_len"] for n in ls) for name, ls in lengths.items()}
     _refuse(overlong, args.skip_overlong, f"longer than --max-prompt-len={s['max_prompt_len']} tokens after templating "
             "(never truncated): raise --max-prompt-len or pass --skip-overlong")
-    with Heartbeat(lambda line: print(f"ict-jax eval: {line}", file=sys.stderr, flush=True),
-                   enabled=not args.no_progress) as beat:
-        beat.phase(f"loading {args.model}")  # a real model's first load: a minute or more
-        model, where = source.load(mesh=mesh, dtype=args.dtype), source.where
+    beat.phase(f"loading {args.model}")  # a real model's first load: a minute or more
+    model, where = source.load(mesh=mesh, dtype=args.dtype), source.where
     limit = model.config.max_position_embeddings
     no_room = {name: sum(n <= s["max_prompt_len"] and not prompt_fits(n, s["max_new_tokens"], limit) for n in ls)
                for name, ls in lengths.items()}
     _refuse(no_room, args.skip_overlong, f"that with --max-new-tokens={s['max_new_tokens']} pass the model's "
             f"max_position_embeddings={limit} (the positions past it were never trained): lower --max-new-tokens "
             "or pass --skip-overlong")
+    beat.phase("building the sampler")
     gen = make_text_generator(model, tok, max_new_tokens=s["max_new_tokens"], temperature=s["temperature"],
                               top_p=s["top_p"], top_k=args.top_k, template="none",
                               max_prompt_len=s["max_prompt_len"], batch_size=s["batch_size"], seed=s["seed"],
@@ -268,10 +275,14 @@ def eval_main(args: argparse.Namespace) -> int:
     out = _output_folder(args.out)
     json_path = os.path.join(out, "eval.json")
     checkers = {CUSTOM_KIND: args.reward_fn} if args.reward_fn else None  # imported in the workers only
+    beat.phase(f"starting the reward workers ({s['workers']})")
     with RewardPool(s["workers"], time_limit=s["time_limit"], checkers=checkers, plugins=_run_plugins(record)) as pool:
+        beat.phase(None)  # the evaluation's own lines from here, through this heartbeat
         results = evaluate(gen, templated, pool, n=s["n"], ks=s["k"], batch_size=s["batch_size"],
                            samples_path=os.path.join(out, "eval_samples.jsonl"), settings=settings,
-                           progress=not args.no_progress, print_table=True)
+                           progress=not args.no_progress, print_table=True, heartbeat=beat)
+        beat.phase("stopping the reward workers")
+    beat.phase(f"writing {json_path}")
     for name in overlong:
         results["benchmarks"][name]["skipped_overlong"] = int(overlong[name] + no_room[name])
     results["compiled_programs"] = gen.compiled_programs()
@@ -293,6 +304,23 @@ def _run_plugins(record: tuple[dict, str] | None) -> tuple[str, ...]:
     plugins = tuple((record[0] or {}).get("plugins") or ()) if record else ()
     import_plugins(plugins)
     return plugins
+
+
+def _load_benchmarks(s: dict, reward_fn: str | None) -> dict:
+    """{name: Dataset} of the settings' benchmarks; a custom-scored one needs ``--reward-fn``, none may be empty."""
+    from ict_jax.cli.errors import UserError
+    from ict_jax.data.datasets import load_dataset
+    from ict_jax.rewards.checks import CUSTOM_KIND
+
+    datasets = {name: load_dataset(name, data_dir=s["data_dir"], limit=s["limit"], seed=s["seed"])
+                for name in s["benchmarks"]}
+    custom = [name for name, ds in datasets.items() if ds.scorer == CUSTOM_KIND]
+    if custom and not reward_fn:
+        raise UserError(f"benchmark {custom[0]!r} is scored by reward=custom: name the function with --reward-fn")
+    empty = [name for name, ds in datasets.items() if len(ds) == 0]
+    if empty:
+        raise UserError(f"benchmark {empty[0]!r} has no problems")
+    return datasets
 
 
 def _warn_defaults_guessed(s: dict, sources: dict) -> None:

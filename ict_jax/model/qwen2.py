@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from ict_jax.deprecation import REMOVED_IN, MovedNames
 from ict_jax.model.attention import attend, blocked_attend
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.fused_attention import IMPLEMENTATIONS as FUSED
@@ -456,11 +455,3 @@ def param_count(config_or_model: ModelConfig | Qwen2) -> int:
         raise TypeError(f"param_count takes a ModelConfig or a Qwen2 model, got {type(config_or_model).__name__}")
     abstract = nnx.eval_shape(lambda: Qwen2(config_or_model, rngs=nnx.Rngs(0)))
     return sum(int(x.size) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
-
-
-#: Names read here before attention moved to :mod:`ict_jax.model.attention` (``attend`` is still used here).
-_FORMER = MovedNames(__name__, {"MASKED": "ict_jax.model.attention.MASKED"}, removed_in=REMOVED_IN)
-
-
-def __getattr__(name: str):
-    return _FORMER.resolve(name)

@@ -132,13 +132,17 @@ class Progress:
     one: ``eval 16/64 problems  elapsed 4m10s  ETA 12m30s  (gsm8k_test: sampling problems 17-32 of 64)``
     (:meth:`phase` names the work); on a terminal it refreshes the bar's clock instead.
 
+    ``heartbeat``: a running heartbeat to speak through instead of one of its own (a command's, which has
+    spoken since its first second: :meth:`ict_jax.heartbeat.Heartbeat.lend`; its clock goes on, so no gap
+    opens between the command's lines and these).
+
     ``listener(done, total, phase)``: called whenever the problems done or the phase change, also when
     ``enabled`` is False: a caller with progress output of its own (a training run's heartbeat) shows it there."""
 
     LINES = 5
 
     def __init__(self, total: int, *, enabled: bool = True, stream: Any = None, heartbeat_s: float | None = None,
-                 listener: Callable[[int, int, str | None], None] | None = None):
+                 listener: Callable[[int, int, str | None], None] | None = None, heartbeat: Heartbeat | None = None):
         self.total, self.done, self.stream = int(total), 0, stream or sys.stderr
         self.listener = listener
         self._bar = None
@@ -146,13 +150,16 @@ class Progress:
         self._phase: str | None = None
         self._t0 = time.monotonic()
         self._beat: Heartbeat | None = None
+        self._give_back: Callable[[], None] | None = None
         if enabled and getattr(self.stream, "isatty", lambda: False)():
             from tqdm.auto import tqdm  # imported only when used
 
             self._bar = tqdm(total=self.total, desc="eval", unit="problem", file=self.stream)
         elif enabled:
             self._every = max(1, -(-max(1, self.total) // self.LINES))
-        if enabled:
+        if enabled and heartbeat is not None:
+            self._beat, self._give_back = heartbeat, heartbeat.lend(self._heartbeat, self.status_line)
+        elif enabled:
             self._beat = Heartbeat(self._heartbeat, interval=heartbeat_s, status=self.status_line).__enter__()
 
     def status_line(self) -> str:
@@ -191,9 +198,11 @@ class Progress:
                 self._beat.said()
 
     def close(self) -> None:
-        if self._beat is not None:
+        if self._give_back is not None:
+            self._give_back()
+        elif self._beat is not None:
             self._beat.__exit__()
-            self._beat = None
+        self._beat = self._give_back = None
         if self._bar is not None:
             self._bar.close()
 
@@ -238,12 +247,21 @@ def _write_samples(file: Any, name: str, index: int, ex: Any, responses: Sequenc
         file.write(json.dumps(rec, ensure_ascii=False) + "\n")
 
 
+def _open_samples(samples_path: str | os.PathLike | None) -> Any:
+    """The samples file of :func:`evaluate`, opened for writing (its folder made); None without a path."""
+    if samples_path is None:
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(samples_path)), exist_ok=True)
+    return open(samples_path, "w", encoding="utf-8")
+
+
 def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], datasets: Any, pool: Any = None, *,
              n: int = EVAL_DEFAULTS["n"], ks: Sequence[int] = EVAL_DEFAULTS["ks"], batch_size: int = 8,
              limit: int | None = None, json_path: str | os.PathLike | None = None,
              samples_path: str | os.PathLike | None = None, settings: Mapping[str, Any] | None = None,
              progress: bool = True, print_table: bool = True,
-             listener: Callable[[int, int, str | None], None] | None = None) -> dict:
+             listener: Callable[[int, int, str | None], None] | None = None,
+             heartbeat: Heartbeat | None = None) -> dict:
     """Sample ``n`` responses per problem, score them, and report pass@k per benchmark and on average.
 
     ``generate_fn(prompts, n)`` gets up to ``batch_size`` prompts (``Example.prompt``) and returns ``n``
@@ -255,23 +273,20 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
     ``generate_fn`` returns plain strings, which do not say), ``timeouts`` and ``seconds``) and one JSONL
     line per sample (``samples_path``: benchmark, index, sample, prompt, response, answer (extracted), gold,
     correct, reward, status, truncated); prints the table (:func:`format_table`); returns the results dict.
-    ``progress``: lines (or a bar) on stderr (:class:`Progress`); ``listener(done, total, phase)`` hears
-    the problems done and what is being sampled, with or without them (a training run's heartbeat)."""
+    ``progress``: lines (or a bar) on stderr (:class:`Progress`), through ``heartbeat`` when given (the
+    caller's running one); ``listener(done, total, phase)`` hears the problems done and what is sampled or
+    scored, with or without them (a training run's heartbeat)."""
     ks = tuple(int(k) for k in ks)
     if n < 1 or not ks or min(ks) < 1 or max(ks) > n:
         raise ValueError(f"evaluate: need 1 <= k <= n for every k, got n={n}, ks={ks}")
     benches = [(name, scorer, list(ex)[:limit] if limit is not None else list(ex))
                for name, scorer, ex in _as_benchmarks(datasets)]
     own_pool = pool is None
-    if own_pool:
-        pool = RewardPool(2)
+    pool = RewardPool(2) if own_pool else pool
     correct: dict[str, list[list[bool]]] = {}
     extra: dict[str, dict[str, Any]] = {}
-    sample_file = None
-    if samples_path is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(samples_path)), exist_ok=True)
-        sample_file = open(samples_path, "w", encoding="utf-8")
-    bar = Progress(sum(len(ex) for _, _, ex in benches), enabled=progress, listener=listener)
+    sample_file = _open_samples(samples_path)
+    bar = Progress(sum(len(ex) for _, _, ex in benches), enabled=progress, listener=listener, heartbeat=heartbeat)
     try:
         for name, scorer, examples in benches:
             t0 = time.monotonic()
@@ -282,7 +297,9 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
 
             def collect(item: tuple[int, list, list[list[str]], Any]) -> None:
                 start, chunk, responses, fut = item
+                bar.phase(f"{name}: scoring problems {start + 1}-{start + len(chunk)} of {len(examples)}")
                 checks = fut.result()
+                bar.phase(None)
                 for p, ex in enumerate(chunk):
                     row = checks[p * n:(p + 1) * n]
                     rows.append([c.correct for c in row])

@@ -28,7 +28,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from ict_jax.buckets import response_buckets
 from ict_jax.config import RolloutSection
-from ict_jax.deprecation import REMOVED_IN, MovedNames
 from ict_jax.model.attention import MASKED, attend
 from ict_jax.model.qwen2 import KVCache, attention_qkv, finish_layer, rms_norm, rope_tables
 from ict_jax.sampling.draw import sample_token as _sample_token
@@ -482,12 +481,3 @@ def generate(model: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array,
     cache_key = (graphdef, fn.settings, mesh)
     fn = _FNS.setdefault(cache_key, fn)
     return fn(state, jnp.asarray(prompt_ids), None if prompt_mask is None else jnp.asarray(prompt_mask), key)
-
-
-#: Names read here before the per-token draw moved to :mod:`ict_jax.sampling.draw`.
-_FORMER = MovedNames(__name__, {"sample_token": "ict_jax.sampling.draw.sample_token",
-                                "TOP_P_CANDIDATES": "ict_jax.sampling.draw.TOP_P_CANDIDATES"}, removed_in=REMOVED_IN)
-
-
-def __getattr__(name: str):
-    return _FORMER.resolve(name)

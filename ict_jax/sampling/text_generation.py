@@ -6,7 +6,7 @@ trainer's periodic evaluation (the ``generate_fn`` of :func:`ict_jax.evaluate_be
     gen.state = nnx.split(new_model)[1]                         # trainer: sample from the current weights
 
 Fixed shapes, few programs: each prompt is templated and tokenised (:func:`ict_jax.data.prompts.encode_prompt`,
-the one prompt front door) and left-padded to a length bucket (:func:`ict_jax.data.prompts.make_buckets`
+the one prompt front door) and left-padded to a length bucket (:func:`ict_jax.buckets.make_buckets`
 of ``max_prompt_len``), and every batch is filled to ``batch_size`` prompts with copies of its last prompt
 (their samples are discarded), so one program is compiled per (bucket, n) whatever the number of prompts
 in a call.
@@ -200,7 +200,7 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
       0.6 / 0.95 and the template, read from the config tree: ``data.eval_temperature``,
       ``data.eval_top_p``, ``data.template``); stops at ``tokenizer.eos_ids``;
     - shapes: up to ``batch_size`` prompts per program run (a multiple of data * fsdp under ``mesh``),
-      left-padded to a bucket of :func:`ict_jax.data.prompts.make_buckets(max_prompt_len)`;
+      left-padded to a bucket of :func:`ict_jax.buckets.make_buckets(max_prompt_len)`;
     - responses: :func:`ict_jax.model.tokenizers.decode_response` of the valid tokens (EOS dropped,
       special tokens skipped);
     - ``overlong``: ``"error"`` (ValueError) or ``"skip"`` (n empty responses, counted in ``.skipped``);

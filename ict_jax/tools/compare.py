@@ -30,7 +30,6 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from ict_jax.config import Config, ConfigError, load_config
-from ict_jax.deprecation import REMOVED_IN, warn
 from ict_jax.outputs import check_output_dir, has_entries
 from ict_jax.rl.selectors import ALIASES, registered_selectors
 from ict_jax.tools.compare_report import (
@@ -49,7 +48,8 @@ from ict_jax.tools.compare_report import (
 )
 from ict_jax.train.plugins import import_plugins
 from ict_jax.train.record import run_finished
-from ict_jax.train.trainer import Trainer, TrainingDiverged
+from ict_jax.train.stopping import TrainingDiverged
+from ict_jax.train.trainer import Trainer
 
 #: Named variants accepted in ``methods`` beside the selector methods: a method with config overrides.
 #: ``ict_norm_valid``: ICT's tokens with GRPO's denominators (``normalize_over: valid``), without the 1/rho
@@ -87,6 +87,8 @@ def group_name(method: str, rho: float | None) -> str:
 
 def check_methods(methods: Sequence[str]) -> list[str]:
     """The methods as a list: each a registered selector, an alias or a variant (:func:`known_methods`), each once."""
+    if isinstance(methods, str):
+        raise ConfigError(f"methods: {methods!r}: expected a sequence of method names, like ['ict', 'grpo']")
     methods, known = list(methods), known_methods()
     if not methods:
         raise ConfigError("methods: empty; name at least one of " + ", ".join(known))
@@ -100,6 +102,8 @@ def check_methods(methods: Sequence[str]) -> list[str]:
 
 def check_seeds(seeds: Sequence[int]) -> list[int]:
     """The seeds as a list of distinct non-negative integers (at least one)."""
+    if isinstance(seeds, (str, int)):
+        raise ConfigError(f"seeds: {seeds!r}: expected a sequence of integers, like [0, 1, 2]")
     seeds = list(seeds)
     if not seeds or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in seeds) \
             or len(set(seeds)) != len(seeds):
@@ -112,30 +116,12 @@ def check_rhos(rhos: Sequence[float] | None) -> list[float] | None:
     is checked as ``rl.selector.rho`` when each run's config is built."""
     if rhos is None:
         return None
+    if isinstance(rhos, str):
+        raise ConfigError(f"rhos: {rhos!r}: expected a sequence of fractions, like [0.05, 0.1]")
     rhos = [float(r) for r in rhos]
     if not rhos or len(set(rhos)) != len(rhos):
         raise ConfigError(f"rhos: {rhos}: expected distinct fractions like [0.05, 0.1, 0.2]")
     return rhos
-
-
-def _from_text(methods: Any, seeds: Any, rhos: Any) -> tuple[Any, Any, Any]:
-    """The comma-separated text forms ``run_comparison`` accepted before it took typed values
-    (``methods="ict,grpo"``, ``seeds=3`` or ``"0,1"``, ``rhos="0.05,0.1"``), with a DeprecationWarning."""
-    old = isinstance(methods, str), isinstance(seeds, (str, int)), isinstance(rhos, str)
-    if not any(old):
-        return methods, seeds, rhos
-    warn("ict_jax.run_comparison with comma-separated text or a seed count (methods='ict,grpo', seeds=3, "
-         "rhos='0.05,0.1')", "sequences (methods=['ict', 'grpo'], seeds=[0, 1, 2], rhos=[0.05, 0.1])",
-         removed_in=REMOVED_IN, stacklevel=3)
-    split = lambda text: [x.strip() for x in str(text).split(",") if x.strip()]  # noqa: E731
-    try:
-        if old[1]:
-            seeds = [int(x) for x in split(seeds)] if "," in str(seeds) else list(range(int(seeds)))
-        if old[2]:
-            rhos = [float(x) for x in split(rhos)] or None
-    except ValueError:
-        raise ConfigError(f"seeds / rhos: {seeds!r} / {rhos!r} are not numbers") from None
-    return (split(methods) if old[0] else methods), seeds, rhos
 
 
 def plan_runs(methods: Sequence[str], seeds: Sequence[int], out: Path,
@@ -288,7 +274,6 @@ def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | None
     ``methods``: selector methods or :data:`VARIANTS` (None: :data:`DEFAULT_METHODS`); ``seeds``: one run
     per method and seed; ``rhos``: ICT's sparsity ablation, one ICT group per rho (None: none).
     Bad values raise :class:`~ict_jax.config.ConfigError` naming the parameter or the config key."""
-    methods, seeds, rhos = _from_text(methods, seeds, rhos)
     cfg = config if isinstance(config, Config) else load_config(config, overrides)
     import_plugins(cfg.plugins)  # the selectors they register are methods too
     methods = check_methods(DEFAULT_METHODS if methods is None else methods)

@@ -23,6 +23,7 @@ its share of each 16-token bin's valid tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -419,7 +420,8 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
                  u_forms: Sequence[str] = U_FORMS, max_new_tokens: int = 256, batch_rows: int = 64,
                  template: str = "qwen_chat", seed: int = 0, rho: float | None = None, chunk: int | None = None,
                  reward_workers: int = 1, out: str | Path | None = None, title: str = "",
-                 say: Callable[[str], None] = lambda s: None, heartbeat_s: float | None = None) -> dict[str, Any]:
+                 say: Callable[[str], None] = lambda s: None, heartbeat_s: float | None = None,
+                 heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     """Every setting: :func:`collect`, :func:`diagnostics`; with ``out`` write ``diagnose.json``,
     ``diagnose.md``, ``<setting>.png`` and the per-token arrays ``<setting>.npz`` there. Returns
     ``{"settings": {name: diagnostics}, ...}``. ``rho`` / ``chunk`` None: the config's defaults (ICT's
@@ -428,7 +430,9 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
     ``say`` gets a line as each setting and batch starts and ends and, whenever ``heartbeat_s`` seconds
     (None: ``$ICT_JAX_HEARTBEAT_S``, else 30) pass without one, a heartbeat naming the phase that runs
     (:class:`ict_jax.heartbeat.Heartbeat`): ``G8_T1: sampling prompts 1-4 of 4: still running, 2m30s so far
-    (6m10s in all)``; a sampler call of a real model on a CPU takes minutes."""
+    (6m10s in all)``; a sampler call of a real model on a CPU takes minutes. ``heartbeat``: the caller's
+    running heartbeat to tell the phases instead (``ict-jax diagnose``'s, from its first second; its lines go
+    where the caller's go)."""
     rho = resolved_rho(SelectorSection(method="ict", rho=rho))
     results: dict[str, Any] = {"title": title, "dataset": getattr(dataset, "name", ""), "prompts": len(dataset),
                                "max_new_tokens": int(max_new_tokens), "batch_rows": int(batch_rows),
@@ -437,13 +441,15 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
     outdir = None if out is None else Path(out)
     if outdir is not None:
         outdir.mkdir(parents=True, exist_ok=True)
-    beat = Heartbeat(say, interval=heartbeat_s)
+    beat = heartbeat if heartbeat is not None else Heartbeat(say, interval=heartbeat_s)
 
     def tell(text: str) -> None:  # every line of the run counts for the heartbeat
         say(text)
         beat.said()
 
-    with RewardPool(reward_workers, time_limit=RewardSection().time_limit) as pool, beat:
+    beat.phase("starting the reward workers")
+    with contextlib.nullcontext() if heartbeat is not None else beat, \
+            RewardPool(reward_workers, time_limit=RewardSection().time_limit) as pool:
         for i, setting in enumerate(settings, start=1):
             tell(f"{setting.name}: setting {i} of {len(settings)} (G = {setting.group_size}, "
                  f"T = {setting.temperature})")
@@ -465,4 +471,6 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
                 (outdir / "diagnose.json").write_text(json.dumps(results, indent=1))
                 (outdir / "diagnose.md").write_text(format_markdown(results))
             beat.phase(None)
+        beat.phase("stopping the reward workers")
+    beat.phase(None)
     return results

@@ -170,13 +170,14 @@ def flat(tree: Any) -> np.ndarray:
 # The check on a run's config
 # ------------------------------------------------------------------------------------------------
 def run_alignment(config: Config, *, batches: int, out: Path, say: Callable[[str], None] = print,
-                  max_draws: int | None = None) -> dict[str, Any]:
+                  max_draws: int | None = None, tell: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
     """Sample the run's rollout batches from its starting policy (its steps 0, 1, ... in the run's data order
     and sampler keys) until ``batches`` of them keep a group with unequal rewards (at most ``max_draws``,
     default 4x), take every selector's gradient on each, and write ``alignment.json`` and ``alignment.md``
     under ``out`` (the gradients under ``out/grads``, one ``.npy`` per batch and selector; the run directory
     of the sampler's trainer under ``out/run``). Returns the result (:func:`alignment`, with the batches'
-    descriptions)."""
+    descriptions). ``tell(text)``: what runs now, as each part starts (the build of the run, each batch's
+    sampling and gradients, the report), for a heartbeat (``ict-jax align``'s)."""
     from ict_jax.train.rollout import collect_rollout
     from ict_jax.train.trainer import Trainer
 
@@ -185,7 +186,7 @@ def run_alignment(config: Config, *, batches: int, out: Path, say: Callable[[str
     gdir = out / "grads"
     gdir.mkdir(parents=True, exist_ok=True)
     kept: list[dict[str, Any]] = []
-    with Trainer(cfg, resume=False, progress=False, preflight=False) as trainer:
+    with Trainer(cfg, resume=False, progress=False, preflight=False, tell=tell) as trainer:
         parts, state = trainer.parts, trainer.state
         G = cfg.rollout.num_samples
         plan = StepPlan.from_config(cfg, make_optimizer(cfg))
@@ -198,11 +199,14 @@ def run_alignment(config: Config, *, batches: int, out: Path, say: Callable[[str
             if len(kept) == batches:
                 break
             t0 = time.perf_counter()
+            tell(f"batch {len(kept) + 1}/{batches}: sampling the rollouts of step {step}")
             batch, _ = collect_rollout(parts, state, step)
             batch, groups = drop_equal_reward_groups(batch, G)
             if groups == 0:
                 say(f"step {step}: every group's rewards are equal: skipped")
                 continue
+            tell(f"batch {len(kept) + 1}/{batches} (step {step}): the statistics, masks and every selector's "
+                 "gradient")
             valid = ((batch.response_valid > 0) & (batch.row_valid[:, None] > 0)).astype(jnp.float32)
             stats = stats_fn(state.params, batch, valid)
             keys = [random_key(state.rng, step, d) for d in (0, 1)]  # draw 0: the random arm's own at this step
@@ -218,6 +222,7 @@ def run_alignment(config: Config, *, batches: int, out: Path, say: Callable[[str
                 f"{kept[-1]['valid_tokens']} tokens, {kept[-1]['seconds']:.0f} s")
     if len(kept) < 2:
         raise ValueError(f"align: {len(kept)} batch(es) with unequal rewards in {limit} draws: the check needs 2")
+    tell("the alignment of the gradients and the report")
     result = alignment({s: [np.load(gdir / f"{b:02d}_{s}.npy") for b in range(len(kept))] for s in SELECTORS})
     result.update(batches_info=kept, rho=rho, config=cfg.to_dict(), selectors=list(SELECTORS))
     (out / "alignment.json").write_text(json.dumps(result, indent=2, default=float))

@@ -20,8 +20,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import gc
-import importlib
-import json
 import logging
 import os
 import shutil
@@ -34,7 +32,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from ict_jax.deprecation import REMOVED_IN, MovedNames, warn
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.rl.state import TrainState, make_optimizer, opt_state_shardings, split_trainable
 from ict_jax.sharding import replicated, state_shardings
@@ -375,80 +372,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-# ------------------------------------------------------------------------------------------------
-# Former names of a run directory read as a model (removed in ict_jax 0.3.0): ict_jax.resolve_model
-# ------------------------------------------------------------------------------------------------
-# former names whose objects moved (the object at its new home, warned when read)
-_FORMER = MovedNames(__name__, {"export_checkpoint": "ict_jax.train.export.export_checkpoint",
-                                "RUN_CONFIG_FILE": "ict_jax.model.source.RUN_CONFIG_FILE"},
-                     removed_in=REMOVED_IN)
-
-
-def __getattr__(name: str) -> Any:
-    return _FORMER.resolve(name)
-
-
-def _home(module: str) -> Any:
-    """The new home of a former name, reached by name: it imports this module (the former names go in
-    0.3.0, and with them this reach upwards)."""
-    return importlib.import_module(f"ict_jax.train.{module}")
-
-
-def load_params_from_checkpoint(directory: str | Path, step: int | None = None, *,
-                                mesh: jax.sharding.Mesh | None = None, dtype: str | None = None
-                                ) -> tuple[Any, dict[str, Any]]:
-    """Deprecated: ``source = ict_jax.resolve_model(directory, step=step, checkpoint=True)``;
-    ``(source.load(mesh=mesh, dtype=dtype), source.meta)``."""
-    warn("ict_jax.train.checkpoints.load_params_from_checkpoint",
-         "ict_jax.resolve_model(run_dir, step=..., checkpoint=True) and its .load() and .meta", removed_in=REMOVED_IN)
-    source = _home("model_source").resolve_model(directory, step=step, checkpoint=True)
-    return source.load(mesh=mesh, dtype=dtype), source.meta
-
-
-def load_run_model(path: str | Path, *, step: int | None = None, mesh: jax.sharding.Mesh | None = None,
-                   dtype: str | None = None, tokenizer: str | None = None) -> tuple[Any, Any, str]:
-    """Deprecated: ``source = ict_jax.resolve_model(path, step=step, tokenizer=tokenizer)``;
-    ``(source.load(mesh=mesh, dtype=dtype), source.tokenizer(), source.where)``."""
-    warn("ict_jax.train.checkpoints.load_run_model",
-         "ict_jax.resolve_model(spec, step=..., tokenizer=...) and its .load(), .tokenizer() and .where",
-         removed_in=REMOVED_IN)
-    source = _home("model_source").resolve_model(path, step=step, tokenizer=tokenizer)
-    tok = source.tokenizer()
-    return source.load(mesh=mesh, dtype=dtype), tok, source.where
-
-
-def run_model_tokenizer(path: str | Path, tokenizer: str | None = None) -> Any:
-    """Deprecated: ``ict_jax.resolve_model(path, tokenizer=tokenizer).tokenizer()``."""
-    warn("ict_jax.train.checkpoints.run_model_tokenizer", "ict_jax.resolve_model(spec, tokenizer=...).tokenizer()",
-         removed_in=REMOVED_IN)
-    return _home("model_source").resolve_model(path, tokenizer=tokenizer).tokenizer()
-
-
-def run_model_source(path: str | Path) -> tuple[str, Path] | None:
-    """Deprecated: ``ict_jax.resolve_model(path).kind`` (``checkpoint``, ``sft_model``, ...)."""
-    warn("ict_jax.train.checkpoints.run_model_source", "ict_jax.resolve_model(spec).kind", removed_in=REMOVED_IN)
-    return _home("model_source")._run_model(Path(path))  # what resolve_model asks of a run directory
-
-
-def run_tokenizer_spec(run_dir: str | Path) -> str | None:
-    """Deprecated: ``ict_jax.resolve_model(run_dir).tokenizer_spec``."""
-    warn("ict_jax.train.checkpoints.run_tokenizer_spec", "ict_jax.resolve_model(run_dir).tokenizer_spec",
-         removed_in=REMOVED_IN)
-    try:
-        cfg = json.loads((Path(run_dir) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    model = cfg.get("model") if isinstance(cfg, dict) else None
-    return (model.get("tokenizer") or model.get("path") or "char") if isinstance(model, dict) else None
-
-
-def recorded_run_config(path: str | Path, step: int | None = None) -> tuple[dict[str, Any], str] | None:
-    """Deprecated: ``ict_jax.resolve_model(path, step=step).run_config``."""
-    warn("ict_jax.train.checkpoints.recorded_run_config", "ict_jax.resolve_model(spec, step=...).run_config",
-         removed_in=REMOVED_IN)
-    try:
-        return _home("model_source").resolve_model(path, step=step).run_config
-    except (OSError, ValueError):
-        return None

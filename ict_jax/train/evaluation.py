@@ -15,7 +15,6 @@ from typing import Any, Mapping
 
 from ict_jax.data.datasets import load_dataset
 from ict_jax.data.templates import template_dataset
-from ict_jax.deprecation import REMOVED_IN, warn
 from ict_jax.rl.state import TrainState
 from ict_jax.sampling.evaluation import evaluate
 from ict_jax.sampling.text_generation import TextGenerator, make_text_generator
@@ -46,15 +45,11 @@ def pass_at_k_metrics(results: Mapping[str, Any]) -> dict[str, float]:
     return flat
 
 
-def eval_results(run_dir: str | Path, step: int, suffix: str | None = None) -> Path:
+def eval_results(run_dir: str | Path, step: int) -> Path:
     """Where a run's evaluation after ``step`` rollout batches writes its results,
-    ``<run_dir>/eval/step_<step>.json`` (its samples: the same path with ``.jsonl``). ``suffix``
-    (deprecated): another suffix; use ``eval_results(...).with_suffix(suffix)``."""
-    path = Path(run_dir) / "eval" / f"step_{step:06d}.json"
-    if suffix is None:
-        return path
-    warn("eval_results(..., suffix)", "eval_results(...).with_suffix(suffix)", removed_in=REMOVED_IN)
-    return path.with_suffix(suffix)
+    ``<run_dir>/eval/step_<step>.json`` (its samples: the same path with ``.jsonl``,
+    ``eval_results(...).with_suffix(".jsonl")``)."""
+    return Path(run_dir) / "eval" / f"step_{step:06d}.json"
 
 
 def evaluated_steps(run_dir: str | Path) -> list[int]:
@@ -112,7 +107,10 @@ class Evaluator:
             # with data.eval_batch, each sampler call gets a whole batch of problems (the default hands it 8 a
             # time, as it always has, so that a run's evaluations keep their samples)
             batch = {"batch_size": d.eval_batch} if d.eval_batch else {}
-            res = evaluate(self.generator(state), self.datasets(), self.parts.pool, n=d.eval_n, ks=d.eval_k,
+            if self._datasets is None:  # the first evaluation loads the benchmarks (a tfds download: minutes)
+                logger.working_on(f"evaluating: loading the benchmarks ({','.join(d.eval)})")
+            datasets = self.datasets()
+            res = evaluate(self.generator(state), datasets, self.parts.pool, n=d.eval_n, ks=d.eval_k,
                            limit=d.eval_limit, **batch, json_path=results,
                            samples_path=results.with_suffix(".jsonl"), progress=False, print_table=False,
                            listener=lambda done, total, what: logger.working_on(evaluation_line(done, total, what)))

@@ -21,8 +21,7 @@ A spec is
 The resolver lives in ``train/`` because a run directory is train's: its checkpoints are orbax items
 this layer writes (``train.checkpoints``) and a LoRA run's base is rebuilt by ``train.lora_base``; the
 model layer must not import them (docs/architecture.md, the layer rule), and nothing below ``train/``
-resolves a spec. The former names of this module and of ``train.checkpoints``' model loading still work,
-with a DeprecationWarning (below).
+resolves a spec.
 """
 
 from __future__ import annotations
@@ -37,16 +36,10 @@ import jax
 from flax import nnx
 
 from ict_jax.config import Config
-from ict_jax.deprecation import REMOVED_IN, MovedNames, warn
-from ict_jax.model.adapters import attach_lora
 from ict_jax.model.config import ModelConfig, resolve_attention, resolve_compute_dtype, run_settings
-from ict_jax.model.lora import lora_spec
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.source import PRESET_PREFIX, ModelSource
-from ict_jax.model.source import TOKENIZER_SIZED_PRESETS as _SIZED
-from ict_jax.model.tokenizers import Tokenizer
 from ict_jax.rl.state import split_trainable
-from ict_jax.rng import INIT_STREAM, root_key, stream_key
 from ict_jax.train.checkpoints import (
     Checkpointer,
     abstract_params,
@@ -232,94 +225,3 @@ def _run_tokenizer(run_config: tuple[dict[str, Any], str] | None) -> str | None:
     if not isinstance(model, dict):
         return None
     return model.get("tokenizer") or model.get("path") or "char"
-
-
-# ------------------------------------------------------------------------------------------------
-# Former names (removed in ict_jax 0.3.0)
-# ------------------------------------------------------------------------------------------------
-# a former name whose object moved (the object at its new home, warned when read)
-_FORMER = MovedNames(__name__, {"TOKENIZER_SIZED_PRESETS": "ict_jax.model.source.TOKENIZER_SIZED_PRESETS"},
-                     removed_in=REMOVED_IN)
-
-
-def __getattr__(name: str) -> Any:
-    return _FORMER.resolve(name)
-
-
-def model_overrides(cfg: Config) -> dict[str, Any]:
-    """Deprecated: ``resolve_model(cfg)`` applies the ``model`` section's settings."""
-    warn("ict_jax.train.model_source.model_overrides", "ict_jax.resolve_model(config), which applies the model section",
-         removed_in=REMOVED_IN)
-    m = cfg.model
-    return dict(compute_dtype=m.compute_dtype, remat=m.remat, scan_layers=m.scan_layers)
-
-
-def preset_config(cfg: Config, *, vocab_size: int | None = None, compute_dtype: str | None = None) -> ModelConfig:
-    """Deprecated: ``resolve_model(cfg).config`` (a config without ``model.path``)."""
-    warn("ict_jax.train.model_source.preset_config", "ict_jax.resolve_model(config).config", removed_in=REMOVED_IN)
-    m = cfg.model
-    kw = dict(compute_dtype=compute_dtype or m.compute_dtype, remat=m.remat, scan_layers=m.scan_layers,
-              param_dtype=m.param_dtype)
-    if vocab_size is not None and m.preset in _SIZED:
-        kw["vocab_size"] = vocab_size
-    return ModelConfig.preset(m.preset, **kw)
-
-
-def init_key(cfg: Config) -> jax.Array:
-    """Deprecated: ``ict_jax.rng.stream_key(ict_jax.rng.root_key(seed), INIT_STREAM)``."""
-    warn("ict_jax.train.model_source.init_key",
-         "ict_jax.rng.stream_key(ict_jax.rng.root_key(seed), ict_jax.rng.INIT_STREAM)", removed_in=REMOVED_IN)
-    return stream_key(root_key(cfg.seed), INIT_STREAM)
-
-
-def with_lora(cfg: Config, model_config: ModelConfig) -> ModelConfig:
-    """Deprecated: ``resolve_model(cfg).config`` carries the adapters."""
-    warn("ict_jax.train.model_source.with_lora", "ict_jax.resolve_model(config).config, which carries the adapters",
-         removed_in=REMOVED_IN)
-    spec = lora_spec(cfg.model.lora, model_config.num_layers)
-    return model_config if spec is None else model_config.replace(lora=spec)
-
-
-def with_adapters(cfg: Config, model: Qwen2) -> Qwen2:
-    """Deprecated: :func:`ict_jax.model.adapters.attach_lora`."""
-    warn("ict_jax.train.model_source.with_adapters",
-         "ict_jax.model.adapters.attach_lora(model, config.model.lora, config.seed)", removed_in=REMOVED_IN)
-    return attach_lora(model, cfg.model.lora, cfg.seed)
-
-
-def build_model_and_tokenizer(cfg: Config, mesh: jax.sharding.Mesh, *, weights: str | os.PathLike | None = None
-                              ) -> tuple[Qwen2, Tokenizer, str]:
-    """Deprecated: ``source = resolve_model(cfg, weights=weights)``; ``source.load(mesh=mesh)``,
-    ``source.tokenizer()``, ``source.tokenizer_spec``."""
-    warn("ict_jax.train.model_source.build_model_and_tokenizer",
-         "ict_jax.resolve_model(config) and its .load(mesh=...), .tokenizer() and .tokenizer_spec",
-         removed_in=REMOVED_IN)
-    source = resolve_model(cfg, weights=weights)
-    tok = source.tokenizer()
-    return source.load(mesh=mesh), tok, source.tokenizer_spec
-
-
-def preset_architecture(cfg: Config) -> tuple[ModelConfig, Tokenizer, str]:
-    """Deprecated: ``resolve_model(cfg)`` (a config without ``model.path``)."""
-    warn("ict_jax.train.model_source.preset_architecture", "ict_jax.resolve_model(config)", removed_in=REMOVED_IN)
-    source = _config_source(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=None)), weights=None,
-                            adapters=False, platform=None, missing="error")
-    return source.config, source.tokenizer(), source.tokenizer_spec
-
-
-def run_architecture(cfg: Config) -> tuple[ModelConfig, Tokenizer, str]:
-    """Deprecated: ``source = resolve_model(cfg)``: ``source.config``, ``source.tokenizer()``,
-    ``source.tokenizer_spec``."""
-    warn("ict_jax.train.model_source.run_architecture",
-         "ict_jax.resolve_model(config) and its .config, .tokenizer() and .tokenizer_spec", removed_in=REMOVED_IN)
-    source = resolve_model(cfg)
-    return source.config, source.tokenizer(), source.tokenizer_spec
-
-
-def run_tokenizer(cfg: Config) -> Tokenizer | None:
-    """Deprecated: ``resolve_model(cfg).tokenizer()`` (None here when it is not on this machine)."""
-    warn("ict_jax.train.model_source.run_tokenizer", "ict_jax.resolve_model(config).tokenizer()", removed_in=REMOVED_IN)
-    try:
-        return resolve_model(cfg).tokenizer()
-    except (OSError, ValueError):
-        return None

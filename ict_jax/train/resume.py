@@ -13,7 +13,6 @@ import jax
 from flax import nnx
 
 from ict_jax.config import Config
-from ict_jax.deprecation import REMOVED_IN, MovedNames
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.logs import read_metrics, truncate_metrics
@@ -105,12 +104,3 @@ def eval_on_record(run_dir: Path, point: ResumePoint | None) -> tuple[int, dict[
         return None
     done = [r for r in read_metrics(metrics, "eval") if r["step"] == point.step]
     return (point.step, {k: v for k, v in done[-1].items() if k.startswith("eval/")}) if done else None
-
-
-#: Names read here before the run directory's checks and hold moved to :mod:`ict_jax.train.run_dir`.
-_FORMER = MovedNames(__name__, {"check_run_dir": "ict_jax.train.run_dir.check_run_dir",
-                                "hold_run_dir": "ict_jax.train.run_dir.hold_run_dir"}, removed_in=REMOVED_IN)
-
-
-def __getattr__(name: str):
-    return _FORMER.resolve(name)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ict_jax.config import Config, ConfigError
+from ict_jax.install import install_line
 
 PHASES = ("sft", "rl", "eval")
 
@@ -23,7 +24,7 @@ def require_wandb() -> Any:
         # optional: the `wandb` extra, imported only when logging.wandb is true
         import wandb
     except ImportError:
-        raise ConfigError("logging.wandb: true needs the wandb package: pip install 'ict_jax[wandb]'") from None
+        raise ConfigError(f"logging.wandb: true needs the wandb package: {install_line('wandb')}") from None
     return wandb
 
 

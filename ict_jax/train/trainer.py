@@ -34,11 +34,9 @@ from ict_jax.config import Config
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.tokenizers import Tokenizer
 from ict_jax.rl.state import TrainState
-from ict_jax.rng import SAMPLER_STREAM  # noqa: F401 - its former home (docs/sampler.md)
 from ict_jax.sharding import to_host
 from ict_jax.train.evaluation import Evaluator
-from ict_jax.train.hooks import (  # noqa: F401
-    MAX_NONFINITE_IN_A_ROW,
+from ict_jax.train.hooks import (
     Hook,
     Hooks,
     ProfileHook,
@@ -55,10 +53,10 @@ from ict_jax.train.logs import RunLogger, last_logged_step, metrics_to_floats
 from ict_jax.train.parts import build_parts
 from ict_jax.train.phase import Phase, PhaseEnd, run_phase
 from ict_jax.train.preflight import programs_to_check
-from ict_jax.train.resume import SFT_MODEL, eval_on_record, finished_run
+from ict_jax.train.record import SFT_MODEL
+from ict_jax.train.resume import eval_on_record, finished_run
 from ict_jax.train.rollout import collect_rollout
 from ict_jax.train.run_dir import hold_run_dir
-from ict_jax.train.stopping import Interrupted, TrainingDiverged, stop_after_step  # noqa: F401 - public here
 from ict_jax.train.summary import RunSummary
 from ict_jax.train.warm_start import load_warm_start, run_warm_start, save_warm_start, sft_state, start_rl
 

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ict_jax.deprecation import REMOVED_IN, warn
 from ict_jax.model.adapters import attach_lora, merge_adapters
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.weights import save_hf
@@ -44,9 +43,10 @@ from ict_jax.train.hooks import Hook, Hooks, checkpoint_health, save_checkpoint
 from ict_jax.train.logs import metrics_to_floats
 from ict_jax.train.model_source import resolve_model
 from ict_jax.train.parts import RunParts
-from ict_jax.train.phase import Phase, PhaseEnd, StartLogger, run_phase
+from ict_jax.train.phase import Phase, PhaseEnd
 from ict_jax.train.programs import has_reference, reference_dtype
-from ict_jax.train.resume import SFT_CHECKPOINTS, SFT_MODEL
+from ict_jax.train.record import SFT_MODEL
+from ict_jax.train.resume import SFT_CHECKPOINTS
 
 #: ``(phase, state, first step) -> how it ended``: the run's loop (``Trainer.run_phase``)
 RunPhase = Callable[[Phase, TrainState, int], PhaseEnd]
@@ -168,44 +168,3 @@ def save_warm_start(parts: RunParts, state: TrainState) -> None:
     if jax.process_index() == 0:  # a LoRA state's fresh adapters (B = 0) merge into its base exactly
         save_hf(merge_adapters(host), parts.run_dir / SFT_MODEL)
         shutil.rmtree(parts.run_dir / SFT_CHECKPOINTS, ignore_errors=True)
-
-
-# ------------------------------------------------------------------------------------------------
-# Former entry points: the warm start outside the Trainer (the loop is train.phase.run_phase)
-# ------------------------------------------------------------------------------------------------
-_USE_TRAINER = "ict_jax.Trainer.sft (the warm start as a phase of the run's loop, ict_jax.train.phase.run_phase)"
-
-
-def run_sft(parts: RunParts, state: TrainState, start_logger: StartLogger, *, resume: bool
-            ) -> tuple[TrainState, dict[str, float]]:
-    """SFT from ``state``'s policy with a fresh SFT optimizer -> (the SFT state, the last step's metrics).
-    ``resume``: continue from the last checkpoint in ``<run_dir>/checkpoints_sft``. Ctrl-C saves a
-    checkpoint after the step in progress and raises :class:`~ict_jax.train.stopping.Interrupted`.
-    Deprecated: ``Trainer.sft`` runs the warm start as a phase of the run's loop."""
-    warn("ict_jax.train.warm_start.run_sft", _USE_TRAINER, removed_in=REMOVED_IN)
-    ends: list[PhaseEnd] = []
-
-    def run(phase: Phase, state: TrainState, start: int) -> PhaseEnd:
-        ends.append(run_phase(phase, state, start, start_logger, run_dir=parts.run_dir))
-        return ends[-1]
-
-    run_warm_start(parts, sft_state(parts, state), run, resume=resume)
-    return ends[-1].state, ends[-1].last
-
-
-def warm_start(parts: RunParts, state: TrainState, start_logger: StartLogger, *, resume: bool
-               ) -> tuple[TrainState, nnx.State | None, dict[str, float] | None]:
-    """The warm start and the switch to RL: ``(RL start state, KL reference or None, the last SFT step's
-    metrics)``; the metrics are None when a finished warm start (``<run_dir>/sft_model``) was loaded
-    instead of trained. Deprecated: ``Trainer.sft`` does this within the run's loop."""
-    warn("ict_jax.train.warm_start.warm_start", _USE_TRAINER, removed_in=REMOVED_IN)
-    if (parts.run_dir / SFT_MODEL).is_dir():  # finished before: the RL phase starts from it
-        return *load_warm_start(parts), None
-
-    def run(phase: Phase, state: TrainState, start: int) -> PhaseEnd:
-        return run_phase(phase, state, start, start_logger, run_dir=parts.run_dir)
-
-    model, last = run_warm_start(parts, sft_state(parts, state), run, resume=resume)
-    rl_state, ref = start_rl(parts, model)
-    save_warm_start(parts, rl_state)
-    return rl_state, ref, last

@@ -17,7 +17,7 @@ from ict_jax.aot.cost import cost
 RECIPE = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "qwen2p5_0p5b_ict.yaml")
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="needs libtpu (pip install 'ict_jax[tpu]')")
+                                  reason="needs libtpu (pip install -e '.[tpu]')")
 
 # a module as XLA prints it: instructions name a stack frame, the tables at the end resolve it
 MODULE = """HloModule m

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from ict_jax.aot import cost, hlo
-from ict_jax.aot.compile import PROGRAMS, Target, compile_run, get_target, per_device_bytes, run_programs
+from ict_jax.aot.compile import PROGRAMS, Target, compile_run, get_target, run_programs
 from ict_jax.aot.fit import candidate_settings, estimate_memory, estimate_seconds, search
 from ict_jax.config import ConfigError, load_config, parse_topology
 from ict_jax.model.config import ModelConfig
+from ict_jax.train.programs import per_device_bytes
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 RECIPE = str(CONFIGS / "qwen2p5_0p5b_ict.yaml")
@@ -30,7 +31,7 @@ TINY = ["model.preset=tiny", "train.prompts_per_step=16", "train.mini_batches=1"
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 # CI (.ci/run) sets ICT_JAX_REQUIRE_LIBTPU=1: there a missing libtpu fails these tests instead of skipping them
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="the tpu extra: pip install 'ict_jax[tpu]' (.ci/run installs it)")
+                                  reason="the tpu extra: pip install -e '.[tpu]' (.ci/run installs it)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -609,7 +610,7 @@ def test_missing_libtpu_names_the_extra(monkeypatch, capsys):
 
     monkeypatch.setattr(tc.importlib.util, "find_spec", lambda name: None)
     rc, _, err = _cli(["compile", "--config", RECIPE, "--topology", "v5e:2x2"] + TINY, capsys)
-    assert rc == 2 and "pip install 'ict_jax[tpu]'" in err and err.count("\n") == 1
+    assert rc == 2 and "pip install -e '.[tpu]' in the ict_jax checkout" in err and err.count("\n") == 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -645,8 +646,9 @@ def test_tiny_preset_compiles_for_v5e_and_keeps_memory_discipline(tpu_reports):
     # FSDP over 4 chips: the weights are gathered (in the layer scan) and the batch rows are split
     assert step.collectives["all-gather"]["count"] > 0 and step.collectives["all-gather"]["runs"] > 0
     # per-chip arguments scale as 1/fsdp: the compiled program takes exactly the state's shards
-    from ict_jax.aot.compile import abstract_batch, run_mesh
+    from ict_jax.aot.compile import run_mesh
     from ict_jax.train.checkpoints import abstract_train_state
+    from ict_jax.train.programs import abstract_batch
 
     mc = ModelConfig.tiny(compute_dtype="bfloat16")
     sharded = abstract_train_state(cfg, mc, mesh=run_mesh(cfg, target))

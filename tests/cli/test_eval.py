@@ -155,6 +155,52 @@ def test_eval_prints_a_heartbeat_while_a_batch_samples(assets, tmp_path, capsys,
     assert any(ln.startswith("eval 2/3 problems") for ln in err), err
 
 
+def test_every_phase_of_eval_is_named_by_its_heartbeat(assets, tmp_path, capsys, monkeypatch):
+    """Redirected, `ict-jax eval` names each phase that runs past the interval (each made slow here by a
+    stand-in: resolving the model, the benchmarks, the tokenizer, the weights, the sampler, the reward workers,
+    writing), and the problems' lines speak through the same heartbeat between them."""
+    import time
+
+    import ict_jax.cli.eval as eval_cli
+    import ict_jax.data.datasets as datasets
+    import ict_jax.rewards.pool as pool_mod
+    import ict_jax.sampling.text_generation as text_generation
+    import ict_jax.train.model_source as model_source
+    from ict_jax.model.source import ModelSource
+
+    def slow(fn):
+        def wrapped(*a, **k):
+            time.sleep(0.4)
+            return fn(*a, **k)
+        return wrapped
+
+    class SlowPool(pool_mod.RewardPool):
+        __init__ = slow(pool_mod.RewardPool.__init__)
+        __exit__ = slow(pool_mod.RewardPool.__exit__)
+
+    class SlowJson:
+        dump = staticmethod(slow(json.dump))
+
+    monkeypatch.setenv("ICT_JAX_HEARTBEAT_S", "0.1")
+    monkeypatch.setattr(model_source, "resolve_model", slow(model_source.resolve_model))
+    monkeypatch.setattr(datasets, "load_dataset", slow(datasets.load_dataset))
+    monkeypatch.setattr(ModelSource, "tokenizer", slow(ModelSource.tokenizer))
+    monkeypatch.setattr(ModelSource, "load", slow(ModelSource.load))
+    monkeypatch.setattr(text_generation, "make_text_generator", slow(text_generation.make_text_generator))
+    monkeypatch.setattr(pool_mod, "RewardPool", SlowPool)
+    monkeypatch.setattr(eval_cli, "json", SlowJson)
+    args = ["eval", "--model", "preset:tiny", "--tokenizer", "char", "--benchmarks", "gsm8k_test", "--data-dir",
+            str(assets / "data"), "--n", "2", "--k", "1", "--max-new-tokens", "8", "--batch-size", "2",
+            "--workers", "1", "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    err = capsys.readouterr().err.splitlines()
+    for phase in ("resolving the model preset:tiny", "loading the benchmarks (gsm8k_test)", "loading the tokenizer",
+                  "loading preset:tiny", "building the sampler", "starting the reward workers (1)",
+                  "stopping the reward workers", f"writing {tmp_path / 'out' / 'eval.json'}"):
+        assert any(ln.startswith(f"ict-jax eval: {phase}: still running, ") for ln in err), (phase, err)
+    assert any(ln.startswith("eval 3/3 problems") for ln in err), err
+
+
 def test_the_default_output_files_are_ignored_by_git():
     from pathlib import Path
 

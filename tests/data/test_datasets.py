@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from ict_jax import CharTokenizer, Dataset, Example, load_dataset
+from ict_jax.buckets import bucket_for, make_buckets
 from ict_jax.data.datasets import PAPER_BENCHMARKS, parse_spec
 from ict_jax.data.example import DataError
-from ict_jax.data.prompts import PromptIterator, bucket_for, encode_prompts, make_buckets, pad_left
+from ict_jax.data.prompts import PromptIterator, encode_prompts, pad_left
 from ict_jax.data.templates import format_prompt
 from ict_jax.rewards.checks import gym_answer_score, last_boxed
 

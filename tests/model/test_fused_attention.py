@@ -163,7 +163,7 @@ def test_prefill_through_the_kernel_gives_the_caches_and_states_of_a_plain_exten
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 # CI (.ci/run) sets ICT_JAX_REQUIRE_LIBTPU=1: there a missing libtpu fails this test instead of skipping it
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="the tpu extra: pip install 'ict_jax[tpu]' (.ci/run installs it)")
+                                  reason="the tpu extra: pip install -e '.[tpu]' (.ci/run installs it)")
 
 
 @needs_libtpu

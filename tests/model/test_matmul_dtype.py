@@ -28,7 +28,7 @@ TINY_BF16 = ["model.preset=tiny", "model.compute_dtype=bfloat16", "train.prompts
              "stats.chunk=8", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="needs libtpu (pip install 'ict_jax[tpu]')")
+                                  reason="needs libtpu (pip install -e '.[tpu]')")
 
 
 def _step_job(target):

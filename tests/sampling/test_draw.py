@@ -1,16 +1,15 @@
 """The per-token draw (ict_jax/sampling/draw.py) on controlled distributions against float64 NumPy: the
 inverse CDF, temperature, top-k and top-p (among the largest logits and over the whole sorted vocabulary),
-the log-probability before truncation, and the former names at ict_jax.sampling.sampler."""
+and the log-probability before truncation."""
 
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ict_jax.sampling.draw import TOP_P_CANDIDATES, _inverse_cdf, sample_token
+from ict_jax.sampling.draw import _inverse_cdf, sample_token
 
 
 def test_inverse_cdf_is_exact():
@@ -130,20 +129,3 @@ def test_temperature_flattens_and_sharpens():
         want /= want.sum()
         np.testing.assert_allclose(freqs[t], want, atol=5 * np.sqrt(0.25 / 30_000))
     assert freqs[0.25][0] > freqs[1.0][0] > freqs[4.0][0]
-
-
-def test_the_former_names_at_the_sampler_are_the_draws_with_a_warning():
-    import ict_jax
-    import ict_jax.sampling.sampler as sampler
-
-    for name, obj in (("sample_token", sample_token), ("TOP_P_CANDIDATES", TOP_P_CANDIDATES)):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            assert getattr(sampler, name) is obj
-        assert [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)] == [
-            f"ict_jax.sampling.sampler.{name} is deprecated and will be removed in ict_jax 0.3.0: "
-            f"use ict_jax.sampling.draw.{name}"]
-    with pytest.raises(AttributeError):
-        sampler.no_such_name  # noqa: B018
-    with pytest.warns(DeprecationWarning, match=r"^ict_jax\.sample_token is deprecated .* use ict_jax\.sampling\.draw\.sample_token$"):
-        assert ict_jax.sample_token is sample_token  # the former top-level name points at the draw's home

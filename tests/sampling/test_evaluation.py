@@ -227,5 +227,6 @@ def test_a_listener_hears_the_problems_done_and_the_batch_without_progress_lines
              batch_size=2, progress=False, print_table=False, listener=lambda *a: heard.append(a))
     assert heard == [(0, 3, "three: sampling problems 1-2 of 3, 2 responses each"), (0, 3, None),
                      (0, 3, "three: sampling problems 3-3 of 3, 2 responses each"), (0, 3, None),
-                     (2, 3, None), (3, 3, None)]
+                     (0, 3, "three: scoring problems 1-2 of 3"), (0, 3, None), (2, 3, None),
+                     (2, 3, "three: scoring problems 3-3 of 3"), (2, 3, None), (3, 3, None)]
     assert capsys.readouterr().err == ""

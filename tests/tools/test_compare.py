@@ -228,6 +228,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path
     ({"seeds": [0, 0]}, "seeds: [0, 0]: expected distinct non-negative integers"),
     ({"seeds": []}, "seeds: []"),
     ({"target_reward": float("nan")}, "target_reward: nan"),
+    ({"methods": "ict,grpo"}, "methods: 'ict,grpo': expected a sequence of method names"),
+    ({"seeds": 3}, "seeds: 3: expected a sequence of integers"),
+    ({"rhos": "0.05,0.1"}, "rhos: '0.05,0.1': expected a sequence of fractions"),
 ])
 def test_run_comparison_takes_typed_values_and_names_its_parameters(kwargs, message, tmp_path):
     """The library takes sequences and names its parameters (the CLI translates them into flags, above)."""
@@ -237,16 +240,6 @@ def test_run_comparison_takes_typed_values_and_names_its_parameters(kwargs, mess
     with pytest.raises(ConfigError, match=re.escape(message)):
         run_comparison(DEMO, out=tmp_path / "cmp", progress=False, **kwargs)
     assert not (tmp_path / "cmp").exists()
-
-
-def test_run_comparison_text_arguments_still_work_with_a_deprecation_warning(tmp_path):
-    from ict_jax.config import ConfigError
-    from ict_jax.tools.compare import run_comparison
-
-    with pytest.warns(DeprecationWarning, match=r"ict_jax.run_comparison with comma-separated text or a seed count .* "
-                      r"is deprecated and will be removed in ict_jax 0\.3\.0: use sequences"):
-        with pytest.raises(ConfigError, match="methods: 'ppo'"):  # the text was split: 'ppo' is checked alone
-            run_comparison(DEMO, methods="ict,ppo", seeds=2, out=tmp_path / "cmp", progress=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,7 +276,7 @@ class _FakeTrainer:
 
     def train(self):
         from ict_jax.train.logs import RunLogger
-        from ict_jax.train.trainer import TrainingDiverged
+        from ict_jax.train.stopping import TrainingDiverged
 
         method, steps = self.cfg.rl.selector.method, self.cfg.train.steps
         if method in _FakeTrainer.diverge:

@@ -287,8 +287,9 @@ def test_compile_builds_the_lora_run_training_builds(tmp_path, devices8):
     """ict-jax compile (abstract state from the config) and training (real state) lower the same LoRA
     programs on a 4 x 1 x 2 mesh; the compiled step's arguments are the base once, the adapters and their
     two moments, and the batch: no reference copy although rl.loss.kl_coef > 0."""
-    from ict_jax.aot.compile import build_programs, get_target, per_device_bytes, run_mesh, target_model_config
+    from ict_jax.aot.compile import build_programs, get_target, run_mesh, target_model_config
     from ict_jax.train.parts import build_parts
+    from ict_jax.train.programs import per_device_bytes
 
     cfg = load_config(DEMO, TINY + ["train.sft_steps=0", "train.steps=1",
                                     f"run_dir={tmp_path / 'run'}"])
@@ -297,8 +298,9 @@ def test_compile_builds_the_lora_run_training_builds(tmp_path, devices8):
         assert ref is None and state.frozen is not None
         target = get_target("local")
         mc, source = target_model_config(cfg, target.platform)
-        # compile resolves compute_dtype "auto" for the target (float32 on CPU); training resolves it at use
-        assert mc == parts.model_config.replace(compute_dtype="float32") and "LoRA rank 4" in source
+        # compile resolves compute_dtype and attention "auto" for the target (float32 and dense attention on
+        # CPU); training resolves them at use
+        assert mc == parts.model_config.replace(compute_dtype="float32", attention="dense") and "LoRA rank 4" in source
         jobs = build_programs(cfg, mc, run_mesh(cfg, target))
         assert [job.name for job in jobs] == ["sft", "step", "generate", "eval"]  # the SFT step on adapters too
         for job in jobs:

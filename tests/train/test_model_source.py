@@ -1,11 +1,9 @@
 """ict_jax.train.model_source.resolve_model: every kind of model spec (a Hugging Face directory, a .gguf file,
 pkg:, a packaged name (tests/model/test_packaged.py), a training run directory, its checkpoints/ folder and
 a <step>/ directory, a run's SFT warm start, preset:<name>, a run's config) resolved into one ModelSource on
-tiny random models written to temporary folders; the same weights, dtypes and tokenizers as the former
-functions, which still work with a DeprecationWarning; an unknown spec is one clear error."""
+tiny random models written to temporary folders; an unknown spec is one clear error."""
 
 import dataclasses
-import re
 import warnings
 from pathlib import Path
 
@@ -14,14 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import ict_jax.model.source
-import ict_jax.train.export
 from ict_jax.config import load_config
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import init_model
 from ict_jax.model.tokenizers import CharTokenizer
 from ict_jax.rng import INIT_STREAM, root_key, stream_key
-from ict_jax.sharding import make_mesh
 from ict_jax.train.model_source import resolve_model
 
 from fake_run import make_run_dir, run_model  # tests/ is on sys.path under pytest
@@ -147,73 +142,18 @@ def test_a_runs_config(run_dir, tmp_path):
         assert source.load().config.attention == "blocked"
 
 
-# ------------------------------------------------------------------------------------------------
-# The former names: the same models, with a DeprecationWarning naming what replaces them
-# ------------------------------------------------------------------------------------------------
-def _deprecated(module: str, name: str):
-    import importlib
+def test_an_exported_run_resolves_to_the_same_model_and_carries_its_config(run_dir, tmp_path):
+    from ict_jax.model.source import RUN_CONFIG_FILE
+    from ict_jax.train.export import export_checkpoint
 
-    return pytest.warns(DeprecationWarning, match=re.escape(f"ict_jax.{module}.{name} is deprecated and will be "
-                                                             "removed in ict_jax 0.3.0: use ")), \
-        getattr(importlib.import_module(f"ict_jax.{module}"), name)
-
-
-def test_the_former_run_directory_names_give_the_same_models(run_dir, tmp_path):
-    source = resolve_model(run_dir)
-    want = source.load()
-    warns, load_run_model = _deprecated("train.checkpoints", "load_run_model")
-    with warns:
-        model, tok, where = load_run_model(run_dir)
-    _same_weights(model, want)
-    assert where == source.where and isinstance(tok, CharTokenizer)
-    warns, load_params = _deprecated("train.checkpoints", "load_params_from_checkpoint")
-    with warns:
-        model, meta = load_params(run_dir / "checkpoints", mesh=None)
-    _same_weights(model, want)
-    assert meta == source.meta
-    for name, args, expected in (("run_model_tokenizer", (run_dir,), CharTokenizer),
-                                 ("run_model_source", (run_dir,), ("checkpoint", run_dir)),
-                                 ("run_tokenizer_spec", (run_dir,), "char"),
-                                 ("recorded_run_config", (run_dir,), source.run_config)):
-        warns, fn = _deprecated("train.checkpoints", name)
-        with warns:
-            got = fn(*args)
-        assert isinstance(got, expected) if isinstance(expected, type) else got == expected, name
-    with pytest.warns(DeprecationWarning, match=re.escape("ict_jax.train.checkpoints.export_checkpoint is deprecated "
-                                                          "and will be removed in ict_jax 0.3.0: use "
-                                                          "ict_jax.train.export.export_checkpoint")):
-        from ict_jax.train.checkpoints import export_checkpoint  # a moved name: warned when read
-    assert export_checkpoint is ict_jax.train.export.export_checkpoint
+    want = resolve_model(run_dir).load()
     out = export_checkpoint(run_dir, tmp_path / "hf")
     _same_weights(resolve_model(out).load(), want)
-    with pytest.warns(DeprecationWarning, match="ict_jax.train.checkpoints.RUN_CONFIG_FILE is deprecated"):
-        from ict_jax.train.checkpoints import RUN_CONFIG_FILE
-    assert RUN_CONFIG_FILE == ict_jax.model.source.RUN_CONFIG_FILE and (out / RUN_CONFIG_FILE).is_file()
+    assert (out / RUN_CONFIG_FILE).is_file()
 
 
-def test_the_former_names_of_a_runs_model_give_the_same_models(tmp_path):
+def test_resolving_a_runs_config_warns_nothing(tmp_path):
     cfg = load_config(DEMO, ["model.preset=tiny", f"run_dir={tmp_path / 'r'}"])
-    source = resolve_model(cfg)
-    want = source.load()
-    mc, tok, spec = None, None, None
-    for name in ("run_architecture", "preset_architecture"):
-        warns, fn = _deprecated("train.model_source", name)
-        with warns:
-            mc, tok, spec = fn(cfg)
-        assert (mc, spec) == (source.config, "char") and isinstance(tok, CharTokenizer)
-    warns, build = _deprecated("train.model_source", "build_model_and_tokenizer")
-    with warns:
-        model, tok, spec = build(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]))
-    _same_weights(model, want)
-    calls = {"run_tokenizer": (cfg,), "model_overrides": (cfg,), "init_key": (cfg,),
-             "preset_config": (cfg,), "with_lora": (cfg, mc), "with_adapters": (cfg, want)}
-    for name, args in calls.items():
-        warns, fn = _deprecated("train.model_source", name)
-        with warns:
-            fn(*args)
-    with pytest.warns(DeprecationWarning, match="TOKENIZER_SIZED_PRESETS is deprecated"):
-        from ict_jax.train.model_source import TOKENIZER_SIZED_PRESETS
-    assert TOKENIZER_SIZED_PRESETS == ("tiny", "demo")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new name warns about nothing
+        warnings.simplefilter("error")
         resolve_model(cfg)

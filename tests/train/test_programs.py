@@ -137,22 +137,6 @@ def test_run_parts_are_frozen_and_typed():
     assert RunParts.__dataclass_params__.frozen
 
 
-def test_former_train_run_names_resolve_with_a_warning_or_name_their_replacement():
-    import importlib
-
-    import ict_jax.train.resume
-    import ict_jax.train.run as run
-
-    with pytest.warns(DeprecationWarning, match=r"ict_jax.train.run.resume_point is deprecated and will be removed in "
-                      r"ict_jax 0\.3\.0: use ict_jax.train.resume.resume_point"):
-        assert run.resume_point is ict_jax.train.resume.resume_point
-    with pytest.warns(DeprecationWarning, match="ict_jax.train.distributed"):
-        assert run.maybe_initialize_distributed is importlib.import_module(
-            "ict_jax.train.distributed").maybe_initialize_distributed
-    with pytest.raises(AttributeError, match="build_parts"):
-        run.build_run  # noqa: B018
-
-
 @pytest.mark.parametrize("override, gathered", [([], False), (["rollout.gather_weights=true"], True)])
 def test_both_samplers_take_rollout_gather_weights(override, gathered):
     """``rollout.gather_weights`` reaches the rollout and the evaluation sampler alike (off by default)."""

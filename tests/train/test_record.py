@@ -31,6 +31,7 @@ from ict_jax.train.record import read_resumes
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 BENCH = "split?digits=1&size=4&seed=5"
+EVAL_METRICS = ("pass@1", "pass@2", "no_answer_frac", "truncated_frac")  # per benchmark, at every evaluation
 TINY = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
         "rollout.max_prompt_len=16", "train.sft_steps=3", "train.sft_batch_size=8", "rl.selector.warmup_steps=1",
         "data.train=[\"arith?digits=1&size=64\"]", f"data.eval=[\"{BENCH}\"]", "data.eval_n=2", "data.eval_k=[1,2]",
@@ -93,7 +94,7 @@ def test_summary_sections_and_status(finished):
     s = json.loads((run / "summary.json").read_text())
     assert s["status"] == "finished" and s["steps"] == 2 and s["resumes"] == []
     assert set(s["sft"]) == {"sft/loss", "sft/tokens", "sft/grad_norm"}
-    assert set(s["eval_after_sft"]) == set(s["eval_final"]) == {f"eval/{BENCH}/pass@1", f"eval/{BENCH}/pass@2"}
+    assert set(s["eval_after_sft"]) == set(s["eval_final"]) == {f"eval/{BENCH}/{m}" for m in EVAL_METRICS}
     assert s["final"]["reward/mean"] == read_metrics(run / "metrics.jsonl")[-1]["reward/mean"]
 
 
@@ -132,7 +133,7 @@ def test_tensorboard_has_sft_and_every_evaluation_with_single_tags_at_the_right_
 
     name = f"eval/{BENCH}/pass@1"
     tag = _clean_tag(name)
-    assert set(ev) == {tag, _clean_tag(f"eval/{BENCH}/pass@2")}  # the metric names: no eval/eval/...
+    assert set(ev) == {_clean_tag(f"eval/{BENCH}/{m}") for m in EVAL_METRICS}  # the names: no eval/eval/...
     assert not any(t.startswith("eval/eval/") or t.startswith("sft/sft/") for t in [*sft, *rl, *ev])
     summary = json.loads((run / "summary.json").read_text())
     # after SFT at step 0, the end at step 2 (= rollout batches done): not one step early
@@ -453,7 +454,7 @@ def test_wandb_missing_is_a_one_line_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     rc, _, err = train(tmp_path / "r", "logging.wandb=true")
-    assert rc == 2 and "pip install 'ict_jax[wandb]'" in err and not (tmp_path / "r").exists()
+    assert rc == 2 and "pip install -e '.[wandb]' in the ict_jax checkout" in err and not (tmp_path / "r").exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -665,7 +666,8 @@ def test_an_evaluations_metrics_carry_the_shares_of_each_benchmark():
 
 def test_a_runs_evaluation_feeds_its_heartbeat_and_clears_it_even_when_it_fails(tmp_path, monkeypatch):
     """The Evaluator hands evaluate() a listener that names the evaluation in the run's heartbeat
-    (problems done, the batch being sampled) and clears it afterwards, also when the evaluation fails."""
+    (the benchmarks loading, the problems done, the batch being sampled) and clears it afterwards, also when
+    the evaluation fails."""
     from types import SimpleNamespace
 
     import ict_jax.train.evaluation as evaluation
@@ -687,14 +689,15 @@ def test_a_runs_evaluation_feeds_its_heartbeat_and_clears_it_even_when_it_fails(
 
     monkeypatch.setattr(evaluation, "evaluate", fake)
     assert ev.evaluate(None, 1) == {"eval/three/pass@1": 0.5}
-    assert work == ["evaluating, 0/3 problems done (three: sampling problems 1-2 of 3, 2 responses each)",
+    assert work == ["evaluating: loading the benchmarks (three)",  # not loaded yet (the stand-in never keeps them)
+                    "evaluating, 0/3 problems done (three: sampling problems 1-2 of 3, 2 responses each)",
                     "evaluating, 2/3 problems done", None]
     with pytest.raises(RuntimeError, match="sampler failed"):
         ev.evaluate(None, 2)
-    assert work[-1] is None and len(work) == 6
+    assert work[-1] is None and len(work) == 8
 
 def test_first_ctrl_c_asks_to_stop_after_the_step_the_second_stops_at_once():
-    from ict_jax.train.trainer import stop_after_step
+    from ict_jax.train.stopping import stop_after_step
 
     said = []
     before = signal.getsignal(signal.SIGINT)  # default_int_handler; SIG_IGN in a background job (nohup ... &)
@@ -778,7 +781,8 @@ def test_wall_s_counts_an_interrupted_invocation(tmp_path):
     invocation that was interrupted (Ctrl-C) or stopped by an error. Both now count."""
     from ict_jax.config import load_config
     from ict_jax.train.record import read_summary
-    from ict_jax.train.trainer import Interrupted, Trainer
+    from ict_jax.train.stopping import Interrupted
+    from ict_jax.train.trainer import Trainer
 
     cfg = load_config(DEMO, TINY + ["train.sft_steps=0", "data.eval=[]", "train.steps=2", "mesh.data=-1",
                                      "mesh.tensor=2", f"run_dir={tmp_path / 'run'}"])
@@ -837,3 +841,10 @@ def test_a_row_is_written_whole_or_not_at_all_and_a_half_row_is_not_read(tmp_pat
     path.write_text('{"step": 0, "phase": "rl", "m": 1.0}\n{"step": 1, "phase": "rl", "m": 2.0}\n{"step": 2, "ph')
     assert [r["step"] for r in read_metrics(path)] == [0, 1]
     assert truncate_metrics(path, {"rl": 1}) == 1 and path.read_text() == '{"step": 0, "phase": "rl", "m": 1.0}\n'
+
+
+def test_an_evaluations_results_and_samples_paths(tmp_path):
+    from ict_jax.train.evaluation import eval_results
+
+    assert eval_results(tmp_path, 3) == tmp_path / "eval" / "step_000003.json"
+    assert eval_results(tmp_path, 3).with_suffix(".jsonl") == tmp_path / "eval" / "step_000003.jsonl"

@@ -351,7 +351,8 @@ def test_evaluation_depends_on_weights_and_seed_only(tmp_path):
 
 
 def test_three_non_finite_steps_in_a_row_stop_with_the_last_checkpoint_intact(tmp_path):
-    from ict_jax.train.trainer import Trainer, TrainingDiverged
+    from ict_jax.train.stopping import TrainingDiverged
+    from ict_jax.train.trainer import Trainer
 
     cfg = load_config(DEMO, TINY + ["train.steps=6", "train.save_every=1", "train.sft_steps=0",
                                      f"run_dir={tmp_path / 'run'}", "mesh.data=-1", "mesh.tensor=2"])
