@@ -74,6 +74,15 @@ class Heartbeat:
         with self._lock:
             self._last = time.monotonic()
 
+    def counted(self, say: Callable[[str], None]) -> Callable[[str], None]:
+        """``say`` whose every line counts as one the work said (:meth:`said`): the next heartbeat line is due
+        ``interval`` seconds after it."""
+        def counted_say(line: str) -> None:
+            say(line)
+            self.said()
+
+        return counted_say
+
     def lend(self, say: Callable[[str], None], status: Callable[[], str | None]) -> Callable[[], None]:
         """Until the returned function is called, the lines are ``status()`` said by ``say`` (a part of the
         work that shows progress of its own: :class:`ict_jax.sampling.evaluation.Progress`); the clock goes

@@ -64,3 +64,14 @@ def test_a_lent_heartbeat_speaks_for_the_borrower_on_its_own_clock():
         time.sleep(0.2)
     assert lent and set(lent) == {"eval 1/4 problems"}, lent
     assert own and all(ln.startswith("loading: still running, ") for ln in own) and len(own) > n, own
+
+
+def test_counted_says_the_line_and_counts_it_as_said():
+    from ict_jax.heartbeat import Heartbeat
+
+    lines = []
+    beat = Heartbeat(lines.append, interval=3600.0)
+    before = beat._last
+    time.sleep(0.01)
+    beat.counted(lines.append)("loading ...")
+    assert lines == ["loading ..."] and beat._last > before

@@ -35,14 +35,11 @@ def align_main(args: argparse.Namespace) -> int:
 
     from ict_jax.heartbeat import Heartbeat
 
-    def say(line: str) -> None:  # the check's own lines count for the heartbeat
-        _say(line)
-        beat.said()
-
     with Heartbeat(_say) as beat:  # from the first second: importing JAX and the trainer alone takes a while
         beat.phase("starting (importing JAX and the trainer)")
         from ict_jax.tools.gradient_alignment import run_alignment
 
-        run_alignment(cfg, batches=args.batches, out=out, say=say, tell=beat.phase)
+        # the check's own lines count for the heartbeat
+        run_alignment(cfg, batches=args.batches, out=out, say=beat.counted(_say), tell=beat.phase)
     print(f"wrote {out / 'alignment.md'}, {out / 'alignment.json'}")
     return 0

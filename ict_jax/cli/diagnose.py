@@ -131,17 +131,16 @@ def _diagnose(args: argparse.Namespace, out, beat, *, groups: list, temps: list,
     dataset = load_dataset(args.prompts, data_dir=args.data_dir, limit=args.num_prompts)
     if len(dataset) == 0:
         raise UserError(f"--prompts {args.prompts!r}: no prompts")
-    _say(f"loading {args.model} ...")
-    beat.said()
+    say = beat.counted(_say)  # the command's own lines count for the heartbeat
+    say(f"loading {args.model} ...")
     t0 = time.perf_counter()
     beat.phase(f"loading {args.model}")  # a real model's first load assembles and dequantises it: a minute or more
     source = resolve_model(args.model, tokenizer=args.tokenizer)
     tok, model = source.tokenizer(), source.load()
     beat.phase(None)
-    _say(f"loaded in {time.perf_counter() - t0:.0f} s; {len(dataset)} prompts, "
+    say(f"loaded in {time.perf_counter() - t0:.0f} s; {len(dataset)} prompts, "
          + (f"each followed by the instruction {instr!r}" if (instr := prompt_instruction(dataset, args.template))
             else "as given (template none)"))
-    beat.said()
     settings = [Setting(g, t) for g, t in itertools.product(groups, temps)]
     results = run_diagnose(model, tok, dataset, settings=settings, u_forms=forms, max_new_tokens=args.max_new_tokens,
                            batch_rows=args.batch_rows, template=args.template, seed=args.seed, rho=args.rho,

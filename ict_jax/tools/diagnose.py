@@ -443,9 +443,7 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
         outdir.mkdir(parents=True, exist_ok=True)
     beat = heartbeat if heartbeat is not None else Heartbeat(say, interval=heartbeat_s)
 
-    def tell(text: str) -> None:  # every line of the run counts for the heartbeat
-        say(text)
-        beat.said()
+    tell = beat.counted(say)  # every line of the run counts for the heartbeat
 
     beat.phase("starting the reward workers")
     with contextlib.nullcontext() if heartbeat is not None else beat, \

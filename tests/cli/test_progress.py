@@ -11,21 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from cli.test_train import NO_JAX  # tests/ is on sys.path (tests/cli: a namespace package)
+
 ROOT = Path(__file__).resolve().parents[2]
-#: sitecustomize of a process whose `import jax` never returns
-NO_JAX = """
-import sys, time
-from importlib.abc import MetaPathFinder
-
-class _Hang(MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "jax":
-            print("importing jax", flush=True)
-            time.sleep(600)
-        return None
-
-sys.meta_path.insert(0, _Hang())
-"""
 
 
 @pytest.mark.parametrize("argv, first", [
