@@ -49,6 +49,7 @@ _API: dict[str, str] = {
     "clipped_surrogate": "rl.losses",
     "k3_kl": "rl.losses",
     "policy_loss": "rl.losses",
+    "register_loss_agg": "rl.losses",
     "RolloutBatch": "rl.batch",
     "build_rollout_batch": "rl.batch",
     "TrainState": "rl.state",
@@ -74,6 +75,7 @@ _API: dict[str, str] = {
     "RewardSpec": "rewards.checks",
     "check_text": "rewards.checks",
     "score_text": "rewards.checks",
+    "register_reward_kind": "rewards.checks",
     "RewardPool": "rewards.pool",
     # -- configuration (config.py) --
     "Config": "config",

@@ -19,49 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-Method = Literal["dense", "grpo", "ict", "entropy", "stapo", "random", "frequent", "selectable"]
 #: Candidate sets of a top-k selector (docs/method.md §2): a response, a prompt's group, the mini-batch, or
 #: (20-Entropy's official code, ``entropy`` only) each micro-batch of ``train.micro_batches``.
 Scope = Literal["sequence", "group", "batch", "micro_batch"]
 #: Which tokens a top-k cut that falls inside an exact tie keeps (docs/method.md §2, ``rl.selector.ties``):
 #: exactly k, ties to the lower flat index (``position``), or every token tied at the k-th score (``all``).
 Ties = Literal["position", "all"]
-#: The selectors whose mask is a top-k cut, and so read ``rl.selector.ties`` (``frequent`` is the complement
-#: of ICT's cut); the others (dense, stapo, selectable, a registered selector that does not read it) ignore it.
-TOPK_METHODS = ("ict", "entropy", "random", "frequent")
 #: Where the loss's denominators are counted (``rl.loss.normalize_scope``): over the mini-batch (the default:
 #: independent of memory settings) or over each micro-batch, the micro-batch losses then averaged (verl's
 #: gradient accumulation, as 20-Entropy's official code runs it).
 NormalizeScope = Literal["mini_batch", "micro_batch"]
-LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 #: Readings of ICT's score u (docs/method.md §1, ``stats.u_form``): what p[i,t] is compared with.
 UForm = Literal["aligned", "loo", "literal", "pooled"]
 #: STAPO's two readings of its entropy quantile's candidate set (docs/method.md §2, ``stapo_quantile_over``).
 StapoQuantileOver = Literal["valid", "low_prob_positive"]
-
-_ICT_DEFAULTS = (0.10, "sequence")
-#: Default (rho, scope) per selector, docs/method.md §2's table: the one place these numbers are written
-#: (``SelectorSection.resolved_rho`` / ``resolved_scope``, the inspector, the CLI help read them).
-#: ``random`` mirrors ``ict`` (same counts).
-SELECTOR_DEFAULTS: dict[str, tuple[float | None, str | None]] = {
-    "dense": (None, None),
-    "ict": _ICT_DEFAULTS,
-    "entropy": (0.20, "batch"),
-    "stapo": (None, None),
-    "random": _ICT_DEFAULTS,
-    "frequent": _ICT_DEFAULTS,  # the complement of ict's mask at ict's (rho, scope)
-    "selectable": (None, None),
-}
-#: Selector names beyond :data:`Method` that ``rl.selector.method`` accepts: the selectors a program
-#: registered (:func:`ict_jax.rl.selectors.register_selector` adds them through :func:`allow_method`).
-EXTRA_METHODS: set[str] = set()
-
-
-def allow_method(name: str) -> None:
-    """Let ``rl.selector.method`` name ``name`` (a selector registered by the program, not one of :data:`Method`)."""
-    if name not in get_args(Method):
-        EXTRA_METHODS.add(name)
-
 
 #: STAPO's default entropy quantile tau_h per reading of its candidate set (docs/method.md §2): 0.75 over
 #: the low-probability tokens of correct responses (the v1 TeX source), 0.8 over all valid tokens (v2).
@@ -198,9 +169,11 @@ class RolloutSection:
 
 @dataclass(frozen=True)
 class SelectorSection:
-    method: Method = "ict"
-    rho: float | None = None  # None = the method's default (docs/method.md §2)
-    scope: Scope | None = None  # None = the method's default (docs/method.md §2)
+    # a selector registered in ict_jax.rl.selectors (or by a plugin module), checked when the run is built
+    # (ict_jax.rl.selectors.check_selector); its defaults live with its registration
+    method: str = "ict"
+    rho: float | None = None  # None = the method's registered default (docs/method.md §2)
+    scope: Scope | None = None  # None = the method's registered default (docs/method.md §2)
     # a top-k cut inside an exact tie: keep exactly k by position, or every tied token (docs/method.md §2)
     ties: Ties = "position"
     warmup_steps: int = 20  # Theta (docs/method.md §2)
@@ -209,19 +182,18 @@ class SelectorSection:
     tau_h: float | None = None
     # which tokens STAPO's tau_h quantile of H1 is taken over (docs/method.md §2): the v1 reading
     stapo_quantile_over: StapoQuantileOver = "low_prob_positive"
+    # the settings of a selector that registered a params dataclass (ict_jax.rl.selectors.selector_params);
+    # the built-ins take none (their settings are the keys above)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __hash__(self) -> int:  # a static argument of the compiled step: params (a mapping) hashed by its content
+        return hash(tuple(repr(sorted(v.items())) if isinstance(v, dict) else v
+                          for v in (getattr(self, f.name) for f in dataclasses.fields(self))))
 
     @property
     def canonical_method(self) -> str:
         """``grpo`` is the user-facing alias of ``dense``."""
         return "dense" if self.method == "grpo" else self.method
-
-    @property
-    def resolved_rho(self) -> float | None:
-        return self.rho if self.rho is not None else SELECTOR_DEFAULTS.get(self.canonical_method, (None, None))[0]
-
-    @property
-    def resolved_scope(self) -> str | None:
-        return self.scope if self.scope is not None else SELECTOR_DEFAULTS.get(self.canonical_method, (None, None))[1]
 
     @property
     def resolved_tau_h(self) -> float:
@@ -236,7 +208,8 @@ class LossSection:
     dual_clip_c: float | None = 3.0  # verl's default; None turns dual clip off
     kl_coef: float = 0.001  # verl's GRPO default
     kl_masked: bool = True  # ICT Eq. 11
-    loss_agg: LossAgg = "seq-mean-token-mean"  # ICT Eq. 11
+    # a loss aggregation registered in ict_jax.rl.losses (or by a plugin), checked when the run is built
+    loss_agg: str = "seq-mean-token-mean"  # ICT Eq. 11
     normalize_over: Literal["selected", "valid"] = "selected"
     # the loss's denominators over the mini-batch, or over each micro-batch with the micro-batch losses
     # averaged (20-Entropy's official code: verl's gradient accumulation); docs/loss.md
@@ -369,6 +342,9 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    # Python modules imported when a run is built, before its methods are checked: a plugin registers more
+    # selectors, loss aggregations or reward kinds (docs/plugins.md); searched in the working directory first
+    plugins: tuple[str, ...] = ()
     seed: int = 0
     run_dir: str = "runs/default"
 
@@ -414,7 +390,7 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = get_origin(tp)
     if origin is Literal:
-        if value in get_args(tp) or (tp == Method and value in EXTRA_METHODS):
+        if value in get_args(tp):
             return value
         raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, get_args(tp)))}")
     if origin in (typing.Union, types.UnionType):
@@ -430,6 +406,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping of names to values, got {value!r}")
+        return dict(value)
     if origin is tuple:
         if isinstance(value, str):  # "1,4" from the command line: each element parsed as YAML
             value = [_yaml_or_text(v) for v in value.split(",") if v.strip()]
@@ -477,6 +457,13 @@ def _yaml_or_text(text: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+
+
+def build_section(cls: type, data: Any, prefix: str) -> Any:
+    """The frozen dataclass ``cls`` from the plain mapping ``data``, every value checked as the config tree's
+    are; :class:`ConfigError` (one line) naming ``prefix.<key>`` for an unknown key or a wrong type. A
+    registry member's own settings are built with it (``rl.selector.params``)."""
+    return _build(cls, data, prefix)
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
@@ -590,6 +577,7 @@ def _check_fraction(key: str, rho: float) -> None:
         raise ConfigError(f"{key}: {rho} has more than 4 decimals (docs/method.md §2 stores rho as a fraction)")
 
 
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _FN_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -619,6 +607,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"rl.reward.correct: {rw.correct} must be greater than rl.reward.wrong={rw.wrong}")
     if rw.fn is not None and not _FN_RE.fullmatch(rw.fn):
         raise ConfigError(f"rl.reward.fn: {rw.fn!r} is not of the form package.module:function")
+    for module in cfg.plugins:
+        if not _MODULE_RE.fullmatch(module):
+            raise ConfigError(f"plugins: {module!r} is not a module name (package.module)")
     t = cfg.train
     if t.prompts_per_step % cfg.rollout.chunks:
         raise ConfigError(f"rollout.chunks: {cfg.rollout.chunks} does not divide train.prompts_per_step="

@@ -52,12 +52,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import ict_jax  # before jax: with the `tpu` extra on a machine without a TPU it selects the CPU, no libtpu warnings
-from ict_jax.config import SELECTOR_DEFAULTS, SelectorSection
+from ict_jax.config import SelectorSection
 from ict_jax.data.prompts import encode_prompt
 from ict_jax.model.packaged import parts_missing
 from ict_jax.model.tokenizers import decode_responses
 from ict_jax.rewards.checks import extract_answer
 from ict_jax.rl.saturation import tie_decided, u_at_ceiling
+from ict_jax.rl.selectors import selector_info
 
 import jax  # noqa: E402  (after ict_jax, see above)
 import jax.numpy as jnp  # noqa: E402
@@ -93,7 +94,8 @@ G = int(os.environ.get("ICT_NB_G", "8"))  # responses in the group
 MAX_NEW_TOKENS = int(os.environ.get("ICT_NB_MAX_NEW_TOKENS", "192" if ON_REAL else "24"))
 TEMPERATURE = 1.0
 SEED = 0
-(RHO_ICT, ICT_SCOPE), (RHO_ENTROPY, ENTROPY_SCOPE) = SELECTOR_DEFAULTS["ict"], SELECTOR_DEFAULTS["entropy"]
+(RHO_ICT, ICT_SCOPE), (RHO_ENTROPY, ENTROPY_SCOPE) = ((selector_info(m).rho, selector_info(m).scope)
+                                                    for m in ("ict", "entropy"))  # the registered defaults
 TAU_P, TAU_H = SelectorSection().tau_p, SelectorSection().resolved_tau_h  # the config's defaults (docs/method.md §2)
 OUT_DIR = os.environ.get("ICT_NB_OUT") or tempfile.mkdtemp(prefix="ict_nb01_")
 os.makedirs(OUT_DIR, exist_ok=True)

@@ -143,6 +143,70 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+#: calls that change a container in place
+_MUTATORS = {"add", "update", "append", "extend", "insert", "setdefault", "pop", "popitem", "clear", "remove", "discard"}
+
+
+def _writes_into(tree: ast.AST, names: set[str], modules: set[str]) -> list[int]:
+    """Lines of ``tree`` that write into ``names`` (objects imported from config) or an attribute of
+    ``modules`` (config imported as a module): an assignment to an attribute or an item, a mutating call,
+    ``setattr``."""
+    def target(node: ast.AST) -> bool:
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            return node.value.id in modules or node.value.id in names
+        if isinstance(node, ast.Subscript):
+            return isinstance(node.value, ast.Name) and node.value.id in names or target(node.value)
+        return False
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            lines += [node.lineno for t in targets if target(t)]
+        elif isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr in _MUTATORS and (
+                    isinstance(f.value, ast.Name) and f.value.id in names or target(f.value)):
+                lines.append(node.lineno)
+            if isinstance(f, ast.Name) and f.id in ("setattr", "delattr") and node.args and (
+                    isinstance(node.args[0], ast.Name) and node.args[0].id in names | modules):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_below_train_writes_into_config():
+    """docs/architecture.md: model, data, rewards and rl never write into ``ict_jax.config`` (a registry lives
+    at its home; the config holds no list a registration extends), and no function of config changes one of
+    config's module-level objects."""
+    bad = []
+    for name, path in MODULES.items():
+        if _package(name) not in ("model", "data", "rewards", "rl"):
+            continue
+        tree = ast.parse(path.read_text())
+        names, modules = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "ict_jax.config":
+                names |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module == "ict_jax":
+                modules |= {a.asname or a.name for a in node.names if a.name == "config"}
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname for a in node.names if a.name == "ict_jax.config" and a.asname}
+        bad += [f"ict_jax.{name} line {line}" for line in _writes_into(tree, names, modules)]
+    config = ast.parse(MODULES["config"].read_text())
+    top = {t.id for node in config.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+           for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    for fn in (n for n in ast.walk(config) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+        bad += [f"ict_jax.config line {line} (in {fn.name})" for line in _writes_into(fn, top, set())]
+        bad += [f"ict_jax.config line {n.lineno} (global in {fn.name})" for n in ast.walk(fn) if isinstance(n, ast.Global)]
+    assert not bad, "writes into ict_jax.config from below train/:\n" + "\n".join(bad)
+
+
+def test_the_write_check_finds_a_registration_into_config():
+    tree = ast.parse("from ict_jax.config import EXTRA\ndef allow(n):\n    EXTRA.add(n)\n    EXTRA['a'] = 1\n")
+    assert _writes_into(tree, {"EXTRA"}, set()) == [3, 4] or sorted(_writes_into(tree, {"EXTRA"}, set())) == [3, 4]
+    assert _writes_into(ast.parse("import ict_jax.config as c\nc.X = 1\n"), set(), {"c"}) == [2]
+
+
 def test_every_command_resolves_its_model_through_one_function():
     """docs/architecture.md "One model resolver": the commands that take a model (and the run's parts, and
     compile) import ``train.model_source.resolve_model``."""

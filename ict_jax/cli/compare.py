@@ -48,9 +48,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                         "fixed once an evaluation has finished (docs/experiments.md)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=10")
     p.add_argument("--methods", default=None,
-                   help="comma-separated selectors (ict, grpo, entropy, stapo, random, frequent, selectable) or "
-                        "variants (ict_norm_valid: ict with rl.loss.normalize_over=valid); default: ict, grpo, "
-                        "entropy, stapo, random")
+                   help="comma-separated registered selectors (rl.selector.method's names; an unknown one is "
+                        "refused naming them all) or variants (ict_norm_valid: ict with "
+                        "rl.loss.normalize_over=valid); default: ict, grpo, entropy, stapo, random")
     p.add_argument("--seeds", default="3", help="N = seeds 0..N-1, or a list like 0,1,2 (default 3)")
     p.add_argument("--rho", default=None, metavar="R1,R2,...",
                    help="sparsity ablation: one ICT run group per rho (e.g. 0.05,0.1,0.2,0.3)")

@@ -12,7 +12,7 @@ import time
 import typing
 
 from ict_jax.cli.errors import UserError
-from ict_jax.config import SELECTOR_DEFAULTS, StatsSection, UForm
+from ict_jax.config import StatsSection, UForm
 from ict_jax.outputs import check_output_dir
 
 
@@ -46,8 +46,8 @@ def add_diagnose_args(p: argparse.ArgumentParser) -> None:
                         "every question is followed by the instruction \"" + BOXED_INSTRUCTION.replace("%", "%%")
                         + "\" (multiple-choice data sets: \"" + MC_INSTRUCTION.replace("%", "%%") + "\"); none: the "
                         "prompts as given. The report states it")
-    p.add_argument("--rho", type=float, default=SELECTOR_DEFAULTS["ict"][0],
-                   help=f"ICT's fraction per response (default {SELECTOR_DEFAULTS['ict'][0]}), also the count of "
+    p.add_argument("--rho", type=float, default=None,
+                   help="ICT's fraction per response (default: ict's registered rho), also the count of "
                         "random, lowest_p and entropy[sequence]")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--chunk", type=int, default=StatsSection().chunk,
@@ -92,7 +92,7 @@ def diagnose_main(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} {v}: must be >= 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError(f"--num-prompts {args.num_prompts}: must be >= 1")
-    if not 0 < args.rho <= 1:
+    if args.rho is not None and not 0 < args.rho <= 1:
         raise UserError(f"--rho {args.rho}: allowed 0 < rho <= 1")
     out = check_output_dir(args.out, "--out")
     from ict_jax.heartbeat import Heartbeat

@@ -276,7 +276,7 @@ def _eval(args: argparse.Namespace, beat) -> int:
     json_path = os.path.join(out, "eval.json")
     checkers = {CUSTOM_KIND: args.reward_fn} if args.reward_fn else None  # imported in the workers only
     beat.phase(f"starting the reward workers ({s['workers']})")
-    with RewardPool(s["workers"], time_limit=s["time_limit"], checkers=checkers) as pool:
+    with RewardPool(s["workers"], time_limit=s["time_limit"], checkers=checkers, plugins=_run_plugins(record)) as pool:
         beat.phase(None)  # the evaluation's own lines from here, through this heartbeat
         results = evaluate(gen, templated, pool, n=s["n"], ks=s["k"], batch_size=s["batch_size"],
                            samples_path=os.path.join(out, "eval_samples.jsonl"), settings=settings,
@@ -294,6 +294,16 @@ def _eval(args: argparse.Namespace, beat) -> int:
               + ", ".join(f"{k} {v}" for k, v in skipped.items() if v))
     print(f"wrote {json_path} and {os.path.join(out, 'eval_samples.jsonl')}")
     return 0
+
+
+def _run_plugins(record: tuple[dict, str] | None) -> tuple[str, ...]:
+    """The ``plugins`` of the run a model comes from (none without a recorded run), imported here; the reward
+    workers import them too."""
+    from ict_jax.train.plugins import import_plugins
+
+    plugins = tuple((record[0] or {}).get("plugins") or ()) if record else ()
+    import_plugins(plugins)
+    return plugins
 
 
 def _load_benchmarks(s: dict, reward_fn: str | None) -> dict:

@@ -8,7 +8,7 @@ import os
 import typing
 from typing import Any
 
-from ict_jax.config import SELECTOR_DEFAULTS, Scope, SelectorSection
+from ict_jax.config import Scope, SelectorSection
 
 _DEFAULT = SelectorSection()  # the selector of a --model (no checkpoint): ict_jax.config's defaults
 
@@ -36,15 +36,16 @@ def add_inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="sampler seed (default 0)")
     p.add_argument("--template", default=None, choices=TEMPLATES,
                    help="prompt template (default: the checkpoint config's data.template, else none)")
-    own = "(default: the checkpoint's rl.selector.{key} when the run trained {who}, else {value})"
+    # the parser builds without JAX, so the registry's numbers are not read here: docs/method.md §2 has them
+    own = "(default: the checkpoint's rl.selector.{key} when the run trained {who}, else {value}'s registered one)"
     p.add_argument("--rho-ict", type=float, default=None, metavar="RHO",
-                   help="ICT fraction " + own.format(key="rho", who="ict or random", value=SELECTOR_DEFAULTS["ict"][0]))
+                   help="ICT fraction " + own.format(key="rho", who="ict or random", value="ict"))
     p.add_argument("--rho-entropy", type=float, default=None, metavar="RHO", help="20-Entropy fraction "
-                   + own.format(key="rho", who="entropy", value=SELECTOR_DEFAULTS["entropy"][0]))
+                   + own.format(key="rho", who="entropy", value="entropy"))
     p.add_argument("--ict-scope", default=None, choices=typing.get_args(Scope), help="ICT candidate sets "
-                   + own.format(key="scope", who="ict or random", value=SELECTOR_DEFAULTS["ict"][1]))
+                   + own.format(key="scope", who="ict or random", value="ict"))
     p.add_argument("--entropy-scope", default=None, choices=typing.get_args(Scope), help="20-Entropy candidate sets "
-                   + own.format(key="scope", who="entropy", value=SELECTOR_DEFAULTS["entropy"][1]))
+                   + own.format(key="scope", who="entropy", value="entropy"))
     p.add_argument("--tau-p", type=float, default=None,
                    help=f"STAPO probability threshold (default: the checkpoint's, else {_DEFAULT.tau_p})")
     p.add_argument("--tau-h", type=float, default=None,

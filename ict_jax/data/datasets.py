@@ -3,7 +3,7 @@
     ds = load_dataset("gsm8k", data_dir="data", split="train")          # Dataset of Example
     ds = load_dataset("split?digits=2&size=256")                          # a built-in task with options
 
-``Dataset.scorer`` is the reward kind that checks a response (:data:`ict_jax.rewards.checks.KINDS`):
+``Dataset.scorer`` is the reward kind that checks a response (:func:`ict_jax.rewards.checks.reward_kinds`):
 "math" (last \\boxed{} vs the gold, math-verify), "gsm8k" (numeric gold from "#### n"), "mc" (one
 letter), "gym" (reasoning-gym's scorer on ``meta["gym_entry"]``), "exact" (the stripped response equals
 the gold; ``arith``), "sum" (``x+y``, two positive integers adding up to the gold; ``split``).
@@ -35,7 +35,7 @@ from ict_jax.data.sources import (
     tfds_examples,
 )
 from ict_jax.data.tasks import arith_examples, split_examples
-from ict_jax.rewards.checks import CUSTOM_KIND, KINDS
+from ict_jax.rewards.checks import CUSTOM_KIND, reward_kinds
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ class Dataset(Sequence[Example]):
     """A named, scored list of Examples (``len``, indexing, iteration)."""
 
     def __init__(self, name: str, examples: Sequence[Example], scorer: str, split: str | None = None):
-        if scorer not in KINDS + (CUSTOM_KIND,):
-            raise ValueError(f"scorer must be one of {KINDS + (CUSTOM_KIND,)}, got {scorer!r}")
+        if scorer not in reward_kinds() + (CUSTOM_KIND,):
+            raise ValueError(f"scorer must be one of {reward_kinds() + (CUSTOM_KIND,)}, got {scorer!r}")
         self.name, self.scorer, self.split = name, scorer, split
         self.examples = list(examples)
 
@@ -103,16 +103,17 @@ def load_file_task(path: str, *, data_dir: str | None, split: str | None, prompt
                    answer: str = "answer", reward: str = "math", choices: str | None = None,
                    **unknown: Any) -> Dataset:
     """A generic task from one JSONL / Parquet / CSV file: ``prompt`` and ``answer`` name the fields,
-    ``reward`` the reward kind that checks a response (:data:`~ict_jax.rewards.checks.KINDS`, or
-    ``custom`` = the config's ``rl.reward.fn``), ``choices`` optionally a list-of-options field (``mc``).
+    ``reward`` the reward kind that checks a response (a registered one,
+    :func:`~ict_jax.rewards.checks.reward_kinds`, a plugin's included, or ``custom`` = the config's
+    ``rl.reward.fn``), ``choices`` optionally a list-of-options field (``mc``).
     ``path`` is absolute, or relative to ``data_dir`` (when the file is there), else to the working
     directory. A malformed row is a DataError naming the file and line (docs/data.md)."""
     if unknown:
         raise ValueError(f"file:{path}: unknown option(s) {', '.join(sorted(unknown))}; allowed: prompt, "
                          "answer, reward, choices")
-    if reward not in KINDS + (CUSTOM_KIND,):
+    if reward not in reward_kinds() + (CUSTOM_KIND,):
         raise ValueError(f"file:{path}: reward={reward!r} is not a reward kind; allowed: "
-                         f"{', '.join(KINDS + (CUSTOM_KIND,))}")
+                         f"{', '.join(reward_kinds() + (CUSTOM_KIND,))}")
     if not path.endswith(FILE_EXTENSIONS):
         raise ValueError(f"file:{path}: expected a {', '.join(FILE_EXTENSIONS)} file")
     found = path

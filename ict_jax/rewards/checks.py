@@ -30,8 +30,10 @@ import numpy as np
 
 __all__ = ["KINDS", "MAX_ANSWER_CHARS", "MAX_RESPONSE_CHARS", "RewardSpec", "RewardCheck", "last_boxed",
            "extract_answer", "extract_choice", "math_equal", "choice_equal", "gym_answer_score",
-           "check_text", "score_text", "response_tail", "answer_text", "sft_target", "CUSTOM_KIND"]
+           "check_text", "score_text", "response_tail", "answer_text", "sft_target", "CUSTOM_KIND", "RewardKind",
+           "register_reward_kind", "reward_kinds"]
 
+#: The built-in reward kinds (:func:`reward_kinds` adds the ones a plugin registered)
 KINDS = ("math", "gsm8k", "mc", "gym", "exact", "sum")
 #: The reward kind scored by the user's function ``rl.reward.fn`` (run in the worker pool, never by
 #: :func:`check_text`): docs/rewards.md "Custom reward functions".
@@ -304,37 +306,96 @@ def sum_split_equal(ans: str | None, gold: Any) -> bool:
     return x >= 1 and y >= 1 and x + y == int(target)
 
 
-def check_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | None = None,
-               spec: RewardSpec | None = None) -> RewardCheck:
-    """Score one response in-process (no time limit; the pool's workers call this)."""
-    spec = spec or RewardSpec()
-    meta = meta or {}
-    text = response_tail(str(response), spec.max_response_chars)
-    if kind == "mc":
-        ans = extract_choice(text, meta.get("choices"), spec.max_response_chars)
-        ok = choice_equal(ans, gold)
-    elif kind in ("math", "gsm8k"):
-        ans = extract_answer(text, spec.max_response_chars)
-        ok = math_equal(ans, gold)
-    elif kind == "exact":
-        ans = text.strip() or None
-        ok = ans is not None and ans == str(gold).strip()
-    elif kind == "sum":
-        ans = text.strip()
-        ans = ans if _SUM_RE.fullmatch(ans) else None  # not "x+y": no answer (RewardSpec.no_answer)
-        ok = sum_split_equal(ans, gold)
-    elif kind == "gym":  # reasoning-gym's own <answer> tags, else our extraction
-        tags = _GYM_TAG_RE.findall(text)
-        ans = tags[-1].strip() if tags else extract_answer(text, spec.max_response_chars)
-        if ans is None or len(ans) > MAX_ANSWER_CHARS:
-            return RewardCheck(spec.no_answer, False, None, "no_answer")
-        s = gym_answer_score(ans, meta)
-        return RewardCheck(spec.wrong + (spec.correct - spec.wrong) * s, s >= 1.0, ans)
-    else:
-        raise ValueError(f"unknown reward kind {kind!r}; expected one of {KINDS}")
+# ---- The registry of reward kinds: each kind's check and the reverse of its extraction ----
+@dataclass(frozen=True)
+class RewardKind:
+    """A reward kind: ``check(text, gold, meta, spec) -> RewardCheck`` scores the tail ``text`` of a response
+    (:func:`response_tail`), ``answer(gold) -> str`` writes an answer the check reads back as correct
+    (:func:`answer_text`: the SFT targets of data sets without worked solutions)."""
+
+    check: Callable[[str, Any, Mapping[str, Any], RewardSpec], RewardCheck]
+    answer: Callable[[Any], str] = str
+
+
+_REWARD_KINDS: dict[str, RewardKind] = {}
+
+
+def register_reward_kind(name: str, check: Callable[[str, Any, Mapping[str, Any], RewardSpec], RewardCheck], *,
+                         answer: Callable[[Any], str] = str, overwrite: bool = False) -> None:
+    """Register the reward kind ``name`` (a data set's ``reward=<name>``): the one place a kind's name, check
+    and answer form are written. A plugin module (``plugins: [module]``) registers more; the reward workers
+    import the plugins too, so its check runs there under the time limit."""
+    if name == CUSTOM_KIND:
+        raise ValueError(f"reward kind {name!r} is rl.reward.fn's (docs/rewards.md)")
+    if name in _REWARD_KINDS and not overwrite:
+        raise ValueError(f"reward kind {name!r} is already registered (pass overwrite=True to replace it)")
+    _REWARD_KINDS[name] = RewardKind(check, answer)
+
+
+def reward_kinds() -> tuple[str, ...]:
+    """The registered reward kinds, the built-ins (:data:`KINDS`) first."""
+    return tuple(_REWARD_KINDS)
+
+
+def _verdict(ans: str | None, ok: bool, spec: RewardSpec) -> RewardCheck:
     if ans is None:
         return RewardCheck(spec.no_answer, False, None, "no_answer")
     return RewardCheck(spec.correct if ok else spec.wrong, bool(ok), ans)
+
+
+def _check_mc(text: str, gold: Any, meta: Mapping[str, Any], spec: RewardSpec) -> RewardCheck:
+    ans = extract_choice(text, meta.get("choices"), spec.max_response_chars)
+    return _verdict(ans, choice_equal(ans, gold), spec)
+
+
+def _check_math(text: str, gold: Any, meta: Mapping[str, Any], spec: RewardSpec) -> RewardCheck:
+    ans = extract_answer(text, spec.max_response_chars)
+    return _verdict(ans, math_equal(ans, gold), spec)
+
+
+def _check_exact(text: str, gold: Any, meta: Mapping[str, Any], spec: RewardSpec) -> RewardCheck:
+    ans = text.strip() or None
+    return _verdict(ans, ans is not None and ans == str(gold).strip(), spec)
+
+
+def _check_sum(text: str, gold: Any, meta: Mapping[str, Any], spec: RewardSpec) -> RewardCheck:
+    ans = text.strip()
+    ans = ans if _SUM_RE.fullmatch(ans) else None  # not "x+y": no answer (RewardSpec.no_answer)
+    return _verdict(ans, sum_split_equal(ans, gold), spec)
+
+
+def _check_gym(text: str, gold: Any, meta: Mapping[str, Any], spec: RewardSpec) -> RewardCheck:
+    tags = _GYM_TAG_RE.findall(text)  # reasoning-gym's own <answer> tags, else our extraction
+    ans = tags[-1].strip() if tags else extract_answer(text, spec.max_response_chars)
+    if ans is None or len(ans) > MAX_ANSWER_CHARS:
+        return RewardCheck(spec.no_answer, False, None, "no_answer")
+    s = gym_answer_score(ans, meta)
+    return RewardCheck(spec.wrong + (spec.correct - spec.wrong) * s, s >= 1.0, ans)
+
+
+def _sum_answer(answer: Any) -> str:
+    target = str(answer).strip()
+    return f"1+{int(target) - 1}" if _DIGITS_RE.fullmatch(target) and int(target) >= 2 else target
+
+
+register_reward_kind("math", _check_math, answer=lambda a: f"The answer is \\boxed{{{a}}}.")
+register_reward_kind("gsm8k", _check_math, answer=lambda a: f"#### {a}")
+register_reward_kind("mc", _check_mc, answer=lambda a: f"The answer is ({_gold_letter(a)}).")
+register_reward_kind("gym", _check_gym, answer=lambda a: f"<answer>{a}</answer>")
+register_reward_kind("exact", _check_exact)
+register_reward_kind("sum", _check_sum, answer=_sum_answer)
+assert reward_kinds() == KINDS
+
+
+def check_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | None = None,
+               spec: RewardSpec | None = None) -> RewardCheck:
+    """Score one response in-process (no time limit; the pool's workers call this) by the registered
+    reward kind ``kind``."""
+    entry = _REWARD_KINDS.get(kind)
+    if entry is None:
+        raise ValueError(f"unknown reward kind {kind!r}; expected one of {reward_kinds()}")
+    spec = spec or RewardSpec()
+    return entry.check(response_tail(str(response), spec.max_response_chars), gold, meta or {}, spec)
 
 
 def score_text(kind: str, response: str, gold: Any, meta: Mapping[str, Any] | None = None,
@@ -350,21 +411,12 @@ def answer_text(kind: str, answer: Any) -> str:
     ``math`` ``The answer is \\boxed{a}.``, ``gsm8k`` ``#### a``, ``mc`` ``The answer is (B).`` (the gold
     letter, also for a 0-based index), ``gym`` ``<answer>a</answer>``, ``exact`` ``a``, ``sum`` ``1+(N-1)``
     (one of the correct splits of N >= 2), ``custom`` ``a`` (the user's function decides)."""
-    a = str(answer)
-    if kind == "math":
-        return f"The answer is \\boxed{{{a}}}."
-    if kind == "gsm8k":
-        return f"#### {a}"
-    if kind == "mc":
-        return f"The answer is ({_gold_letter(answer)})."
-    if kind == "gym":
-        return f"<answer>{a}</answer>"
-    if kind == "sum":
-        target = a.strip()
-        return f"1+{int(target) - 1}" if _DIGITS_RE.fullmatch(target) and int(target) >= 2 else target
-    if kind in ("exact", CUSTOM_KIND):
-        return a
-    raise ValueError(f"unknown reward kind {kind!r}; expected one of {KINDS + (CUSTOM_KIND,)}")
+    if kind == CUSTOM_KIND:
+        return str(answer)
+    entry = _REWARD_KINDS.get(kind)
+    if entry is None:
+        raise ValueError(f"unknown reward kind {kind!r}; expected one of {reward_kinds() + (CUSTOM_KIND,)}")
+    return entry.answer(answer)
 
 
 def sft_target(example: Any, kind: str) -> str:

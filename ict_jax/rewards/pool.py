@@ -28,14 +28,36 @@ from typing import Any
 
 import numpy as np
 
-from ict_jax.rewards.checks import KINDS, RewardCheck, RewardSpec, check_text, math_equal, response_tail
+from ict_jax.rewards.checks import RewardCheck, RewardSpec, check_text, math_equal, response_tail, reward_kinds
 
-__all__ = ["RewardPool", "RewardFunctionError", "UnguardedScriptError", "load_function"]
+__all__ = ["RewardPool", "RewardFunctionError", "UnguardedScriptError", "import_user_module", "load_function",
+           "load_plugins"]
 
 
 # ---- Worker processes ----
 class RewardFunctionError(ValueError):
     """A custom reward function (``"package.module:function"``) that cannot be loaded in a worker."""
+
+
+def import_user_module(module_name: str, search_dir: str | None = None, *, what: str) -> Any:
+    """The user's module ``module_name``, imported (``search_dir``, the caller's working directory, is
+    searched first, as ``python -m`` does). Raises :class:`RewardFunctionError` (a ValueError) whose one
+    line starts with ``what`` and names the module and what went wrong. The one import of a user's module:
+    a reward function's (:func:`load_function`) and a plugin's (:func:`load_plugins`)."""
+    if search_dir and search_dir not in sys.path:
+        sys.path.insert(0, search_dir)
+    try:
+        return importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - ImportError, or whatever the module raises on import
+        raise RewardFunctionError(f"{what}: cannot import {module_name!r} ({type(e).__name__}: {e})") from None
+
+
+def load_plugins(modules: Sequence[str], search_dir: str | None = None) -> None:
+    """Import each plugin module (``plugins: [module, ...]``): importing one registers its selectors, loss
+    aggregations and reward kinds. Importing twice is a no-op (Python's module cache). Raises
+    :class:`RewardFunctionError` (one line naming ``plugins`` and the module)."""
+    for name in modules:
+        import_user_module(name, search_dir, what=f"plugins: {name!r}")
 
 
 def load_function(spec: str, search_dir: str | None = None) -> Callable:
@@ -45,13 +67,7 @@ def load_function(spec: str, search_dir: str | None = None) -> Callable:
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:
         raise RewardFunctionError(f"reward function {spec!r}: expected package.module:function")
-    if search_dir and search_dir not in sys.path:
-        sys.path.insert(0, search_dir)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - ImportError, or whatever the module raises on import
-        raise RewardFunctionError(f"reward function {spec!r}: cannot import {module_name!r} "
-                                  f"({type(e).__name__}: {e})") from None
+    module = import_user_module(module_name, search_dir, what=f"reward function {spec!r}")
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardFunctionError(f"reward function {spec!r}: module {module_name!r} has no function {attr!r}")
@@ -71,8 +87,8 @@ def _run_check(kind, response, gold, meta, spec, checkers) -> RewardCheck:
     return RewardCheck(spec.wrong, False, None, f"error: returned {type(out).__name__} {out!r:.40}")
 
 
-def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | None, search_dir: str | None = None
-                 ) -> None:
+def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | None, search_dir: str | None = None,
+                 plugins: tuple[str, ...] = ()) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which closes the pool
@@ -86,7 +102,8 @@ def _worker_main(conn, spec: RewardSpec, checkers: dict, mem_limit_mb: int | Non
         import reasoning_gym  # noqa: F401
     except ImportError:
         pass
-    try:  # custom reward functions named by "package.module:function" are imported here, in the worker
+    try:  # plugins (their reward kinds) and custom reward functions are imported here, in the worker
+        load_plugins(plugins, search_dir)
         checkers = {k: load_function(v, search_dir) if isinstance(v, str) else v for k, v in checkers.items()}
     except RewardFunctionError as e:
         conn.send(("error", str(e)))
@@ -133,9 +150,9 @@ def unguarded_script_message(pid: int | None = None) -> str:
 
 
 class _Worker:
-    def __init__(self, ctx, spec, checkers, mem_limit_mb, search_dir=None):
+    def __init__(self, ctx, spec, checkers, mem_limit_mb, search_dir=None, plugins=()):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec, checkers, mem_limit_mb, search_dir),
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec, checkers, mem_limit_mb, search_dir, plugins),
                                 daemon=True, name="ict_jax-reward")
         self.proc.start()
         child.close()
@@ -171,14 +188,16 @@ class RewardPool:
     ``mem_limit_mb`` (None = none). ``checkers`` adds kinds: picklable top-level functions
     ``fn(response, gold, meta) -> RewardCheck | float``, or ``"package.module:function"`` strings imported
     in the workers only (a function that cannot be loaded: :class:`RewardFunctionError` from the
-    constructor). The constructor returns when every worker is warm.
+    constructor). ``plugins``: modules every worker imports first (``plugins: [module, ...]``: the reward
+    kinds they register). The constructor returns when every worker is warm.
     Thread-safe; use as a context manager or call :meth:`close`."""
 
     # time_limit's default is rl.reward.time_limit's (config.RewardSection): rewards imports nothing of
     # ict_jax (the workers import it alone), so the number is pinned by a test, not imported
     def __init__(self, num_workers: int = 2, *, time_limit: float = 5.0, spec: RewardSpec | None = None,
                  context: str = "forkserver", mem_limit_mb: int | None = 2048,
-                 checkers: Mapping[str, Callable] | None = None, start_timeout: float = 120.0):
+                 checkers: Mapping[str, Callable] | None = None, start_timeout: float = 120.0,
+                 plugins: Sequence[str] = ()):
         if _starting_child_process():  # a worker re-running the user's unguarded script: stop here, silently;
             os._exit(EXIT_REIMPORTED_MAIN)  # the parent names the problem (UnguardedScriptError)
         if context not in ("forkserver", "spawn"):
@@ -195,7 +214,7 @@ class RewardPool:
             self._ctx.set_forkserver_preload(mods)
         # a checker is a picklable top-level function, or "package.module:function", imported in the
         # workers only (from the caller's working directory first)
-        self._args = (self.spec, dict(checkers or {}), mem_limit_mb, os.getcwd())
+        self._args = (self.spec, dict(checkers or {}), mem_limit_mb, os.getcwd(), tuple(plugins))
         self.restarts = 0  # workers killed (timeout) or lost (crash) and replaced
         self._lock = threading.Lock()
         self._pending: collections.deque = collections.deque()
@@ -228,8 +247,8 @@ class RewardPool:
             raise ValueError(f"RewardPool: {n} responses but {len(golds)} golds, {len(metas)} metas, "
                              f"{len(kinds)} kinds")
         for k in set(kinds):
-            if k not in KINDS and k not in self._args[1]:
-                raise ValueError(f"unknown reward kind {k!r}; expected one of {KINDS + tuple(self._args[1])}")
+            if k not in reward_kinds() and k not in self._args[1]:
+                raise ValueError(f"unknown reward kind {k!r}; expected one of {reward_kinds() + tuple(self._args[1])}")
         batch = _Batch(n)
         if n == 0:
             batch.future.set_result([])

@@ -19,13 +19,13 @@ loss by its own counts and averages the micro-batch losses (:func:`micro_batch_l
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from ict_jax.config import LossSection
+from ict_jax.config import ConfigError, LossSection
 
 __all__ = [
     "LossDenominators",
@@ -233,20 +233,74 @@ def loss_denominators(valid: Mask, mask: Mask, config: LossSection) -> LossDenom
     )
 
 
+class AggInputs(NamedTuple):
+    """What a loss aggregation reads (docs/method.md §4): ``xw`` = the per-token term where w > 0, else 0
+    (``jnp.where``, never w * x); ``d_b`` the denominator tokens (bool); the mini-batch-wide ``tokens`` =
+    sum d, ``rows`` = the rows with sum_t d > 0 (R of seq-mean-token-mean), ``num_responses`` (R of
+    seq-mean-token-sum-norm) and ``max_new_tokens`` (its T, static). The counts come from
+    :class:`LossDenominators`, so they are those of the whole mini-batch under micro-batching."""
+
+    xw: Float[Array, "B T"]
+    d_b: Bool[Array, "B T"]
+    tokens: Float[Array, ""]
+    num_responses: Float[Array, ""]
+    rows: Float[Array, ""]
+    max_new_tokens: int
+
+
+#: a loss aggregation: :class:`AggInputs` -> the scalar AGG(x, w, d)
+LossAggFn = Callable[[AggInputs], Array]
+_AGGREGATIONS: dict[str, LossAggFn] = {}
+
+
+def register_loss_agg(name: str, fn: LossAggFn, *, overwrite: bool = False) -> None:
+    """Register the loss aggregation ``fn(inputs: AggInputs) -> scalar`` under ``name``
+    (``rl.loss.loss_agg: <name>``): the one place an aggregation's name is written. A plugin module
+    (``plugins: [module]``, docs/plugins.md) registers more."""
+    if name in _AGGREGATIONS and not overwrite:
+        raise ValueError(f"loss aggregation {name!r} is already registered (pass overwrite=True to replace it)")
+    _AGGREGATIONS[name] = fn
+
+
+def registered_loss_aggs() -> tuple[str, ...]:
+    """The registered loss aggregations, in registration order (the built-ins first)."""
+    return tuple(_AGGREGATIONS)
+
+
+def check_loss_agg(config: LossSection) -> None:
+    """``rl.loss.loss_agg`` names a registered aggregation, checked when the run is built; ConfigError (one
+    line naming the key and the registered names)."""
+    if config.loss_agg not in _AGGREGATIONS:
+        raise ConfigError(f"rl.loss.loss_agg: {config.loss_agg!r} is not a registered loss aggregation; registered: "
+                          f"{', '.join(_AGGREGATIONS)} (a plugin module registers more: plugins: [module])")
+
+
+def _seq_mean_token_mean(a: AggInputs) -> Array:  # ICT Eq. 11, the default
+    per_row = a.xw.sum(-1) / jnp.maximum(a.d_b.sum(-1).astype(F32), 1.0)
+    return per_row.sum() / jnp.maximum(a.rows, 1.0)
+
+
+def _token_mean(a: AggInputs) -> Array:  # DAPO, 20-Entropy's official code, STAPO
+    return a.xw.sum() / jnp.maximum(a.tokens, 1.0)
+
+
+def _seq_mean_token_sum_norm(a: AggInputs) -> Array:  # Dr.GRPO
+    return a.xw.sum() / (jnp.maximum(a.num_responses, 1.0) * a.max_new_tokens)
+
+
+register_loss_agg("seq-mean-token-mean", _seq_mean_token_mean)
+register_loss_agg("token-mean", _token_mean)
+register_loss_agg("seq-mean-token-sum-norm", _seq_mean_token_sum_norm)
+
+
 def _aggregate(x: Array, w_b: Array, d_b: Array, tokens: Array, num_responses: Array, rows: Array,
                loss_agg: str, max_new_tokens: int) -> Array:
-    """AGG(x, w, d) of docs/method.md §4 with mini-batch-wide ``tokens`` = sum d, ``rows`` = the rows
-    with sum_t d > 0 (R of seq-mean-token-mean), ``num_responses`` (R of seq-mean-token-sum-norm) and
-    ``max_new_tokens`` (its T)."""
+    """AGG(x, w, d) of docs/method.md §4 by the registered aggregation ``loss_agg`` (:class:`AggInputs`)."""
+    fn = _AGGREGATIONS.get(loss_agg)
+    if fn is None:
+        raise ValueError(f"loss_agg: {loss_agg!r} is not a known aggregation; registered: {list(_AGGREGATIONS)}")
     xw = jnp.where(w_b, x, 0.0)  # never w * x: an inf or NaN times 0 would poison the gradient
-    if loss_agg == "seq-mean-token-mean":
-        per_row = xw.sum(-1) / jnp.maximum(d_b.sum(-1).astype(F32), 1.0)
-        return per_row.sum() / jnp.maximum(rows, 1.0)
-    if loss_agg == "token-mean":
-        return xw.sum() / jnp.maximum(tokens, 1.0)
-    if loss_agg == "seq-mean-token-sum-norm":
-        return xw.sum() / (jnp.maximum(num_responses, 1.0) * max_new_tokens)
-    raise ValueError(f"loss_agg: {loss_agg!r} is not a known aggregation")
+    return fn(AggInputs(xw, d_b, tokens, num_responses, rows, max_new_tokens))
 
 
 def _kl_term(logp: Array, logp_ref: Array | None, valid_b: Array, wkl_b: Array, dkl_b: Array,

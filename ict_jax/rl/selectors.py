@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ict_jax.config import SELECTOR_DEFAULTS, STAPO_TAU_H, SelectorSection, Ties, allow_method
+from ict_jax.config import STAPO_TAU_H, ConfigError, SelectorSection, Ties, build_section
 from ict_jax.rl.quantile import keep_count, rho_fraction, valid_quantile
 from ict_jax.rl.token_stats import ALL_STATS, DEFAULT_COMPUTE, TokenStats
 
@@ -37,9 +37,10 @@ from ict_jax.rng import RANDOM_MASK_STREAM, stream_key
 #: ``selectable``: u at or below this is "never selectable" (u = 0 in exact arithmetic: the group has not
 #: diverged at t, or the rollout is alone there; float32 rounding leaves such u below 1e-7, tested).
 SELECTABLE_U_MIN = 1e-6
-# the functions' defaults are config.py's (the one place they are written): docs/method.md §2's table
-_ICT_RHO, _ICT_SCOPE = SELECTOR_DEFAULTS["ict"]
-_ENTROPY_RHO, _ENTROPY_SCOPE = SELECTOR_DEFAULTS["entropy"]
+# the functions' defaults, docs/method.md §2's table; their registrations below write the same names (the one
+# place each selector's defaults are written: a selector's mask function and its registration sit together)
+_ICT_RHO, _ICT_SCOPE = 0.10, "sequence"
+_ENTROPY_RHO, _ENTROPY_SCOPE = 0.20, "batch"
 _STAPO = SelectorSection(method="stapo")
 
 Mask = Float[Array, "B T"]
@@ -210,31 +211,55 @@ class SelectorFn(Protocol):
                  step: Any, config: SelectorSection, group_size: int | None) -> jax.Array: ...
 
 
-class Registered(NamedTuple):
-    """A registered selector: its function, whether the warm-up applies, whether ``fn`` takes the
-    ``minibatch`` keyword, and the statistics it reads (``needs``; None = not declared)."""
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """A registered selector: its function, whether the warm-up applies, the statistics it reads (``needs``;
+    None = not declared), its default ``rho`` and ``scope`` (None = it has none), whether it is a top-k cut
+    (``topk``: it reads ``rl.selector.ties``), its ``params`` dataclass (None = it takes none), and whether
+    ``fn`` takes the ``minibatch`` / ``params`` keywords."""
 
     fn: SelectorFn
     warmup: bool
-    takes_minibatch: bool
     needs: tuple[str, ...] | None
+    rho: float | None = None
+    scope: str | None = None
+    topk: bool = False
+    params: type | None = None
+    takes_minibatch: bool = False
+    takes_params: bool = False
 
 
 _REGISTRY: dict[str, Registered] = {}
+#: user-facing aliases of registered selectors (``grpo`` is GRPO's name for ``dense``)
+ALIASES: dict[str, str] = {"grpo": "dense"}
 
 
-def _takes_minibatch(fn: Any) -> bool:
+def _takes(fn: Any, keyword: str) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a callable without a signature: call it without the keyword
         return False
-    return any(p.name == "minibatch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def register_selector(name: str, fn: SelectorFn, *, warmup: bool = False, needs: Sequence[str] | None = None,
-                      overwrite: bool = False) -> None:
+def _checked_needs(name: str, needs: Sequence[str] | None) -> tuple[str, ...] | None:
+    if needs is None:
+        return None
+    if isinstance(needs, str):
+        raise TypeError(f"needs: a sequence of statistic names, e.g. ({needs!r},); got the string {needs!r}")
+    needs = tuple(dict.fromkeys(needs))
+    bad = [n for n in needs if n not in ALL_STATS]
+    if bad:
+        raise ValueError(f"selector {name!r}: needs {bad} are not statistics; allowed: {list(ALL_STATS)}")
+    return needs
+
+
+def register_selector(name: str, fn: SelectorFn, *, needs: Sequence[str] | None = None, warmup: bool = False,
+                      rho: float | None = None, scope: str | None = None, topk: bool = False,
+                      params: type | None = None, overwrite: bool = False) -> None:
     """Register ``fn(stats, adv, valid, *, key, step, config, group_size) -> mask [B, T]`` under
-    ``name`` for :func:`select` and the train step (``rl.selector.method: <name>``).
+    ``name`` for :func:`select` and the train step (``rl.selector.method: <name>``). This is the one place
+    a selector's name, the statistics it reads, its warm-up and its defaults are written.
 
     ``needs`` names the :class:`~ict_jax.rl.token_stats.TokenStats` fields ``fn`` reads (of
     :data:`~ict_jax.rl.token_stats.ALL_STATS`): ``("js",)`` for a mask of u, ``("H1",)``, ``("logp",
@@ -247,30 +272,42 @@ def register_selector(name: str, fn: SelectorFn, *, warmup: bool = False, needs:
     ``key`` is the root key (derive a stream with ``fold_in``); with ``warmup=True``, :func:`select`
     returns M = valid while ``step < config.warmup_steps``. A ``fn`` that accepts a ``minibatch`` keyword
     (or ``**kwargs``) also gets the mini-batch index within the rollout step (fold it into its key for a
-    fresh draw per mini-batch, as ``random`` does)."""
+    fresh draw per mini-batch, as ``random`` does).
+
+    ``rho`` and ``scope``: the defaults that ``rl.selector.rho: null`` / ``scope: null`` resolve to
+    (:func:`resolved_rho`, :func:`resolved_scope`); ``topk``: the mask is a top-k cut, so it reads
+    ``rl.selector.ties``. ``params``: a frozen dataclass of the selector's own settings, read from the
+    mapping ``rl.selector.params`` (:func:`selector_params`: unknown keys and wrong types are one-line
+    errors naming ``rl.selector.params.<key>``); a ``fn`` that accepts a ``params`` keyword gets the
+    instance."""
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"selector {name!r} is already registered (pass overwrite=True to replace it)")
-    if needs is not None:
-        if isinstance(needs, str):
-            raise TypeError(f"needs: a sequence of statistic names, e.g. ({needs!r},); got the string {needs!r}")
-        needs = tuple(dict.fromkeys(needs))
-        bad = [n for n in needs if n not in ALL_STATS]
-        if bad:
-            raise ValueError(f"selector {name!r}: needs {bad} are not statistics; allowed: {list(ALL_STATS)}")
-    _REGISTRY[name] = Registered(fn, bool(warmup), _takes_minibatch(fn), needs)
-    allow_method(name)  # rl.selector.method may name it
+    if name in ALIASES:
+        raise ValueError(f"selector {name!r}: the name is an alias of {ALIASES[name]!r}")
+    if params is not None and not (dataclasses.is_dataclass(params) and isinstance(params, type)):
+        raise TypeError(f"selector {name!r}: params must be a dataclass type; got {params!r}")
+    if rho is not None:
+        rho_fraction(rho)  # at most 4 decimals, in (0, 1]
+    _REGISTRY[name] = Registered(fn, bool(warmup), _checked_needs(name, needs), rho, scope, bool(topk), params,
+                                 _takes(fn, "minibatch"), _takes(fn, "params"))
 
 
 def registered_selectors() -> tuple[str, ...]:
+    """The registered selectors' names, sorted (aliases such as ``grpo`` aside: :data:`ALIASES`)."""
     return tuple(sorted(_REGISTRY))
 
 
 def _entry(method: str) -> Registered:
-    name = "dense" if method == "grpo" else method
+    name = ALIASES.get(method, method)
     if name not in _REGISTRY:
         raise ValueError(f"rl.selector.method: selector {method!r} is not registered; "
                          f"known: {list(registered_selectors())}")
     return _REGISTRY[name]
+
+
+def selector_info(method: str) -> Registered:
+    """The registration of ``method`` (an alias resolves); ValueError naming the registered ones."""
+    return _entry(method)
 
 
 def selector_needs(method: str) -> tuple[str, ...]:
@@ -286,18 +323,59 @@ def selector_warmup(method: str) -> bool:
     return _entry(method).warmup
 
 
+def selectors_where(methods: Sequence[str] = (), **flags: bool) -> tuple[str, ...]:
+    """The selectors whose registration has each flag given (``warmup=True``, ``topk=True``): the built-in
+    ones in registration order, then those of ``methods`` (a report's own methods, aliases resolved) that
+    a plugin registered. What help and report texts list."""
+    named = [ALIASES.get(m, m) for m in methods]
+    names = [*BUILTIN_SELECTORS, *(m for m in dict.fromkeys(named) if m in _REGISTRY and m not in BUILTIN_SELECTORS)]
+    return tuple(n for n in names if all(getattr(_REGISTRY[n], k) == v for k, v in flags.items()))
+
+
+def resolved_rho(config: SelectorSection) -> float | None:
+    """``rl.selector.rho``, or the selector's registered default (None for a selector without one)."""
+    return config.rho if config.rho is not None else _entry(config.method).rho
+
+
+def resolved_scope(config: SelectorSection) -> str | None:
+    """``rl.selector.scope``, or the selector's registered default (None for a selector without one)."""
+    return config.scope if config.scope is not None else _entry(config.method).scope
+
+
+def selector_params(config: SelectorSection) -> Any:
+    """The selector's ``params`` dataclass built from ``rl.selector.params`` (None when it registered none);
+    :class:`~ict_jax.config.ConfigError` (one line naming the key) for an unknown key or a wrong type."""
+    cls = _entry(config.method).params
+    if cls is None:
+        if config.params:
+            raise ConfigError(f"rl.selector.params: selector {config.method!r} takes no params "
+                              f"(got {sorted(config.params)}); its settings are rl.selector's own keys")
+        return None
+    return build_section(cls, dict(config.params), "rl.selector.params")
+
+
+def check_selector(config: SelectorSection) -> None:
+    """The run's selector, checked when the run is built: ``rl.selector.method`` names a registered selector
+    (or an alias) and its ``params`` build. Raises :class:`~ict_jax.config.ConfigError` (one line)."""
+    if ALIASES.get(config.method, config.method) not in _REGISTRY:
+        names = sorted((*_REGISTRY, *ALIASES))
+        raise ConfigError(f"rl.selector.method: {config.method!r} is not a registered selector; registered: "
+                          f"{', '.join(names)} (a plugin module registers more: plugins: [module])")
+    selector_params(config)
+
+
 def _dense(stats, adv, valid, *, key, step, config, group_size):
     return dense_mask(valid)
 
 
 def _ict(stats, adv, valid, *, key, step, config, group_size):
-    return ict_mask(stats.js, valid, group_size=group_size, rho=config.resolved_rho,
-                    scope=config.resolved_scope, ties=config.ties)
+    return ict_mask(stats.js, valid, group_size=group_size, rho=resolved_rho(config),
+                    scope=resolved_scope(config), ties=config.ties)
 
 
 def _entropy(stats, adv, valid, *, key, step, config, group_size):
     return entropy_mask(stats.H1, valid, group_size=group_size,
-                        rho=config.resolved_rho, scope=config.resolved_scope, ties=config.ties)
+                        rho=resolved_rho(config), scope=resolved_scope(config), ties=config.ties)
 
 
 def _stapo(stats, adv, valid, *, key, step, config, group_size):
@@ -312,26 +390,31 @@ def random_key(key: jax.Array, step: Any, minibatch: Any = 0) -> jax.Array:
 
 
 def _random(stats, adv, valid, *, key, step, config, group_size, minibatch=0):
-    return random_mask(random_key(key, step, minibatch), valid, group_size=group_size, rho=config.resolved_rho,
-                       scope=config.resolved_scope, ties=config.ties)
+    return random_mask(random_key(key, step, minibatch), valid, group_size=group_size, rho=resolved_rho(config),
+                       scope=resolved_scope(config), ties=config.ties)
 
 
 def _frequent(stats, adv, valid, *, key, step, config, group_size):
-    return frequent_mask(stats.js, valid, group_size=group_size, rho=config.resolved_rho,
-                         scope=config.resolved_scope, ties=config.ties)
+    return frequent_mask(stats.js, valid, group_size=group_size, rho=resolved_rho(config),
+                         scope=resolved_scope(config), ties=config.ties)
 
 
 def _selectable(stats, adv, valid, *, key, step, config, group_size):
     return selectable_mask(stats.js, valid)
 
 
+# the built-in selectors: docs/method.md §2's table (docs/config.md's `method` row lists each, a test checks it)
 register_selector("dense", _dense, needs=())
-register_selector("ict", _ict, warmup=True, needs=("js",))
-register_selector("entropy", _entropy, needs=("H1",))
+register_selector("ict", _ict, needs=("js",), warmup=True, rho=_ICT_RHO, scope=_ICT_SCOPE, topk=True)
+register_selector("entropy", _entropy, needs=("H1",), rho=_ENTROPY_RHO, scope=_ENTROPY_SCOPE, topk=True)
 register_selector("stapo", _stapo, needs=("logp", "H1"))
-register_selector("random", _random, warmup=True, needs=())
-register_selector("frequent", _frequent, warmup=True, needs=("js",))
-register_selector("selectable", _selectable, warmup=True, needs=("js",))
+# random and frequent take ict's counts: its (rho, scope)
+register_selector("random", _random, needs=(), warmup=True, rho=_ICT_RHO, scope=_ICT_SCOPE, topk=True)
+register_selector("frequent", _frequent, needs=("js",), warmup=True, rho=_ICT_RHO, scope=_ICT_SCOPE, topk=True)
+register_selector("selectable", _selectable, needs=("js",), warmup=True)
+#: the selectors this module registers, in registration order (what docs/config.md's ``method`` row lists);
+#: plugins add others
+BUILTIN_SELECTORS: tuple[str, ...] = tuple(_REGISTRY)
 
 
 def _per_micro_batch(call: Any, micro_batches: int, stats: TokenStats, adv: jax.Array, valid: jax.Array) -> jax.Array:
@@ -377,13 +460,16 @@ def select(
     statistic the selector was registered as reading (:func:`selector_needs`; a ValueError names the
     first one missing). Returns float32 {0, 1} ``[B, T]`` with M <= valid.
     """
-    fn, warmup, takes_minibatch, needs = _entry(method)
-    missing = [n for n in needs or () if getattr(stats, n) is None]
+    entry = _entry(method)
+    fn, warmup = entry.fn, entry.warmup
+    missing = [n for n in entry.needs or () if getattr(stats, n) is None]
     if missing:
         raise ValueError(f"selector {method!r} needs stats.{missing[0]}; compute it in the statistics pass")
     dense = dense_mask(valid)
-    extra = {"minibatch": minibatch} if takes_minibatch else {}
-    if config.resolved_scope == "micro_batch":
+    extra = {"minibatch": minibatch} if entry.takes_minibatch else {}
+    if entry.takes_params:
+        extra["params"] = selector_params(config)
+    if resolved_scope(config) == "micro_batch":
         per_set = dataclasses.replace(config, scope="batch")
         m = _per_micro_batch(
             lambda st, a, v: jnp.asarray(fn(st, a, v, key=key, step=step, config=per_set, group_size=group_size,

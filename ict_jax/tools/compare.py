@@ -24,14 +24,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from ict_jax.config import EXTRA_METHODS, Config, ConfigError, Method, load_config
+from ict_jax.config import Config, ConfigError, load_config
 from ict_jax.outputs import check_output_dir, has_entries
+from ict_jax.rl.selectors import ALIASES, registered_selectors
 from ict_jax.tools.compare_report import (
     INCONCLUSIVE,
     LAST_STEPS,
@@ -46,6 +46,7 @@ from ict_jax.tools.compare_report import (
     plot_groups,
     selection_warnings,
 )
+from ict_jax.train.plugins import import_plugins
 from ict_jax.train.record import run_finished
 from ict_jax.train.stopping import TrainingDiverged
 from ict_jax.train.trainer import Trainer
@@ -58,8 +59,14 @@ from ict_jax.train.trainer import Trainer
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ict_norm_valid": ("ict", {"rl.loss.normalize_over": "valid"}),
 }
-#: Methods accepted in ``methods`` (``grpo`` = ``dense``), then the variants.
-METHODS: tuple[str, ...] = typing.get_args(Method) + tuple(VARIANTS)
+
+
+def known_methods() -> tuple[str, ...]:
+    """Methods accepted in ``methods``: the registered selectors (``rl.selectors``, plugins' included) and
+    their aliases (``grpo`` = ``dense``), then the variants."""
+    return (*registered_selectors(), *ALIASES, *VARIANTS)
+
+
 #: The default methods: every method once (``grpo`` standing for ``dense``), ICT first.
 DEFAULT_METHODS: tuple[str, ...] = ("ict", "grpo", "entropy", "stapo", "random")
 #: The default seeds: 0, 1, 2.
@@ -79,15 +86,15 @@ def group_name(method: str, rho: float | None) -> str:
 
 
 def check_methods(methods: Sequence[str]) -> list[str]:
-    """The methods as a list: each a selector method of :data:`METHODS` (or a registered selector), each once."""
+    """The methods as a list: each a registered selector, an alias or a variant (:func:`known_methods`), each once."""
     if isinstance(methods, str):
         raise ConfigError(f"methods: {methods!r}: expected a sequence of method names, like ['ict', 'grpo']")
-    methods = list(methods)
+    methods, known = list(methods), known_methods()
     if not methods:
-        raise ConfigError("methods: empty; name at least one of " + ", ".join(METHODS))
+        raise ConfigError("methods: empty; name at least one of " + ", ".join(known))
     for m in methods:
-        if m not in METHODS and m not in EXTRA_METHODS:
-            raise ConfigError(f"methods: {m!r} is not a selector method; allowed: {', '.join(METHODS)}")
+        if m not in known:
+            raise ConfigError(f"methods: {m!r} is not a selector method; allowed: {', '.join(known)}")
     if len(set(methods)) != len(methods):
         raise ConfigError(f"methods: {methods} names a method twice")
     return methods
@@ -268,6 +275,7 @@ def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | None
     per method and seed; ``rhos``: ICT's sparsity ablation, one ICT group per rho (None: none).
     Bad values raise :class:`~ict_jax.config.ConfigError` naming the parameter or the config key."""
     cfg = config if isinstance(config, Config) else load_config(config, overrides)
+    import_plugins(cfg.plugins)  # the selectors they register are methods too
     methods = check_methods(DEFAULT_METHODS if methods is None else methods)
     seeds, rhos = check_seeds(seeds), check_rhos(rhos)
     if not is_finite(target_reward):

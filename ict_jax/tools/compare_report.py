@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ict_jax.rl.selectors import selector_warmup
+from ict_jax.rl.selectors import selector_warmup, selectors_where
 from ict_jax.train.logs import read_metrics
 from ict_jax.train.record import read_summary, run_finished
 
@@ -108,7 +108,7 @@ ALL_SELECTED = 1.0 - 1e-6
 def dense_steps(method: str, warmup_steps: int) -> int:
     """The RL steps at the start of a run of ``method`` that train on every valid token by design: the
     warm-up's ``warmup_steps`` (``rl.selector.warmup_steps``) for a selector the warm-up applies to
-    (ict, random, frequent, selectable; :func:`ict_jax.rl.selectors.selector_warmup`), else 0."""
+    (:func:`ict_jax.rl.selectors.selector_warmup`: registered with ``warmup=True``), else 0."""
     return int(warmup_steps) if selector_warmup(method) else 0
 
 
@@ -258,6 +258,7 @@ def format_markdown(results: Mapping[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     n = max((len(g["seeds"]) for g in groups), default=0)
     warnings = selection_warnings(groups)
+    warmed = ", ".join(selectors_where([g.get("method", "") for g in groups], warmup=True))
     notes = ([""] + [f"**{w}**" for w in warnings] if warnings else []) + [
         "",
         f"Mean ± sample sd over {n} seed(s) (no sd with one seed). P@k: final evaluation on data.eval "
@@ -266,7 +267,8 @@ def format_markdown(results: Mapping[str, Any]) -> str:
         f"target: the first RL step whose trailing {results.get('window', MA_WINDOW)}-step moving average of "
         f"reward/mean reaches {target:g}, averaged over the seeds that reached it. Selected: mask/selected_frac "
         "(selected / valid tokens) averaged over each run's RL steps after the selector's warm-up "
-        "(rl.selector.warmup_steps, for ict, random, frequent, selectable); (all: seed s): the run of a sparse "
+        f"(rl.selector.warmup_steps, for {warmed}); (all: seed s): the run of a "
+        "sparse "
         "method at seed s selected every valid token on every such step (or had none), i.e. trained as dense "
         "GRPO. H1 / H2: stats/H1_mean, "
         f"stats/H2_mean averaged over the last {LAST_STEPS} RL steps.",

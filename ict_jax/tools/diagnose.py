@@ -45,7 +45,7 @@ from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.saturation import RANKED_BY, tie_decided
-from ict_jax.rl.selectors import select, topk_mask
+from ict_jax.rl.selectors import resolved_rho, resolved_scope, select, topk_mask
 from ict_jax.rl.token_stats import ALL_STATS, U_FORMS, TokenStats
 from ict_jax.rng import DIAGNOSE_STREAM, stream_key
 from ict_jax.sampling.sampler import make_generate_fn
@@ -117,7 +117,7 @@ def selector_specs(u_forms: Sequence[str], rho: float | None = None) -> dict[str
                 specs[ict_all_name(form)] = (SelectorSection(method="ict", rho=rho, ties="all", warmup_steps=0), form)
     default = u_forms[0]
     specs["entropy"] = (SelectorSection(method="entropy", warmup_steps=0), default)
-    ict_rho = SelectorSection(method="ict", rho=rho).resolved_rho
+    ict_rho = resolved_rho(SelectorSection(method="ict", rho=rho))
     specs["entropy[sequence]"] = (SelectorSection(method="entropy", rho=ict_rho, scope="sequence", warmup_steps=0),
                                   default)
     for over in ("low_prob_positive", "valid"):
@@ -205,7 +205,7 @@ def _mask(cfg: SelectorSection, st: TokenStats, adv: jax.Array, valid: jax.Array
     """The mask of one selector spec: :func:`lowest_p_mask` for :data:`LOWEST_P`, else the train step's
     :func:`~ict_jax.rl.selectors.select`."""
     if cfg.method == LOWEST_P:
-        return lowest_p_mask(st.logp, valid, cfg.resolved_rho)
+        return lowest_p_mask(st.logp, valid, resolved_rho(cfg))
     return select(cfg.method, st, adv, valid, step=step, config=cfg, key=key, group_size=G)
 
 
@@ -236,8 +236,8 @@ def _ties_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str
         if stat is None:
             continue
         score = getattr(per[form] if stat == "js" else per[first], stat)
-        out[name] = np.asarray(_tie_decided(score, masks[name], valid, scope=cfg.resolved_scope, group_size=G,
-                                            ties=cfg.ties, rho=cfg.resolved_rho))
+        out[name] = np.asarray(_tie_decided(score, masks[name], valid, scope=resolved_scope(cfg), group_size=G,
+                                            ties=cfg.ties, rho=resolved_rho(cfg)))
     return out
 
 
@@ -400,8 +400,8 @@ def reanalyse(out: str | Path, tokenizer: Any, *, say: Callable[[str], None] = l
                 m = np.asarray(_mask(cfg, sub, jnp.asarray(data["advantage"][sl]), v, 0, G, jax.random.key(0))) > 0
                 masks.append(m)
                 if ranked:
-                    ties.append(np.asarray(_tie_decided(getattr(sub, ranked), m, v, scope=cfg.resolved_scope,
-                                                        group_size=G, ties=cfg.ties, rho=cfg.resolved_rho)))
+                    ties.append(np.asarray(_tie_decided(getattr(sub, ranked), m, v, scope=resolved_scope(cfg),
+                                                        group_size=G, ties=cfg.ties, rho=resolved_rho(cfg))))
             data["masks"][sel_name] = np.concatenate(masks)
             if ranked:
                 data["ties"][sel_name] = np.concatenate(ties)
@@ -433,7 +433,7 @@ def run_diagnose(model: Any, tokenizer: Any, dataset: Any, *, settings: Sequence
     (6m10s in all)``; a sampler call of a real model on a CPU takes minutes. ``heartbeat``: the caller's
     running heartbeat to tell the phases instead (``ict-jax diagnose``'s, from its first second; its lines go
     where the caller's go)."""
-    rho = SelectorSection(method="ict", rho=rho).resolved_rho
+    rho = resolved_rho(SelectorSection(method="ict", rho=rho))
     results: dict[str, Any] = {"title": title, "dataset": getattr(dataset, "name", ""), "prompts": len(dataset),
                                "max_new_tokens": int(max_new_tokens), "batch_rows": int(batch_rows),
                                "u_forms": list(u_forms), "rho": rho, "seed": int(seed), "template": template,

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ict_jax.config import Config, ConfigError, load_config
+from ict_jax.train.plugins import check_registered
 from ict_jax.train.record import flatten
 
 __all__ = ["PlanError", "Outcome", "Arm", "Branch", "Plan", "RunSpec", "load_plan", "plan_runs", "base_run",
@@ -444,7 +445,9 @@ def _run_config(plan: Plan, common: Config, arm: Arm, seed: int, run_dir: Path) 
     over = {**dict(arm.overrides), "seed": seed, "run_dir": str(run_dir), "train.steps": plan.steps,
             "rl.selector.method": arm.method}
     try:
-        return common.replace(**over)
+        cfg = common.replace(**over)
+        check_registered(cfg)  # its plugins imported, its method registered: before any work
+        return cfg
     except ConfigError as e:
         raise PlanError(f"plan {str(plan.path)!r}: arms.{arm.name}: {e}") from None
 

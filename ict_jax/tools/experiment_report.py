@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ict_jax.heartbeat import duration
+from ict_jax.rl.selectors import selectors_where
 from ict_jax.tools.compare_report import all_selected_mark, pass_at_k, selected_everything, selection_warning
 from ict_jax.tools.experiment_stats import mean_sd, minimum_detectable_effect, sd_interval
 
@@ -255,6 +256,7 @@ def _rederived_text(rederived: Mapping[str, Any] | None) -> str:
 def _runs_lines(record: Mapping[str, Any]) -> list[str]:
     """Every run: status, steps, chunks, wall time, final evaluation."""
     plan = record["plan"]
+    warmed = ", ".join(selectors_where([arm.get("method", "") for arm in plan["arms"].values()], warmup=True))
     lines: list[str] = []
     lines += ["## Runs", ""]
     rows = []
@@ -268,7 +270,8 @@ def _runs_lines(record: Mapping[str, Any]) -> list[str]:
     lines += _table(["run", "status", "steps", "chunks", "selected (sparse steps)", "wall time (chunks)",
                      "final evaluation"], rows)
     lines += ["", "Selected: the mean of mask/selected_frac (selected / valid tokens) over the run's RL steps after "
-              "the selector's warm-up (rl.selector.warmup_steps, for ict, random, frequent, selectable), with the "
+              f"the selector's warm-up (rl.selector.warmup_steps, for {warmed}), "
+              "with the "
               "number of those steps; (all): a sparse method selected every valid token on every one of them.",
               "",
               "Wall time: the sum of the run's chunks, each with its model load, compilation and, in the last, "

@@ -44,7 +44,7 @@ from ict_jax.config import Config
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.group_stats import GroupStatsRequest, group_stats
 from ict_jax.rl.losses import loss_denominators
-from ict_jax.rl.selectors import random_key, random_mask, topk_mask
+from ict_jax.rl.selectors import random_key, random_mask, resolved_rho, topk_mask
 from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.train_step import StepPlan, loss_and_aux
 from ict_jax.tools.experiment_stats import mean_sd, paired_differences
@@ -182,7 +182,7 @@ def run_alignment(config: Config, *, batches: int, out: Path, say: Callable[[str
     from ict_jax.train.trainer import Trainer
 
     cfg = config.replace(**{"rl.loss.kl_coef": 0.0, "run_dir": str(out / "run"), "train.eval_every": 0})
-    rho = dataclasses.replace(cfg.rl.selector, method="ict").resolved_rho  # rl.selector.rho, else ICT's default
+    rho = resolved_rho(dataclasses.replace(cfg.rl.selector, method="ict"))  # rl.selector.rho, else ICT's default
     gdir = out / "grads"
     gdir.mkdir(parents=True, exist_ok=True)
     kept: list[dict[str, Any]] = []

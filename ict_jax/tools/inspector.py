@@ -29,7 +29,7 @@ from ict_jax.data.prompts import encode_prompt
 from ict_jax.model.tokenizers import decode_responses
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
-from ict_jax.rl.selectors import select, stapo_candidates, stapo_quantile
+from ict_jax.rl.selectors import resolved_rho, resolved_scope, select, stapo_candidates, stapo_quantile
 from ict_jax.rl.token_stats import TokenStats
 from ict_jax.sampling.sampler import generate
 from ict_jax.tools.inspector_page import MASKS
@@ -68,8 +68,8 @@ def column_selectors(
     for a run trained with ``run`` (None = the ``ict_jax.config`` defaults).
 
     The column of the run's own method (``random`` -> the ICT column: same counts) takes the run's rho
-    and scope; the other columns take their method's defaults (``SELECTOR_DEFAULTS``). ``tau_p`` and
-    ``tau_h`` come from ``run`` (they are set whatever the method). Arguments that are not None override.
+    and scope; the other columns take their method's registered defaults (``rl.selectors.register_selector``).
+    ``tau_p`` and ``tau_h`` come from ``run`` (they are set whatever the method). Arguments that are not None override.
     ``warmup_steps`` is 0: the masks are those after the warm-up.
     """
     run = SelectorSection() if run is None else run
@@ -181,10 +181,10 @@ def _summary(arrays: Mapping[str, np.ndarray], q: float) -> dict[str, Any]:
 def _settings(run: SelectorSection, columns: Mapping[str, SelectorSection], **sampling: Any) -> dict[str, Any]:
     """The report's settings: sampling, each column's selector parameters, the run's selector."""
     ict, ent, stapo = columns["ict"], columns["entropy"], columns["stapo"]
-    return {**sampling, "rho_ict": float(ict.resolved_rho), "rho_entropy": float(ent.resolved_rho),
-            "ict_scope": ict.resolved_scope, "entropy_scope": ent.resolved_scope, "tau_p": float(stapo.tau_p),
+    return {**sampling, "rho_ict": float(resolved_rho(ict)), "rho_entropy": float(resolved_rho(ent)),
+            "ict_scope": resolved_scope(ict), "entropy_scope": resolved_scope(ent), "tau_p": float(stapo.tau_p),
             "tau_h": float(stapo.resolved_tau_h), "stapo_quantile_over": stapo.stapo_quantile_over,
-            "run_selector": {"method": run.method, "rho": run.resolved_rho, "scope": run.resolved_scope,
+            "run_selector": {"method": run.method, "rho": resolved_rho(run), "scope": resolved_scope(run),
                              "tau_p": float(run.tau_p), "tau_h": float(run.resolved_tau_h),
                              "stapo_quantile_over": run.stapo_quantile_over}}
 

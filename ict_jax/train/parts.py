@@ -41,6 +41,7 @@ from ict_jax.train.logs import RunLogger
 from ict_jax.train.lora_base import META_KEY as BASE_META_KEY
 from ict_jax.train.lora_base import LoraBase, loaded_identity
 from ict_jax.train.model_source import resolve_model
+from ict_jax.train.plugins import check_registered
 from ict_jax.train.preflight import FitCheck, compile_and_check
 from ict_jax.train.programs import RunPrograms, TokenIds, build_programs, has_reference, reference_dtype, same_layout
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
@@ -120,6 +121,7 @@ def make_reward_pool(cfg: Config) -> RewardPool:
     named, not imported: the workers import it, never this process."""
     rw = cfg.rl.reward
     return RewardPool(rw.workers, time_limit=rw.time_limit, checkers={CUSTOM_KIND: rw.fn} if rw.fn else None,
+                      plugins=cfg.plugins,
                       spec=RewardSpec(correct=rw.correct, wrong=rw.wrong, no_answer=rw.no_answer,
                                       max_response_chars=rw.max_response_chars))
 
@@ -181,6 +183,7 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     written; a run that would not fit raises :class:`~ict_jax.train.preflight.DoesNotFit` with nothing
     written. ``tell(text)``: what runs now, as each part starts (a command's heartbeat names it)."""
     tell = tell or (lambda text: None)
+    check_registered(cfg)  # plugins imported, the named methods registered: before anything else
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir, resume)
     ahead = sft_ahead(cfg, run_dir, resume)

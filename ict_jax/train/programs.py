@@ -60,6 +60,7 @@ from ict_jax.sampling.sampler import GenerateFn, Rollout, make_generate_fn
 from ict_jax.sampling.text_generation import generator_key
 from ict_jax.sharding import BATCH_AXES, batch_sharding, place, replicated, shard_batch, to_host
 from ict_jax.train.checkpoints import abstract_opt_state, abstract_tree
+from ict_jax.train.plugins import check_registered
 
 #: The programs of a run, in the order a run executes (and compiles) them: the SFT step (a run with
 #: ``train.sft_steps``), the train step, the rollout sampler, the evaluation sampler.
@@ -275,7 +276,9 @@ def build_programs(config: Config, mesh: Mesh, model_config: ModelConfig, state:
     structure, shapes, shardings and graph of its parameters, step and key are read: the train step takes
     the RL optimizer's state (``rl.state.make_optimizer``), the SFT step the SFT optimizer's
     (``rl.sft.make_sft_optimizer``), each built abstract here. ``model_config`` gives the compute dtype of
-    the KL reference; ``tokens``: the tokenizer's EOS and pad ids. Nothing is compiled here."""
+    the KL reference; ``tokens``: the tokenizer's EOS and pad ids. Nothing is compiled here. The config's
+    plugins are imported and its methods checked first (:func:`ict_jax.train.plugins.check_registered`)."""
+    check_registered(config)
     abstract_state = with_optimizer(abstract_tree(state), make_optimizer(config))
     ref = abstract_reference(abstract_state.params, reference_dtype(model_config)) \
         if has_reference(config, state) else None

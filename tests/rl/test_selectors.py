@@ -25,6 +25,8 @@ from ict_jax.rl.selectors import (
     random_key,
     random_mask,
     register_selector,
+    resolved_rho,
+    resolved_scope,
     select,
     selectable_mask,
     stapo_mask,
@@ -351,7 +353,7 @@ def test_select_dense_grpo_stapo_and_registry():
 
     # a new selector: the bottom-rho "frequent" tokens, with warm-up; M <= valid is enforced
     def frequent(stats, adv, valid, *, key, step, config, group_size):
-        return ict_mask(-stats.js, valid, group_size=group_size, rho=config.resolved_rho or 0.1)
+        return ict_mask(-stats.js, valid, group_size=group_size, rho=resolved_rho(config) or 0.1)
 
     register_selector("frequent_test", frequent, warmup=True)
     with pytest.raises(ValueError, match="already registered"):
@@ -401,12 +403,16 @@ def test_registry_records_what_each_selector_reads():
     np.testing.assert_array_equal(np.asarray(m), [[0, 0, 1, 1], [0, 0, 1, 1]])
     with pytest.raises(ValueError, match="rl.selector.method: selector 'nope' is not registered"):
         selector_needs("nope")
-    # the config accepts a registered name (and only those beside the built-in methods)
+    # the method is a plain string, checked against the registry when the run is built (one line, the names)
     from ict_jax.config import ConfigError, load_config
+    from ict_jax.rl.selectors import check_selector
 
-    assert load_config(None, ["rl.selector.method=needs_test_pmax"]).rl.selector.method == "needs_test_pmax"
-    with pytest.raises(ConfigError, match="rl.selector.method: 'needs_test_never' is not allowed"):
-        load_config(None, ["rl.selector.method=needs_test_never"])
+    check_selector(load_config(None, ["rl.selector.method=needs_test_pmax"]).rl.selector)
+    never = load_config(None, ["rl.selector.method=needs_test_never"]).rl.selector
+    with pytest.raises(ConfigError, match="rl.selector.method: 'needs_test_never' is not a registered selector; "
+                                          "registered: .*dense.*grpo.*ict") as err:
+        check_selector(never)
+    assert "\n" not in str(err.value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -692,7 +698,7 @@ def test_micro_batch_scope_is_for_entropy_only():
     from ict_jax.config import ConfigError, load_config
 
     cfg = load_config(None, ["rl.selector.method=entropy", "rl.selector.scope=micro_batch", "rl.selector.ties=all"])
-    assert cfg.rl.selector.resolved_scope == "micro_batch" and cfg.rl.selector.ties == "all"
+    assert resolved_scope(cfg.rl.selector) == "micro_batch" and cfg.rl.selector.ties == "all"
     assert load_config(None, []).rl.selector.ties == "position"
     for method in ("ict", "random", "frequent"):
         with pytest.raises(ConfigError, match="rl.selector.scope: 'micro_batch' .* for method entropy only"):
@@ -735,3 +741,21 @@ def test_mesh_8_devices_ties_all_and_micro_batch_scope(devices8):
                                               ref_topk_all(score[r:r + B // n], valid[r:r + B // n], 0.25, "batch", 2))
         differ += int(not np.array_equal(pos, every))
     assert differ >= 4  # the draw puts cuts inside ties: the rules differ there
+
+
+def test_every_built_in_selector_is_in_the_config_docs_method_row():
+    """docs/config.md's ``rl.selector.method`` row is where the built-in selectors are listed (docs/method.md
+    §2, the spec, tabulates the paper's): every selector ``rl.selectors`` registers, and its aliases, are named
+    there, and it names no other."""
+    import pathlib
+    import re
+
+    from ict_jax.rl.selectors import ALIASES, BUILTIN_SELECTORS
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    section = doc[doc.index("### `rl.selector`"):]
+    row = next(line for line in section.splitlines() if line.startswith("| `method` |"))
+    allowed = row.split("|")[2]
+    named = set(re.findall(r"`([a-z_]+)`", allowed))
+    assert named == set(BUILTIN_SELECTORS) | set(ALIASES), (sorted(named), BUILTIN_SELECTORS)
+    assert BUILTIN_SELECTORS[:5] == ("dense", "ict", "entropy", "stapo", "random")  # docs/method.md §2's order

@@ -15,6 +15,7 @@ import ict_jax
 from ict_jax.cli.main import main
 from ict_jax.data.datasets import load_dataset
 from ict_jax.model.tokenizers import CharTokenizer
+from ict_jax.rl.selectors import resolved_rho, resolved_scope
 from ict_jax.rl.token_stats import U_FORMS
 from ict_jax.tools.diagnose import LOWEST_P, PAPER, Setting, lowest_p_mask, reanalyse, run_diagnose, selector_specs
 from ict_jax.tools.diagnose_measures import GRID, diagnostics, fork_positions, sorted_u_curve
@@ -176,10 +177,10 @@ def test_lowest_p_and_entropy_per_response_at_icts_count():
     assert np.asarray(lowest_p_mask(logp, valid, 0.5)).tolist() == [[0, 1, 0, 1, 1], [1, 1, 0, 0, 0]]
     specs = selector_specs(["aligned", "pooled"], rho=0.1)
     lp, ent = specs[LOWEST_P][0], specs["entropy[sequence]"][0]
-    assert (lp.resolved_rho, lp.resolved_scope) == (0.1, "sequence")
-    assert (ent.method, ent.resolved_rho, ent.resolved_scope) == ("entropy", 0.1, "sequence")
+    assert (resolved_rho(lp), resolved_scope(lp)) == (0.1, "sequence")
+    assert (ent.method, resolved_rho(ent), resolved_scope(ent)) == ("entropy", 0.1, "sequence")
     assert {"ict[aligned]", "ict[pooled]", "random", LOWEST_P, "entropy[sequence]"} <= set(specs)
-    assert selector_specs(["aligned"])["entropy[sequence]"][0].resolved_rho == 0.1  # ICT's default rho
+    assert resolved_rho(selector_specs(["aligned"])["entropy[sequence]"][0]) == 0.1  # ICT's default rho
 
 
 def test_ict_under_both_tie_rules_in_the_report():
@@ -188,7 +189,7 @@ def test_ict_under_both_tie_rules_in_the_report():
     tok = CharTokenizer()
     specs = selector_specs(["aligned"], rho=0.3)
     assert specs["ict[aligned]"][0].ties == "position" and specs["ict[aligned,ties=all]"][0].ties == "all"
-    assert specs["ict[aligned,ties=all]"][0].resolved_rho == 0.3 and specs["ict[aligned,ties=all]"][1] == "aligned"
+    assert resolved_rho(specs["ict[aligned,ties=all]"][0]) == 0.3 and specs["ict[aligned,ties=all]"][1] == "aligned"
     assert all(cfg.ties == "position" for name, (cfg, _) in specs.items() if "ties=all" not in name)
     data = _synthetic(tok)
     data["masks"]["ict[aligned,ties=all]"] = np.array([[0, 1, 1, 1], [0, 1, 0, 0]], bool)

@@ -15,6 +15,7 @@ import pytest
 
 import ict_jax
 from ict_jax.config import SelectorSection, load_config
+from ict_jax.rl.selectors import resolved_rho, resolved_scope
 from ict_jax.tools.inspector import ASSUMED_POSITIVE, checkpoint_selector, column_selectors, token_report
 from ict_jax.tools.inspector_page import render_html
 
@@ -171,20 +172,20 @@ def test_rewards_give_stapo_its_advantages(tiny):
 
 def test_columns_take_the_runs_selector_settings():
     defaults = column_selectors()
-    assert [(c.method, c.resolved_rho, c.resolved_scope) for c in defaults.values()] == [
+    assert [(c.method, resolved_rho(c), resolved_scope(c)) for c in defaults.values()] == [
         ("ict", 0.1, "sequence"), ("entropy", 0.2, "batch"), ("stapo", None, None)]
     assert all(c.warmup_steps == 0 and (c.tau_p, c.resolved_tau_h, c.stapo_quantile_over) == (0.002, 0.75, "low_prob_positive")
                for c in defaults.values())
     # the run's own method takes its rho and scope; the others keep their defaults; tau from the run
     cols = column_selectors(SelectorSection(method="entropy", rho=0.3, scope="sequence", tau_p=0.01, tau_h=0.5))
-    assert (cols["entropy"].resolved_rho, cols["entropy"].resolved_scope) == (0.3, "sequence")
-    assert (cols["ict"].resolved_rho, cols["ict"].resolved_scope) == (0.1, "sequence")
+    assert (resolved_rho(cols["entropy"]), resolved_scope(cols["entropy"])) == (0.3, "sequence")
+    assert (resolved_rho(cols["ict"]), resolved_scope(cols["ict"])) == (0.1, "sequence")
     assert (cols["stapo"].tau_p, cols["stapo"].tau_h) == (0.01, 0.5)
     # random keeps ICT's counts, so its run shows in the ICT column; arguments override the run
-    assert column_selectors(SelectorSection(method="random", rho=0.05))["ict"].resolved_rho == 0.05
+    assert resolved_rho(column_selectors(SelectorSection(method="random", rho=0.05))["ict"]) == 0.05
     cols = column_selectors(SelectorSection(rho=0.05, scope="group"), rho_ict=0.25, entropy_scope="group", tau_h=0.7)
-    assert (cols["ict"].resolved_rho, cols["ict"].resolved_scope) == (0.25, "group")
-    assert cols["entropy"].resolved_scope == "group" and cols["stapo"].tau_h == 0.7
+    assert (resolved_rho(cols["ict"]), resolved_scope(cols["ict"])) == (0.25, "group")
+    assert resolved_scope(cols["entropy"]) == "group" and cols["stapo"].tau_h == 0.7
     # a checkpoint's saved config gives back its selector section; no checkpoint gives the defaults
     cfg = load_config(None, ["rl.selector.method=random", "rl.selector.rho=0.05", "rl.selector.scope=batch"])
     assert checkpoint_selector({"config": cfg.to_dict()}) == cfg.rl.selector
