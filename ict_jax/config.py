@@ -163,8 +163,9 @@ class RolloutSection:
     min_response_bucket: int | None = 16
     # FSDP meshes: the samplers gather the weights (in the compute dtype) once a call, before the decode
     # loop, instead of all-gathering every layer's shards at every decoded token; costs a whole copy of
-    # the weights (over tensor) a device while the sampler runs (docs/sampler.md, docs/tpu.md)
-    gather_weights: bool = False
+    # the weights (over tensor) a device while the sampler runs (docs/sampler.md, docs/tpu.md). auto: on,
+    # unless the run's memory pre-flight finds a gathering sampler does not fit (then off, with a warning)
+    gather_weights: bool | Literal["auto"] = "auto"
 
 
 @dataclass(frozen=True)

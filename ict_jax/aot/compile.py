@@ -63,7 +63,7 @@ from ict_jax.sampling.sampler import cache_chunks, decode_steps
 from ict_jax.sharding import make_mesh
 from ict_jax.train.checkpoints import abstract_train_state
 from ict_jax.train.model_source import resolve_model
-from ict_jax.train.preflight import MachineBudget, machine_budget, program_memory, resident_bytes
+from ict_jax.train.preflight import SAMPLERS, MachineBudget, machine_budget, program_memory, resident_bytes
 from ict_jax.train.programs import (
     PLACEHOLDER_IDS,
     PROGRAM_NAMES,
@@ -382,6 +382,7 @@ class ProgramReport:
     roofline: roofline.Roofline | None = None  # counted from the compiled HLO (docs/tpu.md "Roofline")
     # the roofline's bytes and FLOPs by category (aot.breakdown): {category: {"bytes": b, "flops": f}}
     breakdown: dict[str, dict[str, float]] | None = None
+    note: str | None = None  # a decision the compile made as the run would (rollout.gather_weights auto)
 
     @property
     def live(self) -> int | None:
@@ -557,6 +558,13 @@ def compile_program(program: CompileJob, target: Target, mesh: jax.sharding.Mesh
     return rep
 
 
+def gathering_decided(cfg: Config, mesh: jax.sharding.Mesh, name: str) -> bool:
+    """Whether program ``name`` is a sampler whose ``rollout.gather_weights: auto`` a run decides by its fit:
+    on an FSDP mesh, built without gathering when the gathered one does not fit
+    (:func:`ict_jax.train.preflight.compile_and_check_gathering`)."""
+    return name in SAMPLERS and cfg.rollout.gather_weights == "auto" and mesh.shape["fsdp"] > 1
+
+
 def compile_run(cfg: Config, target: Target, programs: Sequence[str] | None = None, *,
                 on_report: Callable[[ProgramReport], None] | None = None, analyse: bool = True,
                 dump_dir: str | Path | None = None, on_start: Callable[[str], None] | None = None,
@@ -572,6 +580,14 @@ def compile_run(cfg: Config, target: Target, programs: Sequence[str] | None = No
         if on_start is not None:
             on_start(program.name)
         rep = compile_program(program, target, mesh, analyse=analyse, dump_dir=dump_dir)
+        if not rep.fits and gathering_decided(cfg, mesh, program.name):  # as the run's pre-flight decides
+            first = (f"{fmt_bytes(rep.live)} live a device" if rep.compiled else
+                     f"{fmt_bytes(rep.temporaries) + ' of temporaries' if rep.temporaries else 'out of memory'}"
+                     ) + f" > {fmt_bytes(rep.hbm)}"
+            off = cfg.replace(**{"rollout.gather_weights": False})
+            (again,) = build_programs(off, mc, mesh, [program.name], response_len)
+            rep = compile_program(again, target, mesh, analyse=analyse, dump_dir=dump_dir)
+            rep.note = f"rollout.gather_weights auto: off, since gathering the weights does not fit ({first})"
         reports.append(rep)
         if on_report is not None:
             on_report(rep)

@@ -153,6 +153,9 @@ def render(config_name: str, target: Target, mesh: dict[str, int], model_source:
     table = breakdown_table(reports) if with_breakdown else ""
     if table:
         parts += ["", "the HLO bytes by category, a device per run (loop trip counts multiplied in):", table]
+    notes = [f"{r.program}: {r.note}" for r in reports if r.note]
+    if notes:
+        parts += [""] + notes
     lines = checks_lines(reports)
     if lines:
         parts += ["", "memory discipline:"] + lines

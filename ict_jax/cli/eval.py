@@ -108,9 +108,10 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (" + _default_help("seed") + ")")
     p.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
                    help="device mesh (-1 = the rest of the devices); default: no mesh, one device")
-    p.add_argument("--gather-weights", action="store_true",
+    p.add_argument("--gather-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="with an FSDP mesh: gather the weights once a sampler call, before the decode loop, not at "
-                        "every token (rollout.gather_weights, docs/sampler.md)")
+                        "every token (default on; --no-gather-weights where the gathered copy does not fit; "
+                        "rollout.gather_weights, docs/sampler.md)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="parameter dtype (default float32)")
     p.add_argument("--reward-fn", default=None, metavar="PACKAGE.MODULE:FUNCTION",
                    help="the function that scores benchmarks whose reward kind is 'custom' (file:...&reward=custom); "

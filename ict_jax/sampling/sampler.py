@@ -80,7 +80,7 @@ class SampleSettings:
     # decode phases of a growing KV cache (ict_jax.buckets.response_buckets); None: one phase, the whole cache
     min_response_bucket: int | None = _ROLLOUT.min_response_bucket
     # under an FSDP mesh: the weights gathered once a call, before the decode loop (sharding.gather_fsdp)
-    gather_weights: bool = _ROLLOUT.gather_weights
+    gather_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -430,7 +430,7 @@ def make_generate_fn(graphdef: Any, *, num_samples: int = 1, max_new_tokens: int
                      kv_cache_dtype: str | None = None, pad_id: int = 0, unroll_layers: bool | None = None,
                      mesh: Mesh | None = None,
                      min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
-                     gather_weights: bool = _ROLLOUT.gather_weights) -> GenerateFn:
+                     gather_weights: bool = True) -> GenerateFn:
     """The pure jitted generate function for ``graphdef`` (from ``nnx.split(model)``), for callers that
     hold the state themselves (the trainer calls it every step with the current policy state).
     ``min_response_bucket`` (``rollout.min_response_bucket``): the smallest decode phase of the growing
@@ -464,7 +464,7 @@ def generate(model: Any, prompt_ids: Int[Array, "P Lp"], prompt_mask: Int[Array,
              greedy: bool = False, kv_cache_dtype: str | None = None, pad_id: int = 0,
              unroll_layers: bool | None = None, mesh: Mesh | None = None,
              min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
-             gather_weights: bool = _ROLLOUT.gather_weights) -> Rollout:
+             gather_weights: bool = True) -> Rollout:
     """Sample ``num_samples`` (G) responses for each of the P left-padded prompts -> :class:`Rollout`
     with ``P * G`` rows, prompt-major.
 

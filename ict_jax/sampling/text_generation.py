@@ -67,7 +67,7 @@ class TextGenerator:
                  overlong: str, instruction: str | None, kv_cache_dtype: str | None,
                  generate_fns: Mapping[int, Callable[..., Any]] | None = None,
                  min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
-                 gather_weights: bool = _ROLLOUT.gather_weights):
+                 gather_weights: bool = True):
         if template not in TEMPLATES:
             raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
         if overlong not in ("error", "skip"):
@@ -188,7 +188,7 @@ def make_text_generator(model: Any, tokenizer: Any, *, max_new_tokens: int,
                         instruction: str | None = None, kv_cache_dtype: str | None = None,
                         generate_fns: Mapping[int, Callable[..., Any]] | None = None,
                         min_response_bucket: int | None = _ROLLOUT.min_response_bucket,
-                        gather_weights: bool = _ROLLOUT.gather_weights) -> TextGenerator:
+                        gather_weights: bool = True) -> TextGenerator:
     """``generate_fn(prompts: list[str], n: int) -> list[list[Response]]`` sampling from ``model``.
 
     - ``model``: a :class:`ict_jax.Qwen2`, or ``(graphdef, state)`` from ``nnx.split`` (the returned

@@ -20,7 +20,7 @@ from ict_jax.sampling.evaluation import evaluate
 from ict_jax.sampling.text_generation import TextGenerator, make_text_generator
 from ict_jax.train.logs import format_eval
 from ict_jax.train.parts import RunParts
-from ict_jax.train.programs import kv_cache_dtype, sampler_prompts
+from ict_jax.train.programs import gathers, kv_cache_dtype, sampler_prompts
 
 #: docs/method.md §5 metric of an evaluation -> its per-benchmark field in
 #: :func:`ict_jax.sampling.evaluation.evaluate`'s results (fractions of the samples)
@@ -93,7 +93,7 @@ class Evaluator:
                                    seed=cfg.seed, mesh=parts.mesh, kv_cache_dtype=kv_cache_dtype(cfg),
                                    generate_fns={cfg.data.eval_n: parts.programs.eval},
                                    min_response_bucket=cfg.rollout.min_response_bucket,
-                                   gather_weights=cfg.rollout.gather_weights)
+                                   gather_weights=gathers(cfg))
 
     def evaluate(self, state: TrainState, step: int) -> dict[str, float]:
         """pass@k of ``state``'s policy after ``step`` rollout batches; {} when no eval set is named."""

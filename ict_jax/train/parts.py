@@ -42,7 +42,7 @@ from ict_jax.train.lora_base import META_KEY as BASE_META_KEY
 from ict_jax.train.lora_base import LoraBase, loaded_identity
 from ict_jax.train.model_source import resolve_model
 from ict_jax.train.plugins import check_registered
-from ict_jax.train.preflight import FitCheck, compile_and_check
+from ict_jax.train.preflight import FitCheck, compile_and_check_gathering
 from ict_jax.train.programs import RunPrograms, TokenIds, build_programs, has_reference, reference_dtype, same_layout
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
 from ict_jax.train.resume import (
@@ -218,7 +218,9 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     programs = build_programs(cfg, mesh, mc, state, TokenIds.of(tokenizer))
     # the memory pre-flight: in seconds, before the reward workers start and the weights load (both counted)
     tell("compiling the run's programs (the memory pre-flight)" if preflight else "building the run's programs")
-    fit = compile_and_check(cfg, programs, sft=ahead, rl=rl) if preflight else None
+    fit = None
+    if preflight:  # rollout.gather_weights auto decided here: cfg then says true or false
+        cfg, programs, fit = compile_and_check_gathering(cfg, programs, TokenIds.of(tokenizer), sft=ahead, rl=rl)
     tell("starting the reward workers")
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:

@@ -34,7 +34,7 @@ import jax
 
 from ict_jax.config import Config
 from ict_jax.memory import Budget, device_budget, fmt_bytes, host_budget, process_rss
-from ict_jax.train.programs import RunPrograms, per_device_bytes
+from ict_jax.train.programs import RunPrograms, TokenIds, gathers, per_device_bytes, with_samplers
 
 log = logging.getLogger(__name__)
 
@@ -276,3 +276,44 @@ def compile_and_check(config: Config, programs: RunPrograms, *, machine: Machine
     if check is not None and len(compiled) > 1:
         check = FitCheck(tuple(program_needs(programs, compiled)), machine)
     return check
+
+
+SAMPLERS = ("generate", "eval")
+
+
+def compile_and_check_gathering(config: Config, programs: RunPrograms, tokens: TokenIds, *,
+                                sft: bool | None = None, rl: bool = True, machine: MachineBudget | None = None
+                                ) -> tuple[Config, RunPrograms, FitCheck | None]:
+    """:func:`compile_and_check`, deciding ``rollout.gather_weights: auto``: the samplers gather the FSDP
+    weights once a call unless that does not fit. When only the samplers are over the budget (an error
+    under ``train.memory_check: error``, a failed check under ``warn``) with ``auto`` on an FSDP mesh, the
+    samplers are built again without gathering and checked again (the steps keep their executables), and a
+    warning says so. Returns the config the run then follows (``gather_weights`` true or false), its
+    programs and the last check."""
+    auto = config.rollout.gather_weights == "auto"
+    resolved = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
+                                                                       gather_weights=gathers(config)))
+    if not auto or programs.mesh.shape.get("fsdp", 1) == 1 or config.train.memory_check == "off":
+        return resolved, programs, compile_and_check(config, programs, machine=machine, sft=sft, rl=rl)
+    try:
+        check = compile_and_check(config, programs, machine=machine, sft=sft, rl=rl)
+    except DoesNotFit as e:
+        check = e.check
+        if not _only_samplers_over(check):
+            raise
+    else:
+        if check is None or not _only_samplers_over(check):
+            return resolved, programs, check
+    line = check.line()
+    off = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, gather_weights=False))
+    log.warning("rollout.gather_weights auto: off, since gathering the weights does not fit (%s); the samplers "
+                "all-gather each layer's shards at every decoded token instead (slower; docs/sampler.md)", line)
+    programs = with_samplers(off, programs, tokens)
+    return off, programs, compile_and_check(off, programs, machine=machine, sft=sft, rl=rl)
+
+
+def _only_samplers_over(check: FitCheck) -> bool:
+    """Whether some program of ``check`` is over its budget and every such program is a sampler."""
+    m = check.machine
+    over = {n.name for n in check.needs if m is not None and n.device_bytes > m.per_device}
+    return bool(over) and over <= set(SAMPLERS)

@@ -328,7 +328,24 @@ def sampler_fn(name: str, config: Config, graphdef: Any, mesh: Mesh, tokens: Tok
                             top_p=d.eval_top_p if ev else r.top_p, top_k=0 if ev else r.top_k,
                             eos_ids=tokens.eos_ids, pad_id=tokens.pad_id, kv_cache_dtype=kv_cache_dtype(config),
                             unroll_layers=None if platform == "cpu" else False, mesh=mesh,
-                            min_response_bucket=r.min_response_bucket, gather_weights=r.gather_weights)
+                            min_response_bucket=r.min_response_bucket, gather_weights=gathers(config))
+
+
+def gathers(config: Config) -> bool:
+    """Whether the run's samplers gather FSDP weights once a call (``rollout.gather_weights``): ``auto`` is on;
+    the run's pre-flight turns it off where a gathering sampler does not fit
+    (:func:`ict_jax.train.preflight.compile_and_check`)."""
+    return config.rollout.gather_weights is not False
+
+
+def with_samplers(config: Config, programs: RunPrograms, tokens: TokenIds) -> RunPrograms:
+    """``programs`` with its two samplers built again for ``config`` (the train and SFT steps kept, with the
+    executables already compiled)."""
+    state = programs.step.abstract()[0]
+    platform = programs.mesh.devices.flat[0].platform
+    return dataclasses.replace(programs, generate=_sampler_program("generate", config, programs.mesh, state, tokens,
+                                                                   platform),
+                               eval=_sampler_program("eval", config, programs.mesh, state, tokens, platform))
 
 
 def sampler_prompts(name: str, config: Config) -> int:

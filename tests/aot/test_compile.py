@@ -464,6 +464,45 @@ def test_local_generate_with_rollout_chunks_holds_a_smaller_cache(local_reports,
     assert gen2.temporaries < gen1.temporaries
 
 
+@pytest.mark.parametrize("gather", ["auto", True])
+def test_a_gathering_sampler_that_does_not_fit_is_compiled_without_gathering_under_auto(monkeypatch, devices8,
+                                                                                       gather):
+    """``rollout.gather_weights: auto`` on an FSDP mesh: a sampler whose gathered program does not fit is
+    built again without gathering and compiled, and its report says why, as the run's pre-flight decides
+    (tests/train/test_preflight.py); asked for explicitly (true) it is reported as not fitting. Hand-made
+    reports in place of the compiles: only the decision is under test."""
+    from ict_jax.aot import compile as aot_compile
+
+    built, calls = [], []
+    real_build = aot_compile.build_programs
+
+    def build(cfg, mc, mesh, names, response_len=None):
+        built.append((tuple(names), cfg.rollout.gather_weights))
+        return real_build(cfg, mc, mesh, names, response_len)
+
+    def fake_compile(program, target, mesh, **kwargs):
+        calls.append(program.name)
+        fits = program.name != "generate" or calls.count("generate") > 1
+        return aot_compile.ProgramReport(program=program.name, target=target.name, mesh=dict(mesh.shape),
+                                         compiled=True, fits=fits, hbm=1 << 20, arguments=2 << 20 if not fits else 0,
+                                         temporaries=0, outputs=0, aliased=0, code=0)
+
+    monkeypatch.setattr(aot_compile, "build_programs", build)
+    monkeypatch.setattr(aot_compile, "compile_program", fake_compile)
+    cfg = load_config(RECIPE, TINY + ["mesh.data=2", "mesh.fsdp=4"]).replace(**{"rollout.gather_weights": gather})
+    reports, _ = compile_run(cfg, get_target("local"), ("step", "generate"))
+    by = {r.program: r for r in reports}
+    if gather == "auto":
+        assert calls == ["step", "generate", "generate"] and built[-1] == (("generate",), False)
+        assert by["generate"].fits and by["generate"].note == ("rollout.gather_weights auto: off, since gathering "
+                                                               "the weights does not fit (2.0 MiB live a device > "
+                                                               "1.0 MiB)")
+    else:
+        assert calls == ["step", "generate"] and len(built) == 1
+        assert not by["generate"].fits and by["generate"].note is None
+    assert by["step"].note is None
+
+
 def test_local_compile_reports_every_program(local_reports):
     reports, source = local_reports
     assert source.startswith("preset tiny")

@@ -89,10 +89,11 @@ def test_eval_cli_end_to_end(assets, tmp_path, capsys):
 
 @pytest.mark.e2e  # two evaluations compiled and run (~30 s); the sampler's 8-device check is in the default suite
 def test_eval_on_an_fsdp_mesh_gathering_the_weights_gives_the_one_device_responses(assets, tmp_path, capsys, devices8):
-    """``--mesh 1,8,1 --gather-weights``: the weights sharded 8 ways and gathered once a sampler call; the
-    responses are those of one device (the same prompts per call, the same keys), and eval.json says so."""
+    """``--mesh 1,8,1``: the weights sharded 8 ways and gathered once a sampler call (the default); the
+    responses are those of one device (the same prompts per call, the same keys), and eval.json says so;
+    ``--no-gather-weights`` is recorded as such."""
     outs = {}
-    for name, extra in (("one", []), ("fsdp", ["--mesh", "1,8,1", "--gather-weights"])):
+    for name, extra in (("one", ["--no-gather-weights"]), ("fsdp", ["--mesh", "1,8,1"])):
         outs[name] = tmp_path / name
         argv = _args(assets, outs[name], "--n", "2", "--k", "1", "--seed", "3", *extra)
         argv[argv.index("--batch-size") + 1] = "8"  # one call, a multiple of data x fsdp

@@ -209,3 +209,62 @@ def test_compile_for_the_local_machine_reports_the_same_budget(tmp_path, monkeyp
     assert "budget: " in out and "(ICT_JAX_MEMORY_BUDGET: 1.17 GiB, less " in out
     last = err.splitlines()[-1]  # after the progress lines
     assert last.startswith("ict-jax compile: step does not fit local: ") and "available a device" in last
+
+
+def _need(name: str, gib: float) -> ProgramNeed:
+    return ProgramNeed(ProgramMemory(name, 0, int(gib * GIB), 0, 0, 0), 0)
+
+
+@pytest.mark.parametrize("gather, mode, fsdp, over, decided", [
+    ("auto", "error", 8, (), True),                       # it fits: gathered
+    ("auto", "error", 8, ("generate",), False),           # only a gathering sampler is over: not gathered
+    ("auto", "warn", 8, ("generate", "eval"), False),     # warn: the same decision, no error
+    ("auto", "error", 8, ("step", "generate"), "raise"),  # the step is over too: refused as without auto
+    ("auto", "error", 1, ("generate",), "raise"),         # no FSDP: gathering changes nothing, nothing to decide
+    (True, "error", 8, ("generate",), "raise"),           # asked for: refused, not overridden
+])
+def test_gather_weights_auto_is_on_unless_only_a_gathering_sampler_does_not_fit(monkeypatch, caplog, gather, mode,
+                                                                                 fsdp, over, decided):
+    """``rollout.gather_weights: auto`` (hand-made checks in place of compiles): on wherever it fits; off,
+    with a warning naming the sampler and its bytes, when only the samplers are over the budget; every
+    other refusal stays as it was. Under ``warn`` the same decision without an error."""
+    from ict_jax.train import preflight
+
+    machine = _machine(20)  # 18 GiB a device
+    rebuilt = []
+
+    def fake_compile_and_check(cfg, programs, *, machine, sft, rl):
+        gathered = cfg.rollout.gather_weights is not False
+        needs = tuple(_need(n, 30 if n in over and (n == "step" or gathered) else 1) for n in ("step", "generate", "eval"))
+        check = FitCheck(needs, machine)
+        if not check.fits and cfg.train.memory_check == "error":
+            raise DoesNotFit(FitCheck(tuple(n for n in needs if n.device_bytes > machine.per_device)[:1], machine),
+                             cfg, {"fsdp": fsdp})
+        return check
+
+    monkeypatch.setattr(preflight, "compile_and_check", fake_compile_and_check)
+    monkeypatch.setattr(preflight, "with_samplers", lambda cfg, programs, tokens: rebuilt.append(cfg) or "rebuilt")
+    cfg = load_config(DEMO, TINY).replace(**{"rollout.gather_weights": gather, "train.memory_check": mode})
+    programs = SimpleNamespace(mesh=SimpleNamespace(shape={"data": 1, "fsdp": fsdp, "tensor": 1}))
+    if decided == "raise":
+        with pytest.raises(DoesNotFit):
+            preflight.compile_and_check_gathering(cfg, programs, None, machine=machine)
+        assert not rebuilt
+        return
+    out_cfg, out_programs, check = preflight.compile_and_check_gathering(cfg, programs, None, machine=machine)
+    assert out_cfg.rollout.gather_weights is decided and check.fits
+    assert out_programs == (programs if decided else "rebuilt")
+    assert [c.rollout.gather_weights for c in rebuilt] == ([] if decided else [False])
+    warned = "rollout.gather_weights auto: off, since gathering the weights does not fit (the rollout sampler needs " \
+             "30.00 GiB"
+    assert (warned in caplog.text) is (not decided)
+
+
+def test_the_samplers_built_again_keep_the_steps_and_their_executables(tiny_programs):
+    from ict_jax.train.programs import PLACEHOLDER_IDS, with_samplers
+
+    cfg, programs, _, _ = tiny_programs
+    again = with_samplers(cfg.replace(**{"rollout.gather_weights": False}), programs, PLACEHOLDER_IDS)
+    assert again.step is programs.step and again.sft is programs.sft and again.mesh is programs.mesh
+    assert again.generate is not programs.generate and again.eval is not programs.eval
+    assert again.generate.largest == programs.generate.largest and again.eval.largest == programs.eval.largest

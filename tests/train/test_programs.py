@@ -137,9 +137,11 @@ def test_run_parts_are_frozen_and_typed():
     assert RunParts.__dataclass_params__.frozen
 
 
-@pytest.mark.parametrize("override, gathered", [([], False), (["rollout.gather_weights=true"], True)])
+@pytest.mark.parametrize("override, gathered", [([], True), (["rollout.gather_weights=true"], True),
+                                               (["rollout.gather_weights=false"], False)])
 def test_both_samplers_take_rollout_gather_weights(override, gathered):
-    """``rollout.gather_weights`` reaches the rollout and the evaluation sampler alike (off by default)."""
+    """``rollout.gather_weights`` reaches the rollout and the evaluation sampler alike (``auto`` by default:
+    gathering; the pre-flight turns it off where that does not fit, tests/train/test_preflight.py)."""
     from flax import nnx
 
     from ict_jax.model.config import ModelConfig
