@@ -81,6 +81,45 @@ def test_every_code_fence_closes_on_its_own_line(page):
     assert not problems, f"{page.name}: " + "; ".join(problems)
 
 
+_MD_LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def broken_links(text: str, page_dir: Path) -> list[str]:
+    """The relative Markdown links of ``text`` (outside code fences and code spans) whose file does not
+    exist, relative to ``page_dir``. A web address, a bare ``#anchor`` and a target with neither ``.`` nor
+    ``/`` (the spec's ``p[i,t](o_{i,t})`` is a formula, not a link) are not checked."""
+    lines, inside = [], None
+    for line in text.split("\n"):
+        m = re.match(r"^ {0,3}(`{3,}|~{3,})", line)
+        if m and inside is None:
+            inside = m[1]
+        elif m and inside is not None and m[1][0] == inside[0] and len(m[1]) >= len(inside):
+            inside = None
+        elif inside is None:
+            lines.append(re.sub(r"`[^`]*`", "", line))
+    bad = []
+    for m in _MD_LINK.finditer("\n".join(lines)):
+        target = m["target"].split("#")[0]
+        if not target or re.match(r"[A-Za-z][\w+.-]*:", target) or not re.search(r"[./]", target):
+            continue
+        if not (page_dir / target).exists():
+            bad.append(m["target"])
+    return bad
+
+
+def test_the_link_check_on_hand_cases(tmp_path):
+    (tmp_path / "a.md").write_text("")
+    text = ("[a](a.md) [b](b.md#x) [w](https://x.org/y.md) [s](#top) p[i,t](o_{i,t})\n`[c](c.md)`\n"
+            "```\n[d](d.md)\n```\n[e](sub/e.json)\n")
+    assert broken_links(text, tmp_path) == ["b.md#x", "sub/e.json"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page):
+    bad = broken_links(page.read_text(), page.parent)
+    assert not bad, f"{page.name}: links to files that do not exist: {bad}"
+
+
 # Capitalised words of the docs that are neither names in the code nor ordinary terms are unfilled
 # placeholders (LIVE0P5B). The terms below are words of the text, not names the code defines.
 TERMS = {"AIME_2024", "CHANGELOG", "CONFIG", "DESIGN", "FILE", "GEMM", "HOST", "MATH500", "METHOD", "OCDBT", "PORT", "STREAM_ID",
