@@ -1,7 +1,7 @@
 """The documentation renders and runs as written.
 
-- Every code fence of README.md and docs/*.md closes on a line of its own (a fence closed with text after
-  it renders everything below it as one code block), and none is left open.
+- Every code fence of the pages (README.md, docs/*.md, docs/results/*.md) closes on a line of its own (a
+  fence closed with text after it renders everything below it as one code block), and none is left open.
 - No unfilled placeholder (such as LIVE0P5B for a number still to be measured).
 - docs/method.md is the project's spec, ../shared/METHOD.md, byte for byte (where the checkout has it).
 - Every ```python block runs as written (`e2e`): the blocks of a page in order, in one namespace, in a
@@ -13,6 +13,8 @@
 - Every ```bash block marked runnable runs as written (bash -e, in a fresh folder that has the
   repository's `configs/`): the line `<!-- run -->` right above its fence (the default suite: seconds, a
   tiny model) or `<!-- run: slow -->` (marked `slow`: minutes).
+- Every relative link of the pages names a file that exists.
+- Every result table of docs/results.md and docs/results/*.md names its record, or is marked historical.
 - Every experiment report committed under docs/experiments/ is its record's, rebuilt unchanged.
 """
 
@@ -25,7 +27,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "results").glob("*.md"))]
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(?P<reason>\S.*?)\s*-->")
 MAX_NOT_RUN = 3
 _OPEN = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -407,10 +409,12 @@ def test_a_fresh_venvs_pip_resolves_every_documented_extra(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Every result table of docs/results.md names its record and a reproducing command, or is marked
-# historical with the commit it was measured at
+# Every result table of docs/results.md (and of its pages under docs/results/) names its record and a
+# reproducing command, or is marked historical with the commit it was measured at
 # ------------------------------------------------------------------------------------------------
 RESULTS = ROOT / "docs" / "results.md"
+#: results.md and its pages under docs/results/ (the measurements of a superseded setting, kept by topic)
+RESULT_PAGES = [RESULTS, *sorted((ROOT / "docs" / "results").glob("*.md"))]
 #: the first header cell of a table that documents a command's options or outputs: it holds no result
 REFERENCE_TABLES = {"option", "key", "column"}
 _TABLE_ROW = re.compile(r"^\s{0,3}\|")
@@ -524,9 +528,10 @@ def result_table_problems(text: str, page_dir: Path, commit_date=_commit_date) -
     return problems
 
 
-def test_every_result_table_names_its_record_or_is_historical():
-    problems = result_table_problems(RESULTS.read_text(), RESULTS.parent)
-    assert not problems, "docs/results.md:\n" + "\n".join(problems)
+@pytest.mark.parametrize("page", RESULT_PAGES, ids=lambda p: p.name)
+def test_every_result_table_names_its_record_or_is_historical(page):
+    problems = result_table_problems(page.read_text(), page.parent)
+    assert not problems, f"{page.relative_to(ROOT)}:\n" + "\n".join(problems)
 
 
 def test_the_result_table_check_on_hand_cases(tmp_path):
