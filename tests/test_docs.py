@@ -1,7 +1,7 @@
 """The documentation renders and runs as written.
 
-- Every code fence of README.md and docs/*.md closes on a line of its own (a fence closed with text after
-  it renders everything below it as one code block), and none is left open.
+- Every code fence of the pages (README.md, docs/*.md, docs/results/*.md) closes on a line of its own (a
+  fence closed with text after it renders everything below it as one code block), and none is left open.
 - No unfilled placeholder (such as LIVE0P5B for a number still to be measured).
 - docs/method.md is the project's spec, ../shared/METHOD.md, byte for byte (where the checkout has it).
 - Every ```python block runs as written (`e2e`): the blocks of a page in order, in one namespace, in a
@@ -13,6 +13,8 @@
 - Every ```bash block marked runnable runs as written (bash -e, in a fresh folder that has the
   repository's `configs/`): the line `<!-- run -->` right above its fence (the default suite: seconds, a
   tiny model) or `<!-- run: slow -->` (marked `slow`: minutes).
+- Every relative link of the pages names a file that exists.
+- Every result table of docs/results.md and docs/results/*.md names its record, or is marked historical.
 - Every experiment report committed under docs/experiments/ is its record's, rebuilt unchanged.
 """
 
@@ -25,7 +27,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "results").glob("*.md"))]
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(?P<reason>\S.*?)\s*-->")
 MAX_NOT_RUN = 3
 _OPEN = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -79,6 +81,45 @@ def test_the_fence_reader_on_hand_cases():
 def test_every_code_fence_closes_on_its_own_line(page):
     _, problems = fenced_blocks(page.read_text())
     assert not problems, f"{page.name}: " + "; ".join(problems)
+
+
+_MD_LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def broken_links(text: str, page_dir: Path) -> list[str]:
+    """The relative Markdown links of ``text`` (outside code fences and code spans) whose file does not
+    exist, relative to ``page_dir``. A web address, a bare ``#anchor`` and a target with neither ``.`` nor
+    ``/`` (the spec's ``p[i,t](o_{i,t})`` is a formula, not a link) are not checked."""
+    lines, inside = [], None
+    for line in text.split("\n"):
+        m = re.match(r"^ {0,3}(`{3,}|~{3,})", line)
+        if m and inside is None:
+            inside = m[1]
+        elif m and inside is not None and m[1][0] == inside[0] and len(m[1]) >= len(inside):
+            inside = None
+        elif inside is None:
+            lines.append(re.sub(r"`[^`]*`", "", line))
+    bad = []
+    for m in _MD_LINK.finditer("\n".join(lines)):
+        target = m["target"].split("#")[0]
+        if not target or re.match(r"[A-Za-z][\w+.-]*:", target) or not re.search(r"[./]", target):
+            continue
+        if not (page_dir / target).exists():
+            bad.append(m["target"])
+    return bad
+
+
+def test_the_link_check_on_hand_cases(tmp_path):
+    (tmp_path / "a.md").write_text("")
+    text = ("[a](a.md) [b](b.md#x) [w](https://x.org/y.md) [s](#top) p[i,t](o_{i,t})\n`[c](c.md)`\n"
+            "```\n[d](d.md)\n```\n[e](sub/e.json)\n")
+    assert broken_links(text, tmp_path) == ["b.md#x", "sub/e.json"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page):
+    bad = broken_links(page.read_text(), page.parent)
+    assert not bad, f"{page.name}: links to files that do not exist: {bad}"
 
 
 # Capitalised words of the docs that are neither names in the code nor ordinary terms are unfilled
@@ -368,10 +409,12 @@ def test_a_fresh_venvs_pip_resolves_every_documented_extra(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Every result table of docs/results.md names its record and a reproducing command, or is marked
-# historical with the commit it was measured at
+# Every result table of docs/results.md (and of its pages under docs/results/) names its record and a
+# reproducing command, or is marked historical with the commit it was measured at
 # ------------------------------------------------------------------------------------------------
 RESULTS = ROOT / "docs" / "results.md"
+#: results.md and its pages under docs/results/ (the measurements of a superseded setting, kept by topic)
+RESULT_PAGES = [RESULTS, *sorted((ROOT / "docs" / "results").glob("*.md"))]
 #: the first header cell of a table that documents a command's options or outputs: it holds no result
 REFERENCE_TABLES = {"option", "key", "column"}
 _TABLE_ROW = re.compile(r"^\s{0,3}\|")
@@ -485,9 +528,10 @@ def result_table_problems(text: str, page_dir: Path, commit_date=_commit_date) -
     return problems
 
 
-def test_every_result_table_names_its_record_or_is_historical():
-    problems = result_table_problems(RESULTS.read_text(), RESULTS.parent)
-    assert not problems, "docs/results.md:\n" + "\n".join(problems)
+@pytest.mark.parametrize("page", RESULT_PAGES, ids=lambda p: p.name)
+def test_every_result_table_names_its_record_or_is_historical(page):
+    problems = result_table_problems(page.read_text(), page.parent)
+    assert not problems, f"{page.relative_to(ROOT)}:\n" + "\n".join(problems)
 
 
 def test_the_result_table_check_on_hand_cases(tmp_path):

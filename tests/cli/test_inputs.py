@@ -324,7 +324,7 @@ GYM_MISSING = ("'gym:chain_sum?size=4' needs the gym extra (reasoning-gym), whic
 
 
 def test_eval_without_the_gym_extra_is_one_line_in_a_subprocess(tmp_path):
-    """The README's gym: evaluation in a process where reasoning-gym cannot be found (a sitecustomize
+    """docs/real_qwen.md's gym: evaluation in a process where reasoning-gym cannot be found (a sitecustomize
     module blocks it before anything runs): one line naming the extra, exit 2, nothing written."""
     blocker = tmp_path / "block"
     blocker.mkdir()
