@@ -55,20 +55,28 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_error_types() -> tuple[type[BaseException], ...]:
     # ValueError covers the library's input checks (mesh shapes, configs, checkpoints); set
     # ICT_JAX_DEBUG=1 to get the traceback instead.
+    # An error class can only have been raised if its module was imported: the ones not imported are not
+    # looked for (importing ict_jax.model.weights would import JAX, which an error of the command's first
+    # second, a run directory in use, must not wait for).
     types: list[type[BaseException]] = [UserError, ConfigError, FileNotFoundError, FileExistsError, ValueError]
     for module, name in (("ict_jax.data.example", "DataError"), ("ict_jax.data.extras", "MissingExtra"),
                          ("ict_jax.model.weights", "WeightError")):
-        try:
-            types.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
+        found = getattr(sys.modules.get(module), name, None)
+        if found is not None:
+            types.append(found)
     return tuple(types)
 
 
-def _does_not_fit_type() -> type[BaseException]:
-    from ict_jax.train.preflight import DoesNotFit
+class _NotRaised(BaseException):
+    """Raised by nothing: what an ``except`` clause names for an error whose module was never imported."""
 
-    return DoesNotFit
+
+def _does_not_fit_type() -> type[BaseException]:
+    """The pre-flight's refusal type, only if its module was imported (a run that got as far as its
+    pre-flight): importing it imports JAX, which an error of the command's first second (a run directory in
+    use, a bad config) must not wait for."""
+    module = sys.modules.get("ict_jax.train.preflight")
+    return _NotRaised if module is None else module.DoesNotFit
 
 
 def does_not_fit_line(e) -> str:

@@ -59,6 +59,11 @@ def test_the_run_dir_is_held_before_jax_is_imported(command, tmp_path, capsys):
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and in_use in err and "(nothing was written)" in err, (argv, err)
             assert time.perf_counter() - t0 < 5, "refused at once"
+        # in a process of its own, whose `import jax` would never return: the refusal needs no JAX
+        second = subprocess.run([sys.executable, "-m", "ict_jax.cli", "train", "--config", str(DEMO), "--resume",
+                                 f"run_dir={run}"], env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and in_use in second.stderr, second.stderr
+        assert "importing jax" not in second.stdout + second.stderr
     finally:
         first.kill()
         first.wait()
