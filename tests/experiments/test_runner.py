@@ -17,14 +17,13 @@ import numpy as np
 import pytest
 
 from ict_jax.cli.main import main as cli_main
-from ict_jax.outputs import OutputInUse, hold_output_dir
-from ict_jax.tools import experiment
-from ict_jax.tools.experiment import ExperimentStopped, rebuild_report, run_experiment
-from ict_jax.tools.experiment_box import TimeBox
-from ict_jax.tools.experiment_plan import Outcome, PlanError, load_plan, plan_runs
-from ict_jax.tools.experiment_record import RECORD_FILE, build_record, outcome_value
-from ict_jax.tools.experiment_report import FIGURES, REPORT_FILE
-from ict_jax.tools.experiment_stats import (
+from ict_jax.experiments import runner
+from ict_jax.experiments.box import TimeBox
+from ict_jax.experiments.plan import Outcome, PlanError, load_plan, plan_runs
+from ict_jax.experiments.record import RECORD_FILE, build_record, outcome_value
+from ict_jax.experiments.report import FIGURES, REPORT_FILE
+from ict_jax.experiments.runner import ExperimentStopped, rebuild_report, run_experiment
+from ict_jax.experiments.stats import (
     betainc,
     chi2_quantile,
     gammainc,
@@ -36,6 +35,7 @@ from ict_jax.tools.experiment_stats import (
     t_cdf,
     t_quantile,
 )
+from ict_jax.outputs import OutputInUse, hold_output_dir
 from ict_jax.train.logs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,7 +189,7 @@ def test_seeds_needed_is_the_fewest_whose_mde_reaches_the_effect():
 
 
 def test_the_report_plans_a_next_design_from_the_primary_outcomes_observed_spread():
-    from ict_jax.tools.experiment_report import _planning_lines
+    from ict_jax.experiments.report import _planning_lines
 
     paired = [{"arm": "ict", "reference": "grpo", "sd": 0.04, "df": 1},
               {"arm": "random", "reference": "grpo", "sd": None, "df": 1}]
@@ -283,7 +283,7 @@ def test_record_and_report_show_the_selected_fraction_and_warn_when_a_sparse_arm
     assert sel["stapo_s0"]["all_selected"] and sel["grpo_s0"]["all_selected"]  # grpo: by design, no warning
     assert sel["ict_warm_s0"] == {"selected_frac": None, "sparse_steps": 0, "dense_steps": 5, "steps": 3,
                                   "all_selected": True}
-    from ict_jax.tools.experiment_report import format_report, selection_warnings
+    from ict_jax.experiments.report import format_report, selection_warnings
 
     warnings = selection_warnings(json.loads(json.dumps(rec)))
     assert [w.split(" (")[0] for w in warnings] == ["WARNING: stapo", "WARNING: ict_warm"]
@@ -427,7 +427,7 @@ def test_the_runner_starts_no_last_step_whose_evaluation_would_end_past_the_box(
             self.now += 500.0
             super().evaluation_done(500.0)
 
-    monkeypatch.setattr(experiment, "TimeBox", Virtual)
+    monkeypatch.setattr(runner, "TimeBox", Virtual)
     text = (PLAN.format(config=DEMO, out=tmp_path / "box").replace("steps: 3\nchunk_steps: 2", "steps: 2\nchunk_steps: 2")
             .replace("steps: [2, 3]", "steps: [1, 2]").replace("all 3 steps", "all 2 steps"))
     path = _plan(tmp_path, "box", text)
@@ -437,7 +437,7 @@ def test_the_runner_starts_no_last_step_whose_evaluation_would_end_past_the_box(
     rec = json.loads((tmp_path / "box" / RECORD_FILE).read_text())
     assert rec["runs"]["ict_s0"]["status"] == "finished" and rec["runs"]["grpo_s0"]["steps_done"] == 1, said
     assert rec["invocations"][0]["stopped"] == "time box"
-    monkeypatch.setattr(experiment, "TimeBox", TimeBox)
+    monkeypatch.setattr(runner, "TimeBox", TimeBox)
     run_experiment(path, progress=False, say=lambda s: None)
     rec = json.loads((tmp_path / "box" / RECORD_FILE).read_text())
     assert rec["status"]["complete"] and rec["runs"]["grpo_s0"]["steps_done"] == 2
@@ -542,7 +542,7 @@ def test_a_changed_plan_and_a_second_invocation_are_refused(tmp_path):
         with pytest.raises(OutputInUse, match=r"out '.*' is in use by process \d+"):
             run_experiment(path, progress=False, say=lambda s: None)
     # a plan that changed under its experiment (the record of a first run is there)
-    from ict_jax.tools.experiment import _plan_info
+    from ict_jax.experiments.runner import _plan_info
 
     _plan_info(plan, {"in_git": False})
     path.write_text(path.read_text().replace("steps: 3", "steps: 4"))
@@ -564,7 +564,7 @@ def test_an_uncommitted_plan_in_git_is_refused_unless_asked(tmp_path):
     path.write_text(path.read_text() + "# a change\n")
     with pytest.raises(PlanError, match="has uncommitted changes"):
         run_experiment(path, progress=False, say=lambda s: None)
-    from ict_jax.tools.experiment import check_plan_provenance
+    from ict_jax.experiments.runner import check_plan_provenance
 
     state = check_plan_provenance(load_plan(path), allow_uncommitted=True)
     assert state["in_git"] and state["committed"] and not state["clean"]
@@ -598,7 +598,7 @@ def test_the_command_line_refuses_mixed_flags_and_a_report_without_a_record(tmp_
 # A lost working folder: refused, then recovered from the record; the order of the runs
 # ------------------------------------------------------------------------------------------------
 def test_the_runs_order_takes_each_run_to_its_end_seed_by_seed(tmp_path):
-    from ict_jax.tools.experiment import _turns
+    from ict_jax.experiments.runner import _turns
 
     plan = load_plan(_plan(tmp_path, "p", PLAN.format(config=DEMO, out=tmp_path / "p").replace("seeds: [0]",
                                                                                              "seeds: [0, 1]")))
@@ -614,7 +614,7 @@ def test_the_runs_order_takes_each_run_to_its_end_seed_by_seed(tmp_path):
 
 
 def test_the_eta_counts_steps_and_evaluations_by_hand():
-    from ict_jax.tools.experiment import _eta_text
+    from ict_jax.experiments.runner import _eta_text
 
     # 18 x 228 s + 3 x 2410 s = 11334 s
     assert _eta_text(18, 228.0, 3, 2410.0) == ", ETA 3h08m (18 steps x 3m48s + 3 evaluations x 40m10s)"
@@ -627,7 +627,7 @@ def test_the_eta_counts_steps_and_evaluations_by_hand():
 
 
 def test_compare_attempt_by_hand():
-    from ict_jax.tools.experiment_record import compare_attempt
+    from ict_jax.experiments.record import compare_attempt
 
     old = [{"step": 0, "reward/mean": 0.5, "loss/total": 1.0, "time/update_s": 3.0},
            {"step": 1, "reward/mean": 0.25, "loss/total": "nan", "time/update_s": 3.0},
@@ -651,7 +651,7 @@ def test_compare_attempt_by_hand():
 
 
 def test_a_working_folder_with_fewer_steps_than_the_record_is_refused(tmp_path):
-    from ict_jax.tools.experiment import _plan_info
+    from ict_jax.experiments.runner import _plan_info
 
     path = _plan(tmp_path, "p", PLAN.format(config=DEMO, out=tmp_path / "out") + f"record: {tmp_path / 'rec'}\n")
     plan = load_plan(path)
@@ -666,7 +666,7 @@ def test_a_working_folder_with_fewer_steps_than_the_record_is_refused(tmp_path):
 
 
 def test_the_report_says_how_an_earlier_attempt_compares():
-    from ict_jax.tools.experiment_report import _attempt_lines
+    from ict_jax.experiments.report import _attempt_lines
 
     attempt = {"attempt": 1, "steps_done": 20, "lost": "machine gone",
                "machines": [{"cpu": "AMD EPYC", "cores": 2, "backend": "cpu"}], "commits": ["ee9b83e647b852e0"],
@@ -685,7 +685,7 @@ def test_the_report_says_how_an_earlier_attempt_compares():
 
 
 def test_the_report_names_every_machine_and_what_changed_between_invocations():
-    from ict_jax.tools.experiment_report import _environment_lines, _ranges
+    from ict_jax.experiments.report import _environment_lines, _ranges
 
     assert (_ranges([1, 2, 3, 5]), _ranges([4]), _ranges([1, 3, 4, 5, 9, 10])) == ("1-3, 5", "4", "1, 3-5, 9-10")
     amd = {"cpu": "AMD EPYC", "cores": 2, "backend": "cpu", "memory_gib": 23.5, "os": "L", "python": "3.11",
@@ -768,7 +768,7 @@ def test_a_lost_working_folder_is_refused_then_recovered_from_the_record(tmp_pat
 # ------------------------------------------------------------------------------------------------
 # Branched arms (docs/experiments.md "Branching")
 # ------------------------------------------------------------------------------------------------
-# the tiny plan of test_experiment, with GRPO first and ICT branched from its step-2 checkpoint: 4 steps in
+# the tiny plan of the tests above, with GRPO first and ICT branched from its step-2 checkpoint: 4 steps in
 # chunks of 2, the ICT arm's warm-up ends at the branch point (its steps 3-4 are sparse), an evaluation every
 # 2 steps (the one at step 2 is GRPO's, before the branch point) and at the end; the record beside the working
 # folder (so that a lost working folder can be rebuilt from it); train.keep 1, so that GRPO's checkpoint of step 2 is gone once it saved step 4 (the snapshot keeps it)

@@ -12,8 +12,8 @@ import pytest
 
 from ict_jax.cli.main import main as cli_main
 from ict_jax.config import load_config
-from ict_jax.tools.compare import plan_runs, run_config
-from ict_jax.tools.compare_report import (
+from ict_jax.experiments.compare import plan_runs, run_config
+from ict_jax.experiments.compare_report import (
     aggregate_group,
     format_markdown,
     mean_sd,
@@ -156,7 +156,7 @@ def _sel_rows(fracs):
 def test_selected_fraction_after_the_warm_up_by_hand():
     """mask/selected_frac averaged over the steps after the warm-up; a run that selected every token there, or
     never left the warm-up, is flagged (it trained as dense GRPO)."""
-    from ict_jax.tools.compare_report import dense_steps, selected_everything, selection
+    from ict_jax.experiments.compare_report import dense_steps, selected_everything, selection
 
     assert dense_steps("ict", 2) == 2 and dense_steps("random", 2) == 2 and dense_steps("selectable", 2) == 2
     assert dense_steps("stapo", 2) == 0 and dense_steps("entropy", 2) == 0 and dense_steps("grpo", 2) == 0
@@ -235,7 +235,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path
 def test_run_comparison_takes_typed_values_and_names_its_parameters(kwargs, message, tmp_path):
     """The library takes sequences and names its parameters (the CLI translates them into flags, above)."""
     from ict_jax.config import ConfigError
-    from ict_jax.tools.compare import run_comparison
+    from ict_jax.experiments.compare import run_comparison
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         run_comparison(DEMO, out=tmp_path / "cmp", progress=False, **kwargs)
@@ -305,9 +305,9 @@ def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeyp
     """What `ict-jax compare` does around the training runs (the e2e test below trains for real): one
     warm start shared by every run, each run's config, the table, the plots, skip / resume / diverged on
     a second invocation, and the refusal of another config in the same folder."""
-    import ict_jax.tools.compare
+    import ict_jax.experiments.compare
 
-    monkeypatch.setattr(ict_jax.tools.compare, "Trainer", _FakeTrainer)
+    monkeypatch.setattr(ict_jax.experiments.compare, "Trainer", _FakeTrainer)
     monkeypatch.setattr(_FakeTrainer, "calls", [])
     monkeypatch.setattr(_FakeTrainer, "configs", {})
     monkeypatch.setattr(_FakeTrainer, "diverge", {"stapo"})
@@ -376,9 +376,9 @@ def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeyp
 def test_compare_warns_when_a_sparse_method_selected_every_token(tmp_path, capsys, monkeypatch):
     """`ict-jax compare --config`: STAPO silenced no token, so its row equals GRPO's. The table shows the
     selected fraction and a warning, and the command prints the warning."""
-    import ict_jax.tools.compare
+    import ict_jax.experiments.compare
 
-    monkeypatch.setattr(ict_jax.tools.compare, "Trainer", _FakeTrainer)
+    monkeypatch.setattr(ict_jax.experiments.compare, "Trainer", _FakeTrainer)
     monkeypatch.setattr(_FakeTrainer, "calls", [])
     monkeypatch.setattr(_FakeTrainer, "configs", {})
     monkeypatch.setattr(_FakeTrainer, "diverge", set())
@@ -467,7 +467,7 @@ def test_compare_two_methods_writes_table_and_plots_and_resumes(tmp_path, capsys
 
 @pytest.mark.slow
 def test_rho_ablation_selects_fewer_tokens_at_smaller_rho(tmp_path):
-    from ict_jax.tools.compare import run_comparison
+    from ict_jax.experiments.compare import run_comparison
     from ict_jax.train.logs import read_metrics
 
     out = tmp_path / "cmp"
@@ -489,7 +489,7 @@ def test_a_comparison_that_failed_at_start_up_does_not_block_the_corrected_rerun
     exist) left compare_config.json, and the corrected rerun was refused as "another config". The record
     guards results: while the folder holds none, a rerun with another config replaces it; once a run has
     produced something, another config is still refused."""
-    import ict_jax.tools.compare
+    import ict_jax.experiments.compare
 
     out = tmp_path / "cmp"
     argv = ["compare", "--config", str(DEMO), "--methods", "ict", "--seeds", "1", "--out", str(out), "--no-progress",
@@ -497,8 +497,8 @@ def test_a_comparison_that_failed_at_start_up_does_not_block_the_corrected_rerun
     bad = [*argv, 'data.train=["file:no_such_file.jsonl"]']
     assert cli_main(bad) == 2  # the real Trainer: fails while reading its inputs, before writing anything
     assert "no_such_file.jsonl" in capsys.readouterr().err
-    assert (out / "compare_config.json").is_file() and not ict_jax.tools.compare.has_results(out)
-    monkeypatch.setattr(ict_jax.tools.compare, "Trainer", _FakeTrainer)
+    assert (out / "compare_config.json").is_file() and not ict_jax.experiments.compare.has_results(out)
+    monkeypatch.setattr(ict_jax.experiments.compare, "Trainer", _FakeTrainer)
     monkeypatch.setattr(_FakeTrainer, "calls", [])
     monkeypatch.setattr(_FakeTrainer, "configs", {})
     monkeypatch.setattr(_FakeTrainer, "diverge", set())

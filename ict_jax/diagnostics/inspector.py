@@ -7,7 +7,7 @@ predict them, then :func:`ict_jax.rl.token_stats.stats_from_hidden`), and select
 times through the train step's entry point :func:`ict_jax.rl.selectors.select`: ICT, 20-Entropy and
 STAPO (docs/method.md §2), each with the selector settings of the run being inspected
 (:func:`column_selectors`).
-:func:`~ict_jax.tools.inspector_page.render_html` turns the report into one self-contained HTML page
+:func:`~ict_jax.diagnostics.inspector_page.render_html` turns the report into one self-contained HTML page
 (inline CSS and JS, no external resources): every token coloured by its JS score, outlined when
 selected, its statistics on hover, and the ICT / entropy / STAPO masks side by side. ``ict-jax inspect``
 does both (docs/inspector.md).
@@ -26,13 +26,13 @@ from flax import nnx
 
 from ict_jax.config import SelectorSection, StatsSection, from_dict
 from ict_jax.data.prompts import encode_prompt
+from ict_jax.diagnostics.inspector_page import MASKS
 from ict_jax.model.tokenizers import decode_responses
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.selectors import resolved_rho, resolved_scope, select, stapo_candidates, stapo_quantile
 from ict_jax.rl.token_stats import TokenStats
 from ict_jax.sampling.sampler import generate
-from ict_jax.tools.inspector_page import MASKS
 
 __all__ = ["checkpoint_selector", "column_selectors", "token_report"]
 

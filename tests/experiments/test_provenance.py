@@ -1,4 +1,4 @@
-"""ict_jax.tools.provenance: the machine a result names, and the environment an experiment records."""
+"""ict_jax.experiments.provenance: the machine a result names, and the environment an experiment records."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ict_jax.tools import provenance
+from ict_jax.experiments import provenance
 
 
 def test_the_machine_names_its_cpu_model_cores_and_memory():

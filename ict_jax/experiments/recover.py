@@ -3,7 +3,7 @@
 The record (``<record>/experiment.json``, committed after every chunk) is what outlives a machine; the
 working folder ``<out>`` (the run directories with their checkpoints, ``plan.json``, the invocation and
 chunk logs) does not. :func:`recover_from_record` rebuilds ``<out>`` from the record so that the runner
-(:mod:`ict_jax.tools.experiment`) can go on without losing anything the record holds:
+(:mod:`ict_jax.experiments.runner`) can go on without losing anything the record holds:
 
 - ``plan.json``, ``invocations.jsonl``: written back from the record (the plan's text, sha256 and git state;
   every invocation's start and end), so the rebuilt record repeats them;
@@ -15,7 +15,7 @@ chunk logs) does not. :func:`recover_from_record` rebuilds ``<out>`` from the re
   from step 0, and everything the record held of it (per-step metrics, chunks, the machine and code that
   ran them) is kept as an earlier attempt in ``<out>/attempts/<run>.json`` and in the record
   (``runs.<run>.attempts``). Where the new attempt reaches a step the earlier one logged, the record
-  compares the two (:func:`~ict_jax.tools.experiment_record.compare_attempt`): on the same machine and
+  compares the two (:func:`~ict_jax.experiments.record.compare_attempt`): on the same machine and
   code they are equal bitwise, which is the runner's resume guarantee; on another machine the first
   difference is recorded.
 
@@ -30,9 +30,9 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ict_jax.outputs import LOCK_FILE
-from ict_jax.tools.experiment_plan import Plan, PlanError, base_run, plan_runs
-from ict_jax.tools.experiment_record import (
+from ict_jax.experiments.plan import Plan, PlanError, base_run, plan_runs
+from ict_jax.experiments.provenance import now_iso
+from ict_jax.experiments.record import (
     ATTEMPTS_DIR,
     CHUNKS_FILE,
     COMPILATION_CACHE,
@@ -45,7 +45,7 @@ from ict_jax.tools.experiment_record import (
     steps_done,
     write_json,
 )
-from ict_jax.tools.provenance import now_iso
+from ict_jax.outputs import LOCK_FILE
 from ict_jax.train.record import write_summary
 
 __all__ = ["END_KEYS", "lost_working_folder", "recover_from_record"]

@@ -1,4 +1,4 @@
-"""The plan of a pre-registered experiment (:mod:`ict_jax.tools.experiment`): a YAML file, committed before
+"""The plan of a pre-registered experiment (:mod:`ict_jax.experiments.runner`): a YAML file, committed before
 its first result, that fixes the arms, seeds, steps, the reference arms, the outcomes and the stopping
 rule. docs/experiments.md documents every field; a minimal plan::
 

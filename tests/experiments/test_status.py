@@ -1,4 +1,4 @@
-"""ict_jax.tools.experiment_status (``ict-jax compare --plan P --status``): where an experiment stands, read
+"""ict_jax.experiments.status (``ict-jax compare --plan P --status``): where an experiment stands, read
 from its working folder by hand-made run directories, without any of its outcomes, beside a holder."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from ict_jax.cli.main import main as cli_main
+from ict_jax.experiments.plan import load_plan
+from ict_jax.experiments.status import _left, experiment_status, format_status
 from ict_jax.outputs import hold_output_dir
-from ict_jax.tools.experiment_plan import load_plan
-from ict_jax.tools.experiment_status import _left, experiment_status, format_status
 from ict_jax.train.evaluation import eval_results
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ict_jax.experiments.compare_report import all_selected_mark, pass_at_k, selected_everything, selection_warning
+from ict_jax.experiments.stats import mean_sd, minimum_detectable_effect, sd_interval
 from ict_jax.heartbeat import duration
 from ict_jax.rl.selectors import selectors_where
-from ict_jax.tools.compare_report import all_selected_mark, pass_at_k, selected_everything, selection_warning
-from ict_jax.tools.experiment_stats import mean_sd, minimum_detectable_effect, sd_interval
 
 __all__ = ["FIGURES", "REPORT_FILE", "format_report", "write_report", "plot_metric", "selection_warnings"]
 
@@ -78,7 +78,7 @@ def _arm_selections(record: Mapping[str, Any], arm: str) -> dict[int, Mapping[st
 def selection_warnings(record: Mapping[str, Any]) -> list[str]:
     """One warning line per arm of a sparse method (every method but dense GRPO) with a run that selected
     every valid token on every RL step after its warm-up, or never got past the warm-up
-    (:func:`~ict_jax.tools.compare_report.selection_warning`): the report and the command print them."""
+    (:func:`~ict_jax.experiments.compare_report.selection_warning`): the report and the command print them."""
     lines = [selection_warning(arm, spec["method"], _arm_selections(record, arm))
              for arm, spec in record["plan"]["arms"].items()]
     return [line for line in lines if line]

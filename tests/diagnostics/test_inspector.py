@@ -1,4 +1,4 @@
-"""The token inspector (ict_jax.tools.inspector): the report's statistics and masks, the HTML page's
+"""The token inspector (ict_jax.diagnostics.inspector): the report's statistics and masks, the HTML page's
 structure and escaping, the `ict-jax inspect` command, and (slow) a headless-Chromium screenshot."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 import ict_jax
 from ict_jax.config import SelectorSection, load_config
+from ict_jax.diagnostics.inspector import ASSUMED_POSITIVE, checkpoint_selector, column_selectors, token_report
+from ict_jax.diagnostics.inspector_page import render_html
 from ict_jax.rl.selectors import resolved_rho, resolved_scope
-from ict_jax.tools.inspector import ASSUMED_POSITIVE, checkpoint_selector, column_selectors, token_report
-from ict_jax.tools.inspector_page import render_html
 
 G, N = 4, 12
 PROMPT = "12+34=<script>alert('x')</script>&amp;"

@@ -29,9 +29,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec
-from ict_jax.tools.experiment_record import BRANCH_FILE, compare_attempt, read_branch, write_json
-from ict_jax.tools.provenance import now_iso
+from ict_jax.experiments.plan import Plan, PlanError, RunSpec
+from ict_jax.experiments.provenance import now_iso
+from ict_jax.experiments.record import BRANCH_FILE, compare_attempt, read_branch, write_json
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.logs import read_metrics
 

@@ -4,7 +4,7 @@ piece of work still fits in it, and the pace of the invocation's progress lines'
 The runner asks :meth:`TimeBox.fits` before every RL step and every final evaluation. A piece fits when it
 is expected to end before the box does, at the pace measured: this invocation's own steps (the time between
 two steps of a run) and evaluations once it has some, else the last invocation's
-(:func:`~ict_jax.tools.experiment_record.pace`), else nothing is expected and it fits. A run's last step
+(:func:`~ict_jax.experiments.record.pace`), else nothing is expected and it fits. A run's last step
 counts together with its final evaluation, which runs inside that step's training call and which the box
 cannot pause. So an invocation ends before its box rather than one evaluation past it, except when a step
 takes longer than those before it. Every invocation does at least one step or evaluation whatever its box

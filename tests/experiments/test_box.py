@@ -1,9 +1,9 @@
-"""ict_jax.tools.experiment_box: what fits in an invocation's time box, on a hand-driven clock (the runner
-keeping its box: tests/tools/test_experiment.py)."""
+"""ict_jax.experiments.box: what fits in an invocation's time box, on a hand-driven clock (the runner
+keeping its box: tests/experiments/test_runner.py)."""
 
 from __future__ import annotations
 
-from ict_jax.tools.experiment_box import TimeBox
+from ict_jax.experiments.box import TimeBox
 
 
 class Clock:

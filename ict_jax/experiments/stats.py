@@ -1,4 +1,4 @@
-"""The statistics of a pre-registered experiment (:mod:`ict_jax.tools.experiment`): paired differences
+"""The statistics of a pre-registered experiment (:mod:`ict_jax.experiments.runner`): paired differences
 between arms that share seeds, the paired t test, and the design's minimum detectable effect.
 
 Pure Python floats (double precision), no SciPy: Student's t distribution through the regularised

@@ -8,17 +8,17 @@ entry point :func:`ict_jax.rl.selectors.select`, one sampling batch being the mi
 tie rules (``rl.selector.ties``: ``ict[r]`` keeps exactly k, ``ict[r,ties=all]`` every token tied at the cut),
 and two references at ICT's count per response: 20-Entropy per response (``entropy[sequence]``) and the
 diagnose-only ``lowest_p`` (each response's tokens with the lowest p(o_t), :func:`lowest_p_mask`).
-:func:`ict_jax.tools.diagnose_measures.diagnostics` then computes, in float64 NumPy, the paper's
+:func:`ict_jax.diagnostics.diagnose_measures.diagnostics` then computes, in float64 NumPy, the paper's
 diagnostics of the selected tokens (docs/method.md §5): sorted-u curves and their elbow, p(o_t), its
 purity and max_v p, Q(o_t), the high/low-entropy ratio, the most frequent selected and unselected and
 the forking tokens, u against position, and corr(mean u, advantage): plain, within groups, over finished
-responses and given the response length (:mod:`ict_jax.tools.diagnose_advantage`); and what each
+responses and given the response length (:mod:`ict_jax.diagnostics.diagnose_advantage`); and what each
 selector reaches, with the train step's function (:mod:`ict_jax.rl.coverage`, float32): the shares of
 its tokens that are EOS, after the group's shortest response, on truncated responses and with A < 0, and
 its share of each 16-token bin's valid tokens.
 
 :func:`run_diagnose` does every setting and writes ``diagnose.json``, the Markdown report and the plots
-(:mod:`ict_jax.tools.diagnose_report`).
+(:mod:`ict_jax.diagnostics.diagnose_report`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from flax import nnx
 from ict_jax.config import RewardSection, SelectorSection, StatsSection
 from ict_jax.data.prompts import PromptRefused, check_prompt_fits, encode_prompt, pad_left, prompt_fits
 from ict_jax.data.templates import instruction_for
+from ict_jax.diagnostics.diagnose_measures import diagnostics, marked_examples
+from ict_jax.diagnostics.diagnose_report import format_markdown, plot_setting
 from ict_jax.heartbeat import Heartbeat
 from ict_jax.model.tokenizers import UnknownCharacterError, decode_responses
 from ict_jax.rewards.pool import RewardPool
@@ -49,8 +51,6 @@ from ict_jax.rl.selectors import resolved_rho, resolved_scope, select, topk_mask
 from ict_jax.rl.token_stats import ALL_STATS, U_FORMS, TokenStats
 from ict_jax.rng import DIAGNOSE_STREAM, stream_key
 from ict_jax.sampling.sampler import make_generate_fn
-from ict_jax.tools.diagnose_measures import diagnostics, marked_examples
-from ict_jax.tools.diagnose_report import format_markdown, plot_setting
 
 __all__ = ["LOWEST_P", "PAPER", "Setting", "collect", "ict_all_name", "lowest_p_mask", "outcome_advantages",
            "reanalyse", "run_diagnose", "selector_specs"]

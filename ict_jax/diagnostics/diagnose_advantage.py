@@ -1,5 +1,5 @@
 """The advantage diagnostic of docs/method.md §5 (does high u go with positive-advantage responses?), in
-float64 NumPy, plain and with response length controlled (:mod:`ict_jax.tools.diagnose_measures` calls
+float64 NumPy, plain and with response length controlled (:mod:`ict_jax.diagnostics.diagnose_measures` calls
 :func:`advantage_correlations` per reading of u; docs/results.md "The advantage diagnostic").
 
 Each response contributes one point: its mean u over its valid tokens and its advantage A. A long

@@ -15,7 +15,7 @@ Per selector and batch:
   batches' dense loss, as a share of the best sign step's gain (1 = the reference's own signs).
 
 Each selector's mean, sd and standard error over batches, and paired differences across batches (the same b)
-with their s.e., t and p (:func:`ict_jax.tools.experiment_stats.paired_differences`). Two random-10 % draws
+with their s.e., t and p (:func:`ict_jax.experiments.stats.paired_differences`). Two random-10 % draws
 (``random_a``, ``random_b``: the random arm's own draw at the batch's step, and a second key) give the null:
 their difference is what chance alone gives. The check can rank
 selectors against each other; it cannot show one beating dense GRPO, which is the reference. At LoRA's start
@@ -41,13 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ict_jax.config import Config
+from ict_jax.experiments.stats import mean_sd, paired_differences
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.group_stats import GroupStatsRequest, group_stats
 from ict_jax.rl.losses import loss_denominators
 from ict_jax.rl.selectors import random_key, random_mask, resolved_rho, topk_mask
 from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.train_step import StepPlan, loss_and_aux
-from ict_jax.tools.experiment_stats import mean_sd, paired_differences
 
 __all__ = ["SELECTORS", "PAIRS", "alignment", "selector_masks", "selector_gradients", "run_alignment",
            "drop_equal_reward_groups", "format_alignment"]

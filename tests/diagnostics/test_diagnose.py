@@ -1,4 +1,4 @@
-"""ict-jax diagnose (ict_jax.tools.diagnose): forking tokens, the sorted-u elbow measures and the selected
+"""ict-jax diagnose (ict_jax.diagnostics.diagnose): forking tokens, the sorted-u elbow measures and the selected
 tokens' diagnostics against hand-computed values; one tiny end-to-end run (tiny random model, the char
 tokenizer, the built-in split task) that writes the JSON, the Markdown with the paper's column and the
 plots; and the CLI's one-line errors."""
@@ -14,12 +14,20 @@ import pytest
 import ict_jax
 from ict_jax.cli.main import main
 from ict_jax.data.datasets import load_dataset
+from ict_jax.diagnostics.diagnose import (
+    LOWEST_P,
+    PAPER,
+    Setting,
+    lowest_p_mask,
+    reanalyse,
+    run_diagnose,
+    selector_specs,
+)
+from ict_jax.diagnostics.diagnose_measures import GRID, diagnostics, fork_positions, sorted_u_curve
+from ict_jax.diagnostics.diagnose_report import format_markdown
 from ict_jax.model.tokenizers import CharTokenizer
 from ict_jax.rl.selectors import resolved_rho, resolved_scope
 from ict_jax.rl.token_stats import U_FORMS
-from ict_jax.tools.diagnose import LOWEST_P, PAPER, Setting, lowest_p_mask, reanalyse, run_diagnose, selector_specs
-from ict_jax.tools.diagnose_measures import GRID, diagnostics, fork_positions, sorted_u_curve
-from ict_jax.tools.diagnose_report import format_markdown
 
 
 def test_fork_positions_hand_computed():
@@ -304,7 +312,7 @@ def test_diagnose_says_what_runs_at_least_every_heartbeat(monkeypatch):
     call made to take 0.4 s)."""
     import time
 
-    import ict_jax.tools.diagnose as diagnose_mod
+    import ict_jax.diagnostics.diagnose as diagnose_mod
 
     real = diagnose_mod.make_generate_fn
 
@@ -335,8 +343,8 @@ def test_diagnose_states_the_instruction_it_adds():
     """The instruction each prompt gets is in the report and in --help."""
     from ict_jax.cli.main import build_parser
     from ict_jax.data.templates import BOXED_INSTRUCTION, MC_INSTRUCTION
-    from ict_jax.tools.diagnose import prompt_instruction
-    from ict_jax.tools.diagnose_report import format_markdown
+    from ict_jax.diagnostics.diagnose import prompt_instruction
+    from ict_jax.diagnostics.diagnose_report import format_markdown
 
     ds = load_dataset("split?digits=2&size=3&seed=3")
     assert prompt_instruction(ds, "qwen_chat") == prompt_instruction(ds, "plain") == BOXED_INSTRUCTION
@@ -390,8 +398,8 @@ def test_position_panels_draw_bins_as_steps_not_lines_between_bins(tmp_path, mon
     import matplotlib.figure
     from matplotlib.patches import StepPatch
 
-    from ict_jax.tools.diagnose_measures import POSITION_BIN
-    from ict_jax.tools.diagnose_report import plot_setting, position_steps
+    from ict_jax.diagnostics.diagnose_measures import POSITION_BIN
+    from ict_jax.diagnostics.diagnose_report import plot_setting, position_steps
 
     edges, values = position_steps([0, 16, 32], [0.25, None, 0.5], width=16)
     assert edges == [0, 16, 32, 48] and values[0] == 0.25 and np.isnan(values[1]) and values[2] == 0.5
@@ -410,7 +418,7 @@ def test_position_panels_draw_bins_as_steps_not_lines_between_bins(tmp_path, mon
 
 
 # ------------------------------------------------------------------------------------------------
-# The advantage diagnostic, plain and with response length controlled (tools.diagnose_advantage)
+# The advantage diagnostic, plain and with response length controlled (diagnostics.diagnose_advantage)
 # ------------------------------------------------------------------------------------------------
 def _hand_responses():
     """Three groups: 0 = (u 1, 3; A 1, -1), 1 = (u 2, 2, 5; A -1, -1, 2), 2 = (u 7, 9; A 0, 0: no signal);
@@ -425,7 +433,7 @@ def _hand_responses():
 def test_average_ranks_share_ties():
     from scipy.stats import rankdata
 
-    from ict_jax.tools.diagnose_advantage import average_ranks
+    from ict_jax.diagnostics.diagnose_advantage import average_ranks
 
     np.testing.assert_array_equal(average_ranks([3.0, 1.0, 3.0, 2.0]), [3.5, 1.0, 3.5, 2.0])
     x = np.random.default_rng(0).integers(0, 5, 40).astype(float)
@@ -433,7 +441,7 @@ def test_average_ranks_share_ties():
 
 
 def test_within_group_and_partial_correlation_hand_computed():
-    from ict_jax.tools.diagnose_advantage import within_group_corr
+    from ict_jax.diagnostics.diagnose_advantage import within_group_corr
 
     mean_u, adv, group, length = _hand_responses()
     everyone = np.ones(7, bool)
@@ -467,7 +475,7 @@ def test_within_group_and_partial_correlation_hand_computed():
 
 
 def test_partial_correlation_when_length_or_u_does_not_vary():
-    from ict_jax.tools.diagnose_advantage import within_group_corr
+    from ict_jax.diagnostics.diagnose_advantage import within_group_corr
 
     mean_u, adv, group, length = _hand_responses()
     everyone = np.ones(7, bool)
@@ -507,8 +515,8 @@ def _reference_correlations(mean_u, adv, group, length, truncated):
 
 
 def test_advantage_correlations_match_a_float64_reference():
-    from ict_jax.tools.diagnose import outcome_advantages
-    from ict_jax.tools.diagnose_advantage import advantage_correlations
+    from ict_jax.diagnostics.diagnose import outcome_advantages
+    from ict_jax.diagnostics.diagnose_advantage import advantage_correlations
 
     rng = np.random.default_rng(3)
     G, P = 6, 9
@@ -537,7 +545,7 @@ def test_advantage_correlations_match_a_float64_reference():
 
 
 def test_advantage_correlations_say_why_they_are_undefined():
-    from ict_jax.tools.diagnose_advantage import advantage_correlations
+    from ict_jax.diagnostics.diagnose_advantage import advantage_correlations
 
     group = np.repeat(np.arange(3), 4)
     truncated = np.array([1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1], bool)
@@ -560,7 +568,7 @@ def test_advantage_correlations_say_why_they_are_undefined():
 def _random_setting(seed: int, p_correct: float = 0.5):
     """A setting's per-token arrays (as a .npz holds them) with random statistics: G = 4, 6 prompts, up to
     24 tokens (a response of 24 is truncated); readings aligned and pooled; ICT, random and all masks."""
-    from ict_jax.tools.diagnose import outcome_advantages
+    from ict_jax.diagnostics.diagnose import outcome_advantages
 
     rng = np.random.default_rng(seed)
     G, P, N = 4, 6, 24

@@ -1,4 +1,4 @@
-"""The record of a pre-registered experiment, ``experiment.json`` (:mod:`ict_jax.tools.experiment`): built
+"""The record of a pre-registered experiment, ``experiment.json`` (:mod:`ict_jax.experiments.runner`): built
 from what is on disk alone (the plan as first recorded, the invocations, the chunks, and every run
 directory's metrics and summary), so it can be rebuilt at any time and never disagrees with the runs.
 
@@ -25,10 +25,10 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ict_jax.tools.compare_report import dense_steps, has_checkpoint, pass_at_k, selection
-from ict_jax.tools.experiment_plan import Outcome, Plan, RunSpec, base_run, differing_keys, plan_runs
-from ict_jax.tools.experiment_stats import mean_sd, minimum_detectable_effect, paired_differences
-from ict_jax.tools.provenance import file_name
+from ict_jax.experiments.compare_report import dense_steps, has_checkpoint, pass_at_k, selection
+from ict_jax.experiments.plan import Outcome, Plan, RunSpec, base_run, differing_keys, plan_runs
+from ict_jax.experiments.provenance import file_name
+from ict_jax.experiments.stats import mean_sd, minimum_detectable_effect, paired_differences
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.evaluation import eval_results
 from ict_jax.train.logs import read_metrics
@@ -109,7 +109,7 @@ def steps_done(run_dir: Path, steps: int) -> int:
 
 
 def read_branch(run_dir: Path) -> dict[str, Any] | None:
-    """A branched run's ``branch.json`` (:mod:`ict_jax.tools.experiment_branch`; None for a run that did not
+    """A branched run's ``branch.json`` (:mod:`ict_jax.experiments.branch`; None for a run that did not
     branch, or has not yet)."""
     path = run_dir / BRANCH_FILE
     return json.loads(path.read_text()) if path.is_file() else None
@@ -161,7 +161,7 @@ def pace(plan: Plan, specs: Sequence[RunSpec]) -> tuple[float | None, float | No
     """Seconds an RL step and seconds a final evaluation took in the last invocation that measured them
     (``chunks.jsonl``: a chunk's wall time less its final evaluation's, over its steps; the evaluation's own
     seconds); None for what none measured. The time left (``--status``) and the time box's expectations
-    before an invocation has measured its own (:mod:`ict_jax.tools.experiment_box`) read it."""
+    before an invocation has measured its own (:mod:`ict_jax.experiments.box`) read it."""
     by_name = {s.name: s for s in specs}
     step_s: dict[str, list[float]] = {}
     eval_s: list[float] = []

@@ -20,10 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ict_jax.heartbeat import duration
-from ict_jax.outputs import held_by
-from ict_jax.tools.experiment_plan import RunSpec, base_run, load_plan, plan_runs
-from ict_jax.tools.experiment_record import (
+from ict_jax.experiments.plan import RunSpec, base_run, load_plan, plan_runs
+from ict_jax.experiments.record import (
     INVOCATIONS_FILE,
     PLAN_FILE,
     RECORD_FILE,
@@ -32,6 +30,8 @@ from ict_jax.tools.experiment_record import (
     run_status,
     steps_done,
 )
+from ict_jax.heartbeat import duration
+from ict_jax.outputs import held_by
 from ict_jax.train.logs import read_metrics
 
 __all__ = ["RunState", "experiment_status", "format_status", "STATES"]

@@ -15,13 +15,7 @@ import pytest
 
 import ict_jax
 from ict_jax.config import load_config
-from ict_jax.rl.batch import RolloutBatch
-from ict_jax.rl.group_stats import GroupStatsRequest, group_stats
-from ict_jax.rl.losses import group_advantages
-from ict_jax.rl.selectors import random_key
-from ict_jax.rl.state import init_train_state, make_optimizer
-from ict_jax.rl.train_step import StepPlan, make_train_step
-from ict_jax.tools.gradient_alignment import (
+from ict_jax.diagnostics.gradient_alignment import (
     SELECTORS,
     alignment,
     drop_equal_reward_groups,
@@ -29,6 +23,12 @@ from ict_jax.tools.gradient_alignment import (
     selector_gradients,
     selector_masks,
 )
+from ict_jax.rl.batch import RolloutBatch
+from ict_jax.rl.group_stats import GroupStatsRequest, group_stats
+from ict_jax.rl.losses import group_advantages
+from ict_jax.rl.selectors import random_key
+from ict_jax.rl.state import init_train_state, make_optimizer
+from ict_jax.rl.train_step import StepPlan, make_train_step
 
 P, G, LP, LR = 2, 4, 2, 10
 MODEL = ict_jax.ModelConfig.tiny(num_layers=1, remat="none")
@@ -141,7 +141,7 @@ def test_the_check_runs_on_a_runs_own_rollouts_and_writes_its_report(tmp_path, m
     from pathlib import Path
 
     from ict_jax.cli.main import main as cli_main
-    from ict_jax.tools.gradient_alignment import run_alignment
+    from ict_jax.diagnostics.gradient_alignment import run_alignment
 
     (tmp_path / "align_reward_t1.py").write_text(REWARD)
     monkeypatch.chdir(tmp_path)  # the reward workers import rl.reward.fn from the working directory

@@ -5,7 +5,7 @@ setting a Markdown table with the paper's column beside every reading of u, the 
 each 16-token bin); a cell that cannot be computed says why. One figure per setting (sorted-u curves, u and
 selection against position).
 
-Reads the plain dict that :func:`ict_jax.tools.diagnose.run_diagnose` builds (also ``diagnose.json``), so
+Reads the plain dict that :func:`ict_jax.diagnostics.diagnose.run_diagnose` builds (also ``diagnose.json``), so
 a report can be rebuilt from the JSON alone: ``format_markdown(json.load(open("diagnose.json")))``.
 """
 
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from ict_jax.tools.diagnose_measures import POSITION_BIN
+from ict_jax.diagnostics.diagnose_measures import POSITION_BIN
 
 __all__ = ["format_markdown", "format_summary", "plot_setting"]
 
@@ -71,7 +71,7 @@ def _tie(s: Mapping[str, Any]) -> str:
     return "n/a (no token selected)" if not s["selected"] else "n/a (arrays saved without the tie record)"
 
 
-#: ICT's selection under ``rl.selector.ties: all`` in a reading (tools.diagnose.ict_all_name; the report
+#: ICT's selection under ``rl.selector.ties: all`` in a reading (diagnostics.diagnose.ict_all_name; the report
 #: reads diagnose.json alone, so the name is written here too).
 def _ict_all(form: str) -> str:
     return f"ict[{form},ties=all]"
@@ -196,7 +196,7 @@ def _ms(stat: Mapping[str, Any] | None) -> str:
     return f"{stat['mean']:.2f} ± {stat['sd']:.2f}"
 
 
-#: The advantage measures of a reading (ict_jax.tools.diagnose_advantage) and their columns in the report.
+#: The advantage measures of a reading (ict_jax.diagnostics.diagnose_advantage) and their columns in the report.
 ADVANTAGE_COLUMNS = {"adv_corr_within": "within group", "adv_corr_finished": "finished only",
                      "adv_corr_partial_length": "partial on length"}
 
@@ -264,7 +264,7 @@ def format_summary(results: Mapping[str, Any], label: str = "") -> list[str]:
     return _table(head, rows)
 
 
-#: What the advantage table of a setting shows (ict_jax.tools.diagnose_advantage).
+#: What the advantage table of a setting shows (ict_jax.diagnostics.diagnose_advantage).
 ADVANTAGE_INTRO = (
     "A point is a response: its mean u over its valid tokens and its advantage A (from correctness). All "
     "responses: over the responses with A ≠ 0. Within group: both less their group's mean, over the groups with "

@@ -30,9 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from ict_jax.config import Config, ConfigError, load_config
-from ict_jax.outputs import check_output_dir, has_entries
-from ict_jax.rl.selectors import ALIASES, registered_selectors
-from ict_jax.tools.compare_report import (
+from ict_jax.experiments.compare_report import (
     INCONCLUSIVE,
     LAST_STEPS,
     MA_WINDOW,
@@ -46,6 +44,8 @@ from ict_jax.tools.compare_report import (
     plot_groups,
     selection_warnings,
 )
+from ict_jax.outputs import check_output_dir, has_entries
+from ict_jax.rl.selectors import ALIASES, registered_selectors
 from ict_jax.train.plugins import import_plugins
 from ict_jax.train.record import run_finished
 from ict_jax.train.stopping import TrainingDiverged

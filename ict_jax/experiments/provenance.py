@@ -1,5 +1,5 @@
 """Where a result came from: the machine, the library versions, and the git commits of the code and of a
-file (a pre-registered experiment's plan, :mod:`ict_jax.tools.experiment`). Read-only: ``git`` is asked,
+file (a pre-registered experiment's plan, :mod:`ict_jax.experiments.runner`). Read-only: ``git`` is asked,
 never told; outside a git checkout (or without git) the commits are None and say so."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The paper's token diagnostics computed from a setting's per-token arrays, in float64 NumPy
-(docs/method.md §5; ``ict-jax diagnose`` collects the arrays: :mod:`ict_jax.tools.diagnose`).
+(docs/method.md §5; ``ict-jax diagnose`` collects the arrays: :mod:`ict_jax.diagnostics.diagnose`).
 
 - :func:`sorted_u_curve`: the sorted u of a response (a mean normalised curve per reading) and two elbow
   measures: the ratio E of its slopes over the ranks 2-10 % and 10-30 % (1 = a straight line; large =
@@ -9,7 +9,7 @@
   the most frequent selected and unselected tokens, the forking tokens selected
   (:func:`fork_positions`), u against position, and the correlation of a response's mean u with its
   advantage, plain, within groups, over finished responses and given the response length
-  (:func:`ict_jax.tools.diagnose_advantage.advantage_correlations`); and what the selector reaches, by
+  (:func:`ict_jax.diagnostics.diagnose_advantage.advantage_correlations`); and what the selector reaches, by
   the train step's own functions (:mod:`ict_jax.rl.coverage`, float32): ``reach``, the shares of its
   tokens that are EOS, after the group's shortest response, on truncated responses and with A < 0
   (:func:`~ict_jax.rl.coverage.reach_shares`), and ``selected_by_position``, the share of each 16-token
@@ -26,9 +26,9 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from ict_jax.diagnostics.diagnose_advantage import advantage_correlations
 from ict_jax.rl.coverage import REACH_KEYS, reach_shares, selected_share_by_bin
 from ict_jax.rl.saturation import CEILING_FRACTION, u_ceiling
-from ict_jax.tools.diagnose_advantage import advantage_correlations
 
 #: :func:`~ict_jax.rl.saturation.u_ceiling` compiled once per shape and reading (not op by op)
 _u_ceiling = jax.jit(u_ceiling, static_argnames=("group_size", "u_form"))

@@ -1,6 +1,6 @@
 """A pre-registered, resumable, paired experiment (``ict-jax compare --plan PLAN``; docs/experiments.md).
 
-The plan (:mod:`ict_jax.tools.experiment_plan`), committed before its first result, fixes arms, seeds,
+The plan (:mod:`ict_jax.experiments.plan`), committed before its first result, fixes arms, seeds,
 steps, the reference arms, the outcomes and the stopping rule. :func:`run_experiment` runs every arm x
 seed in its own run directory ``<out>/runs/<arm>_s<seed>``, in turns of ``chunk_steps`` RL steps: every
 run reaches step c before any run goes past it, so a stop at any time leaves the arms equally far. Each
@@ -13,11 +13,11 @@ The order of the turns (``order``) changes no run's numbers, only which runs a s
 ``chunks`` (the default, above) or ``runs``: seed by seed, each arm's run from its start to its end before
 the next. ``runs`` is for a machine that may be lost between invocations: a finished run outlives it in
 the record, an unfinished one loses its checkpoint. When it is lost, the committed record rebuilds the
-working folder (``recover``, :mod:`ict_jax.tools.experiment_recover`): finished runs are written back,
+working folder (``recover``, :mod:`ict_jax.experiments.recover`): finished runs are written back,
 unfinished ones start again from step 0 and what they had logged stays in the record as earlier attempts.
 
-After each chunk the record (:mod:`ict_jax.tools.experiment_record`, ``<record>/experiment.json``) is
-rebuilt from disk and the report (:mod:`ict_jax.tools.experiment_report`) from the record alone. One
+After each chunk the record (:mod:`ict_jax.experiments.record`, ``<record>/experiment.json``) is
+rebuilt from disk and the report (:mod:`ict_jax.experiments.report`) from the record alone. One
 invocation at a time holds ``<out>`` (:func:`ict_jax.outputs.hold_output_dir`); a plan whose text changed
 under an existing experiment is refused, and, in a git checkout, a plan that is not committed as it is
 (pre-registration) unless ``allow_uncommitted`` (recorded).
@@ -42,12 +42,11 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from ict_jax.config import ConfigError
-from ict_jax.heartbeat import duration
-from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
-from ict_jax.tools.experiment_box import TimeBox
-from ict_jax.tools.experiment_branch import branch_points, fork, needs_rederive, rederive_spec, take_snapshot
-from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
-from ict_jax.tools.experiment_record import (
+from ict_jax.experiments.box import TimeBox
+from ict_jax.experiments.branch import branch_points, fork, needs_rederive, rederive_spec, take_snapshot
+from ict_jax.experiments.plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
+from ict_jax.experiments.provenance import code_commit, environment, file_commit, file_name, now_iso
+from ict_jax.experiments.record import (
     CHUNKS_FILE,
     COMPILATION_CACHE,
     INVOCATIONS_FILE,
@@ -64,9 +63,10 @@ from ict_jax.tools.experiment_record import (
     steps_done,
     write_json,
 )
-from ict_jax.tools.experiment_recover import lost_working_folder, recover_from_record
-from ict_jax.tools.experiment_report import REPORT_FILE, selection_warnings, write_report
-from ict_jax.tools.provenance import code_commit, environment, file_commit, file_name, now_iso
+from ict_jax.experiments.recover import lost_working_folder, recover_from_record
+from ict_jax.experiments.report import REPORT_FILE, selection_warnings, write_report
+from ict_jax.heartbeat import duration
+from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.train.evaluation import evaluated_steps
 from ict_jax.train.logs import read_metrics
 from ict_jax.train.parts import run_mesh_checked
@@ -90,7 +90,7 @@ def _say(text: str) -> None:
 # The plan's identity
 # ------------------------------------------------------------------------------------------------
 def check_plan_provenance(plan: Plan, allow_uncommitted: bool = False) -> dict[str, Any]:
-    """The plan file's git state (:func:`~ict_jax.tools.provenance.file_commit`); in a git checkout a plan
+    """The plan file's git state (:func:`~ict_jax.experiments.provenance.file_commit`); in a git checkout a plan
     that is not committed as it is raises :class:`PlanError` unless ``allow_uncommitted``."""
     state = file_commit(plan.path)
     if state["in_git"] and not state["clean"] and not allow_uncommitted:
@@ -260,7 +260,7 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
                 box: TimeBox, progress: bool, say: Callable[[str], None], order: str = "chunks") -> None:
     """Every run's chunks in ``order`` (:func:`_turns`): each unfinished run trains up to the chunk's end;
     after each chunk the chunk's line, the record and a progress line (its ETA at the pace of ``box``'s
-    chunks so far: :meth:`~ict_jax.tools.experiment_box.TimeBox.eta_pace`)."""
+    chunks so far: :meth:`~ict_jax.experiments.box.TimeBox.eta_pace`)."""
     by_name = {s.name: s for s in specs}
     for end, spec in _turns(plan, specs, order):
         if spec.branch is not None and end <= spec.branch.step:
@@ -316,7 +316,7 @@ def _rederive_if_lost(plan: Plan, spec: RunSpec, parent: RunSpec, inv_id: str, b
                       say: Callable[[str], None]) -> None:
     """When branched run ``spec``'s branch point is lost (no snapshot, no parent checkpoint of that step: the
     working folder was rebuilt from the record), train the parent's config again to the branch step
-    (:func:`~ict_jax.tools.experiment_branch.rederive_spec`, in the box like any chunk; logged in
+    (:func:`~ict_jax.experiments.branch.rederive_spec`, in the box like any chunk; logged in
     ``chunks.jsonl`` under ``<parent>@<step>``)."""
     if not needs_rederive(plan, spec, parent):
         return
@@ -398,12 +398,12 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
     """Run (or continue) the experiment of the plan at ``plan_path`` (module docstring); returns the record.
 
     ``order``: :data:`ORDERS` (module docstring; recorded per invocation). ``recover``: rebuild a lost ``out``
-    from the record and continue (:mod:`ict_jax.tools.experiment_recover`); without it that is refused.
+    from the record and continue (:mod:`ict_jax.experiments.recover`); without it that is refused.
     ``eval_batch``: prompts a call of every evaluation's sampler (``data.eval_batch``, a resource of the
     machine, not a setting of the plan; recorded per invocation and kept by later ones); fixed for the
     experiment once an evaluation has finished (:func:`_eval_batch`).
 
-    ``max_hours``: the time box of this invocation (:class:`~ict_jax.tools.experiment_box.TimeBox`): no step
+    ``max_hours``: the time box of this invocation (:class:`~ict_jax.experiments.box.TimeBox`): no step
     or final evaluation starts that is expected to end past it (a run's last step counts with its
     evaluation), at this invocation's pace, else the last invocation's; the run in progress pauses after its
     step (a checkpoint), the record is written and :class:`ExperimentStopped` is raised; the same call
@@ -476,7 +476,7 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
 def rebuild_report(plan_path: str | Path, *, say: Callable[[str], None] = _say) -> Path:
     """The report of the plan's experiment rebuilt from its ``experiment.json`` alone (nothing is run and
     no run directory is read); returns the report's path. ``say`` gets the record's warnings (an arm of a
-    sparse method that selected every token, :func:`~ict_jax.tools.experiment_report.selection_warnings`)."""
+    sparse method that selected every token, :func:`~ict_jax.experiments.report.selection_warnings`)."""
     plan = load_plan(plan_path)
     path = plan.record / RECORD_FILE
     if not path.is_file():

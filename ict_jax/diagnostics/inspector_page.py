@@ -1,4 +1,4 @@
-"""The token inspector's page (:mod:`ict_jax.tools.inspector`): :func:`render_html` turns a
+"""The token inspector's page (:mod:`ict_jax.diagnostics.inspector`): :func:`render_html` turns a
 :func:`ict_jax.token_report` into one self-contained HTML page (inline CSS and JS, no external
 resources), every token coloured by its JS score, outlined when selected, its statistics on hover, and
 the ICT / entropy / STAPO masks side by side. Standard library only."""

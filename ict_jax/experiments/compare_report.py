@@ -1,4 +1,4 @@
-"""The numbers, table and plots of a method comparison (:mod:`ict_jax.tools.compare`): pure functions of
+"""The numbers, table and plots of a method comparison (:mod:`ict_jax.experiments.compare`): pure functions of
 a run's metrics rows and summary, the Markdown table, and reading finished runs from disk."""
 
 from __future__ import annotations
