@@ -660,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage:
         return child(args)
-    from ict_jax.tools.provenance import machine  # the host; each stage's record names its device
+    from ict_jax.experiments.provenance import machine  # the host; each stage's record names its device
 
     host = machine()
     start = time.monotonic()

@@ -111,7 +111,7 @@ def main() -> None:
         m = memory[name]["temp_bytes"]
         print(f"| {name} | {m / 2**20:,.0f} MiB | {m / dense_mem:.3f} | {min(wall[name]):.3f} s | "
               f"{min(cpu[name]):.3f} s | {min(cpu[name]) / dense_cpu:.2f} |")
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     record = dict(args=vars(args), heads=H, kv_heads=KV, head_dim=HD, memory=memory, wall_s=wall, cpu_s=cpu,
                   machine=machine() | dict(load_average=os.getloadavg(), jax=jax.__version__,
                                                     backend=jax.default_backend()),

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                                      dump_dir=None if args.dump_hlo is None else args.dump_hlo / attention)
         wall = time.perf_counter() - t0
         roof = rep.roofline
-        from ict_jax.tools.provenance import machine
+        from ict_jax.experiments.provenance import machine
 
         rec = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), machine=machine(),
                    command=" ".join(["python", "benchmarks/attention_tpu.py", attention]), attention=attention,

@@ -112,7 +112,7 @@ def main() -> None:
               f"{r['p4_before']:>14.3f} {r['p4_after']:>9.3f}  {r['reward_first50']:.3f} -> {r['reward_last50']:.3f}")
     print(f"mean ± sd  P@1 {ms('p1_before')} -> {ms('p1_after')} ({ms('gain_p1')}), P@4 {ms('p4_before')} -> "
           f"{ms('p4_after')}")
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     record = {"machine": machine(),
               "lora": lora_args, "config": "configs/demo.yaml", "seeds": recs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ def main() -> None:
     print("N      " + "  ".join(f"seed {s}" for s in args.seeds))
     for i, n in enumerate(points):
         print(f"{n:<6} " + "  ".join(f"{curves[s][i]['pass@1']:>6.3f}" for s in args.seeds))
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     record = {"machine": machine() | {"load_average": os.getloadavg()},
               "config": "configs/demo.yaml", "seeds": {str(s): c for s, c in curves.items()}}
     Path(args.out).write_text(json.dumps(record, indent=2))

@@ -13,7 +13,7 @@ paper's ~1.0), the forking tokens selected (summed), u at its ceiling (the share
 5 % of the largest u their position allows, per reading) and the tie share (ICT's selected tokens that the
 tie rule decided; docs/statistics.md "u at its ceiling, and ties"), then the most frequent selected tokens
 of the first seed. The second table gives per setting and reading the advantage diagnostic
-(:mod:`ict_jax.tools.diagnose_advantage`): the Pearson correlation of a response's mean u with its
+(:mod:`ict_jax.diagnostics.diagnose_advantage`): the Pearson correlation of a response's mean u with its
 advantage over the responses with A ≠ 0, within groups, over finished responses only and given the
 response length, mean ± sd over the seeds that define it, with each seed's responses / groups; a
 correlation no seed defines is n/a, with the first seed's reason under the table. Prints both markdown
@@ -31,7 +31,7 @@ from pathlib import Path
 
 SELECTIONS = ("ict[aligned]", "ict[loo]", "ict[literal]", "ict[pooled]", "entropy", "random", "all")
 NAMES = {"entropy": "20-Entropy", "random": "random 10 %", "all": "all tokens"}
-#: The advantage correlations of a reading (ict_jax.tools.diagnose_advantage) and their columns.
+#: The advantage correlations of a reading (ict_jax.diagnostics.diagnose_advantage) and their columns.
 ADVANTAGE = {"adv_corr": "A ≠ 0 responses", "adv_corr_within": "within group", "adv_corr_finished": "finished only",
              "adv_corr_partial_length": "partial on length"}
 

@@ -96,7 +96,7 @@ def main() -> None:
     print(f"ratio jax/torch tokens/s: {ratio:.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     result = dict(benchmark="forward", shape=args.shape, batch=args.batch, seq=args.seq, dtype=args.dtype,
                   backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
                   machine=machine(),

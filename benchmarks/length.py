@@ -375,7 +375,7 @@ def main() -> None:
 
     import jax
 
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     result = {"machine": machine() | {"backend": jax.default_backend(), "jax": jax.__version__},
               "settings": vars(args)}
     for part in args.parts:

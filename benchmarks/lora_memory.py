@@ -130,7 +130,7 @@ def main() -> None:
         print(f"{r['variant']:16s} {r['trainable_params']:>11,d} {r['argument_bytes'] / gib:>8.2f} G "
               f"{r['opt_state_bytes'] / gib:>8.2f} G {r['reference_bytes'] / gib:>8.2f} G {r['temp_bytes'] / gib:>6.2f} G "
               f"{r['total_bytes'] / gib:>6.2f} G {ratio:>8s} {r['compile_s']:>7.1f}s")
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     result = dict(settings=vars(args), rows=rows, machine=machine() | dict(
                   backend=jax.default_backend(), jax=jax.__version__, load_avg=os.getloadavg()))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lora_real_step.json"))
     args = ap.parse_args()
     base = ["--config", args.config, f"model.path={args.model}"]
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     result = {"settings": {"model": args.model, "config": args.config, "overrides": VARIANTS,
                            "steps": args.steps},
               "machine": machine(),

@@ -108,7 +108,7 @@ def main() -> None:
     runs = {n: read_run(p) for n, p in pairs(args.run, "--run").items()}
     compiles = {n: read_compile(p) for n, p in pairs(args.compile, "--compile").items()}
     print(table(runs, compiles))
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     record = {"machine": machine() | {"loadavg_at_report": os.getloadavg()},
               "runs": runs, "compiles": compiles}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

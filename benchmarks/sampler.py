@@ -140,7 +140,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['shape']:<7}{r['torch_tok_s']:>13.1f}{r['jax_tok_s']:>11.1f}{r['ratio']:>11.2f}"
               f"{r['cpu_ratio']:>16.2f}{r['jax_compile_s']:>11.1f}{str(r['load_avg_1m_before_after']):>13}")
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     meta = {"machine": machine() | {"backend": jax.default_backend()},
             "jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "torch_threads": args.threads, "dtype": "float32"}

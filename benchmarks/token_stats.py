@@ -117,7 +117,7 @@ def main():
     results = Path(__file__).parent / "results"
     a.out = a.out or str(results / ("token_stats_readings.json" if a.readings else "token_stats.json"))
 
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     res = {"machine": machine() | {"device": str(jax.devices()[0]), "jax": jax.__version__},
            "shape": {"D": D, "V": V, "G": G, "dtype": "float32"}, "mem_T": a.mem_T, "time_T": a.time_T,
            "memory": {}, "time": {}}

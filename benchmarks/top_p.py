@@ -72,7 +72,7 @@ def main() -> None:
     for r in results:
         print(f"{r['rows']:>5}{r['vocab']:>9}{r['ms_candidates']:>15.1f}{r['ms_whole_vocabulary']:>21.1f}"
               f"{r['speedup']:>8.0f}x{str(r['same_tokens']):>13}")
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     meta = {"machine": machine() | {"backend": jax.default_backend()}, "jax": jax.__version__,
             "load_avg_1m_before_after": [round(load_before, 2), round(load_after, 2)],
             "temperature": 0.6, "top_p": 0.95, "repeats": args.repeats}

@@ -105,7 +105,7 @@ def run(names: list[str]) -> None:
 def record(name: str, command: str, rc: int, load_before: str, load_after: str, wall_s: float,
            report: dict | None, date: str | None = None) -> None:
     """Append one compile to the log."""
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     rec = {"job": name, "command": command, "rc": rc,
            "date": date or datetime.datetime.now().isoformat(timespec="seconds"), "load_before": load_before,
            "load_after": load_after, "wall_s": round(wall_s, 1),

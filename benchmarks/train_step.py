@@ -337,7 +337,7 @@ def main() -> None:
 
     import jax
 
-    from ict_jax.tools.provenance import machine
+    from ict_jax.experiments.provenance import machine
     result: dict = dict(benchmark="train_step", backend=jax.default_backend(),
                         machine=machine(),
                         load_avg_start=os.getloadavg(), jax=jax.__version__)

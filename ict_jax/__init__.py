@@ -86,14 +86,16 @@ _API: dict[str, str] = {
     "TrainingDiverged": "train.stopping",
     "Checkpointer": "train.checkpoints",
     "export_checkpoint": "train.export",
-    # -- tools (tools/) --
-    "token_report": "tools.inspector",
-    "render_html": "tools.inspector_page",
-    "run_comparison": "tools.compare",
+    # -- experiments (experiments/) --
+    "run_comparison": "experiments.compare",
+    # -- diagnostics (diagnostics/) --
+    "token_report": "diagnostics.inspector",
+    "render_html": "diagnostics.inspector_page",
 }
 
 __all__ = sorted(_API) + ["__version__"]
-_SUBMODULES = ("config", "sharding", "model", "data", "rewards", "sampling", "rl", "train", "tools", "aot", "cli")
+_SUBMODULES = ("config", "sharding", "model", "data", "rewards", "sampling", "rl", "train", "aot", "experiments",
+               "diagnostics", "cli")
 
 # What the command line does before JAX starts, for library and notebook use too: with libtpu installed
 # on a machine without a TPU (or a GPU), select the CPU, so that JAX's backend start prints no libtpu

@@ -20,7 +20,7 @@
 # from that file alone. This notebook reads a record with nothing but `json`, then:
 #
 # * recomputes the primary outcome of every run from its per-step rows, and the paired differences with
-#   `ict_jax.tools.experiment_stats`, and checks them against the values the record holds;
+#   `ict_jax.experiments.stats`, and checks them against the values the record holds;
 # * plots any logged metric against the RL step, one colour per arm, each seed a thin line;
 # * shows where a step's time went (sampling, rewards, the update);
 # * plans a next design: the minimum detectable effect against the number of seeds.
@@ -47,7 +47,7 @@ if "ipykernel" not in sys.modules:
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ict_jax.tools.experiment_stats import mean_sd, minimum_detectable_effect, paired_differences
+from ict_jax.experiments.stats import mean_sd, minimum_detectable_effect, paired_differences
 
 
 def legends_clear(fig) -> None:

@@ -31,10 +31,13 @@ ALLOWED: dict[str, set[str]] = {
               "memory", "heartbeat", "interrupts", "deprecation", "install"},
     "aot": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards", "rl",
             "sampling", "train", "heartbeat", "deprecation", "install"},
-    "tools": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards",
-              "rl", "sampling", "train", "aot", "heartbeat", "deprecation", "install"},
+    "experiments": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data",
+                    "rewards", "rl", "sampling", "train", "aot", "heartbeat", "deprecation", "install"},
+    "diagnostics": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data",
+                    "rewards", "rl", "sampling", "train", "aot", "heartbeat", "deprecation", "install",
+                    "experiments.stats"},
     "cli": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards",
-            "rl", "sampling", "train", "tools", "aot", "cli", "heartbeat", "interrupts", "deprecation", "install", ""},
+            "rl", "sampling", "train", "experiments", "diagnostics", "aot", "cli", "heartbeat", "interrupts", "deprecation", "install", ""},
 }
 
 
@@ -105,6 +108,23 @@ def test_no_upward_import():
     bad = [f"ict_jax.{src} imports ict_jax.{dst or '(top level)'} (line {line})"
            for src, imps in GRAPH.items() for dst, _name, line in imps if dst != src and not _allowed(src, dst)]
     assert not bad, "imports that break the layer rule of docs/architecture.md:\n" + "\n".join(bad)
+
+
+#: the library's core and the lab on top of it (docs/architecture.md, "The layer rule")
+CORE = ("model", "data", "rewards", "rl", "sampling", "train")
+LAB = ("experiments", "diagnostics")
+
+
+def test_the_core_never_imports_the_lab():
+    """The core (model, data, rewards, rl, sampling, train) never imports ``experiments`` or ``diagnostics``:
+    the lab builds on the library, never the other way round."""
+    assert set(CORE) | set(LAB) <= set(ALLOWED) and all(_package(m) in LAB for m in ("experiments.runner",
+                                                                                     "diagnostics.diagnose"))
+    assert not [p for p in CORE if set(LAB) & {r.split(".")[0] for r in ALLOWED[p]}], "ALLOWED lets the core import the lab"
+    bad = [f"ict_jax.{src} imports ict_jax.{dst} (line {line})" for src, imps in GRAPH.items() if _package(src) in CORE
+           for dst, _n, line in imps if _package(dst) in LAB]
+    assert not bad, "\n".join(bad)
+    assert not list((ROOT / "tools").glob("*.py")), "ict_jax/tools/ was split into experiments/ and diagnostics/"
 
 
 def test_nothing_imports_the_cli():
@@ -352,7 +372,7 @@ TESTS = ROOT.parent / "tests"
 #: test files of a subpackage's folder that test more than one of its modules (or a real model), each with why
 ACROSS_MODULES = {
     "cli/test_inputs.py": "bad input to every command: one line and the exit code (cli.main and each command)",
-    "cli/test_compare_plan_cli.py": "cli.compare's --plan front end (tools/test_compare.py holds the module "
+    "cli/test_compare_plan_cli.py": "cli.compare's --plan front end (experiments/test_compare.py holds the module "
                                     "name test_compare: pytest collects one module of a base name)",
     "model/test_real_qwen.py": "the real Qwen2.5 weights through loading, the model and the tokenizer",
     "rewards/test_rewards.py": "the answer checks and the worker pool that runs them",

@@ -591,7 +591,7 @@ def test_every_committed_experiment_report_is_rebuilt_from_its_record_unchanged(
     with `ict-jax compare --plan <plan> --report`)."""
     import json
 
-    from ict_jax.tools.experiment_report import FIGURES, format_report
+    from ict_jax.experiments.report import FIGURES, format_report
 
     folders = sorted(p.parent for p in EXPERIMENTS.glob("*/experiment.json"))
     assert folders, f"no experiment records under {EXPERIMENTS}"

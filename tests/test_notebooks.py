@@ -147,8 +147,8 @@ out: {out}
 def _fake_record(tmp_path: Path) -> Path:
     """An experiment.json built by the record's own builder from hand-written run directories: 2 arms x 3
     seeds, ict above grpo by 0.1, 0.12 and 0.3 at every step of seeds 0, 1, 2; grpo seed 2 stopped after 2 steps."""
-    from ict_jax.tools.experiment_plan import load_plan
-    from ict_jax.tools.experiment_record import build_record
+    from ict_jax.experiments.plan import load_plan
+    from ict_jax.experiments.record import build_record
 
     path = tmp_path / "nb.yaml"
     path.write_text(EXPERIMENT.format(config=ROOT / "configs" / "demo.yaml", out=tmp_path / "nb"))

@@ -1,5 +1,5 @@
 """``ict-jax align``: the gradient-alignment check of a run's selectors on its own rollouts from its starting
-policy (:mod:`ict_jax.tools.gradient_alignment`; docs/results.md "Gradient alignment"). A line per batch, and
+policy (:mod:`ict_jax.diagnostics.gradient_alignment`; docs/results.md "Gradient alignment"). A line per batch, and
 a heartbeat from the command's first second, at least every ``$ICT_JAX_HEARTBEAT_S`` seconds (30 by default),
 naming the phase that runs (importing JAX, each part of the run's build, each batch's sampling and gradients,
 the report)."""
@@ -37,7 +37,7 @@ def align_main(args: argparse.Namespace) -> int:
 
     with Heartbeat(_say) as beat:  # from the first second: importing JAX and the trainer alone takes a while
         beat.phase("starting (importing JAX and the trainer)")
-        from ict_jax.tools.gradient_alignment import run_alignment
+        from ict_jax.diagnostics.gradient_alignment import run_alignment
 
         # the check's own lines count for the heartbeat
         run_alignment(cfg, batches=args.batches, out=out, say=beat.counted(_say), tell=beat.phase)

@@ -1,5 +1,5 @@
-"""``ict-jax compare``: every method x seed from one shared warm start (:mod:`ict_jax.tools.compare`), or,
-with ``--plan``, a pre-registered experiment (:mod:`ict_jax.tools.experiment`: arms x seeds, paired,
+"""``ict-jax compare``: every method x seed from one shared warm start (:mod:`ict_jax.experiments.compare`), or,
+with ``--plan``, a pre-registered experiment (:mod:`ict_jax.experiments.runner`: arms x seeds, paired,
 resumable, with a JSON record and a report)."""
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def parse_rhos(text: str | None) -> list[float] | None:
 
 
 def _plan_main(args: argparse.Namespace) -> int:
-    from ict_jax.tools.experiment import ExperimentStopped, rebuild_report, run_experiment
+    from ict_jax.experiments.runner import ExperimentStopped, rebuild_report, run_experiment
 
     given = [flag for flag, value in (("--config", args.config), ("--methods", args.methods), ("--rho", args.rho),
                                       ("--out", args.out)) if value is not None]
@@ -115,7 +115,7 @@ def _plan_main(args: argparse.Namespace) -> int:
                 "--report only rebuilds the report"
             raise UserError(f"{what}: {', '.join(extra)} does not apply")
         if args.status:
-            from ict_jax.tools.experiment_status import experiment_status, format_status
+            from ict_jax.experiments.status import experiment_status, format_status
 
             print(format_status(experiment_status(args.plan)))
         else:
@@ -152,7 +152,7 @@ def compare_main(args: argparse.Namespace) -> int:
         raise UserError("--config or --plan is required")
 
     from ict_jax.config import ConfigError
-    from ict_jax.tools.compare import PLOTS, run_comparison
+    from ict_jax.experiments.compare import PLOTS, run_comparison
 
     methods, seeds, rhos = parse_methods(args.methods), parse_seeds(args.seeds), parse_rhos(args.rho)
     try:

@@ -1,5 +1,5 @@
 """``ict-jax diagnose``: the paper's token diagnostics of every reading of u and every selector on a real
-model (:mod:`ict_jax.tools.diagnose`; docs/results.md). A line as each setting and batch starts and ends,
+model (:mod:`ict_jax.diagnostics.diagnose`; docs/results.md). A line as each setting and batch starts and ends,
 and a heartbeat from the command's first second, at least every ``$ICT_JAX_HEARTBEAT_S`` seconds (30 by
 default), naming the phase that runs (importing JAX, loading the prompts and the model, sampling, scoring,
 statistics and masks, the diagnostics, the report)."""
@@ -106,7 +106,7 @@ def _diagnose(args: argparse.Namespace, out, beat, *, groups: list, temps: list,
     if args.reanalyse:
         if not (out / "diagnose.json").is_file():
             raise UserError(f"--reanalyse: {str(out / 'diagnose.json')!r} does not exist")
-        from ict_jax.tools.diagnose import reanalyse
+        from ict_jax.diagnostics.diagnose import reanalyse
         from ict_jax.train.model_source import resolve_model
 
         beat.phase(f"loading the tokenizer of {args.model}")
@@ -124,7 +124,7 @@ def _diagnose(args: argparse.Namespace, out, beat, *, groups: list, temps: list,
         raise UserError(f"--out {str(out)!r} already holds a report (pass --force to write over it)")
 
     from ict_jax.data.datasets import load_dataset
-    from ict_jax.tools.diagnose import Setting, prompt_instruction, run_diagnose
+    from ict_jax.diagnostics.diagnose import Setting, prompt_instruction, run_diagnose
     from ict_jax.train.model_source import resolve_model
 
     beat.phase(f"loading the prompts ({args.prompts})")

@@ -1,5 +1,5 @@
 """``ict-jax inspect``: an HTML page of a group's tokens coloured by their statistics, with the masks of
-the selectors (:mod:`ict_jax.tools.inspector`)."""
+the selectors (:mod:`ict_jax.diagnostics.inspector`)."""
 
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ def _cfg_get(cfg: Any, *keys: str) -> Any:
 
 
 def inspect_main(args: argparse.Namespace) -> int:
+    from ict_jax.diagnostics.inspector import checkpoint_selector, token_report
+    from ict_jax.diagnostics.inspector_page import render_html
     from ict_jax.outputs import check_output_file
-    from ict_jax.tools.inspector import checkpoint_selector, token_report
-    from ict_jax.tools.inspector_page import render_html
     from ict_jax.train.model_source import resolve_model
 
     check_output_file(args.out, "--out")  # before the model loads

@@ -21,7 +21,9 @@ from ict_jax.install import install_line
 
 
 class MissingExtra(ImportError):
-    """A data source needs an optional extra of ict_jax that is not installed (the message names it)."""
+    """An optional extra of ict_jax that is not installed (the message names it): a data source's, or the
+    ``stats`` extra (SciPy) of the experiments' statistics. The command line prints it in one line and exits
+    with 2."""
 
 
 @dataclass(frozen=True)

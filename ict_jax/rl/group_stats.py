@@ -8,7 +8,7 @@ every requested reading of u.
     by_form = fn(params, tokens, mask, valid)                          # {"aligned": TokenStats, "loo": ...}
 
 The train step's statistics passes (:func:`ict_jax.rl.train_step.batch_stats`, inside its own jit), the
-token inspector (:mod:`ict_jax.tools.inspector`) and diagnose (:mod:`ict_jax.tools.diagnose`) all call
+token inspector (:mod:`ict_jax.diagnostics.inspector`) and diagnose (:mod:`ict_jax.diagnostics.diagnose`) all call
 :func:`group_stats`. The model is read through the graph only (``nnx.merge``, then its
 ``predicting_states`` and ``unembedding``): ``rl`` never imports ``ict_jax.model``.
 """

@@ -10,7 +10,7 @@ PLAN = Path(__file__).resolve().parents[2] / "configs" / "experiments" / "demo_p
 
 
 def test_ctrl_c_says_how_to_continue(capsys, monkeypatch):
-    import ict_jax.tools.experiment as experiment
+    import ict_jax.experiments.runner as experiment
     from ict_jax.train.stopping import Interrupted
 
     def interrupted(*a, **k):

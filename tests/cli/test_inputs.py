@@ -289,7 +289,7 @@ def test_diagnose_refuses_prompts_past_the_models_positions(tiny_model):
     from ict_jax import CharTokenizer
     from ict_jax.data.datasets import Dataset
     from ict_jax.data.example import Example
-    from ict_jax.tools.diagnose import Setting, collect
+    from ict_jax.diagnostics.diagnose import Setting, collect
 
     small = tiny_model.config.max_position_embeddings  # 2048
     ds = Dataset("mine", [Example("1+1=", "2"), Example("y" * (small - 10), "1"), Example("z" * small, "1")], "exact")

@@ -67,9 +67,9 @@ def test_decode_response_drops_padding_and_eos(tok):
 def test_the_users_go_through_the_front_door(tiny_model, tok):
     """The text generator, the inspector and diagnose encode with encode_prompt: the same ids, and the
     same one-line refusal."""
+    from ict_jax.diagnostics.diagnose import _prompt_ids
+    from ict_jax.diagnostics.inspector import token_report
     from ict_jax.sampling.text_generation import make_text_generator
-    from ict_jax.tools.diagnose import _prompt_ids
-    from ict_jax.tools.inspector import token_report
 
     gen = make_text_generator(tiny_model, tok, max_new_tokens=2, template="plain", max_prompt_len=64, batch_size=1)
     assert gen.encode("1+2=").tolist() == encode_prompt("1+2=", tok, template="plain").ids.tolist()

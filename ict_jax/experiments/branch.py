@@ -1,0 +1,169 @@
+"""Branched arms of an experiment (docs/experiments.md "Branching"): an arm whose plan says
+``branch: {from: PARENT, step: S}`` starts each of its runs from the parent arm's checkpoint at RL step S
+of the same seed, so the arms share their first S steps exactly and pay for them once.
+
+When the parent's run reaches S (a chunk end, so it pauses there with a checkpoint), :func:`take_snapshot`
+copies that checkpoint and the parent's metrics rows of steps 1..S (its evaluations up to S too) into
+``<out>/branches/<parent>@S`` (the parent's own checkpoints are pruned by ``train.keep`` as it trains on).
+When the branched run's first turn comes, :func:`fork` lays out its run directory from the snapshot: the
+checkpoint, those metrics rows, its own ``config.json`` and ``branch.json`` (the parent, the step, the
+snapshot and the sha256 of its checkpoint files). From there the run is an ordinary run directory resumed at
+step S: every random stream continues at its step, the data position is the parent's, so its step S+1
+samples the parent's rollouts, and a stop and a continue end bitwise equal to a run never stopped.
+
+Both are written into a temporary folder and renamed into place, so a kill leaves either nothing or the
+whole snapshot / run directory. A snapshot lost with its machine (the working folder rebuilt from the record)
+is taken again from a re-derivation: the parent's config trained again from step 0 to S in
+``<out>/branches/<parent>@S.rederive`` (:func:`rederive_spec`, trained by the runner like any run), compared
+step by step with the parent's recorded rows (bitwise on the same machine and code; on another CPU the floats
+part in their last bits, and the samples follow once one token differs). The snapshot and every branched run
+started from it say so (``rederived``: the folder and the comparison).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ict_jax.experiments.plan import Plan, PlanError, RunSpec
+from ict_jax.experiments.provenance import now_iso
+from ict_jax.experiments.record import BRANCH_FILE, compare_attempt, read_branch, write_json
+from ict_jax.train.checkpoints import Checkpointer
+from ict_jax.train.logs import read_metrics
+
+__all__ = ["SNAPSHOTS_DIR", "snapshot_dir", "take_snapshot", "fork", "branch_points", "rederive_spec",
+           "needs_rederive"]
+
+SNAPSHOTS_DIR = "branches"  # in <out>: <parent run>@<step>/, the parent's checkpoint at a branch point
+_SNAPSHOT_FILE = "snapshot.json"
+_METRICS = "metrics.jsonl"
+
+
+def snapshot_dir(plan: Plan, parent: str, step: int) -> Path:
+    return plan.out / SNAPSHOTS_DIR / f"{parent}@{step}"
+
+
+def branch_points(plan: Plan, spec: RunSpec) -> list[int]:
+    """The steps at which arms branch from ``spec``'s arm (empty when none does)."""
+    return sorted({a.branch.step for a in plan.arms if a.branch is not None and a.branch.arm == spec.arm})
+
+
+def _digest(folder: Path) -> str:
+    """sha256 over the relative paths and contents of every file under ``folder``, in sorted order."""
+    h = hashlib.sha256()
+    for p in sorted(q for q in folder.rglob("*") if q.is_file()):
+        h.update(str(p.relative_to(folder)).encode() + b"\0")
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _metrics_lines(run_dir: Path, step: int) -> str:
+    """A run's metrics up to ``step`` as JSON lines: the RL rows of steps 1..``step`` (0-based < step) and the
+    evaluation rows up to it (an ``eval`` row's step is the number of RL steps done)."""
+    path = run_dir / _METRICS
+    rows = read_metrics(path, None) if path.is_file() else []
+    keep = [r for r in rows if int(r["step"]) < step if r.get("phase", "rl") == "rl"]
+    keep += [r for r in rows if int(r["step"]) <= step if r.get("phase") == "eval"]
+    return "".join(json.dumps(r) + "\n" for r in keep)
+
+
+def _checkpoint_steps(run_dir: Path) -> list[int]:
+    if not (run_dir / "checkpoints").is_dir():
+        return []
+    with Checkpointer(run_dir / "checkpoints", read_only=True) as ck:
+        return ck.all_steps()
+
+
+def _replace_into(tmp: Path, final: Path) -> None:
+    if final.exists():  # an empty folder (a run directory that was held but never written)
+        final.rmdir()
+    tmp.rename(final)
+
+
+def rederive_spec(plan: Plan, parent: RunSpec, step: int) -> RunSpec:
+    """The parent's run again, in ``<out>/branches/<parent>@<step>.rederive``: the same config but the run
+    directory, trained to ``step`` when the snapshot and the parent's checkpoint of ``step`` are both gone."""
+    d = snapshot_dir(plan, parent.name, step).with_name(f"{parent.name}@{step}.rederive")
+    return dataclasses.replace(parent, run_dir=d, config=parent.config.replace(run_dir=str(d)))
+
+
+def needs_rederive(plan: Plan, spec: RunSpec, parent: RunSpec) -> bool:
+    """Whether branched run ``spec`` can start only from a re-derived branch point: it has not branched, its
+    snapshot is missing and its parent holds no checkpoint of the branch step (a lost working folder)."""
+    assert spec.branch is not None
+    step = spec.branch.step
+    return (read_branch(spec.run_dir) is None and not (snapshot_dir(plan, parent.name, step) / _SNAPSHOT_FILE).is_file()
+            and step not in _checkpoint_steps(parent.run_dir))
+
+
+def take_snapshot(plan: Plan, parent: RunSpec, step: int) -> dict[str, Any]:
+    """Copy ``parent``'s checkpoint at ``step`` and its metrics rows up to it into :func:`snapshot_dir` (from
+    its re-derivation, :func:`rederive_spec`, when that holds the checkpoint and the parent does not); returns
+    the snapshot's description. Nothing happens when the snapshot exists. :class:`PlanError` when neither
+    has a finished checkpoint at ``step``."""
+    final = snapshot_dir(plan, parent.name, step)
+    if (final / _SNAPSHOT_FILE).is_file():
+        return json.loads((final / _SNAPSHOT_FILE).read_text())
+    source = parent.run_dir
+    steps = _checkpoint_steps(source)
+    redo = rederive_spec(plan, parent, step).run_dir
+    if step not in steps and step in _checkpoint_steps(redo):
+        source = redo
+    elif step not in steps:
+        raise PlanError(f"plan {str(plan.path)!r}: {parent.name} has no checkpoint at step {step} to branch from "
+                        f"(its checkpoints: {', '.join(map(str, steps)) or 'none'}; the snapshot "
+                        f"{str(final)!r} is missing)")
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(source / "checkpoints" / str(step), tmp / "checkpoints" / str(step))
+    (tmp / _METRICS).write_text(_metrics_lines(source, step))
+    info: dict[str, Any] = {"parent": parent.name, "step": step, "checkpoint": str(source / "checkpoints" / str(step)),
+                            "checkpoint_sha256": _digest(tmp / "checkpoints"), "taken": now_iso()}
+    if source == redo:  # the trajectory it continues, against the parent's as recorded
+        rows = [r for r in read_metrics(redo / _METRICS, "rl") if int(r["step"]) < step]
+        recorded = [r for r in read_metrics(parent.run_dir / _METRICS, "rl") if int(r["step"]) < step] \
+            if (parent.run_dir / _METRICS).is_file() else []
+        info["rederived"] = {"run_dir": str(redo), "comparison": compare_attempt(rows, recorded)}
+    write_json(tmp / _SNAPSHOT_FILE, info)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _replace_into(tmp, final)
+    return info
+
+
+def fork(plan: Plan, spec: RunSpec, parent: RunSpec) -> dict[str, Any]:
+    """Lay out branched run ``spec``'s directory from its parent's snapshot at ``spec.branch.step`` (taken
+    now from the parent's checkpoint if missing); returns its ``branch.json``. A run that already branched is
+    left as it is. :class:`PlanError` when the run directory holds something else, or the snapshot cannot
+    be had."""
+    assert spec.branch is not None and parent.name == spec.parent
+    known = read_branch(spec.run_dir)
+    if known is not None:
+        return known
+    d = spec.run_dir
+    if d.exists() and any(p.name != ".lock" for p in d.iterdir()):
+        raise PlanError(f"plan {str(plan.path)!r}: {spec.name} branches from {parent.name} at step "
+                        f"{spec.branch.step}, but {str(d)!r} already holds files of a run that did not branch")
+    snap = take_snapshot(plan, parent, spec.branch.step)
+    src = snapshot_dir(plan, parent.name, spec.branch.step)
+    if _digest(src / "checkpoints") != snap["checkpoint_sha256"]:
+        raise PlanError(f"plan {str(plan.path)!r}: the snapshot {str(src)!r} does not match its sha256 (changed "
+                        "on disk since it was taken): nothing was branched from it")
+    tmp = d.with_name(f".{d.name}.fork")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src / "checkpoints", tmp / "checkpoints")
+    shutil.copyfile(src / _METRICS, tmp / _METRICS)
+    (tmp / "config.json").write_text(json.dumps(spec.config.to_dict(), indent=2))
+    info = {"from": parent.name, "step": spec.branch.step, "checkpoint": snap["checkpoint"],
+            "checkpoint_sha256": snap["checkpoint_sha256"], "snapshot": str(src), "forked": now_iso(),
+            **({"rederived": snap["rederived"]} if "rederived" in snap else {})}
+    write_json(tmp / BRANCH_FILE, info)
+    _replace_into(tmp, d)
+    return info

@@ -1,0 +1,317 @@
+"""The method comparison (``ict-jax compare``): every selector method x seed from one shared warm start,
+then a table and plots.
+
+Layout under ``out`` (``--out``)::
+
+    compare_config.json   the config of the comparison: a later invocation must use the same one
+    warmstart/            the SFT warm start (``train.sft_steps`` of the config), run once and reused
+      sft_model/          its HF checkpoint: ``model.path`` of every RL run
+      warmstart.json      SFT metrics, the warm start's pass@k on ``data.eval``, wall time
+    runs/<group>_s<seed>/ one RL run (``group`` = the method, or ``ict_rho<r>`` for the sparsity ablation)
+    results.json          per group: final P@k, steps to the target reward, the selected fraction after the
+                          warm-up, final H1 / H2, wall time
+    results.md            the same as a Markdown table
+    reward.png H1.png H2.png   per group: mean curve over seeds vs step, min-max band
+
+Every run differs from the others only in ``rl.selector.method`` (and ``rl.selector.rho``) and ``seed``:
+the same data, warm start and hyperparameters. The comparison is resumable run by run: a run with a
+``summary.json`` is skipped, a run with a finished checkpoint is resumed from it, any other run is
+(re)started; the table is always rebuilt from what is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+
+from ict_jax.config import Config, ConfigError, load_config
+from ict_jax.experiments.compare_report import (
+    INCONCLUSIVE,
+    LAST_STEPS,
+    MA_WINDOW,
+    RunSpec,
+    collect,
+    dense_steps,
+    format_markdown,
+    has_checkpoint,
+    is_finite,
+    pass_at_k,
+    plot_groups,
+    selection_warnings,
+)
+from ict_jax.outputs import check_output_dir, has_entries
+from ict_jax.rl.selectors import ALIASES, registered_selectors
+from ict_jax.train.plugins import import_plugins
+from ict_jax.train.record import run_finished
+from ict_jax.train.stopping import TrainingDiverged
+from ict_jax.train.trainer import Trainer
+
+#: Named variants accepted in ``methods`` beside the selector methods: a method with config overrides.
+#: ``ict_norm_valid``: ICT's tokens with GRPO's denominators (``normalize_over: valid``), without the 1/rho
+#: up-weighting of ``normalize_over: selected``: under AdamW close to a constant rescaling of the gradient,
+#: which Adam cancels, so it changes how responses weigh against each other, not the step size
+#: (docs/method.md §4).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ict_norm_valid": ("ict", {"rl.loss.normalize_over": "valid"}),
+}
+
+
+def known_methods() -> tuple[str, ...]:
+    """Methods accepted in ``methods``: the registered selectors (``rl.selectors``, plugins' included) and
+    their aliases (``grpo`` = ``dense``), then the variants."""
+    return (*registered_selectors(), *ALIASES, *VARIANTS)
+
+
+#: The default methods: every method once (``grpo`` standing for ``dense``), ICT first.
+DEFAULT_METHODS: tuple[str, ...] = ("ict", "grpo", "entropy", "stapo", "random")
+#: The default seeds: 0, 1, 2.
+DEFAULT_SEEDS: tuple[int, ...] = (0, 1, 2)
+#: curve name -> (metrics key, png file)
+PLOTS = {"reward": ("reward/mean", "reward.png"), "H1": ("stats/H1_mean", "H1.png"),
+         "H2": ("stats/H2_mean", "H2.png")}
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------------
+
+
+def group_name(method: str, rho: float | None) -> str:
+    return method if rho is None else f"{method}_rho{rho:g}"
+
+
+def check_methods(methods: Sequence[str]) -> list[str]:
+    """The methods as a list: each a registered selector, an alias or a variant (:func:`known_methods`), each once."""
+    if isinstance(methods, str):
+        raise ConfigError(f"methods: {methods!r}: expected a sequence of method names, like ['ict', 'grpo']")
+    methods, known = list(methods), known_methods()
+    if not methods:
+        raise ConfigError("methods: empty; name at least one of " + ", ".join(known))
+    for m in methods:
+        if m not in known:
+            raise ConfigError(f"methods: {m!r} is not a selector method; allowed: {', '.join(known)}")
+    if len(set(methods)) != len(methods):
+        raise ConfigError(f"methods: {methods} names a method twice")
+    return methods
+
+
+def check_seeds(seeds: Sequence[int]) -> list[int]:
+    """The seeds as a list of distinct non-negative integers (at least one)."""
+    if isinstance(seeds, (str, int)):
+        raise ConfigError(f"seeds: {seeds!r}: expected a sequence of integers, like [0, 1, 2]")
+    seeds = list(seeds)
+    if not seeds or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in seeds) \
+            or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seeds: {seeds}: expected distinct non-negative integers, at least one")
+    return seeds
+
+
+def check_rhos(rhos: Sequence[float] | None) -> list[float] | None:
+    """The sparsity ablation's fractions as a list of distinct floats, or None (no ablation). Their range
+    is checked as ``rl.selector.rho`` when each run's config is built."""
+    if rhos is None:
+        return None
+    if isinstance(rhos, str):
+        raise ConfigError(f"rhos: {rhos!r}: expected a sequence of fractions, like [0.05, 0.1]")
+    rhos = [float(r) for r in rhos]
+    if not rhos or len(set(rhos)) != len(rhos):
+        raise ConfigError(f"rhos: {rhos}: expected distinct fractions like [0.05, 0.1, 0.2]")
+    return rhos
+
+
+def plan_runs(methods: Sequence[str], seeds: Sequence[int], out: Path,
+              rhos: Sequence[float] | None = None) -> list[RunSpec]:
+    """Run groups in the order of ``methods``; with ``rhos`` the ``ict`` group becomes one group per rho
+    (the paper's sparsity ablation: ICT only). Seeds vary fastest within a group."""
+    if rhos and "ict" not in methods:
+        raise ConfigError("rhos: the sparsity ablation is for ICT only (ict is not among the methods)")
+    specs = []
+    for m in methods:
+        method, over = VARIANTS.get(m, (m, {}))
+        for rho in (rhos if (rhos and m == "ict") else [None]):
+            g = group_name(m, rho)
+            specs += [RunSpec(g, method, rho, s, out / "runs" / f"{g}_s{s}", tuple(sorted(over.items())))
+                      for s in seeds]
+    return specs
+
+
+def start_model(cfg: Config, out: Path) -> tuple[str, str]:
+    """(model.path, model.tokenizer) every RL run starts from: the shared warm start's ``sft_model``
+    (its tokenizer: the config's ``model.tokenizer``, else its ``model.path``, else ``char``), or the
+    config's own ``model.path`` when ``train.sft_steps`` is 0."""
+    tok = cfg.model.tokenizer or cfg.model.path or "char"
+    if cfg.train.sft_steps > 0:
+        return str((out / "warmstart" / "sft_model").absolute()), tok
+    if cfg.model.path:
+        return cfg.model.path, tok
+    raise ConfigError("train.sft_steps: 0 and no model.path: compare needs a shared starting point "
+                      "(an SFT warm start, train.sft_steps > 0, or a model.path)")
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def has_results(out: Path) -> bool:
+    """Whether the comparison in ``out`` has produced anything a later invocation would reuse: the warm
+    start's ``sft_model``, or a run that logged at least one step (its ``metrics.jsonl``)."""
+    if (out / "warmstart" / "sft_model").is_dir():
+        return True
+    return any(p.is_file() and p.stat().st_size > 0 for p in out.glob("**/metrics.jsonl"))
+
+
+def check_same_config(cfg: Config, out: Path) -> None:
+    """An existing comparison in ``out`` must have been made with the same config (``run_dir`` aside):
+    its finished runs are reused, so mixing configs would mix results silently. A record left by an
+    invocation that failed before any run produced anything (:func:`has_results`) guards nothing: it is
+    replaced (the corrected rerun of a comparison that failed at start-up is not refused)."""
+    path = out / "compare_config.json"
+    if not path.is_file() or not has_results(out):
+        return
+    old = _flatten(json.loads(path.read_text()))
+    new = _flatten(json.loads(json.dumps(cfg.to_dict())))
+    diff = sorted(k for k in set(old) | set(new) if k != "run_dir" and old.get(k) != new.get(k))
+    if diff:
+        raise ConfigError(f"out: {str(out)!r} holds a comparison made with another config (differs in "
+                          f"{', '.join(diff[:6])}{', ...' if len(diff) > 6 else ''}): use another folder")
+
+
+def run_config(cfg: Config, spec: RunSpec, model_path: str, tokenizer: str) -> Config:
+    over: dict[str, Any] = {"model.path": model_path, "model.tokenizer": tokenizer, "train.sft_steps": 0,
+                            "seed": spec.seed, "rl.selector.method": spec.method, "run_dir": str(spec.run_dir)}
+    if spec.rho is not None:
+        over["rl.selector.rho"] = spec.rho
+    over.update(dict(spec.overrides))
+    return cfg.replace(**over)
+
+
+# --------------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------------
+def _primary() -> bool:
+    return jax.process_index() == 0
+
+
+def _say(text: str) -> None:
+    if not _primary():
+        return
+    print(f"[compare] {text}", file=sys.stderr, flush=True)
+
+
+def warm_start(cfg: Config, out: Path, *, progress: bool = True, say: Callable[[str], None] = _say) -> dict[str, Any]:
+    """SFT once into ``<out>/warmstart`` (reused when its ``sft_model`` exists); returns warmstart.json."""
+    ws_dir = out / "warmstart"
+    info_path = ws_dir / "warmstart.json"
+    if (ws_dir / "sft_model" / "config.json").is_file():
+        say(f"warm start: reusing {ws_dir / 'sft_model'}")
+        return json.loads(info_path.read_text()) if info_path.is_file() else {"run_dir": str(ws_dir)}
+    say(f"warm start: {cfg.train.sft_steps} SFT steps -> {ws_dir / 'sft_model'}")
+    t0 = time.perf_counter()
+    # resume=True only lets a warm start that stopped before writing sft_model start again in place
+    with Trainer(cfg.replace(run_dir=str(ws_dir)), resume=has_entries(ws_dir), progress=progress) as trainer:
+        sft = trainer.sft()
+        evals = trainer.evaluate(0) if cfg.data.eval else {}
+    info = {"run_dir": str(ws_dir), "sft": sft, "eval": evals, "wall_s": time.perf_counter() - t0}
+    if _primary():
+        info_path.write_text(json.dumps(info, indent=2))
+    if evals:
+        say("warm start: " + ", ".join(f"{k}={v:.3f}" for k, v in evals.items()))
+    return info
+
+
+def run_one(cfg: Config, spec: RunSpec, *, progress: bool = True, say: Callable[[str], None] = _say) -> str:
+    """Train one run unless it is finished; returns what was done: skipped / resumed / started / diverged."""
+    d = spec.run_dir
+    status_path = d / "compare_status.json"
+    if run_finished(d):
+        say(f"{spec.name}: skipped (finished: {d / 'summary.json'})")
+        return "skipped"
+    if status_path.is_file():
+        say(f"{spec.name}: skipped ({json.loads(status_path.read_text()).get('status')}: {status_path})")
+        return "skipped"
+    if has_checkpoint(d):
+        what = "resumed"
+        say(f"{spec.name}: resuming from its last checkpoint in {d / 'checkpoints'}")
+    elif has_entries(d):
+        what = "restarted"
+        say(f"{spec.name}: restarting (an earlier attempt stopped before its first checkpoint)")
+    else:
+        what = "started"
+        say(f"{spec.name}: method={spec.method}" + (f" rho={spec.rho:g}" if spec.rho is not None else "")
+            + f" seed={spec.seed} -> {d}")
+    try:
+        with Trainer(cfg, resume=what != "started", progress=progress) as trainer:
+            summary = trainer.train()
+    except TrainingDiverged as e:
+        if _primary():
+            d.mkdir(parents=True, exist_ok=True)
+            status_path.write_text(json.dumps({"status": "diverged", "error": str(e)}, indent=2))
+        say(f"{spec.name}: diverged ({e}); left out of the table")
+        return "diverged"
+    p = pass_at_k(summary.get("eval_final"))
+    say(f"{spec.name}: done in {summary.get('wall_s', 0):.0f} s"
+        + ("".join(f", P@{k}={v:.3f}" for k, v in p.items())))
+    return what
+
+
+def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | None = None,
+                   seeds: Sequence[int] = DEFAULT_SEEDS, rhos: Sequence[float] | None = None,
+                   out: str | Path | None = None, target_reward: float = 0.5, overrides: Sequence[str] = (),
+                   progress: bool = True, say: Callable[[str], None] = _say) -> dict[str, Any]:
+    """Run (or resume) the comparison and write ``results.json``, ``results.md`` and the plots to
+    ``out``; returns the results. ``config``: a YAML path (with ``overrides``) or a :class:`Config`;
+    ``methods``: selector methods or :data:`VARIANTS` (None: :data:`DEFAULT_METHODS`); ``seeds``: one run
+    per method and seed; ``rhos``: ICT's sparsity ablation, one ICT group per rho (None: none).
+    Bad values raise :class:`~ict_jax.config.ConfigError` naming the parameter or the config key."""
+    cfg = config if isinstance(config, Config) else load_config(config, overrides)
+    import_plugins(cfg.plugins)  # the selectors they register are methods too
+    methods = check_methods(DEFAULT_METHODS if methods is None else methods)
+    seeds, rhos = check_seeds(seeds), check_rhos(rhos)
+    if not is_finite(target_reward):
+        raise ConfigError(f"target_reward: {target_reward!r}: expected a number")
+    if out is None:
+        out = "runs/compare_" + ("config" if isinstance(config, Config) else Path(config).stem)
+    out = check_output_dir(out, "out")  # every run writes under it: checked before any work
+    specs = plan_runs(methods, seeds, out, rhos)
+    model_path, tokenizer = start_model(cfg, out)
+    run_cfgs = [run_config(cfg, s, model_path, tokenizer) for s in specs]  # validates every run up front
+    check_same_config(cfg, out)
+    say(f"{len(specs)} runs ({len(methods)} method(s), seeds {seeds}"
+        + (f", ict rho {', '.join(f'{r:g}' for r in rhos)}" if rhos else "") + f") -> {out}")
+    t0 = time.perf_counter()
+    if jax.process_index() == 0 and not has_results(out):  # this invocation's config is the one on record
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    ws = warm_start(cfg, out, progress=progress, say=say) if cfg.train.sft_steps > 0 else {}
+    done: dict[str, str] = {}
+    for spec, rc in zip(specs, run_cfgs):
+        done[spec.name] = run_one(rc, spec, progress=progress, say=say)
+    groups, curves = collect(specs, target_reward, {s.name: dense_steps(s.method, rc.rl.selector.warmup_steps)
+                                                    for s, rc in zip(specs, run_cfgs)})
+    for line in selection_warnings(groups):
+        say(line)
+    results = {
+        "config": str(config) if not isinstance(config, Config) else None, "overrides": list(overrides),
+        "out": str(out), "methods": methods, "seeds": seeds, "rhos": rhos, "target_reward": target_reward,
+        "window": MA_WINDOW, "last_steps": LAST_STEPS, "eval": list(cfg.data.eval),
+        "rl_steps": cfg.train.steps, "warmstart": ws, "runs": done, "groups": groups,
+        "wall_s_this_invocation": time.perf_counter() - t0, "note": INCONCLUSIVE,
+    }
+    if jax.process_index() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+        (out / "results.md").write_text(format_markdown(results))
+        for title, (key, png) in PLOTS.items():
+            plot_groups(curves, key, out / png, title=title, target=target_reward if title == "reward" else None)
+    return results
