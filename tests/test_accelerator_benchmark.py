@@ -35,6 +35,7 @@ def smoke(tmp_path_factory):
     return bench, out, stages, code
 
 
+@pytest.mark.e2e  # the whole benchmark, every stage compiled and run (about a minute)
 def test_smoke_runs_every_stage_and_writes_its_record(smoke, capsys):
     bench, out, stages, code = smoke
     summary = json.loads((out / "accelerator.json").read_text())

@@ -381,6 +381,7 @@ def _wheel_of_the_metadata(out: Path) -> Path:
     return wheel.parent
 
 
+@pytest.mark.e2e  # a fresh venv and a pip subprocess an extra (~25 s)
 def test_a_fresh_venvs_pip_resolves_every_documented_extra(tmp_path):
     """The pip that ``python -m venv`` brings (23.2 with Python 3.11: it does not normalise the name typed)
     resolves each documented extra to its requirements: offline, the first of them is the one it cannot

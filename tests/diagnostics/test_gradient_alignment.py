@@ -99,11 +99,14 @@ def test_each_selectors_gradient_is_the_train_steps_gradient_under_that_method()
     plan, graphdef, batch = StepPlan.from_config(cfg, make_optimizer(cfg)), state.model_def(), _batch()
     valid = (batch.response_valid > 0).astype(jnp.float32)
     request = GroupStatsRequest(G, 1.0, 4, ("logp", "js"), ("aligned", "pooled"))
-    stats = group_stats(state.params, graphdef, batch.tokens, batch.attention_mask, valid, request)
+    # compiled as run_alignment compiles them (one program each; run op by op they took most of a minute)
+    stats = jax.jit(lambda p, b, v: group_stats(p, graphdef, b.tokens, b.attention_mask, v, request))(
+        state.params, batch, valid)
     keys = [random_key(state.rng, 0, d) for d in (0, 1)]
     masks = selector_masks(stats, valid, rho=0.2, group_size=G, keys=keys)
     assert list(masks) == list(SELECTORS)
-    grads = selector_gradients(plan, state.params, graphdef, batch, valid, masks, state.rng, jnp.int32(0))
+    grads = jax.jit(lambda p, b, v, ms, k, s: selector_gradients(plan, p, graphdef, b, v, ms, k, s))(
+        state.params, batch, valid, masks, state.rng, jnp.int32(0))
     # dense, ICT (aligned) and random (the random arm's own draw at step 0) as the train step computes them
     for selector, method in (("dense", "dense"), ("ict_aligned", "ict"), ("random_a", "random")):
         chex.assert_trees_all_close(grads[selector], _recorded_gradient(_config(method)), rtol=2e-5, atol=1e-7)

@@ -262,8 +262,10 @@ def test_runs_have_their_own_directories_and_share_the_seed(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Running: interrupted and continued = never stopped; refusals; the report from the record
+# Running: interrupted and continued = never stopped; refusals; the report from the record (the tests that
+# train the plan's runs are e2e; the time box's decisions on a hand-driven clock: test_experiment_box.py)
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_interrupted_and_continued_ends_bitwise_equal_and_the_report_rebuilds(tmp_path, reward_module):
     # never paused: the plan in one chunk a run
     whole = _plan(tmp_path, "whole", PLAN.format(config=DEMO, out=tmp_path / "whole").replace("chunk_steps: 2",
@@ -326,6 +328,7 @@ def test_interrupted_and_continued_ends_bitwise_equal_and_the_report_rebuilds(tm
     assert json.loads((folder / RECORD_FILE).read_text())["runs"] == rec["runs"]
 
 
+@pytest.mark.e2e
 def test_the_runner_starts_no_last_step_whose_evaluation_would_end_past_the_box(tmp_path, reward_module,
                                                                                 monkeypatch):
     """On a virtual clock (a step 100 s, an evaluation 500 s, a box of 1000 s): ict trains both steps and is
@@ -371,6 +374,16 @@ def _eval_json(run: Path) -> dict:
     return res
 
 
+def test_an_evaluation_batch_the_mesh_cannot_split_is_refused_before_anything_is_recorded(tmp_path):
+    """The refusal of the e2e test below, without its runs (it trains nothing)."""
+    path = _plan(tmp_path, "b")
+    with pytest.raises(PlanError, match=r"eval_batch: data.eval_batch: 3 prompts cannot be split over the mesh's "
+                                        r"data x fsdp = 2 x 1"):
+        run_experiment(path, progress=False, say=lambda s: None, eval_batch=3)
+    assert not (tmp_path / "b" / "invocations.jsonl").exists()
+
+
+@pytest.mark.e2e
 def test_an_evaluation_batch_is_kept_and_a_run_stopped_in_its_evaluation_evaluates_again(tmp_path, reward_module):
     """--eval-batch sets every run's data.eval_batch (recorded, kept by the next invocation, refused once an
     evaluation used another); a run killed in its final evaluation (its last checkpoint written, no summary)
@@ -628,6 +641,7 @@ def test_the_report_names_every_machine_and_what_changed_between_invocations():
     assert not any(line.startswith("- Machines:") for line in one)  # one machine: no such line
 
 
+@pytest.mark.e2e
 def test_a_lost_working_folder_is_refused_then_recovered_from_the_record(tmp_path, reward_module):
     record_dir = tmp_path / "record"
     text = PLAN.format(config=DEMO, out=tmp_path / "out") + f"record: {record_dir}\n"
@@ -742,6 +756,7 @@ def test_a_branched_run_names_its_parent_and_skips_the_turns_before_its_branch_p
     assert "branch" not in plan.to_dict()["arms"]["grpo"]
 
 
+@pytest.mark.e2e
 def test_a_branched_arm_starts_from_its_parents_checkpoint_and_resumes_bitwise(tmp_path, reward_module):
     # never stopped, in turns of chunks: GRPO to 2, ICT branches at 2, both to 4
     whole = _branched(tmp_path, "whole")

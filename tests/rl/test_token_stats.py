@@ -263,12 +263,15 @@ def test_no_nan_all_padding_all_neginf_rows():
     h = np.random.default_rng(0).standard_normal((P * G, T, 5)).astype(np.float32)
     W = np.random.default_rng(1).standard_normal((5, V)).astype(np.float32)
     for gs, form in ((G, "aligned"), (1, "aligned"), (G, "loo"), (G, "literal"), (G, "pooled")):
-        st = stats_from_hidden(h, W, tokens, valid, group_size=gs, chunk=3, compute=ALL_STATS, u_form=form)
+        # compiled, as the train step runs it (op by op, the chunked path took most of this test's time)
+        st = jax.jit(lambda x, gs=gs, form=form: stats_from_hidden(x, W, tokens, valid, group_size=gs, chunk=3,
+                                                                   compute=ALL_STATS, u_form=form))(h)
         for x in st:
             assert np.all(np.isfinite(np.asarray(x))) and np.all(np.asarray(x)[valid == 0] == 0.0)
         if form in ("aligned", "loo"):  # alone at t: u = 0 (literal and pooled compare with other mass)
             assert np.all(np.asarray(st.js) == 0.0)
-        gh = jax.grad(lambda x: jnp.sum(stats_from_hidden(x, W, tokens, valid, group_size=gs, chunk=3).logp))(h)
+        gh = jax.jit(jax.grad(lambda x, gs=gs: jnp.sum(stats_from_hidden(x, W, tokens, valid, group_size=gs,
+                                                                         chunk=3).logp)))(h)
         assert np.all(np.isfinite(np.asarray(gh))) and np.all(np.asarray(gh)[valid == 0] == 0.0)
 
 
