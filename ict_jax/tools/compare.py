@@ -29,7 +29,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from ict_jax.config import Config, ConfigError, load_config
+from ict_jax.config import Config, ConfigError
+from ict_jax.config_load import load_config
 from ict_jax.outputs import check_output_dir, has_entries
 from ict_jax.rl.selectors import ALIASES, registered_selectors
 from ict_jax.tools.compare_report import (

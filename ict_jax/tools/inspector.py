@@ -29,7 +29,15 @@ from ict_jax.data.prompts import encode_prompt
 from ict_jax.model.tokenizers import decode_responses
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
-from ict_jax.rl.selectors import resolved_rho, resolved_scope, select, stapo_candidates, stapo_quantile
+from ict_jax.rl.selectors import (
+    canonical_method,
+    resolved_rho,
+    resolved_scope,
+    resolved_tau_h,
+    select,
+    stapo_candidates,
+    stapo_quantile,
+)
 from ict_jax.rl.token_stats import TokenStats
 from ict_jax.sampling.sampler import generate
 from ict_jax.tools.inspector_page import MASKS
@@ -73,7 +81,7 @@ def column_selectors(
     ``warmup_steps`` is 0: the masks are those after the warm-up.
     """
     run = SelectorSection() if run is None else run
-    own = _OWN_COLUMN.get(run.canonical_method)
+    own = _OWN_COLUMN.get(canonical_method(run.method))
     given = {"ict": (rho_ict, ict_scope), "entropy": (rho_entropy, entropy_scope), "stapo": (None, None)}
     columns = {}
     for method in MASKS:
@@ -120,7 +128,7 @@ def _stapo_threshold(st: TokenStats, adv: jax.Array, valid: np.ndarray, stapo: S
     """STAPO's entropy quantile q over its candidate set in this group (+inf when the set is empty)."""
     _, over = stapo_candidates(st.logp, adv, jnp.asarray(valid), tau_p=stapo.tau_p,
                                quantile_over=stapo.stapo_quantile_over)
-    return float(stapo_quantile(st.H1, over, stapo.resolved_tau_h))
+    return float(stapo_quantile(st.H1, over, resolved_tau_h(stapo)))
 
 
 def _advantages(rewards: Sequence[float] | Callable[[str], float] | None, texts: list[str],
@@ -183,9 +191,9 @@ def _settings(run: SelectorSection, columns: Mapping[str, SelectorSection], **sa
     ict, ent, stapo = columns["ict"], columns["entropy"], columns["stapo"]
     return {**sampling, "rho_ict": float(resolved_rho(ict)), "rho_entropy": float(resolved_rho(ent)),
             "ict_scope": resolved_scope(ict), "entropy_scope": resolved_scope(ent), "tau_p": float(stapo.tau_p),
-            "tau_h": float(stapo.resolved_tau_h), "stapo_quantile_over": stapo.stapo_quantile_over,
+            "tau_h": float(resolved_tau_h(stapo)), "stapo_quantile_over": stapo.stapo_quantile_over,
             "run_selector": {"method": run.method, "rho": resolved_rho(run), "scope": resolved_scope(run),
-                             "tau_p": float(run.tau_p), "tau_h": float(run.resolved_tau_h),
+                             "tau_p": float(run.tau_p), "tau_h": float(resolved_tau_h(run)),
                              "stapo_quantile_over": run.stapo_quantile_over}}
 
 

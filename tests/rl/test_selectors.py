@@ -18,6 +18,7 @@ import ict_jax
 from ict_jax.config import SelectorSection
 from ict_jax.rl.selectors import (
     SELECTABLE_U_MIN,
+    check_selector,
     dense_mask,
     entropy_mask,
     frequent_mask,
@@ -25,10 +26,13 @@ from ict_jax.rl.selectors import (
     random_key,
     random_mask,
     register_selector,
+    registered_selectors,
     resolved_rho,
     resolved_scope,
+    resolved_tau_h,
     select,
     selectable_mask,
+    selector_info,
     stapo_mask,
     stapo_quantile,
 )
@@ -206,8 +210,8 @@ def test_stapo_low_prob_positive_reading_hand_computed():
     valid = np.ones((2, 6), np.float32)
     m = np.asarray(stapo_mask(logp, H1, adv, valid))  # the defaults: low_prob_positive, tau_h 0.75
     np.testing.assert_array_equal(m, [[0, 0, 0, 1, 1, 1], [1] * 6])
-    assert SelectorSection().stapo_quantile_over == "low_prob_positive" and SelectorSection().resolved_tau_h == 0.75
-    assert SelectorSection(stapo_quantile_over="valid").resolved_tau_h == 0.8
+    assert SelectorSection().stapo_quantile_over == "low_prob_positive" and resolved_tau_h(SelectorSection()) == 0.75
+    assert resolved_tau_h(SelectorSection(stapo_quantile_over="valid")) == 0.8
     assert abs(float(stapo_quantile(H1, valid, 0.8)) - 11.8) < 1e-6
     m = np.asarray(stapo_mask(logp, H1, adv, valid, quantile_over="valid"))
     np.testing.assert_array_equal(m, [[0, 0, 0, 0, 0, 1], [1] * 6])
@@ -404,7 +408,8 @@ def test_registry_records_what_each_selector_reads():
     with pytest.raises(ValueError, match="rl.selector.method: selector 'nope' is not registered"):
         selector_needs("nope")
     # the method is a plain string, checked against the registry when the run is built (one line, the names)
-    from ict_jax.config import ConfigError, load_config
+    from ict_jax.config import ConfigError
+    from ict_jax.config_load import load_config
     from ict_jax.rl.selectors import check_selector
 
     check_selector(load_config(None, ["rl.selector.method=needs_test_pmax"]).rl.selector)
@@ -695,14 +700,18 @@ def test_micro_batch_scope_hand_computed():
 
 
 def test_micro_batch_scope_is_for_entropy_only():
-    from ict_jax.config import ConfigError, load_config
+    from ict_jax.config import ConfigError
+    from ict_jax.config_load import load_config
 
     cfg = load_config(None, ["rl.selector.method=entropy", "rl.selector.scope=micro_batch", "rl.selector.ties=all"])
     assert resolved_scope(cfg.rl.selector) == "micro_batch" and cfg.rl.selector.ties == "all"
     assert load_config(None, []).rl.selector.ties == "position"
-    for method in ("ict", "random", "frequent"):
+    check_selector(cfg.rl.selector)
+    for method in ("ict", "random", "frequent"):  # loads; refused when the run is built (the registry's flag)
+        sel = load_config(None, [f"rl.selector.method={method}", "rl.selector.scope=micro_batch"]).rl.selector
         with pytest.raises(ConfigError, match="rl.selector.scope: 'micro_batch' .* for method entropy only"):
-            load_config(None, [f"rl.selector.method={method}", "rl.selector.scope=micro_batch"])
+            check_selector(sel)
+    assert [n for n in registered_selectors() if selector_info(n).micro_batch] == ["entropy"]
     with pytest.raises(ConfigError, match="rl.selector.ties: 'some' is not allowed"):
         load_config(None, ["rl.selector.ties=some"])
 

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import ict_jax
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.group_stats import GroupStatsRequest, group_stats
 from ict_jax.rl.losses import group_advantages

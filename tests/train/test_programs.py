@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
