@@ -432,7 +432,7 @@ RANGES.update({"model.lora.rank": Range(1), "model.lora.alpha": _POS,  # model.l
                "model.lora.dropout": Range(0, 1, hi_open=True)})
 
 
-def range_text(key: str) -> str:
+def _range_text(key: str) -> str:
     """The allowed values of the numeric field ``key`` in words (``0 < temperature``; :data:`RANGES`)."""
     r = RANGES.get(key)
     return r.text(key.rsplit(".", 1)[-1]) if r is not None else "a finite number"
@@ -456,7 +456,7 @@ def check_ranges(cfg: Config) -> None:
             continue
         for v in (value if isinstance(value, tuple) else (value,)):
             if not r.contains(v):
-                raise ConfigError(f"{key}: {v!r} is out of range; allowed: {range_text(key)}")
+                raise ConfigError(f"{key}: {v!r} is out of range; allowed: {_range_text(key)}")
 
 
 def _check_fraction(key: str, rho: float) -> None:
@@ -557,13 +557,13 @@ def build_section(cls: type, data: Any, prefix: str) -> Any:
     """The frozen dataclass ``cls`` from the plain mapping ``data``, every value checked as the config tree's
     are (``ict_jax.config_coerce.build``); :class:`ConfigError` (one line) naming ``prefix.<key>`` for an
     unknown key or a wrong type. A registry member's own settings are built with it (``rl.selector.params``)."""
-    return build(cls, data, prefix, error=ConfigError, allowed=range_text)
+    return build(cls, data, prefix, error=ConfigError, allowed=_range_text)
 
 
 def from_dict(data: dict[str, Any]) -> Config:
     """The validated :class:`Config` of a plain tree (the inverse of :meth:`Config.to_dict`; a run's
     ``config.json``): each value coerced to its field's type, then :func:`validate`."""
-    return validate(build(Config, data, "", error=ConfigError, allowed=range_text))
+    return validate(build(Config, data, "", error=ConfigError, allowed=_range_text))
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
