@@ -24,7 +24,8 @@ from ict_jax.config_coerce import build
 from ict_jax.deprecation import REMOVED_IN, MovedNames, warn
 
 #: Candidate sets of a top-k selector (docs/method.md §2): a response, a prompt's group, the mini-batch, or
-#: (20-Entropy's official code, ``entropy`` only) each micro-batch of ``train.micro_batches``.
+#: (20-Entropy's official code; the selectors registered with ``micro_batch=True``, checked when the run is
+#: built) each micro-batch of ``train.micro_batches``.
 Scope = Literal["sequence", "group", "batch", "micro_batch"]
 #: Which tokens a top-k cut that falls inside an exact tie keeps (docs/method.md §2, ``rl.selector.ties``):
 #: exactly k, ties to the lower flat index (``position``), or every token tied at the k-th score (``all``).
