@@ -39,6 +39,10 @@ UForm = Literal["aligned", "loo", "literal", "pooled"]
 #: STAPO's two readings of its entropy quantile's candidate set (docs/method.md §2, ``stapo_quantile_over``).
 StapoQuantileOver = Literal["valid", "low_prob_positive"]
 
+#: STAPO's default entropy quantile tau_h per reading of its candidate set (docs/method.md §2): 0.75 over
+#: the low-probability tokens of correct responses (the v1 TeX source), 0.8 over all valid tokens (v2).
+STAPO_TAU_H: dict[str, float] = {"low_prob_positive": 0.75, "valid": 0.8}
+
 
 class ConfigError(ValueError):
     """A bad configuration key or value. ``str(err)`` is a single line naming the key."""
@@ -179,7 +183,7 @@ class SelectorSection:
     ties: Ties = "position"
     warmup_steps: int = 20  # Theta (docs/method.md §2)
     tau_p: float = 0.002  # STAPO probability threshold (the one place the default is written)
-    # STAPO entropy quantile; None = the reading's default (ict_jax.rl.selectors.STAPO_TAU_H, docs/method.md §2)
+    # STAPO entropy quantile; None = the reading's default, STAPO_TAU_H (docs/method.md §2)
     tau_h: float | None = None
     # which tokens STAPO's tau_h quantile of H1 is taken over (docs/method.md §2): the v1 reading
     stapo_quantile_over: StapoQuantileOver = "low_prob_positive"
@@ -198,13 +202,15 @@ class SelectorSection:
 
     @property
     def resolved_tau_h(self) -> float:
-        """Deprecated: ``ict_jax.rl.selectors.resolved_tau_h(section)`` (STAPO's default with its registration)."""
-        return _moved_to_selectors("resolved_tau_h", self)
+        """``tau_h``, or the default of the ``stapo_quantile_over`` reading (:data:`STAPO_TAU_H`): STAPO's own
+        keys (``tau_p``, ``tau_h``, ``stapo_quantile_over``) keep their defaults here, in the schema."""
+        return self.tau_h if self.tau_h is not None else STAPO_TAU_H[self.stapo_quantile_over]
 
 
 def _moved_to_selectors(name: str, arg: Any) -> Any:
     """A former property of :class:`SelectorSection`, now the function ``name`` of ``ict_jax.rl.selectors``
-    (a method's defaults and aliases live with its registration): warns, then calls it with ``arg``."""
+    (a selector's aliases live with its registration): warns, then calls it with ``arg`` (the new home is
+    imported by name, as :class:`~ict_jax.deprecation.MovedNames` does, for the deprecation period only)."""
     new = f"ict_jax.rl.selectors.{name}"
     warn(f"ict_jax.config.SelectorSection.{name}", f"{new}(...)", removed_in=REMOVED_IN, stacklevel=3)
     return getattr(importlib.import_module("ict_jax.rl.selectors"), name)(arg)
@@ -582,12 +588,10 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-#: Former names of this module, now in the modules of their own concept (the loader, the overrides, the
-#: selector registry).
+#: Former names of this module, now in the modules of their own concept (the loader, the overrides).
 _MOVED = MovedNames(__name__, {"load_config": "ict_jax.config_load.load_config",
                                "json_copy": "ict_jax.config_load.json_copy",
-                               "parse_override": "ict_jax.config_overrides.parse_override",
-                               "STAPO_TAU_H": "ict_jax.rl.selectors.STAPO_TAU_H"}, removed_in=REMOVED_IN)
+                               "parse_override": "ict_jax.config_overrides.parse_override"}, removed_in=REMOVED_IN)
 
 
 def __getattr__(name: str) -> Any:

@@ -58,7 +58,7 @@ from ict_jax.model.packaged import parts_missing
 from ict_jax.model.tokenizers import decode_responses
 from ict_jax.rewards.checks import extract_answer
 from ict_jax.rl.saturation import tie_decided, u_at_ceiling
-from ict_jax.rl.selectors import resolved_tau_h, selector_info
+from ict_jax.rl.selectors import selector_info
 
 import jax  # noqa: E402  (after ict_jax, see above)
 import jax.numpy as jnp  # noqa: E402
@@ -96,7 +96,7 @@ TEMPERATURE = 1.0
 SEED = 0
 (RHO_ICT, ICT_SCOPE), (RHO_ENTROPY, ENTROPY_SCOPE) = ((selector_info(m).rho, selector_info(m).scope)
                                                     for m in ("ict", "entropy"))  # the registered defaults
-TAU_P, TAU_H = SelectorSection().tau_p, resolved_tau_h(SelectorSection())  # the defaults (docs/method.md §2)
+TAU_P, TAU_H = SelectorSection().tau_p, SelectorSection().resolved_tau_h  # the config's defaults (docs/method.md §2)
 OUT_DIR = os.environ.get("ICT_NB_OUT") or tempfile.mkdtemp(prefix="ict_nb01_")
 os.makedirs(OUT_DIR, exist_ok=True)
 print("figures ->", OUT_DIR)

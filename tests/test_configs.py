@@ -471,16 +471,12 @@ def test_the_configs_former_names_resolve_to_their_new_homes_with_a_warning():
     from ict_jax.config import SelectorSection
     from ict_jax.config_load import json_copy
     from ict_jax.config_overrides import parse_override
-    from ict_jax.rl import selectors
 
     assert ict_jax.load_config is load_config
-    for name, new in [("load_config", load_config), ("json_copy", json_copy), ("parse_override", parse_override),
-                      ("STAPO_TAU_H", selectors.STAPO_TAU_H)]:
+    for name, new in [("load_config", load_config), ("json_copy", json_copy), ("parse_override", parse_override)]:
         with pytest.warns(DeprecationWarning, match=f"ict_jax.config.{name} is deprecated .* use ict_jax"):
             assert getattr(config, name) is new
     with pytest.warns(DeprecationWarning, match="SelectorSection.canonical_method is deprecated"):
         assert SelectorSection(method="grpo").canonical_method == "dense"
-    with pytest.warns(DeprecationWarning, match="SelectorSection.resolved_tau_h is deprecated"):
-        assert SelectorSection(stapo_quantile_over="valid").resolved_tau_h == 0.8
     with pytest.raises(AttributeError):
         config.no_such_name  # noqa: B018

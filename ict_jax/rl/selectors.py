@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, Key
 
-from ict_jax.config import ConfigError, SelectorSection, Ties, build_section
+from ict_jax.config import STAPO_TAU_H, ConfigError, SelectorSection, Ties, build_section
 from ict_jax.rl.quantile import keep_count, rho_fraction, valid_quantile
 from ict_jax.rl.token_stats import ALL_STATS, DEFAULT_COMPUTE, TokenStats
 
@@ -41,9 +41,6 @@ SELECTABLE_U_MIN = 1e-6
 # place each selector's defaults are written: a selector's mask function and its registration sit together)
 _ICT_RHO, _ICT_SCOPE = 0.10, "sequence"
 _ENTROPY_RHO, _ENTROPY_SCOPE = 0.20, "batch"
-#: STAPO's default entropy quantile tau_h per reading of its candidate set (docs/method.md §2): 0.75 over
-#: the low-probability tokens of correct responses (the v1 TeX source), 0.8 over all valid tokens (v2).
-STAPO_TAU_H: dict[str, float] = {"low_prob_positive": 0.75, "valid": 0.8}
 _STAPO = SelectorSection(method="stapo")
 
 Mask = Float[Array, "B T"]
@@ -199,7 +196,7 @@ def stapo_mask(
     H1 < q (strict '<'), q the ``tau_h`` quantile of H1 over the mini-batch's candidate set
     ``quantile_over`` (docs/method.md §2): ``low_prob_positive`` (default, STAPO v1: the tokens with
     A > 0 and p < tau_p; tau_h 0.75) or ``valid`` (all valid tokens; tau_h 0.8). ``tau_h`` None = the
-    reading's default (:data:`STAPO_TAU_H`). An empty candidate set silences nothing."""
+    reading's default (``config.STAPO_TAU_H``). An empty candidate set silences nothing."""
     low, over = stapo_candidates(logp, adv, valid, tau_p=tau_p, quantile_over=quantile_over)
     q = stapo_quantile(H1, over, STAPO_TAU_H[quantile_over] if tau_h is None else tau_h)
     silenced = low & (H1 < q)
@@ -355,11 +352,6 @@ def resolved_scope(config: SelectorSection) -> str | None:
     return config.scope if config.scope is not None else _entry(config.method).scope
 
 
-def resolved_tau_h(config: SelectorSection) -> float:
-    """STAPO's ``rl.selector.tau_h``, or the default of its ``stapo_quantile_over`` reading (:data:`STAPO_TAU_H`)."""
-    return config.tau_h if config.tau_h is not None else STAPO_TAU_H[config.stapo_quantile_over]
-
-
 def selector_params(config: SelectorSection) -> Any:
     """The selector's ``params`` dataclass built from ``rl.selector.params`` (None when it registered none);
     :class:`~ict_jax.config.ConfigError` (one line naming the key) for an unknown key or a wrong type."""
@@ -403,7 +395,7 @@ def _entropy(stats, adv, valid, *, key, step, config, group_size):
 
 def _stapo(stats, adv, valid, *, key, step, config, group_size):
     return stapo_mask(stats.logp, stats.H1, adv, valid,
-                      tau_p=config.tau_p, tau_h=resolved_tau_h(config), quantile_over=config.stapo_quantile_over)
+                      tau_p=config.tau_p, tau_h=config.resolved_tau_h, quantile_over=config.stapo_quantile_over)
 
 
 def random_key(key: jax.Array, step: Any, minibatch: Any = 0) -> jax.Array:

@@ -33,7 +33,6 @@ from ict_jax.rl.selectors import (
     canonical_method,
     resolved_rho,
     resolved_scope,
-    resolved_tau_h,
     select,
     stapo_candidates,
     stapo_quantile,
@@ -128,7 +127,7 @@ def _stapo_threshold(st: TokenStats, adv: jax.Array, valid: np.ndarray, stapo: S
     """STAPO's entropy quantile q over its candidate set in this group (+inf when the set is empty)."""
     _, over = stapo_candidates(st.logp, adv, jnp.asarray(valid), tau_p=stapo.tau_p,
                                quantile_over=stapo.stapo_quantile_over)
-    return float(stapo_quantile(st.H1, over, resolved_tau_h(stapo)))
+    return float(stapo_quantile(st.H1, over, stapo.resolved_tau_h))
 
 
 def _advantages(rewards: Sequence[float] | Callable[[str], float] | None, texts: list[str],
@@ -191,9 +190,9 @@ def _settings(run: SelectorSection, columns: Mapping[str, SelectorSection], **sa
     ict, ent, stapo = columns["ict"], columns["entropy"], columns["stapo"]
     return {**sampling, "rho_ict": float(resolved_rho(ict)), "rho_entropy": float(resolved_rho(ent)),
             "ict_scope": resolved_scope(ict), "entropy_scope": resolved_scope(ent), "tau_p": float(stapo.tau_p),
-            "tau_h": float(resolved_tau_h(stapo)), "stapo_quantile_over": stapo.stapo_quantile_over,
+            "tau_h": float(stapo.resolved_tau_h), "stapo_quantile_over": stapo.stapo_quantile_over,
             "run_selector": {"method": run.method, "rho": resolved_rho(run), "scope": resolved_scope(run),
-                             "tau_p": float(run.tau_p), "tau_h": float(resolved_tau_h(run)),
+                             "tau_p": float(run.tau_p), "tau_h": float(run.resolved_tau_h),
                              "stapo_quantile_over": run.stapo_quantile_over}}
 
 

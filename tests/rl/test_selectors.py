@@ -29,7 +29,6 @@ from ict_jax.rl.selectors import (
     registered_selectors,
     resolved_rho,
     resolved_scope,
-    resolved_tau_h,
     select,
     selectable_mask,
     selector_info,
@@ -210,8 +209,8 @@ def test_stapo_low_prob_positive_reading_hand_computed():
     valid = np.ones((2, 6), np.float32)
     m = np.asarray(stapo_mask(logp, H1, adv, valid))  # the defaults: low_prob_positive, tau_h 0.75
     np.testing.assert_array_equal(m, [[0, 0, 0, 1, 1, 1], [1] * 6])
-    assert SelectorSection().stapo_quantile_over == "low_prob_positive" and resolved_tau_h(SelectorSection()) == 0.75
-    assert resolved_tau_h(SelectorSection(stapo_quantile_over="valid")) == 0.8
+    assert SelectorSection().stapo_quantile_over == "low_prob_positive" and SelectorSection().resolved_tau_h == 0.75
+    assert SelectorSection(stapo_quantile_over="valid").resolved_tau_h == 0.8
     assert abs(float(stapo_quantile(H1, valid, 0.8)) - 11.8) < 1e-6
     m = np.asarray(stapo_mask(logp, H1, adv, valid, quantile_over="valid"))
     np.testing.assert_array_equal(m, [[0, 0, 0, 0, 0, 1], [1] * 6])

@@ -16,7 +16,7 @@ import pytest
 import ict_jax
 from ict_jax.config import SelectorSection
 from ict_jax.config_load import load_config
-from ict_jax.rl.selectors import resolved_rho, resolved_scope, resolved_tau_h
+from ict_jax.rl.selectors import resolved_rho, resolved_scope
 from ict_jax.tools.inspector import ASSUMED_POSITIVE, checkpoint_selector, column_selectors, token_report
 from ict_jax.tools.inspector_page import render_html
 
@@ -175,7 +175,7 @@ def test_columns_take_the_runs_selector_settings():
     defaults = column_selectors()
     assert [(c.method, resolved_rho(c), resolved_scope(c)) for c in defaults.values()] == [
         ("ict", 0.1, "sequence"), ("entropy", 0.2, "batch"), ("stapo", None, None)]
-    assert all(c.warmup_steps == 0 and (c.tau_p, resolved_tau_h(c), c.stapo_quantile_over) == (0.002, 0.75, "low_prob_positive")
+    assert all(c.warmup_steps == 0 and (c.tau_p, c.resolved_tau_h, c.stapo_quantile_over) == (0.002, 0.75, "low_prob_positive")
                for c in defaults.values())
     # the run's own method takes its rho and scope; the others keep their defaults; tau from the run
     cols = column_selectors(SelectorSection(method="entropy", rho=0.3, scope="sequence", tau_p=0.01, tau_h=0.5))
