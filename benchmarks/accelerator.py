@@ -103,7 +103,7 @@ def model_config(size: str, smoke: bool, *, param_dtype: str = "float32", attent
 def train_config(size: str, smoke: bool, attention: str | None = None):
     """The recipe's config at the benchmark's batch: its loss, remat and stats.chunk; one mini-batch; the
     mesh over every local device (one GPU: 1 x 1 x 1; the train stage runs on the first device)."""
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
 
     s = shapes(smoke)
     overrides = [f"train.prompts_per_step={s['P']}", f"rollout.num_samples={s['G']}",

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def curve(seed: int, steps: int, every: int, run_dir: Path) -> list[dict]:
     """[{sft_steps, loss, pass@1}] of one seed's warm start, every ``every`` steps."""
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.rl.sft import make_sft_step
     from ict_jax.rl.state import TrainState, init_opt_state
     from ict_jax.train.evaluation import Evaluator

@@ -144,7 +144,7 @@ def part_realistic(args) -> dict:
     import jax
 
     from ict_jax.buckets import response_buckets
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.model.config import ModelConfig
     from ict_jax.model.qwen2 import init_model, param_count
     from ict_jax.rl.state import init_train_state
@@ -198,7 +198,7 @@ def part_isolated(args) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.data.datasets import load_dataset
     from ict_jax.data.prompts import PromptIterator, encode_prompts
     from ict_jax.rl.batch import build_rollout_batch
@@ -275,7 +275,7 @@ def part_compile(args) -> dict:
     from flax import nnx
 
     from ict_jax.buckets import response_buckets
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.rl.state import init_train_state
     from ict_jax.rl.train_step import make_train_step
     from ict_jax.sampling.sampler import make_generate_fn

@@ -66,7 +66,7 @@ def measure(args, variant: str) -> dict:
     import jax
 
     import ict_jax
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.model.lora import lora_spec
     from ict_jax.rl.train_step import make_train_step
 

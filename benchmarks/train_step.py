@@ -93,7 +93,7 @@ def jax_setup(args, ckpt: str, b: dict):
     import jax
 
     import ict_jax
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.rl.state import init_train_state
     from ict_jax.rl.train_step import make_train_step
 
@@ -216,7 +216,7 @@ def mfu_run(args) -> dict:
     from flax import nnx
 
     import ict_jax
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.rl.state import init_train_state
     from ict_jax.rl.train_step import make_train_step
 
@@ -263,7 +263,7 @@ def memory_analysis(args, remat: str, micro: int = 1) -> dict:
     from flax import nnx
 
     import ict_jax
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.rl.batch import RolloutBatch
     from ict_jax.rl.state import TrainState, make_optimizer
     from ict_jax.rl.train_step import make_train_step

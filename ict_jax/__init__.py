@@ -80,7 +80,7 @@ _API: dict[str, str] = {
     # -- configuration (config.py) --
     "Config": "config",
     "ConfigError": "config",
-    "load_config": "config",
+    "load_config": "config_load",
     # -- training runs (train/) --
     "Trainer": "train.trainer",
     "TrainingDiverged": "train.stopping",

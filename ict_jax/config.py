@@ -1,8 +1,11 @@
-"""The one typed configuration tree (docs/architecture.md "Config layout").
+"""The one typed configuration tree, its schema (docs/config.md): the sections' frozen dataclasses, every
+default, the allowed range of every number and the checks across fields. Every validation error is a
+:class:`ConfigError` whose message is one line naming the dotted key and what is allowed.
 
-Frozen dataclasses; YAML files are small overlays over the defaults; ``key.sub=value`` overrides come
-from the command line. Every validation error is a :class:`ConfigError` whose message is one line naming
-the dotted key and what is allowed.
+Built from plain data by ``ict_jax.config_coerce`` (:func:`from_dict`, :meth:`Config.replace`); loaded
+from YAML files and ``key.sub=value`` overrides by ``ict_jax.config_load.load_config``
+(``ict_jax.config_overrides.parse_override``). What a registered method (a selector, a loss aggregation)
+defaults to lives with its registration, and the method names are checked when a run is built.
 
 Field defaults cite their source: docs/method.md , the ICT paper, or verl's GRPO
 defaults where the paper is silent.
@@ -11,16 +14,18 @@ defaults where the paper is silent.
 from __future__ import annotations
 
 import dataclasses
-import math
+import importlib
 import re
-import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, get_args
+
+from ict_jax.config_coerce import build
+from ict_jax.deprecation import REMOVED_IN, MovedNames, warn
 
 #: Candidate sets of a top-k selector (docs/method.md §2): a response, a prompt's group, the mini-batch, or
-#: (20-Entropy's official code, ``entropy`` only) each micro-batch of ``train.micro_batches``.
+#: (20-Entropy's official code; the selectors registered with ``micro_batch=True``, checked when the run is
+#: built) each micro-batch of ``train.micro_batches``.
 Scope = Literal["sequence", "group", "batch", "micro_batch"]
 #: Which tokens a top-k cut that falls inside an exact tie keeps (docs/method.md §2, ``rl.selector.ties``):
 #: exactly k, ties to the lower flat index (``position``), or every token tied at the k-th score (``all``).
@@ -193,13 +198,23 @@ class SelectorSection:
 
     @property
     def canonical_method(self) -> str:
-        """``grpo`` is the user-facing alias of ``dense``."""
-        return "dense" if self.method == "grpo" else self.method
+        """Deprecated: ``ict_jax.rl.selectors.canonical_method(section.method)`` (the registry's aliases)."""
+        return _moved_to_selectors("canonical_method", self.method)
 
     @property
     def resolved_tau_h(self) -> float:
-        """``tau_h``, or the default of the ``stapo_quantile_over`` reading (:data:`STAPO_TAU_H`)."""
+        """``tau_h``, or the default of the ``stapo_quantile_over`` reading (:data:`STAPO_TAU_H`): STAPO's own
+        keys (``tau_p``, ``tau_h``, ``stapo_quantile_over``) keep their defaults here, in the schema."""
         return self.tau_h if self.tau_h is not None else STAPO_TAU_H[self.stapo_quantile_over]
+
+
+def _moved_to_selectors(name: str, arg: Any) -> Any:
+    """A former property of :class:`SelectorSection`, now the function ``name`` of ``ict_jax.rl.selectors``
+    (a selector's aliases live with its registration): warns, then calls it with ``arg`` (the new home is
+    imported by name, as :class:`~ict_jax.deprecation.MovedNames` does, for the deprecation period only)."""
+    new = f"ict_jax.rl.selectors.{name}"
+    warn(f"ict_jax.config.SelectorSection.{name}", f"{new}(...)", removed_in=REMOVED_IN, stacklevel=3)
+    return getattr(importlib.import_module("ict_jax.rl.selectors"), name)(arg)
 
 
 @dataclass(frozen=True)
@@ -360,133 +375,13 @@ class Config:
         """Return a copy with dotted-key overrides, validated: ``cfg.replace(**{"rl.loss.kl_coef": 0})``."""
         data = self.to_dict()
         for key, value in dotted.items():
-            _set_dotted(data, key, value)
+            set_dotted(data, key, value)
         return from_dict(data)
 
 
 # --------------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------------
-def _to_plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, tuple):
-        return [_to_plain(x) for x in obj]
-    return obj
-
-
-def _type_name(tp: Any) -> str:
-    origin = get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in get_args(tp))
-    if origin is tuple:
-        return f"a list of {_type_name(get_args(tp)[0])}"
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    origin = get_origin(tp)
-    if origin is Literal:
-        if value in get_args(tp):
-            return value
-        raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, get_args(tp)))}")
-    if origin in (typing.Union, types.UnionType):
-        others = [a for a in get_args(tp) if a is not type(None)]
-        if value is None and len(others) < len(get_args(tp)):
-            return None
-        if len(others) == 1:  # "X or null" with a value: X's own message ("not a finite number", ...)
-            return _coerce(value, others[0], key)
-        errors = []
-        for arg in get_args(tp):
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(f"{key}: expected a mapping of names to values, got {value!r}")
-        return dict(value)
-    if origin is tuple:
-        if isinstance(value, str):  # "1,4" from the command line: each element parsed as YAML
-            value = [_yaml_or_text(v) for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-        return tuple(_coerce(v, get_args(tp)[0], key) for v in value)
-    if tp is type(None):
-        if value is None:
-            return None
-        raise ConfigError(f"{key}: expected null, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
-            try:
-                number = float(value.strip())
-            except ValueError:
-                pass
-        if number is None:
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        if not math.isfinite(number):  # nan / inf (also YAML's .nan, .inf) never make sense here
-            raise ConfigError(f"{key}: {value!r} is not a finite number; allowed: {_range_text(key)}")
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    raise TypeError(f"unsupported config type {tp!r} for {key}")  # programming error, not user input
-
-
-def _yaml_or_text(text: str) -> Any:
-    """``text`` parsed as YAML, or the text itself when it is not valid YAML (``[a?b`` is a string)."""
-    import yaml  # yaml only where text is parsed (the CLI parser imports this module)
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def build_section(cls: type, data: Any, prefix: str) -> Any:
-    """The frozen dataclass ``cls`` from the plain mapping ``data``, every value checked as the config tree's
-    are; :class:`ConfigError` (one line) naming ``prefix.<key>`` for an unknown key or a wrong type. A
-    registry member's own settings are built with it (``rl.selector.params``)."""
-    return _build(cls, data, prefix)
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"unknown config key {key!r}; allowed keys here: {', '.join(fields)}")
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else name
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, key)
-        else:
-            kwargs[name] = _coerce(value, tp, key)
-    return cls(**kwargs)
-
-
 @dataclass(frozen=True)
 class Range:
     """The allowed values of a numeric field: ``lo``/``hi`` bounds (None = unbounded), each closed
@@ -546,6 +441,7 @@ RANGES.update({"model.lora.rank": Range(1), "model.lora.alpha": _POS,  # model.l
 
 
 def _range_text(key: str) -> str:
+    """The allowed values of the numeric field ``key`` in words (``0 < temperature``; :data:`RANGES`)."""
     r = RANGES.get(key)
     return r.text(key.rsplit(".", 1)[-1]) if r is not None else "a finite number"
 
@@ -600,9 +496,6 @@ def validate(cfg: Config) -> Config:
     s = cfg.rl.selector
     if s.rho is not None:
         _check_fraction("rl.selector.rho", s.rho)
-    if s.scope == "micro_batch" and s.canonical_method != "entropy":
-        raise ConfigError(f"rl.selector.scope: 'micro_batch' is 20-Entropy's official convention and is offered "
-                          f"for method entropy only; got method {s.method!r} (use sequence, group or batch)")
     rw = cfg.rl.reward
     if not rw.correct > rw.wrong:
         raise ConfigError(f"rl.reward.correct: {rw.correct} must be greater than rl.reward.wrong={rw.wrong}")
@@ -658,18 +551,32 @@ def eval_settings(tree: Any = None) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Loading
+# The plain form (nested dicts and lists: YAML, config.json) both ways
 # --------------------------------------------------------------------------------------------------
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(x) for x in obj]
+    return obj
+
+
+def build_section(cls: type, data: Any, prefix: str) -> Any:
+    """The frozen dataclass ``cls`` from the plain mapping ``data``, every value checked as the config tree's
+    are (``ict_jax.config_coerce.build``); :class:`ConfigError` (one line) naming ``prefix.<key>`` for an
+    unknown key or a wrong type. A registry member's own settings are built with it (``rl.selector.params``)."""
+    return build(cls, data, prefix, error=ConfigError, allowed=_range_text)
+
+
 def from_dict(data: dict[str, Any]) -> Config:
-    return validate(_build(Config, data, ""))
+    """The validated :class:`Config` of a plain tree (the inverse of :meth:`Config.to_dict`; a run's
+    ``config.json``): each value coerced to its field's type, then :func:`validate`."""
+    return validate(build(Config, data, "", error=ConfigError, allowed=_range_text))
 
 
-def json_copy(tree: typing.Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy of a plain config tree (nested dicts and lists), safe to modify."""
-    return {k: json_copy(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v for k, v in tree.items()}
-
-
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set the dotted ``key`` of the plain tree ``data`` to ``value``, making the sections on the way;
+    :class:`ConfigError` where a part of the key is a value, not a section."""
     parts = key.split(".")
     node = data
     for i, part in enumerate(parts[:-1]):
@@ -682,83 +589,11 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
+#: Former names of this module, now in the modules of their own concept (the loader, the overrides).
+_MOVED = MovedNames(__name__, {"load_config": "ict_jax.config_load.load_config",
+                               "json_copy": "ict_jax.config_load.json_copy",
+                               "parse_override": "ict_jax.config_overrides.parse_override"}, removed_in=REMOVED_IN)
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"rl.loss.kl_coef=0"`` -> ``("rl.loss.kl_coef", 0)``; the value is parsed as YAML."""
-    import yaml  # yaml only where text is parsed (the CLI parser imports this module)
-
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key, value
-
-
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = (), *,
-                base: typing.Mapping[str, Any] | None = None) -> Config:
-    """Load defaults <- ``base`` <- YAML file <- ``key=value`` overrides, validated.
-
-    A YAML may name a ``base:`` file (relative to itself) that it overlays. ``base``: a plain config tree
-    under everything else (a run's recorded ``config.json``: what ``ict-jax train --resume`` without
-    ``--config`` continues).
-    """
-    data: dict[str, Any] = json_copy(base) if base is not None else {}
-    if path is not None:
-        data = _deep_merge(data, _load_yaml(Path(path), seen=()))
-    for text in overrides:
-        key, value = parse_override(text)
-        _set_dotted(data, key, value)
-    return from_dict(data)
-
-
-def _yaml_where(err: Any) -> str:
-    """`` at line L, column C: <problem> (<context> at line l, column c)`` of a YAML error (1-based)."""
-    mark = getattr(err, "problem_mark", None)
-    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-    out = f" at line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else f": {problem}"
-    context, cmark = getattr(err, "context", None), getattr(err, "context_mark", None)
-    if context and cmark is not None:
-        out += f" ({context} at line {cmark.line + 1}, column {cmark.column + 1})"
-    return out
-
-
-def _load_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    import yaml  # yaml only where text is parsed (the CLI parser imports this module)
-
-    if path.is_dir():
-        found = sorted(p.name for p in path.glob("*.yaml"))[:3]
-        raise ConfigError(f"config file {str(path)!r} is a folder: name a YAML file in it"
-                          + (f" ({', '.join(found)}, ...)" if found else ""))
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    if path.resolve() in seen:
-        raise ConfigError(f"config file {str(path)!r} includes itself through 'base'")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                          f"{e.start})") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{_yaml_where(e)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    base = data.pop("base", None)
-    if base is not None:
-        parent = _load_yaml((path.parent / base), seen + (path.resolve(),))
-        data = _deep_merge(parent, data)
-    return data
+def __getattr__(name: str) -> Any:
+    return _MOVED.resolve(name)

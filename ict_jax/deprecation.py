@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: The release that removes a name or form deprecated in ict_jax 0.2.x (none is, in 0.2.0).
+#: The release that removes a name or form deprecated in ict_jax 0.2.x (CHANGELOG.md lists them).
 REMOVED_IN = "0.3.0"
 
 

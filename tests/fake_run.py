@@ -9,7 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import init_model
 from ict_jax.model.weights import save_hf

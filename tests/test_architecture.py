@@ -11,7 +11,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ict_jax"
 # package -> what it may import (packages or single modules of ict_jax). docs/architecture.md, "The layer rule".
 ALLOWED: dict[str, set[str]] = {
     "deprecation": set(),
-    "config": {"deprecation"},
+    "config_coerce": set(),
+    "config": {"deprecation", "config_coerce"},
+    "config_overrides": {"config"},
+    "config_load": {"config", "config_overrides"},
     "sharding": set(),
     "platform": set(),
     "outputs": set(),
@@ -27,16 +30,16 @@ ALLOWED: dict[str, set[str]] = {
     "rl": {"config", "sharding", "rng", "buckets"},
     "sampling": {"config", "sharding", "rng", "buckets", "model", "data", "rewards", "outputs", "heartbeat",
                  "deprecation"},
-    "train": {"config", "sharding", "rng", "buckets", "model", "data", "rewards", "rl", "sampling", "outputs",
+    "train": {"config", "config_load", "sharding", "rng", "buckets", "model", "data", "rewards", "rl", "sampling", "outputs",
               "memory", "heartbeat", "interrupts", "deprecation", "install"},
-    "aot": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards", "rl",
+    "aot": {"config", "config_load", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards", "rl",
             "sampling", "train", "heartbeat", "deprecation", "install"},
-    "experiments": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data",
+    "experiments": {"config", "config_load", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data",
                     "rewards", "rl", "sampling", "train", "aot", "heartbeat", "deprecation", "install"},
-    "diagnostics": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data",
+    "diagnostics": {"config", "config_load", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data",
                     "rewards", "rl", "sampling", "train", "aot", "heartbeat", "deprecation", "install",
                     "experiments.stats"},
-    "cli": {"config", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards",
+    "cli": {"config", "config_coerce", "config_load", "config_overrides", "sharding", "rng", "buckets", "platform", "outputs", "memory", "model", "data", "rewards",
             "rl", "sampling", "train", "experiments", "diagnostics", "aot", "cli", "heartbeat", "interrupts", "deprecation", "install", ""},
 }
 

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from ict_jax.config import ConfigError, load_config
+from ict_jax.config import ConfigError
+from ict_jax.config_load import load_config
 from ict_jax.data.datasets import PAPER_BENCHMARKS
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import Qwen2
@@ -460,3 +461,22 @@ def test_version_flag(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"ict-jax {__version__}"
+
+
+def test_the_configs_former_names_resolve_to_their_new_homes_with_a_warning():
+    """ict_jax.config holds the schema; its former loader, override parser and STAPO's default moved (one
+    minor release with a DeprecationWarning naming the new home). The facade's load_config is the loader."""
+    import ict_jax
+    import ict_jax.config as config
+    from ict_jax.config import SelectorSection
+    from ict_jax.config_load import json_copy
+    from ict_jax.config_overrides import parse_override
+
+    assert ict_jax.load_config is load_config
+    for name, new in [("load_config", load_config), ("json_copy", json_copy), ("parse_override", parse_override)]:
+        with pytest.warns(DeprecationWarning, match=f"ict_jax.config.{name} is deprecated .* use ict_jax"):
+            assert getattr(config, name) is new
+    with pytest.warns(DeprecationWarning, match="SelectorSection.canonical_method is deprecated"):
+        assert SelectorSection(method="grpo").canonical_method == "dense"
+    with pytest.raises(AttributeError):
+        config.no_such_name  # noqa: B018

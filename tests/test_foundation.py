@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import ict_jax
 from ict_jax import ModelConfig
-from ict_jax.config import ConfigError, load_config
+from ict_jax.config import ConfigError
+from ict_jax.config_load import load_config
 from ict_jax.rl.quantile import rho_fraction
 from ict_jax.rl.selectors import resolved_rho, resolved_scope
 from ict_jax.sharding import logical_to_spec

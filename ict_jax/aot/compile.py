@@ -56,7 +56,6 @@ from ict_jax.install import install_line
 from ict_jax.memory import fmt_bytes
 from ict_jax.model.config import ModelConfig
 from ict_jax.platform import accelerator_type, tpu_chips_present
-from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.token_stats import block_size
 from ict_jax.rl.train_step import StepPlan, old_pass_chunks
 from ict_jax.sampling.sampler import cache_chunks, decode_steps
@@ -67,6 +66,7 @@ from ict_jax.train.preflight import SAMPLERS, MachineBudget, machine_budget, pro
 from ict_jax.train.programs import (
     PLACEHOLDER_IDS,
     PROGRAM_NAMES,
+    Optimizers,
     TokenIds,
     kv_cache_dtype,
     per_device_bytes,
@@ -281,9 +281,10 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
     unknown = [n for n in names if n not in PROGRAMS]
     if unknown:
         raise ValueError(f"unknown program {unknown[0]!r}; known: {', '.join(PROGRAMS)}")
-    state = abstract_train_state(cfg, mc, mesh=mesh)
+    optimizers = Optimizers.of(cfg)
+    state = abstract_train_state(cfg, mc, mesh=mesh, tx=optimizers.rl)
     ids = run_token_ids(cfg)
-    run = build_run_programs(cfg, mesh, mc, state, ids)
+    run = build_run_programs(cfg, mesh, mc, state, ids, optimizers=optimizers)
     platform = mesh.devices.flat[0].platform
     ref = run.step.abstract()[2]
     state_bytes = {"params": per_device_bytes(state.params), "opt_state": per_device_bytes(state.opt_state),
@@ -295,7 +296,7 @@ def build_programs(cfg: Config, mc: ModelConfig, mesh: jax.sharding.Mesh,
     if not 1 <= bucket <= N:
         raise ValueError(f"response_len {bucket}: the step's response bucket is 1..rollout.max_new_tokens={N}")
     # rows a pass processes at once: a gradient micro-batch, or a chunk of the old-policy pass (whole groups)
-    plan = StepPlan.from_config(cfg, make_optimizer(cfg), batch_shards=batch_shards)
+    plan = StepPlan.from_config(cfg, optimizers.rl, batch_shards=batch_shards)
     pass_rows = P * G // old_pass_chunks(plan, P)  # at least a micro-batch's rows
     # element counts of the stacked [layers, ...] weights, whole or with the tensor axis still split
     stacked = {n // d for n in _stacked_sizes(state.model_state(), mc.num_layers, mc.hidden_size)

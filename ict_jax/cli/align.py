@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ict_jax.cli.errors import UserError
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.outputs import check_output_dir
 
 

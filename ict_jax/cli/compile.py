@@ -49,7 +49,7 @@ def compile_main(args: argparse.Namespace) -> int:
     from ict_jax.aot.fit import format_fit, search
     from ict_jax.aot.report import not_fitting_line, render, to_json
     from ict_jax.cli.errors import UserError
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.outputs import check_output_dir, check_output_file
 
     if args.max_compiles < 1:

@@ -8,7 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from ict_jax.config import ConfigError, load_config, parse_override
+from ict_jax.config import ConfigError
+from ict_jax.config_load import load_config
+from ict_jax.config_overrides import parse_override
 from ict_jax.outputs import check_output_dir
 
 

@@ -47,7 +47,7 @@ from ict_jax.rewards.pool import RewardPool
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
 from ict_jax.rl.saturation import RANKED_BY, tie_decided
-from ict_jax.rl.selectors import resolved_rho, resolved_scope, select, topk_mask
+from ict_jax.rl.selectors import canonical_method, resolved_rho, resolved_scope, select, topk_mask
 from ict_jax.rl.token_stats import ALL_STATS, U_FORMS, TokenStats
 from ict_jax.rng import DIAGNOSE_STREAM, stream_key
 from ict_jax.sampling.sampler import make_generate_fn
@@ -232,7 +232,7 @@ def _ties_all(specs: Mapping[str, tuple[SelectorSection, str]], per: Mapping[str
     the mini-batch (its candidate set under scope ``batch``)."""
     out = {}
     for name, (cfg, form) in specs.items():
-        stat = RANKED_BY.get(cfg.canonical_method)
+        stat = RANKED_BY.get(canonical_method(cfg.method))
         if stat is None:
             continue
         score = getattr(per[form] if stat == "js" else per[first], stat)
@@ -388,10 +388,10 @@ def reanalyse(out: str | Path, tokenizer: Any, *, say: Callable[[str], None] = l
         rows_per_batch = results.get("batch_rows", 64) // G * G or G
         for sel_name, (cfg, form) in specs.items():
             # a selector absent from arrays saved before it was (not random: its masks drew the run's keys)
-            missing = sel_name not in data["masks"] and cfg.canonical_method != "random"
-            if cfg.canonical_method != "stapo" and not missing:
+            missing = sel_name not in data["masks"] and canonical_method(cfg.method) != "random"
+            if canonical_method(cfg.method) != "stapo" and not missing:
                 continue
-            ranked = RANKED_BY.get(cfg.canonical_method) if missing else None  # its tie record too
+            ranked = RANKED_BY.get(canonical_method(cfg.method)) if missing else None  # its tie record too
             masks, ties = [], []
             for start in range(0, len(data["tokens"]), rows_per_batch):  # the original mini-batches
                 sl = slice(start, start + rows_per_batch)

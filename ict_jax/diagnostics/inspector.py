@@ -30,7 +30,14 @@ from ict_jax.diagnostics.inspector_page import MASKS
 from ict_jax.model.tokenizers import decode_responses
 from ict_jax.rl.group_stats import GroupStatsRequest, compiled_group_stats, group_rows
 from ict_jax.rl.losses import group_advantages
-from ict_jax.rl.selectors import resolved_rho, resolved_scope, select, stapo_candidates, stapo_quantile
+from ict_jax.rl.selectors import (
+    canonical_method,
+    resolved_rho,
+    resolved_scope,
+    select,
+    stapo_candidates,
+    stapo_quantile,
+)
 from ict_jax.rl.token_stats import TokenStats
 from ict_jax.sampling.sampler import generate
 
@@ -73,7 +80,7 @@ def column_selectors(
     ``warmup_steps`` is 0: the masks are those after the warm-up.
     """
     run = SelectorSection() if run is None else run
-    own = _OWN_COLUMN.get(run.canonical_method)
+    own = _OWN_COLUMN.get(canonical_method(run.method))
     given = {"ict": (rho_ict, ict_scope), "entropy": (rho_entropy, entropy_scope), "stapo": (None, None)}
     columns = {}
     for method in MASKS:

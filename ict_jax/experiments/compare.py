@@ -29,7 +29,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from ict_jax.config import Config, ConfigError, load_config
+from ict_jax.config import Config, ConfigError
+from ict_jax.config_load import load_config
 from ict_jax.experiments.compare_report import (
     INCONCLUSIVE,
     LAST_STEPS,

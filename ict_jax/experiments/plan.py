@@ -30,7 +30,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ict_jax.config import Config, ConfigError, load_config
+from ict_jax.config import Config, ConfigError
+from ict_jax.config_load import load_config
 from ict_jax.train.plugins import check_registered
 from ict_jax.train.record import flatten
 

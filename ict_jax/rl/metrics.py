@@ -24,7 +24,7 @@ from ict_jax.rl.coverage import reach_shares
 from ict_jax.rl.losses import zero_std_groups
 from ict_jax.rl.quantile import valid_quantile
 from ict_jax.rl.saturation import RANKED_BY, tie_selected_frac, u_at_ceiling
-from ict_jax.rl.selectors import resolved_rho, resolved_scope
+from ict_jax.rl.selectors import canonical_method, resolved_rho, resolved_scope
 from ict_jax.rl.token_stats import TokenStats
 
 F32 = jnp.float32
@@ -84,7 +84,7 @@ def step_metrics(batch: RolloutBatch, valid: Float[Array, "B T"], mask: Float[Ar
         m["stats/js_selected_mean"] = _masked_mean(stats.js, sel)
         if u_form is not None:
             m["stats/u_at_ceiling"] = u_at_ceiling(stats.js, valid, group_size, u_form)
-    score = getattr(stats, RANKED_BY.get(selector.canonical_method, ""), None) if selector is not None else None
+    score = getattr(stats, RANKED_BY.get(canonical_method(selector.method), ""), None) if selector is not None else None
     if score is not None:
         scope = resolved_scope(selector)
         rows = valid.shape[0] // max(mini_batches, 1) // (max(micro_batches, 1) if scope == "micro_batch" else 1)

@@ -215,8 +215,9 @@ class SelectorFn(Protocol):
 class Registered:
     """A registered selector: its function, whether the warm-up applies, the statistics it reads (``needs``;
     None = not declared), its default ``rho`` and ``scope`` (None = it has none), whether it is a top-k cut
-    (``topk``: it reads ``rl.selector.ties``), its ``params`` dataclass (None = it takes none), and whether
-    ``fn`` takes the ``minibatch`` / ``params`` keywords."""
+    (``topk``: it reads ``rl.selector.ties``), its ``params`` dataclass (None = it takes none), whether
+    ``fn`` takes the ``minibatch`` / ``params`` keywords, and whether it offers ``rl.selector.scope:
+    micro_batch`` (``micro_batch``: 20-Entropy's official convention)."""
 
     fn: SelectorFn
     warmup: bool
@@ -227,6 +228,7 @@ class Registered:
     params: type | None = None
     takes_minibatch: bool = False
     takes_params: bool = False
+    micro_batch: bool = False
 
 
 _REGISTRY: dict[str, Registered] = {}
@@ -256,7 +258,7 @@ def _checked_needs(name: str, needs: Sequence[str] | None) -> tuple[str, ...] | 
 
 def register_selector(name: str, fn: SelectorFn, *, needs: Sequence[str] | None = None, warmup: bool = False,
                       rho: float | None = None, scope: str | None = None, topk: bool = False,
-                      params: type | None = None, overwrite: bool = False) -> None:
+                      params: type | None = None, micro_batch: bool = False, overwrite: bool = False) -> None:
     """Register ``fn(stats, adv, valid, *, key, step, config, group_size) -> mask [B, T]`` under
     ``name`` for :func:`select` and the train step (``rl.selector.method: <name>``). This is the one place
     a selector's name, the statistics it reads, its warm-up and its defaults are written.
@@ -279,7 +281,9 @@ def register_selector(name: str, fn: SelectorFn, *, needs: Sequence[str] | None 
     ``rl.selector.ties``. ``params``: a frozen dataclass of the selector's own settings, read from the
     mapping ``rl.selector.params`` (:func:`selector_params`: unknown keys and wrong types are one-line
     errors naming ``rl.selector.params.<key>``); a ``fn`` that accepts a ``params`` keyword gets the
-    instance."""
+    instance. ``micro_batch``: the selector offers ``rl.selector.scope: micro_batch`` (each micro-batch of
+    ``train.micro_batches`` its own candidate set; 20-Entropy's official code); :func:`check_selector`
+    refuses that scope for a selector registered without it."""
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"selector {name!r} is already registered (pass overwrite=True to replace it)")
     if name in ALIASES:
@@ -289,7 +293,7 @@ def register_selector(name: str, fn: SelectorFn, *, needs: Sequence[str] | None 
     if rho is not None:
         rho_fraction(rho)  # at most 4 decimals, in (0, 1]
     _REGISTRY[name] = Registered(fn, bool(warmup), _checked_needs(name, needs), rho, scope, bool(topk), params,
-                                 _takes(fn, "minibatch"), _takes(fn, "params"))
+                                 _takes(fn, "minibatch"), _takes(fn, "params"), bool(micro_batch))
 
 
 def registered_selectors() -> tuple[str, ...]:
@@ -298,11 +302,17 @@ def registered_selectors() -> tuple[str, ...]:
 
 
 def _entry(method: str) -> Registered:
-    name = ALIASES.get(method, method)
+    name = canonical_method(method)
     if name not in _REGISTRY:
         raise ValueError(f"rl.selector.method: selector {method!r} is not registered; "
                          f"known: {list(registered_selectors())}")
     return _REGISTRY[name]
+
+
+def canonical_method(method: str) -> str:
+    """The registered name ``method`` stands for: an alias (:data:`ALIASES`, ``grpo`` -> ``dense``) resolved,
+    any other name itself."""
+    return ALIASES.get(method, method)
 
 
 def selector_info(method: str) -> Registered:
@@ -327,7 +337,7 @@ def selectors_where(methods: Sequence[str] = (), **flags: bool) -> tuple[str, ..
     """The selectors whose registration has each flag given (``warmup=True``, ``topk=True``): the built-in
     ones in registration order, then those of ``methods`` (a report's own methods, aliases resolved) that
     a plugin registered. What help and report texts list."""
-    named = [ALIASES.get(m, m) for m in methods]
+    named = [canonical_method(m) for m in methods]
     names = [*BUILTIN_SELECTORS, *(m for m in dict.fromkeys(named) if m in _REGISTRY and m not in BUILTIN_SELECTORS)]
     return tuple(n for n in names if all(getattr(_REGISTRY[n], k) == v for k, v in flags.items()))
 
@@ -356,11 +366,16 @@ def selector_params(config: SelectorSection) -> Any:
 
 def check_selector(config: SelectorSection) -> None:
     """The run's selector, checked when the run is built: ``rl.selector.method`` names a registered selector
-    (or an alias) and its ``params`` build. Raises :class:`~ict_jax.config.ConfigError` (one line)."""
-    if ALIASES.get(config.method, config.method) not in _REGISTRY:
+    (or an alias), ``rl.selector.scope: micro_batch`` only for a selector that offers it, and its ``params``
+    build. Raises :class:`~ict_jax.config.ConfigError` (one line)."""
+    if canonical_method(config.method) not in _REGISTRY:
         names = sorted((*_REGISTRY, *ALIASES))
         raise ConfigError(f"rl.selector.method: {config.method!r} is not a registered selector; registered: "
                           f"{', '.join(names)} (a plugin module registers more: plugins: [module])")
+    if config.scope == "micro_batch" and not _entry(config.method).micro_batch:
+        offered = ", ".join(n for n in sorted(_REGISTRY) if _REGISTRY[n].micro_batch)
+        raise ConfigError(f"rl.selector.scope: 'micro_batch' is 20-Entropy's official convention and is offered "
+                          f"for method {offered} only; got method {config.method!r} (use sequence, group or batch)")
     selector_params(config)
 
 
@@ -406,7 +421,8 @@ def _selectable(stats, adv, valid, *, key, step, config, group_size):
 # the built-in selectors: docs/method.md §2's table (docs/config.md's `method` row lists each, a test checks it)
 register_selector("dense", _dense, needs=())
 register_selector("ict", _ict, needs=("js",), warmup=True, rho=_ICT_RHO, scope=_ICT_SCOPE, topk=True)
-register_selector("entropy", _entropy, needs=("H1",), rho=_ENTROPY_RHO, scope=_ENTROPY_SCOPE, topk=True)
+register_selector("entropy", _entropy, needs=("H1",), rho=_ENTROPY_RHO, scope=_ENTROPY_SCOPE, topk=True,
+                  micro_batch=True)
 register_selector("stapo", _stapo, needs=("logp", "H1"))
 # random and frequent take ict's counts: its (rho, scope)
 register_selector("random", _random, needs=(), warmup=True, rho=_ICT_RHO, scope=_ICT_SCOPE, topk=True)

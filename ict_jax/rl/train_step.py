@@ -65,7 +65,7 @@ from ict_jax.rl.batch import RolloutBatch, response_extent, trim_response
 from ict_jax.rl.group_stats import GroupStatsRequest, group_stats, head_inputs
 from ict_jax.rl.losses import LossDenominators, loss_denominators, micro_batch_loss, policy_loss
 from ict_jax.rl.metrics import step_metrics, update_norm
-from ict_jax.rl.selectors import select, selector_needs
+from ict_jax.rl.selectors import canonical_method, select, selector_needs
 from ict_jax.rl.state import ModelDef, TrainState, check_lora_state, kl_reference, make_optimizer
 from ict_jax.rl.token_stats import ALL_STATS, GROUP_STATS, TokenStats, stats_and_surrogate
 from ict_jax.sharding import batch_sharding, check_prompts_divide, replicated
@@ -104,7 +104,7 @@ class StepPlan:
 
     @classmethod
     def from_config(cls, config: Config, tx: optax.GradientTransformation, batch_shards: int = 1) -> StepPlan:
-        method = config.rl.selector.canonical_method
+        method = canonical_method(config.rl.selector.method)
         needs = selector_needs(method)
         return cls(group_size=config.rollout.num_samples, method=method, selector=config.rl.selector,
                    loss=config.rl.loss, mini_batches=config.train.mini_batches,

@@ -32,7 +32,6 @@ from ict_jax.model.source import ModelSource
 from ict_jax.model.tokenizers import Tokenizer
 from ict_jax.rewards.checks import CUSTOM_KIND, RewardSpec
 from ict_jax.rewards.pool import RewardPool
-from ict_jax.rl.sft import make_sft_optimizer
 from ict_jax.rl.state import TrainState, init_train_state, reference_params
 from ict_jax.rl.train_step import check_batch_geometry
 from ict_jax.sharding import check_prompts_divide, make_mesh
@@ -43,7 +42,15 @@ from ict_jax.train.lora_base import LoraBase, loaded_identity
 from ict_jax.train.model_source import resolve_model
 from ict_jax.train.plugins import check_registered
 from ict_jax.train.preflight import FitCheck, compile_and_check_gathering
-from ict_jax.train.programs import RunPrograms, TokenIds, build_programs, has_reference, reference_dtype, same_layout
+from ict_jax.train.programs import (
+    Optimizers,
+    RunPrograms,
+    TokenIds,
+    build_programs,
+    has_reference,
+    reference_dtype,
+    same_layout,
+)
 from ict_jax.train.record import SFT_MODEL, check_resume, read_config, record_resume
 from ict_jax.train.resume import (
     SFT_CHECKPOINTS,
@@ -214,8 +221,10 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
         mc = model.config
     prompts = encode_training_data(cfg, tokenizer, datasets, max_positions=mc.max_position_embeddings)
     iterator = PromptIterator(prompts.encoded, cfg.train.prompts_per_step, seed=cfg.seed)
-    state = start_state(cfg, model, ahead) if model is not None else abstract_train_state(cfg, mc, mesh=mesh)
-    programs = build_programs(cfg, mesh, mc, state, TokenIds.of(tokenizer))
+    optimizers = Optimizers.of(cfg)  # the run's optimizers: built here once, passed to each state and step
+    state = start_state(cfg, model, ahead, optimizers) if model is not None \
+        else abstract_train_state(cfg, mc, mesh=mesh, tx=optimizers.rl)
+    programs = build_programs(cfg, mesh, mc, state, TokenIds.of(tokenizer), optimizers=optimizers)
     # the memory pre-flight: in seconds, before the reward workers start and the weights load (both counted)
     tell("compiling the run's programs (the memory pre-flight)" if preflight else "building the run's programs")
     fit = None
@@ -241,10 +250,10 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
         raise
 
 
-def start_state(cfg: Config, model: Qwen2, sft: bool) -> TrainState:
+def start_state(cfg: Config, model: Qwen2, sft: bool, optimizers: Optimizers) -> TrainState:
     """The state a run starts with from ``model``: with SFT ahead (``sft``) the SFT state (the parameters
-    and the SFT optimizer's fresh state, ``rl.sft.make_sft_optimizer``), else the RL train state."""
-    return init_train_state(cfg, model, tx=make_sft_optimizer(cfg) if sft else None)
+    and the SFT optimizer's fresh state, ``optimizers.sft``), else the RL train state (``optimizers.rl``)."""
+    return init_train_state(cfg, model, tx=optimizers.sft if sft else optimizers.rl)
 
 
 def _load_weights(cfg: Config, mesh: Mesh, source: ModelSource, tokenizer: Tokenizer, programs: RunPrograms,
@@ -254,10 +263,11 @@ def _load_weights(cfg: Config, mesh: Mesh, source: ModelSource, tokenizer: Token
     programs built again from the real state if its structure, shapes or shardings differ (never expected: a
     warning says so)."""
     model = source.load(mesh=mesh)
-    state = start_state(cfg, model, sft)
+    state = start_state(cfg, model, sft, programs.optimizers)
     if not same_layout(abstract_tree(state), (programs.sft if sft else programs.step).abstract()[0]):
         log.warning("the loaded model's train state differs from the one compiled before loading; compiling again")
-        programs = build_programs(cfg, mesh, model.config, state, TokenIds.of(tokenizer))
+        programs = build_programs(cfg, mesh, model.config, state, TokenIds.of(tokenizer),
+                                  optimizers=programs.optimizers)
     return model, state, programs
 
 

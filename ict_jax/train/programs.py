@@ -17,6 +17,10 @@ A run executes four programs (three without an SFT warm start):
 - ``eval``: the evaluation sampler, ``data.eval_n`` samples a prompt at the evaluation temperature and
   top-p, ``train.prompts_per_step`` prompts a call (the trainer's evaluation; ``ict_jax.train.evaluation``).
 
+A run's two optimizers (:class:`Optimizers`: RL's and the warm start's) are built once, from the config,
+by the run's builder and passed to everything that needs one: the steps, their states, the restore
+templates.
+
 Both samplers hold their KV cache in ``rollout.kv_cache_dtype`` (:func:`kv_cache_dtype`), the KL reference
 is in the model's compute dtype (:func:`reference_dtype`): written here once for every caller.
 
@@ -46,6 +50,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ict_jax.buckets import make_buckets
@@ -53,7 +58,7 @@ from ict_jax.config import Config
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.tokenizers import Tokenizer
 from ict_jax.rl.batch import RolloutBatch
-from ict_jax.rl.sft import make_sft_step
+from ict_jax.rl.sft import make_sft_optimizer, make_sft_step
 from ict_jax.rl.state import TrainState, make_optimizer
 from ict_jax.rl.train_step import bucket_of, make_train_step
 from ict_jax.sampling.sampler import GenerateFn, Rollout, make_generate_fn
@@ -126,6 +131,20 @@ class Program:
 
 
 @dataclasses.dataclass(frozen=True)
+class Optimizers:
+    """A run's optimizers, built once (:meth:`of`): ``rl``, the train step's (``rl.state.make_optimizer``:
+    clipping, AdamW at ``optim.lr``), and ``sft``, the SFT warm start's (``rl.sft.make_sft_optimizer``:
+    ``train.sft_lr``). The steps, the states they update and the restore templates take them from here."""
+
+    rl: optax.GradientTransformation
+    sft: optax.GradientTransformation
+
+    @classmethod
+    def of(cls, config: Config) -> Optimizers:
+        return cls(make_optimizer(config), make_sft_optimizer(config))
+
+
+@dataclasses.dataclass(frozen=True)
 class RunPrograms:
     """The programs of one run (:func:`build_programs`) and how the loop calls them."""
 
@@ -135,6 +154,7 @@ class RunPrograms:
     chunks: int  # rollout.chunks: generate calls a rollout batch takes
     mesh: Mesh
     sft: Program  # the SFT step (train.sft_steps > 0: the warm start's; built for every run, compiled when run)
+    optimizers: Optimizers  # the steps' optimizers: a state the step or the SFT step updates holds theirs
 
     def by_name(self) -> dict[str, Program]:
         return {"sft": self.sft, "step": self.step, "generate": self.generate, "eval": self.eval}
@@ -270,30 +290,33 @@ def has_reference(config: Config, state: TrainState) -> bool:
 # The builder
 # ------------------------------------------------------------------------------------------------
 def build_programs(config: Config, mesh: Mesh, model_config: ModelConfig, state: TrainState,
-                   tokens: TokenIds = PLACEHOLDER_IDS) -> RunPrograms:
+                   tokens: TokenIds = PLACEHOLDER_IDS, *, optimizers: Optimizers | None = None) -> RunPrograms:
     """The programs of a run of ``config`` on ``mesh``. ``state``: the run's train state or SFT state, real
     (training) or abstract (``ict-jax compile``: ``train.checkpoints.abstract_train_state``); only the
     structure, shapes, shardings and graph of its parameters, step and key are read: the train step takes
-    the RL optimizer's state (``rl.state.make_optimizer``), the SFT step the SFT optimizer's
-    (``rl.sft.make_sft_optimizer``), each built abstract here. ``model_config`` gives the compute dtype of
-    the KL reference; ``tokens``: the tokenizer's EOS and pad ids. Nothing is compiled here. The config's
-    plugins are imported and its methods checked first (:func:`ict_jax.train.plugins.check_registered`)."""
+    the RL optimizer's state, the SFT step the SFT optimizer's, each built abstract here. ``optimizers``: the
+    run's (:class:`Optimizers`, the ones its states were made with; default ``Optimizers.of(config)``).
+    ``model_config`` gives the compute dtype of the KL reference; ``tokens``: the tokenizer's EOS and pad
+    ids. Nothing is compiled here. The config's plugins are imported and its methods checked first
+    (:func:`ict_jax.train.plugins.check_registered`)."""
     check_registered(config)
-    abstract_state = with_optimizer(abstract_tree(state), make_optimizer(config))
+    optimizers = optimizers or Optimizers.of(config)
+    abstract_state = with_optimizer(abstract_tree(state), optimizers.rl)
     ref = abstract_reference(abstract_state.params, reference_dtype(model_config)) \
         if has_reference(config, state) else None
     platform = mesh.devices.flat[0].platform
-    return RunPrograms(step=_step_program(config, mesh, abstract_state, ref),
+    return RunPrograms(step=_step_program(config, mesh, abstract_state, ref, optimizers.rl),
                        generate=_sampler_program("generate", config, mesh, abstract_state, tokens, platform),
                        eval=_sampler_program("eval", config, mesh, abstract_state, tokens, platform),
-                       chunks=config.rollout.chunks, mesh=mesh, sft=_sft_program(config, mesh, abstract_state))
+                       chunks=config.rollout.chunks, mesh=mesh,
+                       sft=_sft_program(config, mesh, abstract_state, optimizers.sft), optimizers=optimizers)
 
 
-def _sft_program(config: Config, mesh: Mesh, state: TrainState) -> Program:
+def _sft_program(config: Config, mesh: Mesh, state: TrainState, tx: optax.GradientTransformation) -> Program:
     """The SFT step (:func:`ict_jax.rl.sft.make_sft_step`'s jitted update, its state donated): shape key
     (rows, tokens), one shape, ``(train.sft_batch_size, sft_len)``."""
-    sft = make_sft_step(config, mesh)
-    sft_state = with_optimizer(state, sft.tx)
+    sft = make_sft_step(config, mesh, tx=tx)
+    sft_state = with_optimizer(state, tx)
 
     def lower(*args: Any) -> jax.stages.Lowered:
         with jax.set_mesh(mesh):
@@ -303,11 +326,12 @@ def _sft_program(config: Config, mesh: Mesh, state: TrainState) -> Program:
                    lambda args: tuple(args[1].shape), (config.train.sft_batch_size, sft_len(config)))
 
 
-def _step_program(config: Config, mesh: Mesh, state: TrainState, ref: Any) -> Program:
+def _step_program(config: Config, mesh: Mesh, state: TrainState, ref: Any, tx: optax.GradientTransformation
+                  ) -> Program:
     """The train step: shape key (rows, prompt bucket, response width, response bucket); a batch's bucket
     is read from its valid tokens on the host (:func:`ict_jax.rl.train_step.bucket_of`, the same on every
     process) and passed to ``step.lower`` as ``response_len``."""
-    step = make_train_step(config, mesh)
+    step = make_train_step(config, mesh, tx=tx)
     rows, N = config.train.prompts_per_step * config.rollout.num_samples, config.rollout.max_new_tokens
 
     def shape_of(args: tuple[Any, ...]) -> ShapeKey:

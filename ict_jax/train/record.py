@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ict_jax.config import Config, ConfigError, from_dict, load_config
+from ict_jax.config import Config, ConfigError, from_dict
+from ict_jax.config_load import load_config
 from ict_jax.outputs import check_not_held
 
 SFT_MODEL = "sft_model"  # <run_dir>/sft_model: the finished SFT warm start (a Hugging Face directory)

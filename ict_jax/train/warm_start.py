@@ -34,7 +34,7 @@ from ict_jax.model.adapters import attach_lora, merge_adapters
 from ict_jax.model.qwen2 import Qwen2
 from ict_jax.model.weights import save_hf
 from ict_jax.rewards.checks import sft_target
-from ict_jax.rl.sft import make_sft_optimizer, sft_arrays
+from ict_jax.rl.sft import sft_arrays
 from ict_jax.rl.state import TrainState, check_lora_state, init_opt_state, init_train_state, reference_params
 from ict_jax.rng import SFT_ORDER_STREAM, numpy_rng
 from ict_jax.sharding import to_host
@@ -88,7 +88,7 @@ def sft_state(parts: RunParts, state: TrainState) -> TrainState:
     """The SFT state from a train state: its parameters with the SFT optimizer's fresh state (what
     ``train.parts.build_parts`` starts a run with SFT ahead with). ``state``'s own optimizer state is not
     kept: drop ``state`` so that only one optimizer state stays alive."""
-    return state.replace(opt_state=init_opt_state(make_sft_optimizer(parts.config), state.params))
+    return state.replace(opt_state=init_opt_state(parts.programs.optimizers.sft, state.params))
 
 
 @contextlib.contextmanager
@@ -146,7 +146,8 @@ def start_rl(parts: RunParts, model: Qwen2) -> tuple[TrainState, nnx.State | Non
     once the SFT state is dropped: the RL optimizer state is allocated here."""
     if model.config.lora is not None:
         model = merge_adapters(model)
-    state = init_train_state(parts.config, attach_lora(model, parts.config.model.lora, parts.config.seed))
+    state = init_train_state(parts.config, attach_lora(model, parts.config.model.lora, parts.config.seed),
+                             tx=parts.programs.optimizers.rl)
     ref = reference_params(state, reference_dtype(model.config)) if has_reference(parts.config, state) else None
     return state, ref
 

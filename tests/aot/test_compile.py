@@ -17,7 +17,8 @@ import pytest
 from ict_jax.aot import cost, hlo
 from ict_jax.aot.compile import PROGRAMS, Target, compile_run, get_target, run_programs
 from ict_jax.aot.fit import candidate_settings, estimate_memory, estimate_seconds, search
-from ict_jax.config import ConfigError, load_config, parse_topology
+from ict_jax.config import ConfigError, parse_topology
+from ict_jax.config_load import load_config
 from ict_jax.model.config import ModelConfig
 from ict_jax.train.programs import per_device_bytes
 

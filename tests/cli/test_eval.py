@@ -393,7 +393,7 @@ def test_eval_flags_override_the_runs_settings(run_dir, tmp_path, capsys):
 def test_an_exported_checkpoint_brings_the_runs_settings(run_dir, tmp_path, tiny_model, capsys):
     """`ict-jax export` writes the run's config beside the weights (ict_jax_config.json): evaluating the
     exported directory uses the run's template, lengths and tokenizer (char: no tokenizer files)."""
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.model.source import RUN_CONFIG_FILE
     from ict_jax.rl.state import init_train_state
     from ict_jax.train.checkpoints import Checkpointer

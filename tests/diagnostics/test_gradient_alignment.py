@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import ict_jax
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.diagnostics.gradient_alignment import (
     SELECTORS,
     alignment,

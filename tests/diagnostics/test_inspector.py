@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import ict_jax
-from ict_jax.config import SelectorSection, load_config
+from ict_jax.config import SelectorSection
+from ict_jax.config_load import load_config
 from ict_jax.diagnostics.inspector import ASSUMED_POSITIVE, checkpoint_selector, column_selectors, token_report
 from ict_jax.diagnostics.inspector_page import render_html
 from ict_jax.rl.selectors import resolved_rho, resolved_scope

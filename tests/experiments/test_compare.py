@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ict_jax.cli.main import main as cli_main
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.experiments.compare import plan_runs, run_config
 from ict_jax.experiments.compare_report import (
     aggregate_group,

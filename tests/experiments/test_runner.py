@@ -402,7 +402,7 @@ def test_an_evaluation_batch_is_kept_and_a_run_stopped_in_its_evaluation_evaluat
                for n in ("ict_s0", "grpo_s0"))
     report = (folder / REPORT_FILE).read_text()
     assert "evaluation batch 4 prompts a sampler call" in report
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.train.programs import sampler_prompts
 
     cfg = load_config(None, base=json.loads((run / "config.json").read_text()))
@@ -456,7 +456,7 @@ def test_the_base_model_is_evaluated_last_like_the_runs_and_recorded(tmp_path, r
     assert "base" in (tmp_path / "e" / REPORT_FILE).read_text().split("## Held-out evaluation")[1]
     # what the fresh adapters change: nothing (B = 0), so the base's evaluation is that of the same config's
     # evaluation before any step
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.train.trainer import Trainer
 
     cfg0 = load_config(None, base=cfg).replace(run_dir=str(tmp_path / "again"))

@@ -206,7 +206,7 @@ def test_the_recipe_compiled_for_a_tpu_runs_splash_and_keeps_memory_discipline(t
     v5e:2x2: ``model.attention: auto`` resolves to splash for the target, the step's HLO holds the kernel,
     and every memory-discipline check holds (the kernel's block tables are constants, not parameters)."""
     from ict_jax.aot.compile import compile_run, get_target
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
 
     tiny = ["model.preset=tiny", "train.prompts_per_step=16", "train.mini_batches=1", "train.micro_batches=2",
             "rollout.max_prompt_len=32", "rollout.max_new_tokens=40", "stats.chunk=16", "data.eval_n=4",

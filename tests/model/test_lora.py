@@ -15,7 +15,8 @@ from flax import nnx
 
 import ict_jax
 from ict_jax import ModelConfig
-from ict_jax.config import ConfigError, LoraSection, load_config
+from ict_jax.config import ConfigError, LoraSection
+from ict_jax.config_load import load_config
 from ict_jax.model.adapters import add_adapters, merge_adapters, split_adapters
 from ict_jax.model.config import LORA_MODULES, LoraSpec
 from ict_jax.model.lora import lora_spec

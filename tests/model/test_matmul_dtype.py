@@ -19,7 +19,7 @@ import pytest
 
 from ict_jax.aot import hlo
 from ict_jax.aot.breakdown import Frame, source_frames
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 
 RECIPE = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "qwen2p5_0p5b_ict.yaml")
 # micro-batches 2: the no-grad statistics pass and the gradient pass; KL on (the recipe's 0.001)

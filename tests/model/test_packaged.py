@@ -276,7 +276,7 @@ def test_every_model_front_door_takes_the_split_spec(split_site, capsys):
     """The commands resolve the spec through resolve_model (packaged.resolve_path): the tokenizer-first path
     of eval / diagnose, compile's architecture lookup (model.path), and `ict-jax sample` (below, e2e)."""
     from ict_jax.aot.compile import target_model_config
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
 
     tok = resolve_model("pkg:fakesplit-t23").tokenizer()
     assert tok.vocab_size == V and tok.encode("abcd") == [256, 257]

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import ict_jax
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.model.adapters import add_adapters, merge_adapters, split_adapters
 from ict_jax.model.config import LORA_MODULES, LoraSpec
 from ict_jax.rl.state import init_train_state, kl_reference, reference_params, split_trainable

@@ -323,7 +323,8 @@ def test_informative_groups_hand_cases():
 
 
 def test_filter_on_config_key():
-    from ict_jax.config import ConfigError, load_config
+    from ict_jax.config import ConfigError
+    from ict_jax.config_load import load_config
 
     assert load_config(None).rl.adv.filter_on == "correct"  # DAPO's definition (docs/config.md)
     assert load_config(None, ["rl.adv.filter_on=reward"]).rl.adv.filter_on == "reward"

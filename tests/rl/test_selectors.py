@@ -18,6 +18,7 @@ import ict_jax
 from ict_jax.config import SelectorSection
 from ict_jax.rl.selectors import (
     SELECTABLE_U_MIN,
+    check_selector,
     dense_mask,
     entropy_mask,
     frequent_mask,
@@ -25,10 +26,12 @@ from ict_jax.rl.selectors import (
     random_key,
     random_mask,
     register_selector,
+    registered_selectors,
     resolved_rho,
     resolved_scope,
     select,
     selectable_mask,
+    selector_info,
     stapo_mask,
     stapo_quantile,
 )
@@ -404,7 +407,8 @@ def test_registry_records_what_each_selector_reads():
     with pytest.raises(ValueError, match="rl.selector.method: selector 'nope' is not registered"):
         selector_needs("nope")
     # the method is a plain string, checked against the registry when the run is built (one line, the names)
-    from ict_jax.config import ConfigError, load_config
+    from ict_jax.config import ConfigError
+    from ict_jax.config_load import load_config
     from ict_jax.rl.selectors import check_selector
 
     check_selector(load_config(None, ["rl.selector.method=needs_test_pmax"]).rl.selector)
@@ -695,14 +699,18 @@ def test_micro_batch_scope_hand_computed():
 
 
 def test_micro_batch_scope_is_for_entropy_only():
-    from ict_jax.config import ConfigError, load_config
+    from ict_jax.config import ConfigError
+    from ict_jax.config_load import load_config
 
     cfg = load_config(None, ["rl.selector.method=entropy", "rl.selector.scope=micro_batch", "rl.selector.ties=all"])
     assert resolved_scope(cfg.rl.selector) == "micro_batch" and cfg.rl.selector.ties == "all"
     assert load_config(None, []).rl.selector.ties == "position"
-    for method in ("ict", "random", "frequent"):
+    check_selector(cfg.rl.selector)
+    for method in ("ict", "random", "frequent"):  # loads; refused when the run is built (the registry's flag)
+        sel = load_config(None, [f"rl.selector.method={method}", "rl.selector.scope=micro_batch"]).rl.selector
         with pytest.raises(ConfigError, match="rl.selector.scope: 'micro_batch' .* for method entropy only"):
-            load_config(None, [f"rl.selector.method={method}", "rl.selector.scope=micro_batch"])
+            check_selector(sel)
+    assert [n for n in registered_selectors() if selector_info(n).micro_batch] == ["entropy"]
     with pytest.raises(ConfigError, match="rl.selector.ties: 'some' is not allowed"):
         load_config(None, ["rl.selector.ties=some"])
 

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 import ict_jax
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.rl.batch import RolloutBatch, build_rollout_batch
 from ict_jax.rl.state import init_train_state
 from ict_jax.rl.train_step import make_train_step

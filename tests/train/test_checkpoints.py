@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import ict_jax
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.state import init_train_state
 from ict_jax.rl.train_step import make_train_step
@@ -226,7 +226,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax.numpy as jnp
 import ict_jax
 from ict_jax.train.checkpoints import Checkpointer
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.rl.state import init_train_state
 cfg = load_config(None, [])
 mc = ict_jax.ModelConfig.tiny(vocab_size=32768, hidden_size=256, intermediate_size=512, num_layers=2)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.model.config import ModelConfig
 from ict_jax.model.qwen2 import init_model
 from ict_jax.model.source import RUN_CONFIG_FILE

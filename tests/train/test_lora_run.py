@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 
 import ict_jax
-from ict_jax.config import ConfigError, load_config
+from ict_jax.config import ConfigError
+from ict_jax.config_load import load_config
 from ict_jax.model.identity import arrays_sha256, weights_sha256
 from ict_jax.train.lora_base import LoraBase, check_base, describe, file_identity
 

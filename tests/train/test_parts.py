@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ict_jax.config import ConfigError, load_config
+from ict_jax.config import ConfigError
+from ict_jax.config_load import load_config
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ict_jax.config import ConfigError, load_config
+from ict_jax.config import ConfigError
+from ict_jax.config_load import load_config
 from ict_jax.train.plugins import check_registered
 
 ROOT = Path(__file__).resolve().parents[2]

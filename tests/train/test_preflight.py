@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.memory import BUDGET_ENV, Budget
 from ict_jax.train.preflight import (
     DoesNotFit,

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -120,6 +120,32 @@ def test_a_program_compiles_once_per_shape_and_runs_that_executable(devices8):
     assert list(prog.executables) == [(8, 4)] and jitted._cache_size() == 0
     prog(w2, np.ones((16, 4), np.float32))  # another shape: its own executable
     assert sorted(prog.executables) == [(8, 4), (16, 4)]
+
+
+def test_a_runs_optimizers_are_built_once_and_passed_to_its_programs(devices8, monkeypatch):
+    """train.programs.Optimizers: the run's builder makes them once; the steps and their states take them
+    from there (nothing below builds another from the config)."""
+    import ict_jax.rl.sft
+    import ict_jax.rl.train_step
+    from ict_jax.aot.compile import get_target, run_mesh, target_model_config
+    from ict_jax.train.checkpoints import abstract_train_state
+    from ict_jax.train.programs import Optimizers, build_programs
+
+    cfg = load_config(DEMO, TINY)
+    optimizers = Optimizers.of(cfg)
+    mc, _ = target_model_config(cfg, "cpu")
+    mesh = run_mesh(cfg, get_target("local"))
+    state = abstract_train_state(cfg, mc, mesh=mesh, tx=optimizers.rl)
+
+    def built_again(*args, **kwargs):
+        raise AssertionError("an optimizer built again from the config")
+
+    for module, name in [(ict_jax.rl.train_step, "make_optimizer"), (ict_jax.rl.sft, "make_sft_optimizer"),
+                         (ict_jax.train.programs, "make_optimizer"), (ict_jax.train.programs, "make_sft_optimizer")]:
+        monkeypatch.setattr(module, name, built_again)
+    programs = build_programs(cfg, mesh, mc, state, optimizers=optimizers)
+    assert programs.optimizers is optimizers
+    assert [p.abstract() is not None for p in (programs.sft, programs.step)] == [True, True]
 
 
 def test_run_parts_are_frozen_and_typed():

@@ -256,7 +256,7 @@ def test_sft_saves_checkpoints_and_sft_resume_continues(tmp_path):
     assert rc == 2 and "pass --resume" in err  # the flag the message suggests exists
     # an interrupted SFT (a checkpoint at step 2 of 4, no sft_model): `train --resume` continues it, then RL
     cut = tmp_path / "cut"
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
 
     cfg = load_config(DEMO, TINY + MESH + ["train.sft_steps=4", "train.sft_save_every=2", f"run_dir={cut}", "data.eval=[]",
                                     "train.steps=1"])
@@ -462,7 +462,7 @@ def test_wandb_missing_is_a_one_line_error(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 def _recorded_run(tmp_path: Path, *overrides: str) -> tuple[Path, list[str]]:
     """A run directory as a finished run leaves it (config, summary, metrics), without weights."""
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
 
     run = tmp_path / "run"
     args = [*TINY, *MESH, "train.steps=2", f"run_dir={run}", *overrides]
@@ -535,7 +535,8 @@ def test_finished_run_resumed_is_a_no_op_and_changes_are_refused_first(tmp_path)
 
 
 def test_check_resume_allows_only_what_cannot_change_the_trajectory():
-    from ict_jax.config import ConfigError, load_config
+    from ict_jax.config import ConfigError
+    from ict_jax.config_load import load_config
     from ict_jax.train.record import check_resume
 
     old = load_config(DEMO, ["optim.lr_warmup_steps=0"])
@@ -569,7 +570,7 @@ def test_resume_of_a_missing_run_dir_writes_nothing(tmp_path):
 
 
 def test_resume_point_of_each_phase(tmp_path):
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.train.resume import resume_point
 
     cfg = load_config(DEMO, ["train.sft_steps=10"])
@@ -716,7 +717,7 @@ def test_an_extension_that_crashed_is_not_taken_for_finished(tmp_path, monkeypat
     if that invocation dies, --resume with train.steps=3 must train, not report 'finished' (the
     summary's own step count decides)."""
     import ict_jax.train.trainer as trainer_mod
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
 
     run, args = _recorded_run(tmp_path, "train.steps=3")  # config.json already says 3; summary says 2 done
 
@@ -779,7 +780,7 @@ def test_a_tensorboard_writer_that_died_on_a_full_disk_is_an_error_not_a_hang(tm
 def test_wall_s_counts_an_interrupted_invocation(tmp_path):
     """summary.json's wall_s is documented "over all invocations" but left out an
     invocation that was interrupted (Ctrl-C) or stopped by an error. Both now count."""
-    from ict_jax.config import load_config
+    from ict_jax.config_load import load_config
     from ict_jax.train.record import read_summary
     from ict_jax.train.stopping import Interrupted
     from ict_jax.train.trainer import Trainer

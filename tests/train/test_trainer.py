@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from ict_jax.cli.main import main as cli_main
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 from ict_jax.train.logs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,7 +165,7 @@ def test_existing_run_dir_is_never_overwritten(tmp_path, capsys):
 SLOW_FIRST_RUN = """
 import sys, time
 import ict_jax.train.trainer as trainer_mod
-from ict_jax.config import load_config
+from ict_jax.config_load import load_config
 
 def slow_build(*a, **k):
     print("building", flush=True)
