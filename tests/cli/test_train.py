@@ -130,7 +130,7 @@ def test_every_phase_of_the_build_is_named_by_the_heartbeat(tmp_path, capsys, mo
     monkeypatch.setenv("ICT_JAX_HEARTBEAT_S", "0.1")
     monkeypatch.setattr(parts, "load_dataset", _slow(parts.load_dataset))
     monkeypatch.setattr(parts, "resolve_model", _slow(parts.resolve_model))
-    monkeypatch.setattr(parts, "compile_and_check", _slow())
+    monkeypatch.setattr(parts, "compile_and_check_gathering", _slow(lambda cfg, programs, *a, **k: (cfg, programs, None)))
     monkeypatch.setattr(parts, "make_reward_pool", _slow(result=Pool()))
     monkeypatch.setattr(parts, "_load_weights", no_weights)
     with pytest.raises(_Stop):
