@@ -291,8 +291,7 @@ def compile_and_check_gathering(config: Config, programs: RunPrograms, tokens: T
     warning says so. Returns the config the run then follows (``gather_weights`` true or false), its
     programs and the last check."""
     auto = config.rollout.gather_weights == "auto"
-    resolved = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
-                                                                       gather_weights=gathers(config)))
+    resolved = config.replace(**{"rollout.gather_weights": gathers(config)})
     if not auto or programs.mesh.shape.get("fsdp", 1) == 1 or config.train.memory_check == "off":
         return resolved, programs, compile_and_check(config, programs, machine=machine, sft=sft, rl=rl)
     try:
@@ -305,7 +304,7 @@ def compile_and_check_gathering(config: Config, programs: RunPrograms, tokens: T
         if check is None or not _only_samplers_over(check):
             return resolved, programs, check
     line = check.line()
-    off = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, gather_weights=False))
+    off = config.replace(**{"rollout.gather_weights": False})
     log.warning("rollout.gather_weights auto: off, since gathering the weights does not fit (%s); the samplers "
                 "all-gather each layer's shards at every decoded token instead (slower; docs/sampler.md)", line)
     programs = with_samplers(off, programs, tokens)
