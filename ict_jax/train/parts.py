@@ -47,6 +47,7 @@ from ict_jax.train.programs import (
     RunPrograms,
     TokenIds,
     build_programs,
+    gathers,
     has_reference,
     reference_dtype,
     same_layout,
@@ -230,6 +231,10 @@ def build_parts(cfg: Config, *, resume: bool = False, progress: bool = True, mod
     fit = None
     if preflight:  # rollout.gather_weights auto decided here: cfg then says true or false
         cfg, programs, fit = compile_and_check_gathering(cfg, programs, TokenIds.of(tokenizer), sft=ahead, rl=rl)
+    else:  # auto without the pre-flight is on (programs.gathers): the record says what the run does
+        cfg = cfg.replace(**{"rollout.gather_weights": gathers(cfg)})
+    if previous is not None:  # what the resume changes, against the decided config (auto is not a change)
+        changes = check_resume(previous, cfg)
     tell("starting the reward workers")
     pool = make_reward_pool(cfg)  # a custom reward function that cannot load fails here, before any write
     try:
