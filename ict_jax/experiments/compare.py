@@ -50,7 +50,7 @@ from ict_jax.experiments.compare_report import (
     is_finite,
     plot_groups,
 )
-from ict_jax.experiments.record import PLAN_FILE, run_status
+from ict_jax.experiments.record import PLAN_FILE, RECORD_FILE, run_status
 from ict_jax.experiments.runner import run_experiment
 from ict_jax.outputs import check_output_dir, has_entries
 from ict_jax.rl.selectors import ALIASES, registered_selectors
@@ -246,8 +246,10 @@ def warm_start(cfg: Config, out: Path, *, progress: bool = True, say: Callable[[
 def write_plan(cfg: Config, specs: Sequence[RunSpec], out: Path, model_path: str, tokenizer: str) -> Path:
     """Write the plan of the comparison's RL runs, ``<out>/plan.yaml``, and the config it names,
     ``<out>/rl_config.yaml`` (module docstring); returns the plan's path. Each run's config is then
-    :func:`run_config`'s. An ``out`` whose runner has started another plan (other methods, seeds or rhos)
-    is refused: the runner would refuse it too."""
+    :func:`run_config`'s. The plan is generated, not pre-registered: when it changed (other methods, seeds or
+    rhos under the same config, :func:`check_same_config`), the runner's record of the former plan is removed
+    with it (``plan.json``, ``experiment.json``: rebuilt from the run directories), so that the runs already
+    done are kept and only the new ones train."""
     import yaml  # only where text is written
 
     arms: dict[str, dict[str, Any]] = {}
@@ -262,9 +264,9 @@ def write_plan(cfg: Config, specs: Sequence[RunSpec], out: Path, model_path: str
             "primary_outcome": {"metric": "reward/mean", "steps": [1, steps]},
             "stopping_rule": "every run trains all its steps; no early stopping", "out": exp, "record": exp}
     text, path = yaml.safe_dump(plan, sort_keys=False), out / PLAN
-    if path.is_file() and path.read_text() != text and (out / EXPERIMENT / PLAN_FILE).is_file():
-        raise ConfigError(f"out: {str(out)!r} holds a comparison of other methods, seeds or rhos ({path}): use "
-                          "another folder")
+    if path.is_file() and path.read_text() != text:
+        for name in (PLAN_FILE, RECORD_FILE):
+            (out / EXPERIMENT / name).unlink(missing_ok=True)
     base = cfg.replace(**{"model.path": model_path, "model.tokenizer": tokenizer, "train.sft_steps": 0})
     out.mkdir(parents=True, exist_ok=True)
     for name, body in ((RL_CONFIG, yaml.safe_dump(base.to_dict(), sort_keys=False)), (PLAN, text)):

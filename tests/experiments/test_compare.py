@@ -414,10 +414,21 @@ def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeyp
     assert _FakeTrainer.calls == [("grpo_s0", True)]
     assert json.loads((out / "results.json").read_text())["runs"]["grpo_s0"] == "resumed"
 
+    # another seed (a new plan under the same config) trains only the new runs
+    _FakeTrainer.calls.clear()
+    assert cli_main([*argv[:6], "0,1", *argv[7:]]) == 0
+    capsys.readouterr()
+    assert _FakeTrainer.calls == [("ict_s1", False), ("grpo_s1", False), ("stapo_s1", False)]
+    assert json.loads((out / "results.json").read_text())["runs"] == {
+        "ict_s0": "skipped", "ict_s1": "started", "grpo_s0": "skipped", "grpo_s1": "started", "stapo_s0": "skipped",
+        "stapo_s1": "diverged"}
+    assert json.loads((exp / "experiment.json").read_text())["plan"]["seeds"] == [0, 1]
+
     # another config in the same folder is refused before anything runs
+    _FakeTrainer.calls.clear()
     assert cli_main(argv + ["train.steps=4"]) == 2
     assert "holds a comparison made with another config (differs in train.steps)" in capsys.readouterr().err
-    assert _FakeTrainer.calls == [("grpo_s0", True)]
+    assert _FakeTrainer.calls == []
 
 
 def test_compare_warns_when_a_sparse_method_selected_every_token(tmp_path, capsys, monkeypatch):
