@@ -201,6 +201,8 @@ def check_same_config(cfg: Config, out: Path) -> None:
 
 
 def run_config(cfg: Config, spec: RunSpec, model_path: str, tokenizer: str) -> Config:
+    """The config of run ``spec``: ``cfg`` from the shared start, RL only, the run's method, rho, variant
+    overrides, seed and run directory; what the plan of :func:`write_plan` gives the run (tested)."""
     over: dict[str, Any] = {"model.path": model_path, "model.tokenizer": tokenizer, "train.sft_steps": 0,
                             "seed": spec.seed, "rl.selector.method": spec.method, "run_dir": str(spec.run_dir)}
     if spec.rho is not None:
