@@ -1,6 +1,6 @@
-"""``ict-jax compare``: every method x seed from one shared warm start (:mod:`ict_jax.experiments.compare`), or,
-with ``--plan``, a pre-registered experiment (:mod:`ict_jax.experiments.runner`: arms x seeds, paired,
-resumable, with a JSON record and a report)."""
+"""``ict-jax compare``: every method x seed from one shared warm start (:mod:`ict_jax.experiments.compare`: a
+plan it writes, trained by the experiment runner), or, with ``--plan``, a pre-registered experiment
+(:mod:`ict_jax.experiments.runner`: arms x seeds, paired, resumable, with a JSON record and a report)."""
 
 from __future__ import annotations
 

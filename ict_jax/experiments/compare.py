@@ -1,5 +1,6 @@
 """The method comparison (``ict-jax compare``): every selector method x seed from one shared warm start,
-then a table and plots.
+then a table and plots. A front end of the experiment runner (:mod:`ict_jax.experiments.runner`): it runs
+the warm start, writes a plan of the RL runs and runs it with :func:`~ict_jax.experiments.runner.run_experiment`.
 
 Layout under ``out`` (``--out``)::
 
@@ -7,16 +8,22 @@ Layout under ``out`` (``--out``)::
     warmstart/            the SFT warm start (``train.sft_steps`` of the config), run once and reused
       sft_model/          its HF checkpoint: ``model.path`` of every RL run
       warmstart.json      SFT metrics, the warm start's pass@k on ``data.eval``, wall time
-    runs/<group>_s<seed>/ one RL run (``group`` = the method, or ``ict_rho<r>`` for the sparsity ablation)
+    rl_config.yaml        the config every RL run starts from: the comparison's, with ``model.path`` = the
+                          warm start's ``sft_model`` (or the config's own) and ``train.sft_steps: 0``
+    plan.yaml             the generated plan: one arm per group (``group`` = the method, or ``ict_rho<r>``
+                          for the sparsity ablation), the seeds, ``train.steps``; not a pre-registration
+    experiment/           the runner's folder (``out`` and ``record`` of the plan, docs/experiments.md):
+      runs/<group>_s<seed>/  one RL run
+      plan.json invocations.jsonl chunks.jsonl experiment.json report.md ...   the runner's record
     results.json          per group: final P@k, steps to the target reward, the selected fraction after the
                           warm-up, final H1 / H2, wall time
     results.md            the same as a Markdown table
     reward.png H1.png H2.png   per group: mean curve over seeds vs step, min-max band
 
-Every run differs from the others only in ``rl.selector.method`` (and ``rl.selector.rho``) and ``seed``:
-the same data, warm start and hyperparameters. The comparison is resumable run by run: a run with a
-``summary.json`` is skipped, a run with a finished checkpoint is resumed from it, any other run is
-(re)started; the table is always rebuilt from what is on disk.
+Every run differs from the others only in ``rl.selector.method`` (and ``rl.selector.rho``, or a variant's
+overrides) and ``seed``: the same data, warm start and hyperparameters. The comparison resumes as the
+runner does: a finished or diverged run is skipped, any other run continues from its last checkpoint;
+the table is always rebuilt from what is on disk.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import jax
 from ict_jax.config import Config, ConfigError
 from ict_jax.config_load import load_config
 from ict_jax.experiments.compare_report import (
+    DENSE_METHODS,
     INCONCLUSIVE,
     LAST_STEPS,
     MA_WINDOW,
@@ -39,17 +47,14 @@ from ict_jax.experiments.compare_report import (
     collect,
     dense_steps,
     format_markdown,
-    has_checkpoint,
     is_finite,
-    pass_at_k,
     plot_groups,
-    selection_warnings,
 )
+from ict_jax.experiments.record import PLAN_FILE, RECORD_FILE, run_status
+from ict_jax.experiments.runner import run_experiment
 from ict_jax.outputs import check_output_dir, has_entries
 from ict_jax.rl.selectors import ALIASES, registered_selectors
 from ict_jax.train.plugins import import_plugins
-from ict_jax.train.record import run_finished
-from ict_jax.train.stopping import TrainingDiverged
 from ict_jax.train.trainer import Trainer
 
 #: Named variants accepted in ``methods`` beside the selector methods: a method with config overrides.
@@ -75,6 +80,8 @@ DEFAULT_SEEDS: tuple[int, ...] = (0, 1, 2)
 #: curve name -> (metrics key, png file)
 PLOTS = {"reward": ("reward/mean", "reward.png"), "H1": ("stats/H1_mean", "H1.png"),
          "H2": ("stats/H2_mean", "H2.png")}
+#: The runner's folder in ``out`` (the plan's ``out`` and ``record``), the plan and the RL runs' base config.
+EXPERIMENT, PLAN, RL_CONFIG = "experiment", "plan.yaml", "rl_config.yaml"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,7 +135,9 @@ def check_rhos(rhos: Sequence[float] | None) -> list[float] | None:
 def plan_runs(methods: Sequence[str], seeds: Sequence[int], out: Path,
               rhos: Sequence[float] | None = None) -> list[RunSpec]:
     """Run groups in the order of ``methods``; with ``rhos`` the ``ict`` group becomes one group per rho
-    (the paper's sparsity ablation: ICT only). Seeds vary fastest within a group."""
+    (the paper's sparsity ablation: ICT only). Seeds vary fastest within a group; run directories
+    ``<out>/experiment/runs/<group>_s<seed>``. A comparison has at least two groups (the runner's plans
+    compare arms)."""
     if rhos and "ict" not in methods:
         raise ConfigError("rhos: the sparsity ablation is for ICT only (ict is not among the methods)")
     specs = []
@@ -136,8 +145,11 @@ def plan_runs(methods: Sequence[str], seeds: Sequence[int], out: Path,
         method, over = VARIANTS.get(m, (m, {}))
         for rho in (rhos if (rhos and m == "ict") else [None]):
             g = group_name(m, rho)
-            specs += [RunSpec(g, method, rho, s, out / "runs" / f"{g}_s{s}", tuple(sorted(over.items())))
-                      for s in seeds]
+            specs += [RunSpec(g, method, rho, s, out / EXPERIMENT / "runs" / f"{g}_s{s}",
+                              tuple(sorted(over.items()))) for s in seeds]
+    if len({s.group for s in specs}) < 2:
+        raise ConfigError(f"methods: {list(methods)}: a comparison needs at least two run groups (two methods, "
+                          "or ict with two rhos)")
     return specs
 
 
@@ -189,6 +201,8 @@ def check_same_config(cfg: Config, out: Path) -> None:
 
 
 def run_config(cfg: Config, spec: RunSpec, model_path: str, tokenizer: str) -> Config:
+    """The config of run ``spec``: ``cfg`` from the shared start, RL only, the run's method, rho, variant
+    overrides, seed and run directory; what the plan of :func:`write_plan` gives the run (tested)."""
     over: dict[str, Any] = {"model.path": model_path, "model.tokenizer": tokenizer, "train.sft_steps": 0,
                             "seed": spec.seed, "rl.selector.method": spec.method, "run_dir": str(spec.run_dir)}
     if spec.rho is not None:
@@ -231,39 +245,44 @@ def warm_start(cfg: Config, out: Path, *, progress: bool = True, say: Callable[[
     return info
 
 
-def run_one(cfg: Config, spec: RunSpec, *, progress: bool = True, say: Callable[[str], None] = _say) -> str:
-    """Train one run unless it is finished; returns what was done: skipped / resumed / started / diverged."""
-    d = spec.run_dir
-    status_path = d / "compare_status.json"
-    if run_finished(d):
-        say(f"{spec.name}: skipped (finished: {d / 'summary.json'})")
+def write_plan(cfg: Config, specs: Sequence[RunSpec], out: Path, model_path: str, tokenizer: str) -> Path:
+    """Write the plan of the comparison's RL runs, ``<out>/plan.yaml``, and the config it names,
+    ``<out>/rl_config.yaml`` (module docstring); returns the plan's path. Each run's config is then
+    :func:`run_config`'s. The plan is generated, not pre-registered: when it changed (other methods, seeds or
+    rhos under the same config, :func:`check_same_config`), the runner's record of the former plan is removed
+    with it (``plan.json``, ``experiment.json``: rebuilt from the run directories), so that the runs already
+    done are kept and only the new ones train."""
+    import yaml  # only where text is written
+
+    arms: dict[str, dict[str, Any]] = {}
+    for s in specs:
+        over = {**({"rl.selector.rho": s.rho} if s.rho is not None else {}), **dict(s.overrides)}
+        arms.setdefault(s.group, {"method": s.method, **({"overrides": over} if over else {})})
+    steps, exp = cfg.train.steps, str(out.absolute() / EXPERIMENT)
+    plan = {"name": "compare", "description": "Generated by ict-jax compare (not a pre-registration): every group "
+            f"from one warm start ({model_path}).", "config": RL_CONFIG, "arms": arms,
+            "seeds": list(dict.fromkeys(s.seed for s in specs)), "steps": steps,
+            "reference_arms": [next((a for a in arms if a in DENSE_METHODS), next(iter(arms)))],
+            "primary_outcome": {"metric": "reward/mean", "steps": [1, steps]},
+            "stopping_rule": "every run trains all its steps; no early stopping", "out": exp, "record": exp}
+    text, path = yaml.safe_dump(plan, sort_keys=False), out / PLAN
+    if path.is_file() and path.read_text() != text:
+        for name in (PLAN_FILE, RECORD_FILE):
+            (out / EXPERIMENT / name).unlink(missing_ok=True)
+    base = cfg.replace(**{"model.path": model_path, "model.tokenizer": tokenizer, "train.sft_steps": 0})
+    out.mkdir(parents=True, exist_ok=True)
+    for name, body in ((RL_CONFIG, yaml.safe_dump(base.to_dict(), sort_keys=False)), (PLAN, text)):
+        if not (out / name).is_file() or (out / name).read_text() != body:  # every process: out may be its own
+            (out / name).write_text(body)
+    return path
+
+
+def _what(before: str, after: str) -> str:
+    """What this invocation did to a run, from its status before (:func:`~ict_jax.experiments.record.run_status`)
+    and after: skipped / started / resumed / diverged."""
+    if before in ("finished", "diverged"):
         return "skipped"
-    if status_path.is_file():
-        say(f"{spec.name}: skipped ({json.loads(status_path.read_text()).get('status')}: {status_path})")
-        return "skipped"
-    if has_checkpoint(d):
-        what = "resumed"
-        say(f"{spec.name}: resuming from its last checkpoint in {d / 'checkpoints'}")
-    elif has_entries(d):
-        what = "restarted"
-        say(f"{spec.name}: restarting (an earlier attempt stopped before its first checkpoint)")
-    else:
-        what = "started"
-        say(f"{spec.name}: method={spec.method}" + (f" rho={spec.rho:g}" if spec.rho is not None else "")
-            + f" seed={spec.seed} -> {d}")
-    try:
-        with Trainer(cfg, resume=what != "started", progress=progress) as trainer:
-            summary = trainer.train()
-    except TrainingDiverged as e:
-        if _primary():
-            d.mkdir(parents=True, exist_ok=True)
-            status_path.write_text(json.dumps({"status": "diverged", "error": str(e)}, indent=2))
-        say(f"{spec.name}: diverged ({e}); left out of the table")
-        return "diverged"
-    p = pass_at_k(summary.get("eval_final"))
-    say(f"{spec.name}: done in {summary.get('wall_s', 0):.0f} s"
-        + ("".join(f", P@{k}={v:.3f}" for k, v in p.items())))
-    return what
+    return "diverged" if after == "diverged" else "started" if before == "pending" else "resumed"
 
 
 def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | None = None,
@@ -284,7 +303,7 @@ def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | None
     if out is None:
         out = "runs/compare_" + ("config" if isinstance(config, Config) else Path(config).stem)
     out = check_output_dir(out, "out")  # every run writes under it: checked before any work
-    specs = plan_runs(methods, seeds, out, rhos)
+    specs = plan_runs(methods, seeds, out.absolute(), rhos)
     model_path, tokenizer = start_model(cfg, out)
     run_cfgs = [run_config(cfg, s, model_path, tokenizer) for s in specs]  # validates every run up front
     check_same_config(cfg, out)
@@ -295,13 +314,12 @@ def run_comparison(config: str | Path | Config, *, methods: Sequence[str] | None
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     ws = warm_start(cfg, out, progress=progress, say=say) if cfg.train.sft_steps > 0 else {}
-    done: dict[str, str] = {}
-    for spec, rc in zip(specs, run_cfgs):
-        done[spec.name] = run_one(rc, spec, progress=progress, say=say)
+    plan = write_plan(cfg, specs, out, model_path, tokenizer)
+    before = {s.name: run_status(s.run_dir, cfg.train.steps) for s in specs}
+    record = run_experiment(plan, allow_uncommitted=True, progress=progress, say=say)  # prints the warnings too
+    done = {s.name: _what(before[s.name], record["runs"][s.name]["status"]) for s in specs}
     groups, curves = collect(specs, target_reward, {s.name: dense_steps(s.method, rc.rl.selector.warmup_steps)
                                                     for s, rc in zip(specs, run_cfgs)})
-    for line in selection_warnings(groups):
-        say(line)
     results = {
         "config": str(config) if not isinstance(config, Config) else None, "overrides": list(overrides),
         "out": str(out), "methods": methods, "seeds": seeds, "rhos": rhos, "target_reward": target_reward,

@@ -1,5 +1,5 @@
-"""``ict-jax compare`` (one warm start, every method x seed, table + plots, resumable)
-and the table maths on hand-made metrics rows."""
+"""``ict-jax compare`` (one warm start, every method x seed as a plan run by the experiment runner, table +
+plots, resumable) and the table maths on hand-made metrics rows."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from ict_jax.cli.main import main as cli_main
 from ict_jax.config_load import load_config
-from ict_jax.experiments.compare import plan_runs, run_config
+from ict_jax.experiments.compare import plan_runs, run_config, write_plan
 from ict_jax.experiments.compare_report import (
     aggregate_group,
     format_markdown,
@@ -116,8 +116,15 @@ def test_plan_runs_groups_and_directories(tmp_path):
     specs = plan_runs(["grpo", "ict"], [0, 1], tmp_path, rhos=[0.05, 0.2])
     assert [s.name for s in specs] == ["grpo_s0", "grpo_s1", "ict_rho0.05_s0", "ict_rho0.05_s1",
                                        "ict_rho0.2_s0", "ict_rho0.2_s1"]
-    assert specs[2].run_dir == tmp_path / "runs" / "ict_rho0.05_s0" and specs[2].rho == 0.05
+    assert specs[2].run_dir == tmp_path / "experiment" / "runs" / "ict_rho0.05_s0" and specs[2].rho == 0.05
     assert specs[0].rho is None and specs[0].method == "grpo"
+    assert [s.name for s in plan_runs(["ict"], [0], tmp_path, rhos=[0.1, 0.2])] == ["ict_rho0.1_s0", "ict_rho0.2_s0"]
+    from ict_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape("methods: ['ict']: a comparison needs at least two run groups")):
+        plan_runs(["ict"], [0, 1], tmp_path)  # one group: the runner's plans compare arms
+    with pytest.raises(ConfigError, match="at least two run groups"):
+        plan_runs(["ict"], [0], tmp_path, rhos=[0.1])
 
 
 def test_variant_and_control_methods_plan_their_runs(tmp_path):
@@ -129,7 +136,7 @@ def test_variant_and_control_methods_plan_their_runs(tmp_path):
     runs = [run_config(cfg, s, "m", "char") for s in specs]
     assert [r.rl.selector.method for r in runs] == ["frequent", "selectable", "ict"]
     assert [r.rl.loss.normalize_over for r in runs] == ["selected", "selected", "valid"]
-    assert runs[2].run_dir == str(tmp_path / "runs" / "ict_norm_valid_s0")
+    assert runs[2].run_dir == str(tmp_path / "experiment" / "runs" / "ict_norm_valid_s0")
 
 
 def test_markdown_has_a_column_per_eval_benchmark():
@@ -211,6 +218,7 @@ def test_a_sparse_method_that_selected_everything_is_a_column_and_a_warning():
     (["--seeds", "0"], "--seeds '0'"),
     (["--rho", "0.1,1.5"], "rl.selector.rho: 1.5 is out of range"),
     (["train.sft_steps=0"], "compare needs a shared starting point"),
+    (["--methods", "ict"], "--methods: ['ict']: a comparison needs at least two run groups"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(args, message, tmp_path, capsys):
     out = tmp_path / "cmp"
@@ -246,9 +254,9 @@ def test_run_comparison_takes_typed_values_and_names_its_parameters(kwargs, mess
 # The orchestration without training: a stand-in Trainer writes what a real run writes
 # --------------------------------------------------------------------------------------------------
 class _FakeTrainer:
-    """Stands in for ict_jax.train.trainer.Trainer in `run_comparison` (warm start: sft + evaluate; a
-    run: train), writing the files the real one writes: sft_model/, metrics.jsonl, a checkpoint folder
-    and summary.json. Records (run_dir, resume) per construction."""
+    """Stands in for ict_jax.train.trainer.Trainer in `run_comparison`'s warm start (sft + evaluate) and in
+    the experiment runner (a run: train), writing the files the real one writes: sft_model/, metrics.jsonl,
+    a checkpoint folder and summary.json. Records (run_dir, resume) per construction."""
 
     calls: list = []
     configs: dict = {}  # run folder name -> the Config the run was given
@@ -256,7 +264,7 @@ class _FakeTrainer:
     select_all: set = set()  # methods that log mask/selected_frac 1.0 on every step (STAPO silencing nothing)
 
     def __init__(self, cfg, resume=False, progress=True):
-        self.cfg, self.run = cfg, Path(cfg.run_dir)
+        self.cfg, self.run, self.paused = cfg, Path(cfg.run_dir), None
         _FakeTrainer.calls.append((self.run.name, resume))
         _FakeTrainer.configs[self.run.name] = cfg
 
@@ -274,7 +282,7 @@ class _FakeTrainer:
     def evaluate(self, step):
         return {"eval/arith/pass@1": 0.125, "eval/arith/pass@2": 0.25}
 
-    def train(self):
+    def train(self, pause=None):
         from ict_jax.train.logs import RunLogger
         from ict_jax.train.stopping import TrainingDiverged
 
@@ -291,7 +299,8 @@ class _FakeTrainer:
             log.close()
             (self.run / "checkpoints" / str(steps)).mkdir(parents=True)
         p1 = 0.5 if method == "ict" else 0.375
-        summary = {"eval_final": {"eval/arith/pass@1": p1, "eval/arith/pass@2": p1 + 0.25}, "wall_s": 2.0}
+        summary = {"eval_final": {"eval/arith/pass@1": p1, "eval/arith/pass@2": p1 + 0.25}, "wall_s": 2.0,
+                   "status": "finished", "steps": steps}
         (self.run / "summary.json").write_text(json.dumps(summary))
         return summary
 
@@ -301,13 +310,46 @@ def res_selection(out: Path, group: str, seed: str = "0") -> dict:
     return next(g for g in groups if g["group"] == group)["runs"][seed]["selection"]
 
 
+def _fake_trainers(monkeypatch):
+    import ict_jax.experiments.compare
+    import ict_jax.experiments.runner
+
+    monkeypatch.setattr(ict_jax.experiments.compare, "Trainer", _FakeTrainer)  # the warm start
+    monkeypatch.setattr(ict_jax.experiments.runner, "Trainer", _FakeTrainer)  # the RL runs
+
+
+def test_the_generated_plan_gives_every_run_the_config_compare_built(tmp_path):
+    """The plan compare writes, read by the runner's own reader, gives every run exactly the config compare
+    builds for it (run_config: the comparison's config from the warm start, RL only, the run's method, rho,
+    variant overrides, seed and run directory): the runner trains the runs compare defines."""
+    from ict_jax.experiments.plan import load_plan
+    from ict_jax.experiments.plan import plan_runs as runner_runs
+
+    cfg = load_config(DEMO, TINY)
+    out = tmp_path / "cmp"
+    specs = plan_runs(["grpo", "ict", "ict_norm_valid"], [0, 3], out, rhos=[0.05, 0.2])
+    plan = load_plan(write_plan(cfg, specs, out, "/models/sft", "char"))
+    assert plan.arm_names == ["grpo", "ict_rho0.05", "ict_rho0.2", "ict_norm_valid"] and plan.seeds == (0, 3)
+    assert plan.steps == cfg.train.steps and plan.reference_arms == ("grpo",)
+    assert plan.out == plan.record == out.absolute() / "experiment" and plan.config_path == out / "rl_config.yaml"
+    assert (plan.primary.metric, plan.primary.first, plan.primary.last) == ("reward/mean", 1, cfg.train.steps)
+    runs = runner_runs(plan)
+    assert [r.name for r in runs] == [s.name for s in specs]
+    for r, s in zip(runs, specs):
+        assert r.run_dir == s.run_dir
+        assert r.config == run_config(cfg, s, "/models/sft", "char"), s.name
+    assert runs[0].config.train.sft_steps == 0 and runs[0].config.model.path == "/models/sft"
+    assert runs[2].config.rl.selector.rho == 0.05 and runs[6].config.rl.loss.normalize_over == "valid"
+    text = (out / "plan.yaml").read_text()
+    write_plan(cfg, specs, out, "/models/sft", "char")  # the same comparison: the same plan, byte for byte
+    assert (out / "plan.yaml").read_text() == text
+
+
 def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeypatch):
     """What `ict-jax compare` does around the training runs (the e2e test below trains for real): one
     warm start shared by every run, each run's config, the table, the plots, skip / resume / diverged on
     a second invocation, and the refusal of another config in the same folder."""
-    import ict_jax.experiments.compare
-
-    monkeypatch.setattr(ict_jax.experiments.compare, "Trainer", _FakeTrainer)
+    _fake_trainers(monkeypatch)
     monkeypatch.setattr(_FakeTrainer, "calls", [])
     monkeypatch.setattr(_FakeTrainer, "configs", {})
     monkeypatch.setattr(_FakeTrainer, "diverge", {"stapo"})
@@ -325,11 +367,16 @@ def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeyp
     for m, c in cfgs.items():
         assert c["model"]["path"] == str(warm.absolute()) and c["model"]["tokenizer"] == "char"
         assert c["train"]["sft_steps"] == 0 and c["seed"] == 0 and c["rl"]["selector"]["method"] == m
-        assert c["run_dir"] == str(out / "runs" / f"{m}_s0")
+        assert c["run_dir"] == str(out.absolute() / "experiment" / "runs" / f"{m}_s0")
     strip = lambda c: {**c, "rl": {**c["rl"], "selector": None}, "run_dir": None}  # noqa: E731
     assert strip(cfgs["ict"]) == strip(cfgs["grpo"]) == strip(cfgs["stapo"])
-    assert "stapo_s0: diverged" in cap.err
-    assert json.loads((out / "runs" / "stapo_s0" / "compare_status.json").read_text())["status"] == "diverged"
+    assert "stapo s0: after step 0 of 3 diverged" in cap.err  # the runner's line
+    exp = out / "experiment"
+    assert json.loads((exp / "runs" / "stapo_s0" / "experiment_status.json").read_text())["status"] == "diverged"
+    record = json.loads((exp / "experiment.json").read_text())  # the runner's record and report, beside the runs
+    assert {n: r["status"] for n, r in record["runs"].items()} == {"ict_s0": "finished", "grpo_s0": "finished",
+                                                                   "stapo_s0": "diverged"}
+    assert record["plan"]["reference_arms"] == ["grpo"] and (exp / "report.md").is_file()
 
     md = (out / "results.md").read_text()
     assert md in cap.out
@@ -356,29 +403,38 @@ def test_compare_orchestration_with_a_stand_in_trainer(tmp_path, capsys, monkeyp
     # again: the warm start is reused, finished and diverged runs are skipped, nothing trains
     _FakeTrainer.calls.clear()
     assert cli_main(argv) == 0
-    err = capsys.readouterr().err
-    assert "warm start: reusing" in err and "ict_s0: skipped" in err and "stapo_s0: skipped (diverged" in err
+    assert "warm start: reusing" in capsys.readouterr().err
     assert _FakeTrainer.calls == [] and _table_rows((out / "results.md").read_text()) == rows
+    assert set(json.loads((out / "results.json").read_text())["runs"].values()) == {"skipped"}
 
     # a run with a checkpoint but no summary is resumed, not restarted
-    (out / "runs" / "grpo_s0" / "summary.json").unlink()
+    (exp / "runs" / "grpo_s0" / "summary.json").unlink()
     assert cli_main(argv) == 0
-    assert "grpo_s0: resuming" in capsys.readouterr().err
+    capsys.readouterr()
     assert _FakeTrainer.calls == [("grpo_s0", True)]
     assert json.loads((out / "results.json").read_text())["runs"]["grpo_s0"] == "resumed"
 
+    # another seed (a new plan under the same config) trains only the new runs
+    _FakeTrainer.calls.clear()
+    assert cli_main([*argv[:6], "0,1", *argv[7:]]) == 0
+    capsys.readouterr()
+    assert _FakeTrainer.calls == [("ict_s1", False), ("grpo_s1", False), ("stapo_s1", False)]
+    assert json.loads((out / "results.json").read_text())["runs"] == {
+        "ict_s0": "skipped", "ict_s1": "started", "grpo_s0": "skipped", "grpo_s1": "started", "stapo_s0": "skipped",
+        "stapo_s1": "diverged"}
+    assert json.loads((exp / "experiment.json").read_text())["plan"]["seeds"] == [0, 1]
+
     # another config in the same folder is refused before anything runs
+    _FakeTrainer.calls.clear()
     assert cli_main(argv + ["train.steps=4"]) == 2
     assert "holds a comparison made with another config (differs in train.steps)" in capsys.readouterr().err
-    assert _FakeTrainer.calls == [("grpo_s0", True)]
+    assert _FakeTrainer.calls == []
 
 
 def test_compare_warns_when_a_sparse_method_selected_every_token(tmp_path, capsys, monkeypatch):
     """`ict-jax compare --config`: STAPO silenced no token, so its row equals GRPO's. The table shows the
     selected fraction and a warning, and the command prints the warning."""
-    import ict_jax.experiments.compare
-
-    monkeypatch.setattr(ict_jax.experiments.compare, "Trainer", _FakeTrainer)
+    _fake_trainers(monkeypatch)
     monkeypatch.setattr(_FakeTrainer, "calls", [])
     monkeypatch.setattr(_FakeTrainer, "configs", {})
     monkeypatch.setattr(_FakeTrainer, "diverge", set())
@@ -396,6 +452,7 @@ def test_compare_warns_when_a_sparse_method_selected_every_token(tmp_path, capsy
     warning = ("WARNING: stapo (stapo) selected every valid token in 1 of 1 run(s) (seed 0: selected fraction 1.000 "
                "on every one of its 3 sparse step(s)): it trained as dense GRPO")
     assert warning in md and f"[compare] {warning}" in cap.err and md in cap.out
+    assert cap.err.count(warning) == 1  # the runner prints it, once
     assert "grpo (grpo) selected" not in md
 
 
@@ -412,7 +469,8 @@ def test_compare_two_methods_writes_table_and_plots_and_resumes(tmp_path, capsys
     warm = out / "warmstart" / "sft_model"
     assert (warm / "config.json").is_file()
     # every run starts from the shared warm start, RL only, its own method, the same seed and data
-    cfgs = {m: json.loads((out / "runs" / f"{m}_s0" / "config.json").read_text()) for m in ("ict", "grpo")}
+    runs = out / "experiment" / "runs"  # the runner's run directories
+    cfgs = {m: json.loads((runs / f"{m}_s0" / "config.json").read_text()) for m in ("ict", "grpo")}
     for m, c in cfgs.items():
         assert c["model"]["path"] == str(warm.absolute()) and c["model"]["tokenizer"] == "char"
         assert c["train"]["sft_steps"] == 0 and c["seed"] == 0 and c["rl"]["selector"]["method"] == m
@@ -428,7 +486,7 @@ def test_compare_two_methods_writes_table_and_plots_and_resumes(tmp_path, capsys
     for g, row in zip(res["groups"], rows[2:]):
         assert g["seeds"] == [0]
         run = g["runs"]["0"]
-        summary = json.loads((out / "runs" / f"{g['group']}_s0" / "summary.json").read_text())
+        summary = json.loads((runs / f"{g['group']}_s0" / "summary.json").read_text())
         p = pass_at_k(summary["eval_final"])
         assert set(p) == {1, 2} and run["pass"] == {"pass@1": p[1], "pass@2": p[2]}
         assert row[3] == f"{p[1]:.3f}" and row[4] == f"{p[2]:.3f}"  # one seed: no sd
@@ -443,26 +501,55 @@ def test_compare_two_methods_writes_table_and_plots_and_resumes(tmp_path, capsys
         assert data[:8] == PNG_MAGIC and len(data) > 5000, png
 
     # a second invocation trains nothing: the warm start is reused and both runs are skipped
-    metrics = {m: (out / "runs" / f"{m}_s0" / "metrics.jsonl").read_text() for m in ("ict", "grpo")}
+    metrics = {m: (runs / f"{m}_s0" / "metrics.jsonl").read_text() for m in ("ict", "grpo")}
     assert cli_main(argv) == 0
-    err = capsys.readouterr().err
-    assert "warm start: reusing" in err and "ict_s0: skipped" in err and "grpo_s0: skipped" in err
-    assert {m: (out / "runs" / f"{m}_s0" / "metrics.jsonl").read_text() for m in ("ict", "grpo")} == metrics
+    assert "warm start: reusing" in capsys.readouterr().err
+    assert json.loads((out / "results.json").read_text())["runs"] == {"ict_s0": "skipped", "grpo_s0": "skipped"}
+    assert {m: (runs / f"{m}_s0" / "metrics.jsonl").read_text() for m in ("ict", "grpo")} == metrics
     assert _table_rows((out / "results.md").read_text()) == rows
 
     # a run with a checkpoint but no summary is resumed, not restarted: no RL step is repeated
-    (out / "runs" / "grpo_s0" / "summary.json").unlink()
+    (runs / "grpo_s0" / "summary.json").unlink()
     assert cli_main(argv) == 0
-    err = capsys.readouterr().err
-    assert "ict_s0: skipped" in err and "grpo_s0: resuming" in err
-    assert (out / "runs" / "grpo_s0" / "metrics.jsonl").read_text() == metrics["grpo"]
-    assert (out / "runs" / "grpo_s0" / "summary.json").is_file()
+    capsys.readouterr()
+    assert json.loads((out / "results.json").read_text())["runs"] == {"ict_s0": "skipped", "grpo_s0": "resumed"}
+    assert (runs / "grpo_s0" / "metrics.jsonl").read_text() == metrics["grpo"]
+    assert (runs / "grpo_s0" / "summary.json").is_file()
     assert _table_rows((out / "results.md").read_text())[3][:4] == rows[3][:4]
 
     # reusing the folder with another config would mix results: refused before anything runs
     assert cli_main(argv + ["train.steps=4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds a comparison made with another config (differs in train.steps)" in err, err
+
+
+@pytest.mark.e2e
+def test_a_compare_run_equals_the_same_run_trained_directly(tmp_path, monkeypatch):
+    """A run of the comparison (trained by the experiment runner from the generated plan) logs, step by step
+    and bitwise, the metrics of the same run trained directly by the Trainer with the config compare builds
+    for it (run_config: the config from the shared warm start, RL only, the run's method and seed)."""
+    from ict_jax.experiments.compare import run_comparison
+    from ict_jax.train.logs import read_metrics
+    from ict_jax.train.trainer import Trainer
+
+    # a reward by the response's length gives the tiny model's groups different rewards: nonzero updates
+    (tmp_path / "compare_reward_t52.py").write_text(
+        "def by_length(response, gold, meta):\n    return float(len(response.strip()) % 3) / 2.0\n")
+    monkeypatch.chdir(tmp_path)  # the reward workers import rl.reward.fn from the working directory
+    over = [*TINY, "train.steps=2", "train.save_every=2", "data.eval=[]", "rl.reward.fn=compare_reward_t52:by_length"]
+    out = tmp_path / "cmp"
+    run_comparison(DEMO, methods=["ict", "grpo"], seeds=[1], out=out, progress=False, overrides=over)
+    cfg = load_config(DEMO, over)
+    spec = plan_runs(["ict", "grpo"], [1], out.absolute())[0]
+    direct = run_config(cfg, spec, str((out / "warmstart" / "sft_model").absolute()), "char").replace(
+        run_dir=str(tmp_path / "direct"))
+    with Trainer(direct, progress=False) as trainer:
+        trainer.train()
+    timing = ("time/", "throughput/")  # the machine's clock, not the run
+    rows = [[{k: v for k, v in r.items() if not k.startswith(timing)} for r in read_metrics(d / "metrics.jsonl", "rl")]
+            for d in (spec.run_dir, tmp_path / "direct")]
+    assert [r["step"] for r in rows[0]] == [0, 1] and all(r["grad/norm"] > 0 for r in rows[0]), rows[0]
+    assert rows[0] == rows[1]
 
 
 @pytest.mark.slow
@@ -477,7 +564,8 @@ def test_rho_ablation_selects_fewer_tokens_at_smaller_rho(tmp_path):
     assert all(g["seeds"] == [0, 1] and g["pass"]["pass@1"]["sd"] is not None for g in res["groups"])
     sel = {}
     for g in ("ict_rho0.05", "ict_rho0.3"):
-        rows = [r for s in (0, 1) for r in read_metrics(out / "runs" / f"{g}_s{s}" / "metrics.jsonl") if r["step"] >= 1]
+        rows = [r for s in (0, 1) for r in read_metrics(out / "experiment" / "runs" / f"{g}_s{s}" / "metrics.jsonl")
+                if r["step"] >= 1]
         sel[g] = sum(r["mask/selected_frac"] for r in rows) / len(rows)  # after the 1-step warm-up
     assert 0 < sel["ict_rho0.05"] < sel["ict_rho0.3"] < 1, sel
     rows = _table_rows((out / "results.md").read_text())
@@ -492,13 +580,13 @@ def test_a_comparison_that_failed_at_start_up_does_not_block_the_corrected_rerun
     import ict_jax.experiments.compare
 
     out = tmp_path / "cmp"
-    argv = ["compare", "--config", str(DEMO), "--methods", "ict", "--seeds", "1", "--out", str(out), "--no-progress",
-            *TINY]
+    argv = ["compare", "--config", str(DEMO), "--methods", "ict,grpo", "--seeds", "1", "--out", str(out),
+            "--no-progress", *TINY]
     bad = [*argv, 'data.train=["file:no_such_file.jsonl"]']
     assert cli_main(bad) == 2  # the real Trainer: fails while reading its inputs, before writing anything
     assert "no_such_file.jsonl" in capsys.readouterr().err
     assert (out / "compare_config.json").is_file() and not ict_jax.experiments.compare.has_results(out)
-    monkeypatch.setattr(ict_jax.experiments.compare, "Trainer", _FakeTrainer)
+    _fake_trainers(monkeypatch)
     monkeypatch.setattr(_FakeTrainer, "calls", [])
     monkeypatch.setattr(_FakeTrainer, "configs", {})
     monkeypatch.setattr(_FakeTrainer, "diverge", set())
