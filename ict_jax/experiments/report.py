@@ -380,7 +380,8 @@ def _plan_git(git: Mapping[str, Any]) -> str:
     if not git.get("in_git"):
         return "not in a git checkout (nothing proves it preceded the results)"
     if not git.get("commit"):
-        return "not committed (run with --uncommitted)"
+        return ("not committed (nothing proves it preceded the results: a plan run with --uncommitted, or one "
+                "ict-jax compare wrote)")
     return f"committed at `{git['commit'][:12]}`" + ("" if git.get("clean") else
                                                      " but run with uncommitted changes (--uncommitted)")
 

@@ -504,6 +504,20 @@ def test_an_uncommitted_plan_in_git_is_refused_unless_asked(tmp_path):
     assert state["in_git"] and state["committed"] and not state["clean"]
 
 
+def test_the_report_says_what_a_plans_git_state_proves():
+    """The report's provenance line, on hand-made git states: outside git, uncommitted (a plan run with
+    --uncommitted, or one compare wrote: neither named as the only cause), committed, committed but changed."""
+    from ict_jax.experiments.report import _plan_git
+
+    assert _plan_git({"in_git": False}) == "not in a git checkout (nothing proves it preceded the results)"
+    assert _plan_git({"in_git": True, "commit": None}) == (
+        "not committed (nothing proves it preceded the results: a plan run with --uncommitted, or one ict-jax "
+        "compare wrote)")
+    assert _plan_git({"in_git": True, "commit": "0123456789abcdef", "clean": True}) == "committed at `0123456789ab`"
+    assert _plan_git({"in_git": True, "commit": "0123456789abcdef", "clean": False}).endswith(
+        "but run with uncommitted changes (--uncommitted)")
+
+
 def test_the_command_line_refuses_mixed_flags_and_a_report_without_a_record(tmp_path, capsys):
     path = _plan(tmp_path, "p")
     assert cli_main(["compare", "--plan", str(path), "--methods", "ict"]) == 2
