@@ -4,7 +4,9 @@ ict with rho = 1 equals dense, 20 steps compile once, and a tiny model learns a 
 The slow method x loss_agg matrices run a covering design (tests/covering.py), not the product: each of
 micro-batches and eight devices runs every method and every aggregation at least once (5 cases of the
 15 pairs each, rotated apart so that the two cover 10 of the pairs together): the two full products (30
-cases) would take over 7 minutes of CI's slow stage."""
+cases) would take over 7 minutes of CI's slow stage. On eight devices the default suite runs the step of ict
+(fused, micro-batched, part of a group per shard); each other feature's eight-device check (ties, the
+entropy convention, the reach shares, the one-pass head) is in the slow stage beside its one-device test."""
 
 from __future__ import annotations
 
@@ -131,7 +133,7 @@ def test_micro_batches_covering(method, agg):
         _assert_close_trees(_cached_delta(method, agg, micro)[0], d1)
 
 
-@pytest.mark.parametrize("method", ["ict", "entropy"])
+@pytest.mark.parametrize("method", ["ict", pytest.param("entropy", marks=pytest.mark.slow)])
 def test_eight_devices_give_the_gradients_of_one(method, devices8):
     cfg = _config(method, METHOD_AGG[method], 1)
     d1, m1 = _cached_delta(method, METHOD_AGG[method], 1)
@@ -267,6 +269,7 @@ def test_one_no_grad_pass_gives_the_two_pass_schedule(method, monkeypatch):
         np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
+@pytest.mark.slow  # the default suite: the one-pass head on one device, and the 8-device step
 def test_one_pass_head_on_eight_devices(devices8):
     cfg = _config("dense", "token-mean", 1, "rl.loss.kl_coef=0")
     d1, m1 = _param_delta(cfg)
@@ -334,6 +337,7 @@ def _real_update(mesh=None):
     return b, trunc, adv, (before, after, {k: float(v) for k, v in m.items()})
 
 
+@pytest.mark.slow  # the default suite: the shares of a real update on one device, and the 8-device step
 def test_reach_shares_and_update_norm_on_eight_devices(devices8):
     """Rows split over 8 devices (groups whole per shard): the same shares, and the norm of the update
     the step applied there."""
@@ -602,6 +606,7 @@ def test_ties_all_in_the_compiled_step_with_micro_batches():
         assert m4["mask/tie_selected_frac"] == m1["mask/tie_selected_frac"]
 
 
+@pytest.mark.slow  # the default suite: ties on one device, and the 8-device step of ict
 def test_ties_all_on_eight_devices(devices8):
     """ties: all on a (2, 2, 2) mesh gives the gradients, loss and mask of one device, fused and with a
     group spread over the 4 batch shards (4 micro-batches)."""
@@ -654,6 +659,7 @@ def test_entropy_official_convention_is_the_mean_of_its_micro_batches():
     assert m_one == m_ref
 
 
+@pytest.mark.slow  # the default suite: the convention on one device, and the 8-device step of ict
 def test_entropy_official_convention_on_eight_devices(devices8):
     """On a (2, 2, 2) mesh each micro-batch (8 rows over 4 batch shards) is still one candidate set and one
     normaliser: the gradients of one device (the official code's per-rank micro-batch is not reproduced)."""

@@ -777,6 +777,7 @@ def test_a_tensorboard_writer_that_died_on_a_full_disk_is_an_error_not_a_hang(tm
     assert not closing.is_alive()
 
 
+@pytest.mark.slow  # two trainers built and compiled, as a whole run is: in the slow stage
 def test_wall_s_counts_an_interrupted_invocation(tmp_path):
     """summary.json's wall_s is documented "over all invocations" but left out an
     invocation that was interrupted (Ctrl-C) or stopped by an error. Both now count."""
