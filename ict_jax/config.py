@@ -14,14 +14,12 @@ defaults where the paper is silent.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from ict_jax.config_coerce import build
-from ict_jax.deprecation import REMOVED_IN, MovedNames, warn
 
 #: Candidate sets of a top-k selector (docs/method.md §2): a response, a prompt's group, the mini-batch, or
 #: (20-Entropy's official code; the selectors registered with ``micro_batch=True``, checked when the run is
@@ -197,24 +195,10 @@ class SelectorSection:
                           for v in (getattr(self, f.name) for f in dataclasses.fields(self))))
 
     @property
-    def canonical_method(self) -> str:
-        """Deprecated: ``ict_jax.rl.selectors.canonical_method(section.method)`` (the registry's aliases)."""
-        return _moved_to_selectors("canonical_method", self.method)
-
-    @property
     def resolved_tau_h(self) -> float:
         """``tau_h``, or the default of the ``stapo_quantile_over`` reading (:data:`STAPO_TAU_H`): STAPO's own
         keys (``tau_p``, ``tau_h``, ``stapo_quantile_over``) keep their defaults here, in the schema."""
         return self.tau_h if self.tau_h is not None else STAPO_TAU_H[self.stapo_quantile_over]
-
-
-def _moved_to_selectors(name: str, arg: Any) -> Any:
-    """A former property of :class:`SelectorSection`, now the function ``name`` of ``ict_jax.rl.selectors``
-    (a selector's aliases live with its registration): warns, then calls it with ``arg`` (the new home is
-    imported by name, as :class:`~ict_jax.deprecation.MovedNames` does, for the deprecation period only)."""
-    new = f"ict_jax.rl.selectors.{name}"
-    warn(f"ict_jax.config.SelectorSection.{name}", f"{new}(...)", removed_in=REMOVED_IN, stacklevel=3)
-    return getattr(importlib.import_module("ict_jax.rl.selectors"), name)(arg)
 
 
 @dataclass(frozen=True)
@@ -587,13 +571,3 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
             raise ConfigError(f"{'.'.join(parts[:i + 1])} is a value, not a section; cannot set {key!r}")
         node = child
     node[parts[-1]] = value
-
-
-#: Former names of this module, now in the modules of their own concept (the loader, the overrides).
-_MOVED = MovedNames(__name__, {"load_config": "ict_jax.config_load.load_config",
-                               "json_copy": "ict_jax.config_load.json_copy",
-                               "parse_override": "ict_jax.config_overrides.parse_override"}, removed_in=REMOVED_IN)
-
-
-def __getattr__(name: str) -> Any:
-    return _MOVED.resolve(name)

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ict_jax"
 ALLOWED: dict[str, set[str]] = {
     "deprecation": set(),
     "config_coerce": set(),
-    "config": {"deprecation", "config_coerce"},
+    "config": {"config_coerce"},
     "config_overrides": {"config"},
     "config_load": {"config", "config_overrides"},
     "sharding": set(),

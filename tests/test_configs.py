@@ -463,20 +463,15 @@ def test_version_flag(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"ict-jax {__version__}"
 
 
-def test_the_configs_former_names_resolve_to_their_new_homes_with_a_warning():
-    """ict_jax.config holds the schema; its former loader, override parser and STAPO's default moved (one
-    minor release with a DeprecationWarning naming the new home). The facade's load_config is the loader."""
+def test_the_configs_former_names_are_gone_and_the_facade_keeps_the_loader():
+    """ict_jax.config holds the schema; its former loader, override parser and SelectorSection's
+    canonical_method left in 0.2.0 (CHANGELOG.md names their homes) without a warning period."""
     import ict_jax
     import ict_jax.config as config
     from ict_jax.config import SelectorSection
-    from ict_jax.config_load import json_copy
-    from ict_jax.config_overrides import parse_override
 
     assert ict_jax.load_config is load_config
-    for name, new in [("load_config", load_config), ("json_copy", json_copy), ("parse_override", parse_override)]:
-        with pytest.warns(DeprecationWarning, match=f"ict_jax.config.{name} is deprecated .* use ict_jax"):
-            assert getattr(config, name) is new
-    with pytest.warns(DeprecationWarning, match="SelectorSection.canonical_method is deprecated"):
-        assert SelectorSection(method="grpo").canonical_method == "dense"
-    with pytest.raises(AttributeError):
-        config.no_such_name  # noqa: B018
+    for name in ("load_config", "json_copy", "parse_override", "no_such_name"):
+        with pytest.raises(AttributeError):
+            getattr(config, name)
+    assert not hasattr(SelectorSection(method="grpo"), "canonical_method")
