@@ -296,6 +296,8 @@ def test_every_runnable_shell_block_runs_as_written(page, block, tmp_path):
     import subprocess
 
     (tmp_path / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
+    # XLA's defaults, as a user runs them: the slow blocks run for minutes (the demo plan: 517 s with the
+    # tests' compile flags, tests/conftest.py, against 383 s at the defaults)
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block["code"]], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=1800)

@@ -227,7 +227,7 @@ def test_build_executes_every_notebook(tmp_path):
     .ipynb is written with its outputs (notebook 02 trains its own few-step demo)."""
     out, work = tmp_path / "out", tmp_path / "work"
     # one CPU device, like a user's machine; the tests' compilation cache comes with os.environ (tests/conftest.py)
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, str(NB / "build.py"), "--fast", "--out", str(out), "--work", str(work)],
                        env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ict_jax.config import eval_settings
+from ict_jax.config import RewardSection, eval_settings
 from ict_jax.heartbeat import Heartbeat, duration
 from ict_jax.rewards.pool import RewardPool
 
@@ -255,6 +255,12 @@ def _open_samples(samples_path: str | os.PathLike | None) -> Any:
     return open(samples_path, "w", encoding="utf-8")
 
 
+def _default_pool() -> RewardPool:
+    """A reward pool with rl.reward's defaults (config.RewardSection: workers, time limit)."""
+    defaults = RewardSection()
+    return RewardPool(defaults.workers, time_limit=defaults.time_limit)
+
+
 def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], datasets: Any, pool: Any = None, *,
              n: int = EVAL_DEFAULTS["n"], ks: Sequence[int] = EVAL_DEFAULTS["ks"], batch_size: int = 8,
              limit: int | None = None, json_path: str | os.PathLike | None = None,
@@ -282,7 +288,7 @@ def evaluate(generate_fn: Callable[[list[str], int], Sequence[Sequence[str]]], d
     benches = [(name, scorer, list(ex)[:limit] if limit is not None else list(ex))
                for name, scorer, ex in _as_benchmarks(datasets)]
     own_pool = pool is None
-    pool = RewardPool(2) if own_pool else pool
+    pool = _default_pool() if own_pool else pool
     correct: dict[str, list[list[bool]]] = {}
     extra: dict[str, dict[str, Any]] = {}
     sample_file = _open_samples(samples_path)

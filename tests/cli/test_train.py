@@ -39,7 +39,7 @@ def test_the_run_dir_is_held_before_jax_is_imported(command, tmp_path, capsys):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(NO_JAX)
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(site), os.environ["PYTHONPATH"]]))
     for key in ("ICT_JAX_COORDINATOR", "ICT_JAX_NUM_PROCESSES"):
         env.pop(key, None)
@@ -89,7 +89,7 @@ def test_a_heartbeat_while_jax_and_the_trainer_are_imported(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(NO_JAX)
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", ICT_JAX_HEARTBEAT_S="0.5",
+    env = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu", ICT_JAX_HEARTBEAT_S="0.5",
                PYTHONPATH=os.pathsep.join([str(site), os.environ["PYTHONPATH"]]))
     p = subprocess.Popen([sys.executable, "-m", "ict_jax.cli", "train", "--config", str(DEMO),
                           f"run_dir={tmp_path / 'run'}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

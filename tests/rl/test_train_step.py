@@ -297,7 +297,10 @@ def test_ict_with_rho_one_equals_dense():
     dense, _ = _cached_delta("dense", agg, 1)
     ict, m = _cached_delta("ict", agg, 1, "rl.selector.rho=1.0")
     assert m["mask/selected_frac"] == 1.0
-    _assert_close_trees(ict, dense, rtol=0, atol=0)
+    # the same tokens and the same loss, but two programs (ict's ranks by u first): XLA may order their float32
+    # sums differently (it does with the tests' compile flags, tests/conftest.py), so the gradients agree to
+    # float32 rounding, this file's gradient tolerance, not bit for bit
+    _assert_close_trees(ict, dense)
 
 
 def test_metrics_hold_every_method_section5_key():
@@ -517,7 +520,8 @@ def _register_user_selectors():
 @pytest.mark.parametrize("micro", [1, 4])
 def test_a_registered_selector_that_needs_u_trains_like_ict(micro):
     """`rl.selector.method` names the user's selector; the step computes u for it (fused: the gradient
-    forward; 4 micro-batches: the old-policy pass) and the gradient is ict's, bit for bit."""
+    forward; 4 micro-batches: the old-policy pass) and the gradient is ict's (to float32 rounding: ict's
+    program also computes the tie share, and XLA may order the two programs' sums differently)."""
     from ict_jax.rl.train_step import StepPlan
 
     _register_user_selectors()
@@ -527,7 +531,7 @@ def test_a_registered_selector_that_needs_u_trains_like_ict(micro):
     mine, m = _cached_delta("user_ict", agg, micro)
     ict, m_ict = _cached_delta("ict", agg, micro)
     assert 0 < m["mask/selected_frac"] < 1
-    _assert_close_trees(mine, ict, rtol=0, atol=0)
+    _assert_close_trees(mine, ict)
     # the tie share needs the score a selector ranks by, which only the built-in selectors name
     # (rl.saturation.RANKED_BY); every other metric is ict's
     assert m == {k: v for k, v in m_ict.items() if k != "mask/tie_selected_frac"}

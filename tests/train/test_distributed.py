@@ -38,7 +38,8 @@ def _cmd(run: Path, *extra: str) -> list[str]:
 
 
 def _env(devices: int) -> dict[str, str]:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                                         + os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu")
 
 
 def _free_port() -> int:

@@ -134,7 +134,7 @@ def test_train_with_a_plugin_selector(tmp_path):
     """``ict-jax train --config configs/demo.yaml plugins=[lowprob_plugin] rl.selector.method=lowprob``
     trains (tiny settings), in a fresh process."""
     run = tmp_path / "run"
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     tiny = ["model.preset=tiny", "rollout.num_samples=4", "train.prompts_per_step=4", "rollout.max_new_tokens=6",
             "train.sft_steps=0", "rl.selector.warmup_steps=0", "data.eval=[]", "stats.chunk=8",

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -68,10 +69,15 @@ def finished(tmp_path_factory):
 # ------------------------------------------------------------------------------------------------
 # What a person reads; the summary's sections
 # ------------------------------------------------------------------------------------------------
+_HEARTBEAT = re.compile(r"^ict-jax train: .*: still running, .* so far \(.* in all\)$")
+
+
 @pytest.mark.slow
 def test_non_tty_output_is_compact_and_ends_with_the_before_after_table(finished):
     run, out, err = finished
-    lines = err.splitlines()
+    # the heartbeat's "still running" lines come whenever a phase passes its interval (a loaded machine: even
+    # before the header, while the weights load); what is checked here is every other line
+    lines = [ln for ln in err.splitlines() if not _HEARTBEAT.match(ln)]
     assert lines[0].startswith(f"run {run}: SFT 3 steps, then 2 RL steps (ict)")
     assert any(ln.startswith("sft 3/3  loss ") for ln in lines)
     assert any(ln.startswith("rl 2/2  reward ") and " acc " in ln and " H1 " in ln and " sel " in ln
@@ -296,6 +302,8 @@ def test_sft_saves_checkpoints_and_sft_resume_continues(tmp_path):
 
 
 def _cli_proc(run: Path, *extra: str) -> subprocess.Popen:
+    # XLA's defaults: the LoRA case's tiny random model gives RL groups of unequal rewards with them (the
+    # tests' compile flags sample other tokens, and its adapters' update was then zero)
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     args = [sys.executable, "-m", "ict_jax.cli", "train", "--config", str(DEMO), *TINY, "data.eval=[]",
             "train.sft_steps=8", "train.sft_save_every=3", "train.steps=3", f"run_dir={run}", *extra]

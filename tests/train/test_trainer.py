@@ -193,7 +193,7 @@ def test_a_second_run_on_a_held_run_dir_is_refused_at_once_naming_the_holder(tmp
 
     run = tmp_path / "run"
     args = [*TINY, "train.steps=2", f"run_dir={run}"]
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu")
     first = subprocess.Popen([sys.executable, "-c", SLOW_FIRST_RUN, str(DEMO), *args], env=env,
                              stdout=subprocess.PIPE, text=True)
     try:
@@ -258,7 +258,7 @@ def test_the_run_dir_is_released_on_every_exit_path(tmp_path, monkeypatch):
 # Resume: bitwise identical to an uninterrupted run (CPU), after a SIGKILL
 # ------------------------------------------------------------------------------------------------
 def _train_proc(run: Path, steps: int, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu")
     args = [sys.executable, "-m", "ict_jax.cli", "train", "--config", str(DEMO), "--no-progress", *TINY,
             f"train.steps={steps}", "train.save_every=3", "rl.loss.kl_coef=0.01", f"run_dir={run}", *extra]
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
