@@ -12,16 +12,17 @@ import pathlib
 # Same programs, same semantics; the numbers may differ in the last bits from the defaults (a random init
 # too), and two different programs that compute the same values (ICT at rho 1 and dense) may order their
 # float32 sums differently, so no test asks them for equal bits. A subprocess whose bits are compared with
-# this process's keeps these flags (test_checkpoint's child); subprocess tests on one device (resume after
-# SIGKILL, two processes, the notebook build, the CLI runs) take them too (ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS,
-# below) and compare only among themselves. ICT_JAX_TEST_XLA_OPT=default runs everything at XLA's defaults.
+# this process's keeps these flags (test_checkpoint's child); subprocess tests on one device that spend
+# their time compiling (resume after SIGKILL, two processes, the notebook build, the CLI runs, the default
+# suite's runnable docs) take them too (ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS, below) and compare only among themselves.
+# ICT_JAX_TEST_XLA_OPT=default runs everything at XLA's defaults.
 _OPT = ("" if os.environ.get("ICT_JAX_TEST_XLA_OPT") == "default"
         else " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _OPT
 ).strip()
 # A subprocess test on one CPU device, like a user's machine, compiles with the same flags: XLA_FLAGS set to
-# this. The demo's README command, the runnable docs, the SFT Ctrl-C resume and the real-model tests compile
+# this. The demo's README command, the slow runnable docs, the SFT Ctrl-C resume and the real-model tests compile
 # as a user's run does (XLA_FLAGS=""): they run for minutes, or sampled what they check at the defaults.
 os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"] = _OPT.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

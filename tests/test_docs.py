@@ -296,9 +296,10 @@ def test_every_runnable_shell_block_runs_as_written(page, block, tmp_path):
     import subprocess
 
     (tmp_path / "configs").symlink_to(ROOT / "configs", target_is_directory=True)
-    # XLA's defaults, as a user runs them: the slow blocks run for minutes (the demo plan: 517 s with the
-    # tests' compile flags, tests/conftest.py, against 383 s at the defaults)
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    # a default block runs for seconds: the tests' compile flags (tests/conftest.py); a slow one for minutes, at
+    # XLA's defaults, as a user runs it (the demo plan: 517 s with the tests' flags, 383 s at the defaults)
+    flags = os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"] if block["run"] == "default" else ""
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block["code"]], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, f"{page.name}, the block at line {block['line']}:\n{r.stdout[-2000:]}{r.stderr[-3000:]}"
