@@ -63,13 +63,17 @@ def _digest(folder: Path) -> str:
     return h.hexdigest()
 
 
-def _metrics_lines(run_dir: Path, step: int) -> str:
-    """A run's metrics up to ``step`` as JSON lines: the RL rows of steps 1..``step`` (0-based < step) and the
-    evaluation rows up to it (an ``eval`` row's step is the number of RL steps done)."""
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / _METRICS
-    rows = read_metrics(path, None) if path.is_file() else []
-    keep = [r for r in rows if int(r["step"]) < step if r.get("phase", "rl") == "rl"]
-    keep += [r for r in rows if int(r["step"]) <= step if r.get("phase") == "eval"]
+    return read_metrics(path, None) if path.is_file() else []
+
+
+def _metrics_lines(run_dir: Path, step: int, evals_from: Path | None = None) -> str:
+    """A run's metrics up to ``step`` as JSON lines: the RL rows of steps 1..``step`` (0-based < step) and the
+    evaluation rows up to it (an ``eval`` row's step is the number of RL steps done), those of ``evals_from``
+    when given (a re-derivation does not evaluate: its parent's evaluations, as recorded, are the policy's)."""
+    keep = [r for r in _rows(run_dir) if int(r["step"]) < step if r.get("phase", "rl") == "rl"]
+    keep += [r for r in _rows(evals_from or run_dir) if int(r["step"]) <= step if r.get("phase") == "eval"]
     return "".join(json.dumps(r) + "\n" for r in keep)
 
 
@@ -90,7 +94,7 @@ def rederive_spec(plan: Plan, parent: RunSpec, step: int) -> RunSpec:
     """The parent's run again, in ``<out>/branches/<parent>@<step>.rederive``: the same config but the run
     directory, trained to ``step`` when the snapshot and the parent's checkpoint of ``step`` are both gone."""
     d = snapshot_dir(plan, parent.name, step).with_name(f"{parent.name}@{step}.rederive")
-    return dataclasses.replace(parent, run_dir=d, config=parent.config.replace(run_dir=str(d)))
+    return dataclasses.replace(parent, run_dir=d, config=parent.config.replace(**{"run_dir": str(d), "data.eval": []}))
 
 
 def needs_rederive(plan: Plan, spec: RunSpec, parent: RunSpec) -> bool:
@@ -123,7 +127,7 @@ def take_snapshot(plan: Plan, parent: RunSpec, step: int) -> dict[str, Any]:
     if tmp.exists():
         shutil.rmtree(tmp)
     shutil.copytree(source / "checkpoints" / str(step), tmp / "checkpoints" / str(step))
-    (tmp / _METRICS).write_text(_metrics_lines(source, step))
+    (tmp / _METRICS).write_text(_metrics_lines(source, step, evals_from=parent.run_dir if source == redo else None))
     info: dict[str, Any] = {"parent": parent.name, "step": step, "checkpoint": str(source / "checkpoints" / str(step)),
                             "checkpoint_sha256": _digest(tmp / "checkpoints"), "taken": now_iso()}
     if source == redo:  # the trajectory it continues, against the parent's as recorded

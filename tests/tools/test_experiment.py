@@ -885,6 +885,8 @@ def test_a_branched_arm_starts_from_its_parents_checkpoint_and_resumes_bitwise(t
     assert "rederived" not in branches[0]
     redo = tmp_path / "cut" / "branches" / "grpo_s0@2.rederive"
     assert branches[1]["checkpoint"] == str(redo / "checkpoints" / "2")
+    # the re-derivation trains without evaluating: the branched run's evaluation at step 2 is GRPO's, as recorded
+    assert read_metrics(redo / "metrics.jsonl", "rl") and not read_metrics(redo / "metrics.jsonl", "eval")
     assert branches[1]["rederived"] == {"run_dir": str(redo), "comparison": {
         "steps_compared": 2, "steps_equal": 2, "first_difference": None, "steps_same_samples": 2,
         "first_sample_difference": None}}
