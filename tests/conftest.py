@@ -14,7 +14,8 @@ import pathlib
 # float32 sums differently, so no test asks them for equal bits. A subprocess whose bits are compared with
 # this process's keeps these flags (test_checkpoint's child); subprocess tests on one device that spend
 # their time compiling (resume after SIGKILL, two processes, the notebook build, the CLI runs, the default
-# suite's runnable docs) take them too (ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS, below) and compare only among themselves.
+# suite's runnable docs) take them too (ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS, below) and compare only among
+# themselves.
 # ICT_JAX_TEST_XLA_OPT=default runs everything at XLA's defaults.
 _OPT = ("" if os.environ.get("ICT_JAX_TEST_XLA_OPT") == "default"
         else " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
@@ -22,8 +23,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _OPT
 ).strip()
 # A subprocess test on one CPU device, like a user's machine, compiles with the same flags: XLA_FLAGS set to
-# this. The demo's README command, the slow runnable docs, the SFT Ctrl-C resume and the real-model tests compile
-# as a user's run does (XLA_FLAGS=""): they run for minutes, or sampled what they check at the defaults.
+# this. The demo's README command, the slow runnable docs, the SFT Ctrl-C resume and the real-model tests
+# compile as a user's run does (XLA_FLAGS=""): they run for minutes, or sampled what they check at the
+# defaults.
 os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"] = _OPT.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Implicit rank promotion ([B, T] + [B] broadcasting on the trailing axis) is an error, here and in the

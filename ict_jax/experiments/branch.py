@@ -73,8 +73,10 @@ def _metrics_lines(run_dir: Path, step: int, evals_from: Path | None = None) -> 
     """A run's metrics up to ``step`` as JSON lines: the RL rows of steps 1..``step`` (0-based < step) and the
     evaluation rows up to it (an ``eval`` row's step is the number of RL steps done), those of ``evals_from``
     when given (a re-derivation does not evaluate: its parent's evaluations, as recorded, are the policy's)."""
-    keep = [r for r in _rows(run_dir) if int(r["step"]) < step if r.get("phase", "rl") == "rl"]
-    keep += [r for r in _rows(evals_from or run_dir) if int(r["step"]) <= step if r.get("phase") == "eval"]
+    rows = _rows(run_dir)
+    keep = [r for r in rows if int(r["step"]) < step if r.get("phase", "rl") == "rl"]
+    keep += [r for r in (rows if evals_from is None else _rows(evals_from))
+             if int(r["step"]) <= step if r.get("phase") == "eval"]
     return "".join(json.dumps(r) + "\n" for r in keep)
 
 

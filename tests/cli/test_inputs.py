@@ -29,7 +29,8 @@ def run_dir(tmp_path_factory):
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    full = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu", **(env or {}))
+    full = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu",
+                **(env or {}))
     return subprocess.run([sys.executable, "-m", "ict_jax.cli", *args], env=full, capture_output=True, text=True,
                           timeout=300)
 

@@ -28,7 +28,8 @@ def test_a_heartbeat_while_jax_is_imported(argv, first, tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(NO_JAX)
-    env = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu", ICT_JAX_HEARTBEAT_S="0.5",
+    env = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu",
+               ICT_JAX_HEARTBEAT_S="0.5",
                PYTHONPATH=os.pathsep.join([str(site), os.environ["PYTHONPATH"]]))
     p = subprocess.Popen([sys.executable, "-m", "ict_jax.cli", *argv, "--out", str(tmp_path / "out")], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -89,7 +89,8 @@ def test_a_heartbeat_while_jax_and_the_trainer_are_imported(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(NO_JAX)
-    env = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu", ICT_JAX_HEARTBEAT_S="0.5",
+    env = dict(os.environ, XLA_FLAGS=os.environ["ICT_JAX_TEST_SUBPROCESS_XLA_FLAGS"], JAX_PLATFORMS="cpu",
+               ICT_JAX_HEARTBEAT_S="0.5",
                PYTHONPATH=os.pathsep.join([str(site), os.environ["PYTHONPATH"]]))
     p = subprocess.Popen([sys.executable, "-m", "ict_jax.cli", "train", "--config", str(DEMO),
                           f"run_dir={tmp_path / 'run'}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
