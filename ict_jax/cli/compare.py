@@ -8,10 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ict_jax.cli.errors import UserError
-
-#: the exit code of an experiment the time box stopped (not finished; the same command continues it)
-EXIT_STOPPED = 75
+from ict_jax.cli.errors import EXIT_STOPPED, UserError
 
 #: run_comparison's parameters -> the flags that set them (its errors name the parameter; these name the flag)
 _FLAGS = {"methods": "--methods", "seeds": "--seeds", "rhos": "--rho", "out": "--out",

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -49,8 +50,8 @@ from ict_jax.rl.selectors import random_key, random_mask, resolved_rho, topk_mas
 from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.train_step import StepPlan, loss_and_aux
 
-__all__ = ["SELECTORS", "PAIRS", "alignment", "selector_masks", "selector_gradients", "run_alignment",
-           "drop_equal_reward_groups", "format_alignment"]
+__all__ = ["SELECTORS", "PAIRS", "DRAWS", "AlignmentStopped", "read_draws", "alignment", "selector_masks",
+           "selector_gradients", "run_alignment", "drop_equal_reward_groups", "format_alignment"]
 
 #: The selectors of the check, in report order.
 SELECTORS = ("dense", "ict_aligned", "ict_pooled", "random_a", "random_b", "lowest_p")
@@ -169,25 +170,86 @@ def flat(tree: Any) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------
 # The check on a run's config
 # ------------------------------------------------------------------------------------------------
+#: The check's journal under ``out``: one JSON line per rollout batch drawn, written after its gradients.
+DRAWS = "draws.jsonl"
+
+
+class AlignmentStopped(Exception):
+    """The time box stopped the check between batches (its journal and gradients kept; ``--resume`` goes on)."""
+
+    def __init__(self, kept: int, batches: int):
+        super().__init__(f"{kept}/{batches} batches")
+        self.kept, self.batches = kept, batches
+
+
+def read_draws(out: Path) -> list[dict[str, Any]]:
+    """The journal of a check in ``out`` (:data:`DRAWS`), each kept batch's gradients checked on disk; a last
+    line cut by a kill is dropped (its batch is drawn again). ValueError (one line) if a kept batch's
+    gradient file is missing."""
+    path = out / DRAWS
+    if not path.is_file():
+        return []
+    draws: list[dict[str, Any]] = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        try:
+            draws.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # the line a kill cut: that batch is drawn again
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON line") from None
+    for d in draws:
+        if d["kept"] is not None:
+            missing = [s for s in SELECTORS if not (out / "grads" / f"{d['kept']['batch']:02d}_{s}.npy").is_file()]
+            if missing:
+                raise ValueError(f"{path}: batch {d['kept']['batch']}'s gradients {missing} are missing from "
+                                 f"{out / 'grads'}: the check cannot go on; start it again in a new folder")
+    return draws
+
+
+def _append_draw(out: Path, draw: Mapping[str, Any]) -> None:
+    with open(out / DRAWS, "a") as f:
+        f.write(json.dumps(draw, default=float) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def run_alignment(config: Config, *, batches: int, out: Path, say: Callable[[str], None] = print,
-                  max_draws: int | None = None, tell: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
+                  max_draws: int | None = None, tell: Callable[[str], None] = lambda text: None,
+                  resume: bool = False, max_hours: float | None = None) -> dict[str, Any]:
     """Sample the run's rollout batches from its starting policy (its steps 0, 1, ... in the run's data order
     and sampler keys) until ``batches`` of them keep a group with unequal rewards (at most ``max_draws``,
     default 4x), take every selector's gradient on each, and write ``alignment.json`` and ``alignment.md``
     under ``out`` (the gradients under ``out/grads``, one ``.npy`` per batch and selector; the run directory
-    of the sampler's trainer under ``out/run``). Returns the result (:func:`alignment`, with the batches'
-    descriptions). ``tell(text)``: what runs now, as each part starts (the build of the run, each batch's
-    sampling and gradients, the report), for a heartbeat (``ict-jax align``'s)."""
+    of the sampler's trainer under ``out/run``; one line per batch drawn in ``out/draws.jsonl``, the journal).
+    Returns the result (:func:`alignment`, with the batches' descriptions). ``tell(text)``: what runs now, as
+    each part starts (the build of the run, each batch's sampling and gradients, the report), for a heartbeat
+    (``ict-jax align``'s).
+
+    ``max_hours``: a time box; no batch starts that would end past it at the pace measured (the slowest batch
+    so far; the first always starts): :class:`AlignmentStopped`. ``resume``: go on with the check in ``out``
+    from its journal (the run's config must not change: the resume rules of ``out/run``); every batch is a
+    function of the starting policy and its step alone (the prompt iterator's position is in the journal), so
+    a check done in chunks equals one done at once, bit for bit."""
     from ict_jax.train.rollout import collect_rollout
     from ict_jax.train.trainer import Trainer
 
+    t_start = time.perf_counter()
     cfg = config.replace(**{"rl.loss.kl_coef": 0.0, "run_dir": str(out / "run"), "train.eval_every": 0})
     rho = resolved_rho(dataclasses.replace(cfg.rl.selector, method="ict"))  # rl.selector.rho, else ICT's default
     gdir = out / "grads"
+    draws = read_draws(out) if resume else []
+    kept: list[dict[str, Any]] = [d["kept"] for d in draws if d["kept"] is not None]
+    first = draws[-1]["step"] + 1 if draws else 0
+    if resume:
+        say(f"resuming the check in {out}: {len(kept)}/{batches} batches kept in {first} draws")
     gdir.mkdir(parents=True, exist_ok=True)
-    kept: list[dict[str, Any]] = []
-    with Trainer(cfg, resume=False, progress=False, preflight=False, tell=tell) as trainer:
+    pace = 0.0
+    with Trainer(cfg, resume=resume and (out / "run").is_dir(), progress=False, preflight=False,
+                 tell=tell) as trainer:
         parts, state = trainer.parts, trainer.state
+        if draws:
+            parts.iterator.load_state_dict(draws[-1]["iterator"])
         G = cfg.rollout.num_samples
         plan = StepPlan.from_config(cfg, make_optimizer(cfg))
         graphdef = state.model_def()
@@ -195,31 +257,40 @@ def run_alignment(config: Config, *, batches: int, out: Path, say: Callable[[str
         stats_fn = jax.jit(lambda p, b, v: group_stats(p, graphdef, b.tokens, b.attention_mask, v, request))
         grads_fn = jax.jit(lambda p, b, v, ms, k, s: selector_gradients(plan, p, graphdef, b, v, ms, k, s))
         limit = max_draws or 4 * batches
-        for step in range(limit):
+        for step in range(first, limit):
             if len(kept) == batches:
                 break
+            if max_hours is not None and pace and time.perf_counter() - t_start + pace > max_hours * 3600:
+                raise AlignmentStopped(len(kept), batches)
             t0 = time.perf_counter()
             tell(f"batch {len(kept) + 1}/{batches}: sampling the rollouts of step {step}")
             batch, _ = collect_rollout(parts, state, step)
             batch, groups = drop_equal_reward_groups(batch, G)
+            draw: dict[str, Any] = {"step": step, "kept": None}
             if groups == 0:
                 say(f"step {step}: every group's rewards are equal: skipped")
-                continue
-            tell(f"batch {len(kept) + 1}/{batches} (step {step}): the statistics, masks and every selector's "
-                 "gradient")
-            valid = ((batch.response_valid > 0) & (batch.row_valid[:, None] > 0)).astype(jnp.float32)
-            stats = stats_fn(state.params, batch, valid)
-            keys = [random_key(state.rng, step, d) for d in (0, 1)]  # draw 0: the random arm's own at this step
-            masks = selector_masks(stats, valid, rho=rho, group_size=G, keys=keys)
-            grads = grads_fn(state.params, batch, valid, masks, state.rng, jnp.int32(step))
-            b = len(kept)
-            for s, g in grads.items():
-                np.save(gdir / f"{b:02d}_{s}.npy", flat(g))
-            kept.append({"batch": b, "step": step, "groups": groups, "valid_tokens": int(np.asarray(valid).sum()),
-                         "selected": {s: int(np.asarray(m).sum()) for s, m in masks.items()},
-                         "reward_mean": float(np.mean(np.asarray(batch.rewards))), "seconds": time.perf_counter() - t0})
-            say(f"batch {b + 1}/{batches} (step {step}): {groups} of {cfg.train.prompts_per_step} groups kept, "
-                f"{kept[-1]['valid_tokens']} tokens, {kept[-1]['seconds']:.0f} s")
+            else:
+                tell(f"batch {len(kept) + 1}/{batches} (step {step}): the statistics, masks and every selector's "
+                     "gradient")
+                valid = ((batch.response_valid > 0) & (batch.row_valid[:, None] > 0)).astype(jnp.float32)
+                stats = stats_fn(state.params, batch, valid)
+                keys = [random_key(state.rng, step, d) for d in (0, 1)]  # draw 0: the random arm's own at this step
+                masks = selector_masks(stats, valid, rho=rho, group_size=G, keys=keys)
+                grads = grads_fn(state.params, batch, valid, masks, state.rng, jnp.int32(step))
+                b = len(kept)
+                for s, g in grads.items():
+                    np.save(gdir / f"{b:02d}_{s}.npy", flat(g))
+                kept.append({"batch": b, "step": step, "groups": groups,
+                             "valid_tokens": int(np.asarray(valid).sum()),
+                             "selected": {s: int(np.asarray(m).sum()) for s, m in masks.items()},
+                             "reward_mean": float(np.mean(np.asarray(batch.rewards))),
+                             "seconds": time.perf_counter() - t0})
+                draw["kept"] = kept[-1]
+                say(f"batch {b + 1}/{batches} (step {step}): {groups} of {cfg.train.prompts_per_step} groups kept, "
+                    f"{kept[-1]['valid_tokens']} tokens, {kept[-1]['seconds']:.0f} s")
+            draw["iterator"] = parts.iterator.state_dict()
+            _append_draw(out, draw)
+            pace = max(pace, time.perf_counter() - t0)
     if len(kept) < 2:
         raise ValueError(f"align: {len(kept)} batch(es) with unequal rewards in {limit} draws: the check needs 2")
     tell("the alignment of the gradients and the report")

@@ -16,10 +16,12 @@ import pytest
 import ict_jax
 from ict_jax.config_load import load_config
 from ict_jax.diagnostics.gradient_alignment import (
+    DRAWS,
     SELECTORS,
     alignment,
     drop_equal_reward_groups,
     format_alignment,
+    read_draws,
     selector_gradients,
     selector_masks,
 )
@@ -133,6 +135,25 @@ def test_groups_whose_rewards_are_all_equal_are_dropped():
     assert kept == 2 and np.asarray(same.row_valid).tolist() == [1] * 8
 
 
+def test_the_journal_drops_a_line_a_kill_cut_and_refuses_a_kept_batch_without_its_gradients(tmp_path):
+    import json
+
+    (tmp_path / "grads").mkdir()
+    for s in SELECTORS:
+        np.save(tmp_path / "grads" / f"00_{s}.npy", np.zeros(3, np.float32))
+    lines = [{"step": 0, "kept": None, "iterator": {"i": 1}},
+             {"step": 1, "kept": {"batch": 0, "step": 1}, "iterator": {"i": 2}}]
+    (tmp_path / DRAWS).write_text("".join(json.dumps(d) + "\n" for d in lines) + '{"step": 2, "ke')
+    assert read_draws(tmp_path) == lines
+    (tmp_path / "grads" / "00_lowest_p.npy").unlink()
+    with pytest.raises(ValueError, match=r"batch 0's gradients \['lowest_p'\] are missing"):
+        read_draws(tmp_path)
+    (tmp_path / DRAWS).write_text("not json\n" + json.dumps(lines[0]) + "\n")
+    with pytest.raises(ValueError, match=r"draws.jsonl:1: not a JSON line"):
+        read_draws(tmp_path)
+    assert read_draws(tmp_path / "nothing") == []
+
+
 REWARD = """\
 def by_length(response, gold, meta):
     return float(len(response.strip()) % 3) / 2.0
@@ -162,5 +183,26 @@ def test_the_check_runs_on_a_runs_own_rollouts_and_writes_its_report(tmp_path, m
     assert sel["dense"] == out["batches_info"][0]["valid_tokens"] > sel["ict_aligned"] == sel["random_a"] > 0
     assert any(s.startswith("batch 3/3 (step ") for s in said), said
     assert (tmp_path / "align" / "alignment.md").read_text().startswith("Batches: 3.")
-    # the same folder again: one line, exit 2, nothing overwritten
+    # the same folder again: one line, exit 2, nothing overwritten; --resume of a finished check: exit 0
     assert cli_main(["align", "--config", str(demo), "--out", str(tmp_path / "align")]) == 2
+    assert cli_main(["align", "--config", str(demo), "--out", str(tmp_path / "align"), "--resume"]) == 0
+    assert cli_main(["align", "--config", str(demo), "--out", str(tmp_path / "none"), "--resume"]) == 2
+
+    # the same check in chunks (a time box stops it after each first batch; the journal goes on): bit for bit
+    from ict_jax.diagnostics.gradient_alignment import AlignmentStopped
+
+    chunked = tmp_path / "chunked"
+    with pytest.raises(AlignmentStopped):
+        run_alignment(cfg, batches=3, out=chunked, say=said.append, max_hours=1e-9)
+    assert cli_main(["align", "--config", str(demo), "--out", str(chunked)]) == 2  # unfinished: --resume
+    with pytest.raises(AlignmentStopped):
+        run_alignment(cfg, batches=3, out=chunked, say=said.append, max_hours=1e-9, resume=True)
+    assert len(list((chunked / "grads").glob("*.npy"))) == 12
+    again = run_alignment(cfg, batches=3, out=chunked, say=said.append, resume=True)
+    for b in range(3):
+        for s in SELECTORS:
+            name = f"{b:02d}_{s}.npy"
+            assert np.array_equal(np.load(chunked / "grads" / name), np.load(tmp_path / "align" / "grads" / name))
+    assert again["per_batch"] == out["per_batch"] and again["paired"] == out["paired"]
+    assert [{k: v for k, v in b.items() if k != "seconds"} for b in again["batches_info"]] == \
+        [{k: v for k, v in b.items() if k != "seconds"} for b in out["batches_info"]]
