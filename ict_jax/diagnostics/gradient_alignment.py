@@ -214,6 +214,23 @@ def _append_draw(out: Path, draw: Mapping[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def _batch_gradients(state: Any, batch: RolloutBatch, step: int, fns: tuple[Callable, Callable], rho: float,
+                     group_size: int, prefix: Path) -> dict[str, Any]:
+    """Every selector's gradient on one batch, saved as ``<prefix>_<selector>.npy``; returns the batch's
+    valid tokens, selected counts and mean reward. ``fns``: the compiled statistics and gradients."""
+    stats_fn, grads_fn = fns
+    valid = ((batch.response_valid > 0) & (batch.row_valid[:, None] > 0)).astype(jnp.float32)
+    stats = stats_fn(state.params, batch, valid)
+    keys = [random_key(state.rng, step, d) for d in (0, 1)]  # draw 0: the random arm's own at this step
+    masks = selector_masks(stats, valid, rho=rho, group_size=group_size, keys=keys)
+    grads = grads_fn(state.params, batch, valid, masks, state.rng, jnp.int32(step))
+    for s, g in grads.items():
+        np.save(f"{prefix}_{s}.npy", flat(g))
+    return {"valid_tokens": int(np.asarray(valid).sum()),
+            "selected": {s: int(np.asarray(m).sum()) for s, m in masks.items()},
+            "reward_mean": float(np.mean(np.asarray(batch.rewards)))}
+
+
 def run_alignment(config: Config, *, batches: int, out: Path, say: Callable[[str], None] = print,
                   max_draws: int | None = None, tell: Callable[[str], None] = lambda text: None,
                   resume: bool = False, max_hours: float | None = None) -> dict[str, Any]:
@@ -272,18 +289,9 @@ def run_alignment(config: Config, *, batches: int, out: Path, say: Callable[[str
             else:
                 tell(f"batch {len(kept) + 1}/{batches} (step {step}): the statistics, masks and every selector's "
                      "gradient")
-                valid = ((batch.response_valid > 0) & (batch.row_valid[:, None] > 0)).astype(jnp.float32)
-                stats = stats_fn(state.params, batch, valid)
-                keys = [random_key(state.rng, step, d) for d in (0, 1)]  # draw 0: the random arm's own at this step
-                masks = selector_masks(stats, valid, rho=rho, group_size=G, keys=keys)
-                grads = grads_fn(state.params, batch, valid, masks, state.rng, jnp.int32(step))
                 b = len(kept)
-                for s, g in grads.items():
-                    np.save(gdir / f"{b:02d}_{s}.npy", flat(g))
                 kept.append({"batch": b, "step": step, "groups": groups,
-                             "valid_tokens": int(np.asarray(valid).sum()),
-                             "selected": {s: int(np.asarray(m).sum()) for s, m in masks.items()},
-                             "reward_mean": float(np.mean(np.asarray(batch.rewards))),
+                             **_batch_gradients(state, batch, step, (stats_fn, grads_fn), rho, G, gdir / f"{b:02d}"),
                              "seconds": time.perf_counter() - t0})
                 draw["kept"] = kept[-1]
                 say(f"batch {b + 1}/{batches} (step {step}): {groups} of {cfg.train.prompts_per_step} groups kept, "
