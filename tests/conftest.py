@@ -124,6 +124,19 @@ def pytest_sessionfinish(session):
         gc.freeze()
 
 
+# A test marked ``libtpu`` compiles with the TPU compiler (the tpu extra): skipped where libtpu is not installed,
+# except where ICT_JAX_REQUIRE_LIBTPU is set (CI, .ci/run), where it runs and fails without it.
+def pytest_collection_modifyitems(config, items):
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is not None or os.environ.get("ICT_JAX_REQUIRE_LIBTPU"):
+        return
+    skip = pytest.mark.skip(reason="the tpu extra: pip install -e '.[tpu]' (.ci/run installs it)")
+    for item in items:
+        if item.get_closest_marker("libtpu"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def devices8():
     devs = jax.devices()

@@ -3,9 +3,7 @@ the stack-frame tables it reads, and one TPU chip (``v5p:1x1x1``) as a target.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import pathlib
 
 import pytest
@@ -15,10 +13,6 @@ from ict_jax.aot.breakdown import CATEGORIES, breakdown, category, source_frames
 from ict_jax.aot.cost import cost
 
 RECIPE = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "qwen2p5_0p5b_ict.yaml")
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="needs libtpu (pip install -e '.[tpu]')")
-
 # a module as XLA prints it: instructions name a stack frame, the tables at the end resolve it
 MODULE = """HloModule m
 
@@ -86,7 +80,7 @@ def test_each_instruction_gets_the_category_of_its_source_and_kind():
     assert parts["converts"].bytes == 4 * 8 * 2 + 4 * 8 * 4  # reads bf16, writes f32
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_compile_for_one_tpu_chip_prints_the_breakdown(tmp_path, capsys):
     """``--topology v5p:1x1x1`` (libtpu takes one chip only with its chips-per-host bounds) and
     ``--breakdown``: every category's bytes, summing to the roofline's HLO bytes."""

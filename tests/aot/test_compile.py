@@ -6,9 +6,7 @@ memory-discipline checks; exit codes 0 / 2 / 3 of the command."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import os
 import pathlib
 
 import numpy as np
@@ -29,11 +27,6 @@ RECIPE = str(CONFIGS / "qwen2p5_0p5b_ict.yaml")
 # 40 response positions and chunk 16 keep every dimension of the statistics distinct from the model's.
 TINY = ["model.preset=tiny", "train.prompts_per_step=16", "train.mini_batches=1", "train.micro_batches=2",
         "rollout.max_prompt_len=32", "rollout.max_new_tokens=40", "stats.chunk=16", "data.eval_n=4"]
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-# CI (.ci/run) sets ICT_JAX_REQUIRE_LIBTPU=1: there a missing libtpu fails these tests instead of skipping them
-needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="the tpu extra: pip install -e '.[tpu]' (.ci/run installs it)")
-
 
 # ------------------------------------------------------------------------------------------------
 # The HLO reader, on a hand-written module
@@ -666,7 +659,7 @@ def tpu_reports():
     return cfg, target, compile_run(cfg, target)[0]
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_tiny_preset_compiles_for_v5e_and_keeps_memory_discipline(tpu_reports):
     cfg, target, reports = tpu_reports
     assert target.platform == "tpu" and target.chips == 4 and target.device_kind == "TPU v5 lite"
@@ -698,7 +691,7 @@ def test_tiny_preset_compiles_for_v5e_and_keeps_memory_discipline(tpu_reports):
     assert abstract_batch(cfg, run_mesh(cfg, target)).tokens.sharding.shard_shape((128, 72)) == (32, 72)
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_a_config_that_does_not_fit_exits_3_with_one_line(tmp_path, capsys):
     """The real 0.5B model, data-parallel on 4 v5e chips, the paper's geometry in one micro-batch:
     the compiler refuses the step (RESOURCE_EXHAUSTED) within seconds."""
@@ -718,7 +711,7 @@ def test_a_config_that_does_not_fit_exits_3_with_one_line(tmp_path, capsys):
     assert "NO" in text
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_hbm_of_each_generation_comes_from_the_compiler():
     from ict_jax.aot.compile import hbm_bytes
 

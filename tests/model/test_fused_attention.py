@@ -7,8 +7,6 @@ tests/aot/test_compile.py (the tiny preset, whose ``auto`` attention on a TPU is
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import pathlib
 
 import jax
@@ -160,13 +158,8 @@ def test_prefill_through_the_kernel_gives_the_caches_and_states_of_a_plain_exten
 # ------------------------------------------------------------------------------------------------
 # The splash path through the real TPU compiler (libtpu, the tpu extra)
 # ------------------------------------------------------------------------------------------------
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-# CI (.ci/run) sets ICT_JAX_REQUIRE_LIBTPU=1: there a missing libtpu fails this test instead of skipping it
-needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="the tpu extra: pip install -e '.[tpu]' (.ci/run installs it)")
 
-
-@needs_libtpu
+@pytest.mark.libtpu
 @pytest.mark.parametrize("remat, kernels", [("block", 3), ("full", 4)])
 def test_the_splash_kernel_compiles_for_a_v5e_slice_and_keeps_the_scores_on_chip(remat, kernels):
     """The tiny model's loss gradient, bfloat16, rows sharded over 4 v5e chips (the kernel under
@@ -200,7 +193,7 @@ def test_the_splash_kernel_compiles_for_a_v5e_slice_and_keeps_the_scores_on_chip
             assert f"[{rows_},{H},{n},{n}]" not in text and f"[{rows_},2,2,{n},{n}]" not in text
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_the_recipe_compiled_for_a_tpu_runs_splash_and_keeps_memory_discipline(tmp_path):
     """``ict-jax compile`` of the 0.5B recipe shrunk to the tiny preset (tests/aot/test_compile.py's) for
     v5e:2x2: ``model.attention: auto`` resolves to splash for the target, the step's HLO holds the kernel,
@@ -221,7 +214,7 @@ def test_the_recipe_compiled_for_a_tpu_runs_splash_and_keeps_memory_discipline(t
     assert 'custom_call_target="tpu_custom_call"' in text
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_the_splash_kernel_runs_on_each_devices_rows_and_kv_heads_under_tensor_parallelism():
     """fsdp 2 x tensor 2 on v5e:2x2 (the 1.5B recipe's kind of mesh): each device's kernel calls take its 4
     of the 8 rows and its 1 of the 2 KV heads (with that head's 2 query heads), ``[4 x 1, 2, 256, 16]``:

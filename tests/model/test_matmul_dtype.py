@@ -9,8 +9,6 @@ Attention's own einsums (``model/attention.py``) are left to its fused kernel (d
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import pathlib
 import re
 
@@ -26,10 +24,6 @@ RECIPE = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "qwen2p5_
 TINY_BF16 = ["model.preset=tiny", "model.compute_dtype=bfloat16", "train.prompts_per_step=4", "rollout.num_samples=4",
              "train.mini_batches=1", "train.micro_batches=2", "rollout.max_prompt_len=8", "rollout.max_new_tokens=24",
              "stats.chunk=8", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="needs libtpu (pip install -e '.[tpu]')")
-
 
 def _step_job(target):
     from ict_jax.aot.compile import build_programs, run_mesh, target_model_config
@@ -71,7 +65,7 @@ def test_the_bf16_step_program_reads_no_upcast_matmul_operand(devices8):
     assert sum(1 for d in dots if d.arrays[0].dtype == "bf16") >= 7 * 3  # 7 projections: forward, dx, dW
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_the_bf16_step_compiled_for_one_tpu_chip_reads_no_upcast_matmul_operand():
     """The TPU compiler's program for one v5p chip (``v5p:1x1x1``, a topology libtpu takes only with
     its chips-per-host bounds): the same, after fusion."""

@@ -6,9 +6,6 @@ tests/rl/test_token_stats.py's)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,9 +15,7 @@ from ict_jax.aot import hlo
 from ict_jax.aot.cost import cost
 from ict_jax.rl.token_stats import stats_from_hidden
 
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-pytestmark = pytest.mark.skipif(not HAS_LIBTPU and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                reason="needs libtpu (pip install -e '.[tpu]')")
+pytestmark = pytest.mark.libtpu
 P, G, T, C, D, V = 4, 8, 256, 128, 128, 8192
 
 

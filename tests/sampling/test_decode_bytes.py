@@ -10,9 +10,6 @@ gathers them once a call)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,10 +30,6 @@ CONFIG = ModelConfig.tiny(vocab_size=512, hidden_size=256, intermediate_size=140
                           num_kv_heads=2, head_dim=64, param_dtype="float32", compute_dtype="bfloat16")
 P, G, LP, N = 4, 4, 64, 64
 LIMIT = 1.3
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None
-                                  and not os.environ.get("ICT_JAX_REQUIRE_LIBTPU"),
-                                  reason="the tpu extra: pip install -e '.[tpu]' (.ci/run installs it)")
-
 
 def least_bytes(c: ModelConfig) -> tuple[int, int]:
     """(weights a decode step reads in the compute dtype: the tied head, not the embedding table's rows;
@@ -103,14 +96,14 @@ def test_cpu_decode_reads_each_weight_once_a_token():
     check(config, compiled_decode_bytes(config, jax.devices("cpu"), unroll=True))
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_tpu_decode_reads_each_weight_once_a_token():
     from ict_jax.aot.compile import get_target
 
     check(CONFIG, compiled_decode_bytes(CONFIG, get_target("v5e:2x2").devices, unroll=False))
 
 
-@needs_libtpu
+@pytest.mark.libtpu
 def test_tpu_fsdp_decode_gathers_the_weights_once_with_gather_weights():
     """FSDP 4 on a TPU: with ``rollout.gather_weights`` the weights are gathered once, before the loop, and a
     decode step reads them as on one device (1.16x). Without it every step all-gathers every layer's shards
