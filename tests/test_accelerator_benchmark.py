@@ -35,8 +35,10 @@ def smoke(tmp_path_factory):
     return bench, out, stages, code
 
 
-# the whole benchmark at smoke sizes, every stage compiled and run (about a minute under load): in the default
-# suite, where the GPU script is proven before a lent device runs it (docs/benchmarks.md "Accelerator")
+# the whole benchmark at smoke sizes, every stage compiled and run (about a minute under load): an end-to-end
+# run, in CI's second stage, which proves the GPU script before a lent device runs it (docs/benchmarks.md
+# "Accelerator")
+@pytest.mark.e2e
 def test_smoke_runs_every_stage_and_writes_its_record(smoke, capsys):
     bench, out, stages, code = smoke
     summary = json.loads((out / "accelerator.json").read_text())

@@ -80,6 +80,7 @@ def test_each_instruction_gets_the_category_of_its_source_and_kind():
     assert parts["converts"].bytes == 4 * 8 * 2 + 4 * 8 * 4  # reads bf16, writes f32
 
 
+@pytest.mark.e2e  # a whole program compiled for a TPU: seconds to half a minute
 @pytest.mark.libtpu
 def test_compile_for_one_tpu_chip_prints_the_breakdown(tmp_path, capsys):
     """``--topology v5p:1x1x1`` (libtpu takes one chip only with its chips-per-host bounds) and

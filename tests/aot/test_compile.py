@@ -659,6 +659,7 @@ def tpu_reports():
     return cfg, target, compile_run(cfg, target)[0]
 
 
+@pytest.mark.e2e  # a whole program compiled for a TPU: seconds to half a minute
 @pytest.mark.libtpu
 def test_tiny_preset_compiles_for_v5e_and_keeps_memory_discipline(tpu_reports):
     cfg, target, reports = tpu_reports
@@ -691,6 +692,7 @@ def test_tiny_preset_compiles_for_v5e_and_keeps_memory_discipline(tpu_reports):
     assert abstract_batch(cfg, run_mesh(cfg, target)).tokens.sharding.shard_shape((128, 72)) == (32, 72)
 
 
+@pytest.mark.e2e  # a whole program compiled for a TPU: seconds to half a minute
 @pytest.mark.libtpu
 def test_a_config_that_does_not_fit_exits_3_with_one_line(tmp_path, capsys):
     """The real 0.5B model, data-parallel on 4 v5e chips, the paper's geometry in one micro-batch:

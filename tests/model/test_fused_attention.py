@@ -193,6 +193,7 @@ def test_the_splash_kernel_compiles_for_a_v5e_slice_and_keeps_the_scores_on_chip
             assert f"[{rows_},{H},{n},{n}]" not in text and f"[{rows_},2,2,{n},{n}]" not in text
 
 
+@pytest.mark.e2e  # a whole program compiled for a TPU: seconds to half a minute
 @pytest.mark.libtpu
 def test_the_recipe_compiled_for_a_tpu_runs_splash_and_keeps_memory_discipline(tmp_path):
     """``ict-jax compile`` of the 0.5B recipe shrunk to the tiny preset (tests/aot/test_compile.py's) for

@@ -65,6 +65,7 @@ def test_the_bf16_step_program_reads_no_upcast_matmul_operand(devices8):
     assert sum(1 for d in dots if d.arrays[0].dtype == "bf16") >= 7 * 3  # 7 projections: forward, dx, dW
 
 
+@pytest.mark.e2e  # a whole program compiled for a TPU: seconds to half a minute
 @pytest.mark.libtpu
 def test_the_bf16_step_compiled_for_one_tpu_chip_reads_no_upcast_matmul_operand():
     """The TPU compiler's program for one v5p chip (``v5p:1x1x1``, a topology libtpu takes only with
