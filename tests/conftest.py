@@ -36,6 +36,11 @@ os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
 # MemAvailable left the 8 test devices 0 B each and tiny runs were refused). tests/test_memory.py and
 # tests/train/test_preflight.py set and remove it to test the detection itself. Export it to override.
 os.environ.setdefault("ICT_JAX_MEMORY_BUDGET", "20GiB")
+# The heartbeat (a "still running" line every 30 s of a long phase, ict_jax.heartbeat) is a line on stderr
+# whenever a compile passes 30 s, which a loaded machine makes of any tiny run, so a test of a one-line error
+# would count it: the tests' heartbeat is hourly unless a test sets its own interval (the heartbeat's tests
+# do: 0.05-0.5 s). Export it to override.
+os.environ.setdefault("ICT_JAX_HEARTBEAT_S", "3600")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
