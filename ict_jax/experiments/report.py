@@ -401,32 +401,67 @@ def _yaml_text(obj: Any) -> str:
     return yaml.safe_dump(obj, sort_keys=False, allow_unicode=True, width=110).rstrip()
 
 
-def plot_metric(record: Mapping[str, Any], key: str, title: str, out_png: Path) -> Path:
-    """Every arm's ``key`` against the RL step (1-based): a thin line per seed, the mean over seeds thick."""
-    import matplotlib
+#: figure path -> (digest of what it draws, (size, mtime) of the file drawn): the runner rebuilds the report
+#: after every chunk, when most figures' data has not changed; a figure this process drew from the same data,
+#: whose file is untouched since, is not drawn again (the same data draws the same bytes)
+_DRAWN: dict[str, tuple[str, tuple[int, int]]] = {}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    arms = list(record["plan"]["arms"])
+_Points = list[tuple[int, float]]
+
+
+def _curves(record: Mapping[str, Any], key: str) -> list[tuple[str, list[_Points], _Points]]:
+    """Per arm: its runs' (RL step, ``key``) points and the mean over seeds at the steps every seed has."""
     n_seeds = len(record["plan"]["seeds"])
-    for i, arm in enumerate(arms):
-        color = f"C{i % 10}"
-        by_step: dict[int, list[float]] = {}
+    curves = []
+    for arm in record["plan"]["arms"]:
+        runs, by_step = [], {}
         for r in record["runs"].values():
             if r["arm"] != arm:
                 continue
             pts = [(int(row["step"]) + 1, float(row[key])) for row in r["metrics"]
                    if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, lw=0.7, alpha=0.55)
+                runs.append(pts)
             for s, v in pts:
                 by_step.setdefault(s, []).append(v)
         full = sorted(s for s, v in by_step.items() if len(v) == n_seeds)
-        if full:
-            ax.plot(full, [sum(by_step[s]) / n_seeds for s in full], color=color, lw=2.0, label=arm)
+        curves.append((arm, runs, [(s, sum(by_step[s]) / n_seeds) for s in full]))
+    return curves
+
+
+def _file_state(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def plot_metric(record: Mapping[str, Any], key: str, title: str, out_png: Path) -> Path:
+    """Every arm's ``key`` against the RL step (1-based): a thin line per seed, the mean over seeds thick."""
+    import hashlib
+    import json
+
+    import matplotlib
+
+    curves = _curves(record, key)
+    digest = hashlib.sha256(json.dumps([key, title, curves, matplotlib.__version__]).encode()).hexdigest()
+    out_png = Path(out_png)
+    drawn = _DRAWN.get(str(out_png.resolve()))
+    if drawn is not None and drawn == (digest, _file_state(out_png)):
+        return out_png
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for i, (arm, runs, mean) in enumerate(curves):
+        color = f"C{i % 10}"
+        for pts in runs:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, lw=0.7, alpha=0.55)
+        if mean:
+            ax.plot([p[0] for p in mean], [p[1] for p in mean], color=color, lw=2.0, label=arm)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("RL step")
     ax.set_ylabel(key)
@@ -437,6 +472,7 @@ def plot_metric(record: Mapping[str, Any], key: str, title: str, out_png: Path) 
     fig.tight_layout()
     fig.savefig(out_png, dpi=100, metadata={"Software": None})
     plt.close(fig)
+    _DRAWN[str(out_png.resolve())] = (digest, _file_state(out_png))
     return out_png
 
 

@@ -129,6 +129,39 @@ def test_the_report_plans_a_next_design_from_the_primary_outcomes_observed_sprea
     assert "One seed: no paired differences" in "\n".join(_planning_lines(record))
 
 
+def test_a_figure_is_drawn_again_only_when_its_data_or_its_file_changed(tmp_path, monkeypatch):
+    """The runner rebuilds the report after every chunk; a figure whose curves and file are unchanged since
+    this process drew it keeps its file, and any change of either draws it again, to the same bytes."""
+    import matplotlib.figure
+
+    from ict_jax.experiments import report
+
+    saved = []
+    savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: (saved.append(path), savefig(fig, path, **kw)))
+    record = {"plan": {"arms": ["ict", "grpo"], "seeds": [0, 1]},
+              "runs": {f"{a}_s{s}": {"arm": a, "metrics": [{"step": i, "reward/mean": 0.1 * i + s} for i in range(3)]}
+                       for a in ("ict", "grpo") for s in (0, 1)}}
+    png = tmp_path / "reward.png"
+    report.plot_metric(record, "reward/mean", "reward", png)
+    first = png.read_bytes()
+    report.plot_metric(record, "reward/mean", "reward", png)
+    report.plot_metric(record, "reward/mean", "reward", tmp_path / "." / "reward.png")  # the same file
+    assert len(saved) == 1
+    report.plot_metric(record, "reward/mean", "another title", png)  # what it draws changed
+    assert len(saved) == 2
+    report.plot_metric(record, "reward/mean", "reward", png)
+    assert len(saved) == 3 and png.read_bytes() == first
+    record["runs"]["ict_s1"]["metrics"].append({"step": 3, "reward/mean": 9.0})  # a chunk added a step
+    report.plot_metric(record, "reward/mean", "reward", png)
+    assert len(saved) == 4 and png.read_bytes() != first
+    png.write_bytes(b"edited")  # the file changed under it
+    report.plot_metric(record, "reward/mean", "reward", png)
+    png.unlink()
+    report.plot_metric(record, "reward/mean", "reward", png)
+    assert len(saved) == 6 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_outcome_values_from_rows_and_evaluations():
     rows = [{"step": s, "reward/mean": v} for s, v in enumerate([0.0, 0.5, 1.0, "nan"])]
     assert outcome_value(Outcome("reward/mean", 2, 3), rows, None) == pytest.approx(0.75)  # steps 2-3 = rows 1, 2
