@@ -446,10 +446,10 @@ def plot_metric(record: Mapping[str, Any], key: str, title: str, out_png: Path) 
     import matplotlib
 
     curves = _curves(record, key)
-    digest = hashlib.sha256(json.dumps([key, title, curves, matplotlib.__version__]).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps([key, title, curves]).encode()).hexdigest()
     out_png = Path(out_png)
-    drawn = _DRAWN.get(str(out_png.resolve()))
-    if drawn is not None and drawn == (digest, _file_state(out_png)):
+    where = str(out_png.resolve())
+    if _DRAWN.get(where) == (digest, _file_state(out_png)):
         return out_png
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -472,7 +472,7 @@ def plot_metric(record: Mapping[str, Any], key: str, title: str, out_png: Path) 
     fig.tight_layout()
     fig.savefig(out_png, dpi=100, metadata={"Software": None})
     plt.close(fig)
-    _DRAWN[str(out_png.resolve())] = (digest, _file_state(out_png))
+    _DRAWN[where] = (digest, _file_state(out_png))
     return out_png
 
 
