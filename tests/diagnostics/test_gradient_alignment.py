@@ -5,6 +5,7 @@ the lowest-p mask against a sort by hand, and the equal-reward groups dropped.""
 from __future__ import annotations
 
 import math
+import warnings
 
 import chex
 import jax
@@ -19,12 +20,14 @@ from ict_jax.diagnostics.gradient_alignment import (
     DRAWS,
     SELECTORS,
     alignment,
+    compiled_selector_fns,
     drop_equal_reward_groups,
     format_alignment,
     read_draws,
-    selector_gradients,
     selector_masks,
 )
+from ict_jax.model.adapters import add_adapters
+from ict_jax.model.config import LoraSpec
 from ict_jax.rl.batch import RolloutBatch
 from ict_jax.rl.group_stats import GroupStatsRequest, group_stats
 from ict_jax.rl.losses import group_advantages
@@ -98,17 +101,16 @@ def _recorded_gradient(cfg, state_params_seed=1):
 def test_each_selectors_gradient_is_the_train_steps_gradient_under_that_method():
     cfg = _config("dense")
     state = init_train_state(cfg, ict_jax.init_model(MODEL, seed=1))
-    plan, graphdef, batch = StepPlan.from_config(cfg, make_optimizer(cfg)), state.model_def(), _batch()
+    plan, model_def, batch = StepPlan.from_config(cfg, make_optimizer(cfg)), state.model_def(), _batch()
     valid = (batch.response_valid > 0).astype(jnp.float32)
     request = GroupStatsRequest(G, 1.0, 4, ("logp", "js"), ("aligned", "pooled"))
     # compiled as run_alignment compiles them (one program each; run op by op they took most of a minute)
-    stats = jax.jit(lambda p, b, v: group_stats(p, graphdef, b.tokens, b.attention_mask, v, request))(
-        state.params, batch, valid)
+    stats_fn, grads_fn = compiled_selector_fns(plan, request)
+    stats = stats_fn(state.params, model_def, batch, valid)
     keys = [random_key(state.rng, 0, d) for d in (0, 1)]
     masks = selector_masks(stats, valid, rho=0.2, group_size=G, keys=keys)
     assert list(masks) == list(SELECTORS)
-    grads = jax.jit(lambda p, b, v, ms, k, s: selector_gradients(plan, p, graphdef, b, v, ms, k, s))(
-        state.params, batch, valid, masks, state.rng, jnp.int32(0))
+    grads = grads_fn(state.params, model_def, batch, valid, masks, state.rng, jnp.int32(0))
     # dense, ICT (aligned) and random (the random arm's own draw at step 0) as the train step computes them
     for selector, method in (("dense", "dense"), ("ict_aligned", "ict"), ("random_a", "random")):
         chex.assert_trees_all_close(grads[selector], _recorded_gradient(_config(method)), rtol=2e-5, atol=1e-7)
@@ -124,6 +126,33 @@ def test_each_selectors_gradient_is_the_train_steps_gradient_under_that_method()
         assert np.array_equal(np.asarray(masks["lowest_p"])[i], want), i
     # every selector's mask lies inside the valid tokens
     assert all(float(jnp.sum(m * (1 - valid))) == 0 for m in masks.values())
+
+
+def test_a_lora_runs_frozen_base_is_an_input_of_the_programs_not_a_constant_in_them():
+    # with the base captured (a closure over the ModelDef), lowering embeds every frozen weight as a constant:
+    # 2.5 GB for the real 0.5B, warned by jax past its threshold; set here below the tiny base's bytes
+    cfg = _config("dense")
+    model = add_adapters(ict_jax.init_model(MODEL, seed=1), LoraSpec(rank=2, alpha=4, targets=("q_proj",)), seed=1)
+    state = init_train_state(cfg, model)
+    assert state.frozen is not None
+    base_bytes = sum(x.nbytes for x in jax.tree.leaves(state.frozen))
+    plan, model_def, batch = StepPlan.from_config(cfg, make_optimizer(cfg)), state.model_def(), _batch()
+    valid = (batch.response_valid > 0).astype(jnp.float32)
+    stats_fn, grads_fn = compiled_selector_fns(plan, GroupStatsRequest(G, 1.0, 4, ("logp", "js"), ("aligned",)))
+    masks = {s: valid for s in SELECTORS}
+    before = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", base_bytes // 4)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="A large amount of constants")
+            stats_fn.lower(state.params, model_def, batch, valid)
+            grads_fn.lower(state.params, model_def, batch, valid, masks, state.rng, jnp.int32(0))
+            with pytest.raises(UserWarning, match="A large amount of constants"):  # the check can fail
+                jax.jit(lambda p, b, v: group_stats(p, model_def, b.tokens, b.attention_mask, v,
+                                                    GroupStatsRequest(G, 1.0, 4, ("logp",), ("aligned",)))
+                        ).lower(state.params, batch, valid)
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", before)
 
 
 def test_groups_whose_rewards_are_all_equal_are_dropped():
