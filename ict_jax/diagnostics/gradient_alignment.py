@@ -275,6 +275,7 @@ def run_alignment(config: Config, *, batches: int, out: Path, say: Callable[[str
     with Trainer(cfg, resume=resume and (out / "run").is_dir(), progress=False, preflight=False,
                  tell=tell) as trainer:
         parts, state = trainer.parts, trainer.state
+        parts.logger.close()  # the check trains nothing: no "rl 0/N steps" heartbeat of the run beside its own
         if draws:
             parts.iterator.load_state_dict(draws[-1]["iterator"])
         G = cfg.rollout.num_samples

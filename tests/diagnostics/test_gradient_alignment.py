@@ -190,7 +190,7 @@ def by_length(response, gold, meta):
 
 
 @pytest.mark.e2e
-def test_the_check_runs_on_a_runs_own_rollouts_and_writes_its_report(tmp_path, monkeypatch):
+def test_the_check_runs_on_a_runs_own_rollouts_and_writes_its_report(tmp_path, monkeypatch, capfd):
     from pathlib import Path
 
     from ict_jax.cli.main import main as cli_main
@@ -205,7 +205,10 @@ def test_the_check_runs_on_a_runs_own_rollouts_and_writes_its_report(tmp_path, m
         "rl.reward.workers=1", "rl.reward.fn=align_reward_t1:by_length", "data.eval=[]", "mesh.data=2",
         "mesh.tensor=4"])
     said: list[str] = []
+    monkeypatch.setenv("ICT_JAX_HEARTBEAT_S", "0.2")  # a run's heartbeat would print within the check
     out = run_alignment(cfg, batches=3, out=tmp_path / "align", say=said.append)
+    monkeypatch.delenv("ICT_JAX_HEARTBEAT_S")
+    assert " steps " not in capfd.readouterr().err  # the sampler's run trains nothing: its logger is closed
     assert out["batches"] == 3 and [b["batch"] for b in out["batches_info"]] == [0, 1, 2]
     assert set(out["summary"]) == set(SELECTORS) and len(list((tmp_path / "align" / "grads").glob("*.npy"))) == 18
     sel = out["batches_info"][0]["selected"]
