@@ -230,10 +230,11 @@ def _batch_gradients(state: Any, batch: RolloutBatch, step: int, fns: tuple[Call
     valid tokens, selected counts and mean reward. ``fns``: the compiled statistics and gradients."""
     stats_fn, grads_fn = fns
     valid = ((batch.response_valid > 0) & (batch.row_valid[:, None] > 0)).astype(jnp.float32)
-    stats = stats_fn(state.params, state.model_def(), batch, valid)
+    model_def = state.model_def()
+    stats = stats_fn(state.params, model_def, batch, valid)
     keys = [random_key(state.rng, step, d) for d in (0, 1)]  # draw 0: the random arm's own at this step
     masks = selector_masks(stats, valid, rho=rho, group_size=group_size, keys=keys)
-    grads = grads_fn(state.params, state.model_def(), batch, valid, masks, state.rng, jnp.int32(step))
+    grads = grads_fn(state.params, model_def, batch, valid, masks, state.rng, jnp.int32(step))
     for s, g in grads.items():
         np.save(f"{prefix}_{s}.npy", flat(g))
     return {"valid_tokens": int(np.asarray(valid).sum()),
