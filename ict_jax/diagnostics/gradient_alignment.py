@@ -2,7 +2,8 @@
 gradient point where the dense gradient of *other* batches points?
 
 On batches b = 1..n of a run's own rollouts from its starting policy (the run's data order and sampler keys;
-groups whose rewards are all equal are dropped: row_valid 0, they carry no advantage), every selector S gives
+groups whose rewards are all equal are dropped: row_valid 0, they carry no advantage, and the gradients run on
+the other groups' rows alone), every selector S gives
 its mask M_S and the gradient g_S^b of the one loss of docs/method.md §4 under that mask (its denominators
 included: ``rl.train_step.loss_and_aux``, the train step's own loss, with r = 1 as in the fused step). The
 reference of batch b is the mean dense gradient of the other batches, g_D^(-b) = (sum_c g_D^c - g_D^b) /
@@ -51,7 +52,7 @@ from ict_jax.rl.state import make_optimizer
 from ict_jax.rl.train_step import StepPlan, loss_and_aux
 
 __all__ = ["SELECTORS", "PAIRS", "DRAWS", "AlignmentStopped", "read_draws", "alignment", "selector_masks",
-           "selector_gradients", "run_alignment", "drop_equal_reward_groups", "format_alignment"]
+           "selector_gradients", "run_alignment", "drop_equal_reward_groups", "counted_groups", "format_alignment"]
 
 #: The selectors of the check, in report order.
 SELECTORS = ("dense", "ict_aligned", "ict_pooled", "random_a", "random_b", "lowest_p")
@@ -133,6 +134,20 @@ def drop_equal_reward_groups(batch: RolloutBatch, group_size: int) -> tuple[Roll
     rows = np.repeat(keep, group_size)
     row_valid = jnp.where(jnp.asarray(rows), batch.row_valid, 0.0).astype(batch.row_valid.dtype)
     return batch.replace(row_valid=row_valid), int(keep.sum())
+
+
+def counted_groups(batch: RolloutBatch, valid: jax.Array, masks: Mapping[str, jax.Array],
+                   group_size: int) -> tuple[RolloutBatch, jax.Array, dict[str, jax.Array]]:
+    """``batch``, ``valid`` and ``masks`` cut to the rows of the groups that count (a row with row_valid > 0
+    in the group: whole groups, so a group's rows stay together). A dropped group's rows add nothing to the
+    loss or its denominators (valid 0), so the gradient is the full batch's; the check pays only for the
+    rows that count. The masks are chosen on the full batch first (the random draws are the random arm's
+    own at the full batch's shape), then cut."""
+    counted = np.asarray(batch.row_valid).reshape(-1, group_size).max(axis=1) > 0
+    if counted.all():
+        return batch, valid, dict(masks)
+    rows = jnp.asarray(np.flatnonzero(np.repeat(counted, group_size)))
+    return (jax.tree.map(lambda x: x[rows], batch), valid[rows], {s: m[rows] for s, m in masks.items()})
 
 
 def selector_masks(stats: Mapping[str, Any], valid: jax.Array, *, rho: float, group_size: int,
@@ -234,7 +249,8 @@ def _batch_gradients(state: Any, batch: RolloutBatch, step: int, fns: tuple[Call
     stats = stats_fn(state.params, model_def, batch, valid)
     keys = [random_key(state.rng, step, d) for d in (0, 1)]  # draw 0: the random arm's own at this step
     masks = selector_masks(stats, valid, rho=rho, group_size=group_size, keys=keys)
-    grads = grads_fn(state.params, model_def, batch, valid, masks, state.rng, jnp.int32(step))
+    sub, sub_valid, sub_masks = counted_groups(batch, valid, masks, group_size)  # the dropped groups' rows go
+    grads = grads_fn(state.params, model_def, sub, sub_valid, sub_masks, state.rng, jnp.int32(step))
     for s, g in grads.items():
         np.save(f"{prefix}_{s}.npy", flat(g))
     return {"valid_tokens": int(np.asarray(valid).sum()),

@@ -21,7 +21,9 @@ from ict_jax.diagnostics.gradient_alignment import (
     SELECTORS,
     alignment,
     compiled_selector_fns,
+    counted_groups,
     drop_equal_reward_groups,
+    flat,
     format_alignment,
     read_draws,
     selector_masks,
@@ -162,6 +164,29 @@ def test_groups_whose_rewards_are_all_equal_are_dropped():
     assert kept == 1 and np.asarray(dropped.row_valid).tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
     same, kept = drop_equal_reward_groups(batch, G)
     assert kept == 2 and np.asarray(same.row_valid).tolist() == [1] * 8
+
+
+def test_the_gradients_on_the_counted_groups_rows_alone_are_the_masked_full_batchs():
+    cfg = _config("dense")
+    state = init_train_state(cfg, ict_jax.init_model(MODEL, seed=1))
+    plan, model_def = StepPlan.from_config(cfg, make_optimizer(cfg)), state.model_def()
+    batch, kept = drop_equal_reward_groups(_batch().replace(rewards=_batch().rewards.at[:4].set(0.0)), G)
+    assert kept == 1  # the first group's rewards are all equal: out
+    valid = ((batch.response_valid > 0) & (batch.row_valid[:, None] > 0)).astype(jnp.float32)
+    stats_fn, grads_fn = compiled_selector_fns(plan, GroupStatsRequest(G, 1.0, 4, ("logp", "js"), ("aligned", "pooled")))
+    keys = [random_key(state.rng, 0, d) for d in (0, 1)]
+    masks = selector_masks(stats_fn(state.params, model_def, batch, valid), valid, rho=0.2, group_size=G, keys=keys)
+    sub, sub_valid, sub_masks = counted_groups(batch, valid, masks, G)
+    assert sub.tokens.shape[0] == G and np.array_equal(np.asarray(sub.tokens), np.asarray(batch.tokens[G:]))
+    assert all(np.array_equal(np.asarray(sub_masks[s]), np.asarray(masks[s][G:])) for s in SELECTORS)
+    full = grads_fn(state.params, model_def, batch, valid, masks, state.rng, jnp.int32(0))
+    cut = grads_fn(state.params, model_def, sub, sub_valid, sub_masks, state.rng, jnp.int32(0))
+    for s in SELECTORS:
+        assert float(np.abs(flat(full[s])).max()) > 0, s  # a gradient, not zeros equal to zeros
+        chex.assert_trees_all_close(cut[s], full[s], rtol=2e-5, atol=1e-7)
+    # every group counted: the batch as it is
+    whole = _batch()
+    assert counted_groups(whole, valid, masks, G)[0] is whole
 
 
 def test_the_journal_drops_a_line_a_kill_cut_and_refuses_a_kept_batch_without_its_gradients(tmp_path):
