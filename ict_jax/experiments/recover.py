@@ -8,8 +8,9 @@ chunk logs) does not. :func:`recover_from_record` rebuilds ``<out>`` from the re
 - ``plan.json``, ``invocations.jsonl``: written back from the record (the plan's text, sha256 and git state;
   every invocation's start and end), so the rebuilt record repeats them;
 - a **finished** (or diverged) run: its run directory is written back with its per-step metrics, its
-  evaluation rows and its summary (final evaluation, wall time), and a ``restored.json`` that says it came
-  from the record and holds no checkpoint; its chunks go back into ``chunks.jsonl``. It is not run again;
+  evaluation rows and its summary (final evaluation, wall time), a branched run's ``branch.json`` (the
+  parent's checkpoint it started from, with its sha256), and a ``restored.json`` that says it came from the
+  record and holds no checkpoint; its chunks go back into ``chunks.jsonl``. It is not run again;
 - the **base** evaluation, when finished: its summary, likewise;
 - a run that had **started but not finished** cannot continue (its checkpoint is gone): it starts again
   from step 0, and everything the record held of it (per-step metrics, chunks, the machine and code that
@@ -34,6 +35,7 @@ from ict_jax.experiments.plan import Plan, PlanError, base_run, plan_runs
 from ict_jax.experiments.provenance import now_iso
 from ict_jax.experiments.record import (
     ATTEMPTS_DIR,
+    BRANCH_FILE,
     CHUNKS_FILE,
     COMPILATION_CACHE,
     INVOCATIONS_FILE,
@@ -159,6 +161,8 @@ def recover_from_record(plan: Plan, record: Mapping[str, Any], say=print) -> dic
         earlier = list(entry.get("attempts") or [])
         if entry["status"] in ("finished", "diverged"):
             _restore_run_dir(spec.run_dir, entry, when, record_path)
+            if spec.branch is not None and (entry.get("branch") or {}).get("forked"):
+                write_json(spec.run_dir / BRANCH_FILE, dict(entry["branch"]))  # the checkpoint it started from
             for c in entry.get("chunks") or []:
                 append_jsonl(plan.out / CHUNKS_FILE, c)
             done["restored"].append(spec.name)

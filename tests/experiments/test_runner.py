@@ -878,6 +878,12 @@ def test_a_branched_arm_starts_from_its_parents_checkpoint_and_resumes_bitwise(t
     assert "branch" not in recs[0]["runs"]["grpo_s0"]
     at2 = [recs[0]["runs"][n]["outcomes"]["eval/pass@1 at step 2"] for n in ("grpo_s0", "ict_s0")]
     assert at2[0] is not None and at2[0] == at2[1]
+    # the finished experiment's folder lost again: the rebuilt record keeps where each branched run started
+    # (branch.json written back from the record) and counts its steps as before
+    shutil.rmtree(tmp_path / "cut")
+    again = run_experiment(cut, progress=False, say=lambda s: None, order="runs", recover=True)
+    assert again["runs"]["ict_s0"]["branch"] == recs[1]["runs"]["ict_s0"]["branch"]
+    assert again["status"] == recs[1]["status"] and again["status"]["complete"]
     # steps counted as trained: GRPO's 4 and ICT's own 2
     assert [r["status"]["steps_done"] for r in recs] == [6, 6] and recs[0]["status"]["steps_planned"] == 6
     assert all(r["status"]["complete"] for r in recs)
