@@ -34,6 +34,7 @@ from ict_jax.outputs import LOCK_FILE
 from ict_jax.tools.experiment_plan import Plan, PlanError, base_run, plan_runs
 from ict_jax.tools.experiment_record import (
     ATTEMPTS_DIR,
+    BRANCH_FILE,
     CHUNKS_FILE,
     COMPILATION_CACHE,
     INVOCATIONS_FILE,
@@ -159,6 +160,8 @@ def recover_from_record(plan: Plan, record: Mapping[str, Any], say=print) -> dic
         earlier = list(entry.get("attempts") or [])
         if entry["status"] in ("finished", "diverged"):
             _restore_run_dir(spec.run_dir, entry, when, record_path)
+            if spec.branch is not None and (entry.get("branch") or {}).get("forked"):
+                write_json(spec.run_dir / BRANCH_FILE, dict(entry["branch"]))  # the checkpoint it started from
             for c in entry.get("chunks") or []:
                 append_jsonl(plan.out / CHUNKS_FILE, c)
             done["restored"].append(spec.name)
