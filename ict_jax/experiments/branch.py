@@ -155,7 +155,9 @@ def take_snapshot(plan: Plan, parent: RunSpec, step: int) -> dict[str, Any]:
     has a finished checkpoint at ``step``."""
     final = snapshot_dir(plan, parent.name, step)
     if (final / _SNAPSHOT_FILE).is_file():
-        return json.loads((final / _SNAPSHOT_FILE).read_text())
+        info = json.loads((final / _SNAPSHOT_FILE).read_text())
+        redo = info.get("rederived")
+        return info if redo is None or "recorded" in redo else _compare_again(plan, parent, step, final, info)
     source = parent.run_dir
     steps = _checkpoint_steps(source)
     redo = rederive_spec(plan, parent, step).run_dir
@@ -181,6 +183,41 @@ def take_snapshot(plan: Plan, parent: RunSpec, step: int) -> dict[str, Any]:
     final.parent.mkdir(parents=True, exist_ok=True)
     _replace_into(tmp, final)
     return info
+
+
+def _compare_again(plan: Plan, parent: RunSpec, step: int, final: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Re-derived snapshot ``info`` in ``final`` compared again with ``parent``'s recorded rows
+    (:func:`recorded_rows`): a snapshot without ``rederived.recorded`` was compared with the parent's run
+    directory alone, which a parent started again after a lost working folder has emptied (0 steps
+    compared, no evaluation rows). Its metrics get the recorded evaluations up to ``step``; its checkpoint
+    is not touched. Both files are replaced atomically."""
+    recorded, evals, where = recorded_rows(plan, parent, step)
+    rows = [r for r in read_metrics(final / _METRICS, "rl") if int(r["step"]) < step]
+    tmp = final / f".{_METRICS}.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows)
+                   + "".join(json.dumps(r) + "\n" for r in evals if int(r["step"]) <= step))
+    tmp.replace(final / _METRICS)
+    info = {**info, "rederived": {**info["rederived"], "comparison": compare_attempt(rows, recorded),
+                                  "recorded": where, "compared_again": now_iso()}}
+    write_json(final / _SNAPSHOT_FILE, info)
+    return info
+
+
+def compare_rederived_again(plan: Plan, specs: list[RunSpec]) -> dict[str, dict[str, Any]]:
+    """Every branched run's ``branch.json`` whose re-derived branch point was compared with its parent's run
+    directory alone (no ``rederived.recorded``) gets the comparison with the parent's recorded rows
+    (:func:`take_snapshot` compares its snapshot again); returns those runs' new comparisons by name. Its
+    metrics are the ones it trained from: they are not rewritten."""
+    by_name: dict[str, RunSpec] = {s.name: s for s in specs}
+    done: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        known = read_branch(spec.run_dir) if spec.branch is not None else None
+        if known is None or "recorded" in (known.get("rederived") or {"recorded": None}):
+            continue
+        snap = take_snapshot(plan, by_name[spec.parent], spec.branch.step)
+        write_json(spec.run_dir / BRANCH_FILE, {**known, "rederived": snap["rederived"]})
+        done[spec.name] = snap["rederived"]["comparison"]
+    return done
 
 
 def fork(plan: Plan, spec: RunSpec, parent: RunSpec) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from ict_jax.experiments.box import TimeBox
 from ict_jax.experiments.branch import (
     branch_point_lost,
     branch_points,
+    compare_rederived_again,
     fork,
     needs_rederive,
     rederive_spec,
@@ -472,6 +473,10 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
 
     with hold_output_dir(plan.out, "out"):
         recovered = _recover_if_lost(plan, recover, say)
+        for name, c in compare_rederived_again(plan, specs).items():
+            say(f"{name}: its re-derived branch point compared again with its parent's recorded rows: "
+                f"{c['steps_equal']} of {c['steps_compared']} steps equal bitwise, {c['steps_same_samples']} "
+                "with the same samples")
         plan_info = _plan_info(plan, git_state)
         batch = _eval_batch(plan, specs, eval_batch, say)
         specs = [_with_eval_batch(spec, batch) for spec in specs]
