@@ -38,6 +38,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                    help="with --plan: chunks (default: every run reaches each chunk's end before any goes past it) "
                         "or runs (seed by seed, one run from start to end before the next: on a machine that may "
                         "be lost between invocations, a finished run needs no checkpoint to outlive it)")
+    p.add_argument("--runs", default=None, metavar="RUN,...",
+                   help="with --plan: train only these runs this invocation (names like ict_s3; a branched run "
+                        "re-derives its lost branch point as usual); the others wait for a later invocation")
     p.add_argument("--recover", action="store_true",
                    help="with --plan: the record holds results but the working folder (out) is gone (another "
                         "machine): rebuild it from the record and continue; unfinished runs start again from step "
@@ -109,6 +112,7 @@ def _plan_main(args: argparse.Namespace) -> int:
     if args.report or args.status:
         extra = [f for f, v in (("--max-hours", args.max_hours), ("--order", args.order),
                                 ("--recover", args.recover or None), ("--eval-batch", args.eval_batch),
+                                ("--runs", args.runs),
                                 ("--report", (args.report and args.status) or None)) if v is not None]
         if extra:
             what = "--status only reads where the experiment stands" if args.status else \
@@ -128,7 +132,8 @@ def _plan_main(args: argparse.Namespace) -> int:
     try:
         run_experiment(args.plan, max_hours=args.max_hours, allow_uncommitted=args.uncommitted,
                        progress=not args.no_progress and sys.stderr.isatty(), order=args.order or "chunks",
-                       recover=args.recover, eval_batch=args.eval_batch)
+                       recover=args.recover, eval_batch=args.eval_batch,
+                       runs=None if args.runs is None else [r.strip() for r in args.runs.split(",") if r.strip()])
     except ExperimentStopped as e:
         print(f"ict-jax compare: stopped ({e}); run the same command to continue", file=sys.stderr)
         return EXIT_STOPPED
@@ -141,9 +146,9 @@ def compare_main(args: argparse.Namespace) -> int:
     if args.plan is not None:
         return _plan_main(args)
     if (args.report or args.status or args.max_hours is not None or args.uncommitted or args.order is not None
-            or args.recover or args.eval_batch is not None):
-        raise UserError("--report, --status, --max-hours, --uncommitted, --order, --recover and --eval-batch go with "
-                        "--plan")
+            or args.recover or args.eval_batch is not None or args.runs is not None):
+        raise UserError("--report, --status, --max-hours, --uncommitted, --order, --recover, --eval-batch and --runs "
+                        "go with --plan")
     if args.config is None:
         raise UserError("--config or --plan is required")
 

@@ -257,12 +257,15 @@ def _turns(plan: Plan, specs: list[RunSpec], order: str) -> list[tuple[int, RunS
 
 
 def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], inv_id: str,
-                box: TimeBox, progress: bool, say: Callable[[str], None], order: str = "chunks") -> None:
+                box: TimeBox, progress: bool, say: Callable[[str], None], order: str = "chunks",
+                runs: list[str] | None = None) -> None:
     """Every run's chunks in ``order`` (:func:`_turns`): each unfinished run trains up to the chunk's end;
     after each chunk the chunk's line, the record and a progress line (its ETA at the pace of ``box``'s
     chunks so far: :meth:`~ict_jax.tools.experiment_box.TimeBox.eta_pace`)."""
     by_name = {s.name: s for s in specs}
     for end, spec in _turns(plan, specs, order):
+        if runs is not None and spec.name not in runs:
+            continue  # not this invocation's (``runs``)
         if spec.branch is not None and end <= spec.branch.step:
             continue  # its steps up to the branch point are its parent's
         status = run_status(spec.run_dir, plan.steps)
@@ -394,14 +397,15 @@ def _recover_if_lost(plan: Plan, recover: bool, say: Callable[[str], None]) -> d
 def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, allow_uncommitted: bool = False,
                    progress: bool = False, should_stop: Callable[[], bool] | None = None,
                    say: Callable[[str], None] = _say, order: str = "chunks", recover: bool = False,
-                   eval_batch: int | None = None) -> dict[str, Any]:
+                   eval_batch: int | None = None, runs: list[str] | None = None) -> dict[str, Any]:
     """Run (or continue) the experiment of the plan at ``plan_path`` (module docstring); returns the record.
 
     ``order``: :data:`ORDERS` (module docstring; recorded per invocation). ``recover``: rebuild a lost ``out``
     from the record and continue (:mod:`ict_jax.tools.experiment_recover`); without it that is refused.
     ``eval_batch``: prompts a call of every evaluation's sampler (``data.eval_batch``, a resource of the
     machine, not a setting of the plan; recorded per invocation and kept by later ones); fixed for the
-    experiment once an evaluation has finished (:func:`_eval_batch`).
+    experiment once an evaluation has finished (:func:`_eval_batch`). ``runs``: train only these runs (by
+    name) in this invocation, the others untouched (recorded per invocation); None: every run.
 
     ``max_hours``: the time box of this invocation (:class:`~ict_jax.tools.experiment_box.TimeBox`): no step
     or final evaluation starts that is expected to end past it (a run's last step counts with its
@@ -420,6 +424,11 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
     check_output_dir(plan.record, "record")
     git_state = check_plan_provenance(plan, allow_uncommitted)
     specs = plan_runs(plan)
+    if runs is not None:
+        unknown = [r for r in runs if r not in {s.name for s in specs}]
+        if unknown or not runs:
+            raise PlanError(f"runs: {', '.join(unknown) or 'none given'}: expected names of the plan's runs "
+                            f"({', '.join(s.name for s in specs)})")
     t_start = time.monotonic()
     box = TimeBox(None if max_hours is None else t_start + max_hours * 3600.0, *pace(plan, specs),
                   should_stop=should_stop)
@@ -435,7 +444,8 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
         append_jsonl(inv_path, {"event": "start", "id": inv_id, "start": now_iso(), "environment": environment(),
                                 "max_hours": max_hours, "plan_uncommitted": bool(git_state["in_git"]
                                                                                  and not git_state["clean"]),
-                                "order": order, **({"recovered": recovered} if recovered else {}),
+                                "order": order, **({"runs": runs} if runs is not None else {}),
+                                **({"recovered": recovered} if recovered else {}),
                                 **({"eval_batch": batch} if batch is not None else {}),
                                 **code_commit()})
         say(f"{plan.name}: {len(plan.arms)} arms x {len(plan.seeds)} seeds, {plan.steps} steps in chunks of "
@@ -443,8 +453,8 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
         stopped = "finished"
         try:
             _update_record(plan, plan_info)
-            _run_chunks(plan, specs, plan_info, inv_id, box, progress, say, order)
-            if plan.evaluate_base:
+            _run_chunks(plan, specs, plan_info, inv_id, box, progress, say, order, runs)
+            if plan.evaluate_base and runs is None:
                 _evaluate_base(_with_eval_batch(base_run(plan), batch), box, progress, say)
         except ExperimentStopped as e:
             stopped = str(e)
