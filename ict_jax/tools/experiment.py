@@ -45,7 +45,17 @@ from ict_jax.config import ConfigError
 from ict_jax.heartbeat import duration
 from ict_jax.outputs import check_output_dir, has_entries, hold_output_dir
 from ict_jax.tools.experiment_box import TimeBox
-from ict_jax.tools.experiment_branch import branch_points, fork, needs_rederive, rederive_spec, take_snapshot
+from ict_jax.tools.experiment_branch import (
+    branch_point_lost,
+    branch_points,
+    compare_rederived_again,
+    fork,
+    needs_rederive,
+    rederive_spec,
+    resume,
+    resume_point,
+    take_snapshot,
+)
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec, base_run, load_plan, plan_runs
 from ict_jax.tools.experiment_record import (
     CHUNKS_FILE,
@@ -243,12 +253,14 @@ def _use_compilation_cache(folder: Path) -> None:
 ORDERS = ("chunks", "runs")
 
 
-def _turns(plan: Plan, specs: list[RunSpec], order: str) -> list[tuple[int, RunSpec]]:
+def _turns(plan: Plan, specs: list[RunSpec], order: str,
+           runs: list[str] | None = None) -> list[tuple[int, RunSpec]]:
     """(chunk end, run) in the order they are trained. ``chunks``: at each chunk end c every run in turn
     (every run reaches step c before any goes past it); ``runs``: seed by seed, each arm's run from its
     start to its end before the next (what a machine that may be lost between invocations keeps best: a
-    finished run needs no checkpoint to outlive it)."""
+    finished run needs no checkpoint to outlive it). ``runs``: only these runs' turns (None: every run's)."""
     ends = plan.chunk_ends()
+    specs = [s for s in specs if runs is None or s.name in runs]
     if order == "chunks":
         return [(end, spec) for end in ends for spec in specs]
     seeds, arms = list(plan.seeds), list(plan.arm_names)
@@ -263,17 +275,12 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
     after each chunk the chunk's line, the record and a progress line (its ETA at the pace of ``box``'s
     chunks so far: :meth:`~ict_jax.tools.experiment_box.TimeBox.eta_pace`)."""
     by_name = {s.name: s for s in specs}
-    for end, spec in _turns(plan, specs, order):
-        if runs is not None and spec.name not in runs:
-            continue  # not this invocation's (``runs``)
+    for end, spec in _turns(plan, specs, order, runs):
         if spec.branch is not None and end <= spec.branch.step:
             continue  # its steps up to the branch point are its parent's
         status = run_status(spec.run_dir, plan.steps)
-        if spec.branch is not None and status == "pending":
-            _rederive_if_lost(plan, spec, by_name[spec.parent], inv_id, box, progress, say)
-            info = fork(plan, spec, by_name[spec.parent])
-            say(f"{spec.arm} s{spec.seed}: branched from {info['from']} at step {info['step']} "
-                f"(checkpoint sha256 {info['checkpoint_sha256'][:12]})")
+        if status == "pending":
+            _start_at_branch_point(plan, spec, by_name, inv_id, box, progress, say)
             status = run_status(spec.run_dir, plan.steps)
         start = steps_done(spec.run_dir, plan.steps)
         # a run at its last step but not finished was stopped in its final evaluation: it evaluates again
@@ -315,18 +322,42 @@ def _run_chunks(plan: Plan, specs: list[RunSpec], plan_info: Mapping[str, Any], 
             raise ExperimentStopped(box.why())
 
 
-def _rederive_if_lost(plan: Plan, spec: RunSpec, parent: RunSpec, inv_id: str, box: TimeBox, progress: bool,
-                      say: Callable[[str], None]) -> None:
-    """When branched run ``spec``'s branch point is lost (no snapshot, no parent checkpoint of that step: the
-    working folder was rebuilt from the record), train the parent's config again to the branch step
-    (:func:`~ict_jax.tools.experiment_branch.rederive_spec`, in the box like any chunk; logged in
-    ``chunks.jsonl`` under ``<parent>@<step>``)."""
-    if not needs_rederive(plan, spec, parent):
+def _start_at_branch_point(plan: Plan, spec: RunSpec, by_name: Mapping[str, RunSpec], inv_id: str, box: TimeBox,
+                           progress: bool, say: Callable[[str], None]) -> None:
+    """Pending run ``spec``'s directory laid out at a branch point where it starts there: a branched run
+    from its parent's (:func:`~ict_jax.tools.experiment_branch.fork`), a run lost after its own branch point
+    from that (:func:`~ict_jax.tools.experiment_branch.resume`); each point re-derived first when lost."""
+    who = f"{spec.arm} s{spec.seed}"
+    if spec.branch is not None:
+        parent = by_name[spec.parent]
+        if needs_rederive(plan, spec, parent):
+            _rederive(plan, who, parent, spec.branch.step, inv_id, box, progress, say)
+        info = fork(plan, spec, parent)
+        say(f"{who}: branched from {info['from']} at step {info['step']} "
+            f"(checkpoint sha256 {info['checkpoint_sha256'][:12]})")
         return
-    redo, step = rederive_spec(plan, parent, spec.branch.step), spec.branch.step
+    at = resume_point(plan, spec)
+    if at is None:
+        return
+    if branch_point_lost(plan, spec, at):
+        _rederive(plan, who, spec, at, inv_id, box, progress, say)
+    info = resume(plan, spec, at)
+    say(f"{who}: resumed at step {at} from its branch point (checkpoint sha256 {info['checkpoint_sha256'][:12]}), "
+        "its evaluations up to it as its lost attempt recorded them" if info is not None else
+        f"{who}: trained again to step {at}, it sampled other tokens than its lost attempt: it starts from "
+        "step 0 (its recorded evaluations are another trajectory's)")
+
+
+def _rederive(plan: Plan, who: str, parent: RunSpec, step: int, inv_id: str, box: TimeBox, progress: bool,
+              say: Callable[[str], None]) -> None:
+    """``parent``'s branch point ``step`` is lost (no snapshot, no checkpoint of that step: the working folder
+    was rebuilt from the record): train the parent's config again to it
+    (:func:`~ict_jax.tools.experiment_branch.rederive_spec`, in the box like any chunk; logged in
+    ``chunks.jsonl`` under ``<parent>@<step>``), for run ``who`` that starts there."""
+    redo = rederive_spec(plan, parent, step)
     start = steps_done(redo.run_dir, plan.steps)
     if start < step:
-        say(f"{spec.arm} s{spec.seed}: the checkpoint of {parent.name} at step {step} is gone (a lost working "
+        say(f"{who}: the checkpoint of {parent.name} at step {step} is gone (a lost working "
             f"folder): training {parent.name} again to step {step} in {redo.run_dir}")
         if not _next_fits(redo, start, box):
             raise ExperimentStopped(box.why())
@@ -337,7 +368,7 @@ def _rederive_if_lost(plan: Plan, spec: RunSpec, parent: RunSpec, inv_id: str, b
                                               "time": now_iso(), "invocation": inv_id, **code_commit()})
         if what == "diverged":
             raise PlanError(f"plan {str(plan.path)!r}: {parent.name} trained again to step {step} diverged at step "
-                            f"{done} ({redo.run_dir}): {spec.name} has no branch point to start from")
+                            f"{done} ({redo.run_dir}): {who} has no branch point to start from")
         if done < step:
             raise ExperimentStopped(box.why())
 
@@ -394,6 +425,21 @@ def _recover_if_lost(plan: Plan, recover: bool, say: Callable[[str], None]) -> d
     return recover_from_record(plan, lost, say=say)
 
 
+def _check_arguments(specs: list[RunSpec], max_hours: float | None, order: str, runs: list[str] | None) -> None:
+    """:class:`PlanError` for a time box that is not positive, an unknown order, or ``runs`` (None: every run)
+    that does not name some of the plan's runs and nothing else."""
+    if max_hours is not None and not max_hours > 0:
+        raise PlanError(f"max_hours: {max_hours!r}: expected a positive number of hours")
+    if order not in ORDERS:
+        raise PlanError(f"order: {order!r}: expected one of {', '.join(ORDERS)}")
+    if runs is None:
+        return
+    unknown = [r for r in runs if r not in {s.name for s in specs}]
+    if unknown or not runs:
+        raise PlanError(f"runs: {', '.join(unknown) or 'none given'}: expected names of the plan's runs "
+                        f"({', '.join(s.name for s in specs)})")
+
+
 def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, allow_uncommitted: bool = False,
                    progress: bool = False, should_stop: Callable[[], bool] | None = None,
                    say: Callable[[str], None] = _say, order: str = "chunks", recover: bool = False,
@@ -416,25 +462,21 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
     (:class:`~ict_jax.train.stopping.Interrupted`, the record written first). Bad plans raise
     :class:`PlanError` before any work."""
     plan = load_plan(plan_path)
-    if max_hours is not None and not max_hours > 0:
-        raise PlanError(f"max_hours: {max_hours!r}: expected a positive number of hours")
-    if order not in ORDERS:
-        raise PlanError(f"order: {order!r}: expected one of {', '.join(ORDERS)}")
+    specs = plan_runs(plan)
+    _check_arguments(specs, max_hours, order, runs)
     check_output_dir(plan.out, "out")
     check_output_dir(plan.record, "record")
     git_state = check_plan_provenance(plan, allow_uncommitted)
-    specs = plan_runs(plan)
-    if runs is not None:
-        unknown = [r for r in runs if r not in {s.name for s in specs}]
-        if unknown or not runs:
-            raise PlanError(f"runs: {', '.join(unknown) or 'none given'}: expected names of the plan's runs "
-                            f"({', '.join(s.name for s in specs)})")
     t_start = time.monotonic()
     box = TimeBox(None if max_hours is None else t_start + max_hours * 3600.0, *pace(plan, specs),
                   should_stop=should_stop)
 
     with hold_output_dir(plan.out, "out"):
         recovered = _recover_if_lost(plan, recover, say)
+        for name, c in compare_rederived_again(plan, specs).items():
+            say(f"{name}: its re-derived branch point compared again with its parent's recorded rows: "
+                f"{c['steps_equal']} of {c['steps_compared']} steps equal bitwise, {c['steps_same_samples']} "
+                "with the same samples")
         plan_info = _plan_info(plan, git_state)
         batch = _eval_batch(plan, specs, eval_batch, say)
         specs = [_with_eval_batch(spec, batch) for spec in specs]

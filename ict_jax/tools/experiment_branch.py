@@ -14,10 +14,21 @@ samples the parent's rollouts, and a stop and a continue end bitwise equal to a 
 Both are written into a temporary folder and renamed into place, so a kill leaves either nothing or the
 whole snapshot / run directory. A snapshot lost with its machine (the working folder rebuilt from the record)
 is taken again from a re-derivation: the parent's config trained again from step 0 to S in
-``<out>/branches/<parent>@S.rederive`` (:func:`rederive_spec`, trained by the runner like any run), compared
+``<out>/branches/<parent>@S.rederive`` (:func:`rederive_spec`, trained by the runner like any run, without
+its evaluations: the snapshot takes the parent's as recorded), compared
 step by step with the parent's recorded rows (bitwise on the same machine and code; on another CPU the floats
 part in their last bits, and the samples follow once one token differs). The snapshot and every branched run
-started from it say so (``rederived``: the folder and the comparison).
+started from it say so (``rederived``: the folder and the comparison). The parent's recorded rows are its run
+directory's, or, for a parent itself started again from step 0 after a lost working folder, its latest
+earlier attempt's that reached S (:func:`recorded_rows`).
+
+A parent run lost that way after it had reached a branch point resumes from that branch point instead of
+from step 0 (:func:`resume_point`, :func:`resume`): its snapshot, re-derived when lost, holds its checkpoint
+at S, and when the re-derivation sampled the same tokens as the attempt at every step, the run's directory is
+laid out from it as a branched one is, with the evaluations the attempt recorded up to S and ``resumed.json``
+(the attempt, the snapshot, the comparison). Its steps up to S are then trained once for the parent and its
+branched arms together, and its evaluations there are not run again. Where the samples parted, the recorded
+evaluations are another trajectory's: the run starts from step 0.
 """
 
 from __future__ import annotations
@@ -30,13 +41,20 @@ from pathlib import Path
 from typing import Any
 
 from ict_jax.tools.experiment_plan import Plan, PlanError, RunSpec
-from ict_jax.tools.experiment_record import BRANCH_FILE, compare_attempt, read_branch, write_json
+from ict_jax.tools.experiment_record import (
+    BRANCH_FILE,
+    RESUMED_FILE,
+    compare_attempt,
+    read_attempts,
+    read_branch,
+    write_json,
+)
 from ict_jax.tools.provenance import now_iso
 from ict_jax.train.checkpoints import Checkpointer
 from ict_jax.train.logs import read_metrics
 
 __all__ = ["SNAPSHOTS_DIR", "snapshot_dir", "take_snapshot", "fork", "branch_points", "rederive_spec",
-           "needs_rederive"]
+           "needs_rederive", "branch_point_lost", "recorded_rows", "resume_point", "resume"]
 
 SNAPSHOTS_DIR = "branches"  # in <out>: <parent run>@<step>/, the parent's checkpoint at a branch point
 _SNAPSHOT_FILE = "snapshot.json"
@@ -68,12 +86,29 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return read_metrics(path, None) if path.is_file() else []
 
 
-def _metrics_lines(run_dir: Path, step: int, evals_from: Path | None = None) -> str:
+def recorded_rows(plan: Plan, run: RunSpec, step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
+    """``run``'s rows as recorded up to ``step``: (its RL rows of steps 1..``step``, its evaluation rows up to
+    it, where they come from). From its run directory when that logged ``step`` RL steps (``"run"``), else
+    from its latest earlier attempt that did (``"attempt N"``: a run started again from step 0 after a lost
+    working folder, :mod:`ict_jax.tools.experiment_recover`), else ``([], [], None)``."""
+    rows = _rows(run.run_dir)
+    rl = [r for r in rows if r.get("phase", "rl") == "rl" and int(r["step"]) < step]
+    if len(rl) >= step:
+        return rl, [r for r in rows if r.get("phase") == "eval" and int(r["step"]) <= step], "run"
+    for a in reversed(read_attempts(run.name, plan.out)):
+        rl = [r for r in a.get("metrics") or [] if int(r["step"]) < step]
+        if len(rl) >= step:
+            return rl, [r for r in a.get("evals") or [] if int(r["step"]) <= step], f"attempt {a['attempt']}"
+    return [], [], None
+
+
+def _metrics_lines(run_dir: Path, step: int, evals: list[dict[str, Any]] | None = None) -> str:
     """A run's metrics up to ``step`` as JSON lines: the RL rows of steps 1..``step`` (0-based < step) and the
-    evaluation rows up to it (an ``eval`` row's step is the number of RL steps done), those of ``evals_from``
-    when given (a re-derivation does not evaluate: its parent's evaluations, as recorded, are the policy's)."""
-    keep = [r for r in _rows(run_dir) if int(r["step"]) < step if r.get("phase", "rl") == "rl"]
-    keep += [r for r in _rows(evals_from or run_dir) if int(r["step"]) <= step if r.get("phase") == "eval"]
+    evaluation rows up to it (an ``eval`` row's step is the number of RL steps done), ``evals`` when given (a
+    re-derivation does not evaluate: its parent's evaluations, as recorded, are the policy's)."""
+    rows = _rows(run_dir)
+    keep = [r for r in rows if int(r["step"]) < step if r.get("phase", "rl") == "rl"]
+    keep += [r for r in (rows if evals is None else evals) if int(r["step"]) <= step if r.get("phase") == "eval"]
     return "".join(json.dumps(r) + "\n" for r in keep)
 
 
@@ -92,7 +127,9 @@ def _replace_into(tmp: Path, final: Path) -> None:
 
 def rederive_spec(plan: Plan, parent: RunSpec, step: int) -> RunSpec:
     """The parent's run again, in ``<out>/branches/<parent>@<step>.rederive``: the same config but the run
-    directory, trained to ``step`` when the snapshot and the parent's checkpoint of ``step`` are both gone."""
+    directory and no evaluation (``data.eval`` empty: the parent's recorded evaluations up to ``step`` go into
+    the snapshot; an evaluation changes no training number), trained to ``step`` when the snapshot and the
+    parent's checkpoint of ``step`` are both gone."""
     d = snapshot_dir(plan, parent.name, step).with_name(f"{parent.name}@{step}.rederive")
     return dataclasses.replace(parent, run_dir=d, config=parent.config.replace(**{"run_dir": str(d), "data.eval": []}))
 
@@ -101,9 +138,14 @@ def needs_rederive(plan: Plan, spec: RunSpec, parent: RunSpec) -> bool:
     """Whether branched run ``spec`` can start only from a re-derived branch point: it has not branched, its
     snapshot is missing and its parent holds no checkpoint of the branch step (a lost working folder)."""
     assert spec.branch is not None
-    step = spec.branch.step
-    return (read_branch(spec.run_dir) is None and not (snapshot_dir(plan, parent.name, step) / _SNAPSHOT_FILE).is_file()
-            and step not in _checkpoint_steps(parent.run_dir))
+    return read_branch(spec.run_dir) is None and branch_point_lost(plan, parent, spec.branch.step)
+
+
+def branch_point_lost(plan: Plan, parent: RunSpec, step: int) -> bool:
+    """Whether ``parent``'s checkpoint at branch point ``step`` is gone: no snapshot of it and no checkpoint
+    of that step in its run directory (a lost working folder)."""
+    return not (snapshot_dir(plan, parent.name, step) / _SNAPSHOT_FILE).is_file() \
+        and step not in _checkpoint_steps(parent.run_dir)
 
 
 def take_snapshot(plan: Plan, parent: RunSpec, step: int) -> dict[str, Any]:
@@ -113,7 +155,9 @@ def take_snapshot(plan: Plan, parent: RunSpec, step: int) -> dict[str, Any]:
     has a finished checkpoint at ``step``."""
     final = snapshot_dir(plan, parent.name, step)
     if (final / _SNAPSHOT_FILE).is_file():
-        return json.loads((final / _SNAPSHOT_FILE).read_text())
+        info = json.loads((final / _SNAPSHOT_FILE).read_text())
+        redo = info.get("rederived")
+        return info if redo is None or "recorded" in redo else _compare_again(plan, parent, step, final, info)
     source = parent.run_dir
     steps = _checkpoint_steps(source)
     redo = rederive_spec(plan, parent, step).run_dir
@@ -127,18 +171,53 @@ def take_snapshot(plan: Plan, parent: RunSpec, step: int) -> dict[str, Any]:
     if tmp.exists():
         shutil.rmtree(tmp)
     shutil.copytree(source / "checkpoints" / str(step), tmp / "checkpoints" / str(step))
-    (tmp / _METRICS).write_text(_metrics_lines(source, step, evals_from=parent.run_dir if source == redo else None))
+    recorded, evals, where = recorded_rows(plan, parent, step) if source == redo else ([], None, None)
+    (tmp / _METRICS).write_text(_metrics_lines(source, step, evals=evals))
     info: dict[str, Any] = {"parent": parent.name, "step": step, "checkpoint": str(source / "checkpoints" / str(step)),
                             "checkpoint_sha256": _digest(tmp / "checkpoints"), "taken": now_iso()}
     if source == redo:  # the trajectory it continues, against the parent's as recorded
         rows = [r for r in read_metrics(redo / _METRICS, "rl") if int(r["step"]) < step]
-        recorded = [r for r in read_metrics(parent.run_dir / _METRICS, "rl") if int(r["step"]) < step] \
-            if (parent.run_dir / _METRICS).is_file() else []
-        info["rederived"] = {"run_dir": str(redo), "comparison": compare_attempt(rows, recorded)}
+        info["rederived"] = {"run_dir": str(redo), "comparison": compare_attempt(rows, recorded),
+                             "recorded": where}
     write_json(tmp / _SNAPSHOT_FILE, info)
     final.parent.mkdir(parents=True, exist_ok=True)
     _replace_into(tmp, final)
     return info
+
+
+def _compare_again(plan: Plan, parent: RunSpec, step: int, final: Path, info: dict[str, Any]) -> dict[str, Any]:
+    """Re-derived snapshot ``info`` in ``final`` compared again with ``parent``'s recorded rows
+    (:func:`recorded_rows`): a snapshot without ``rederived.recorded`` was compared with the parent's run
+    directory alone, which a parent started again after a lost working folder has emptied (0 steps
+    compared, no evaluation rows). Its metrics get the recorded evaluations up to ``step``; its checkpoint
+    is not touched. Both files are replaced atomically."""
+    recorded, evals, where = recorded_rows(plan, parent, step)
+    rows = [r for r in read_metrics(final / _METRICS, "rl") if int(r["step"]) < step]
+    tmp = final / f".{_METRICS}.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows)
+                   + "".join(json.dumps(r) + "\n" for r in evals if int(r["step"]) <= step))
+    tmp.replace(final / _METRICS)
+    info = {**info, "rederived": {**info["rederived"], "comparison": compare_attempt(rows, recorded),
+                                  "recorded": where, "compared_again": now_iso()}}
+    write_json(final / _SNAPSHOT_FILE, info)
+    return info
+
+
+def compare_rederived_again(plan: Plan, specs: list[RunSpec]) -> dict[str, dict[str, Any]]:
+    """Every branched run's ``branch.json`` whose re-derived branch point was compared with its parent's run
+    directory alone (no ``rederived.recorded``) gets the comparison with the parent's recorded rows
+    (:func:`take_snapshot` compares its snapshot again); returns those runs' new comparisons by name. Its
+    metrics are the ones it trained from: they are not rewritten."""
+    by_name: dict[str, RunSpec] = {s.name: s for s in specs}
+    done: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        known = read_branch(spec.run_dir) if spec.branch is not None else None
+        if known is None or "recorded" in (known.get("rederived") or {"recorded": None}):
+            continue
+        snap = take_snapshot(plan, by_name[spec.parent], spec.branch.step)
+        write_json(spec.run_dir / BRANCH_FILE, {**known, "rederived": snap["rederived"]})
+        done[spec.name] = snap["rederived"]["comparison"]
+    return done
 
 
 def fork(plan: Plan, spec: RunSpec, parent: RunSpec) -> dict[str, Any]:
@@ -156,18 +235,67 @@ def fork(plan: Plan, spec: RunSpec, parent: RunSpec) -> dict[str, Any]:
                         f"{spec.branch.step}, but {str(d)!r} already holds files of a run that did not branch")
     snap = take_snapshot(plan, parent, spec.branch.step)
     src = snapshot_dir(plan, parent.name, spec.branch.step)
+    info = {"from": parent.name, "step": spec.branch.step, "checkpoint": snap["checkpoint"],
+            "checkpoint_sha256": snap["checkpoint_sha256"], "snapshot": str(src), "forked": now_iso(),
+            **({"rederived": snap["rederived"]} if "rederived" in snap else {})}
+    _lay_out(plan, spec, src, snap, BRANCH_FILE, info, "branched")
+    return info
+
+
+def _lay_out(plan: Plan, spec: RunSpec, src: Path, snap: dict[str, Any], file: str, info: dict[str, Any],
+             what: str) -> None:
+    """``spec``'s run directory from snapshot ``src`` (its checkpoint and metrics rows, ``spec``'s own
+    ``config.json``) and ``file`` holding ``info``, written aside and renamed into place."""
     if _digest(src / "checkpoints") != snap["checkpoint_sha256"]:
         raise PlanError(f"plan {str(plan.path)!r}: the snapshot {str(src)!r} does not match its sha256 (changed "
-                        "on disk since it was taken): nothing was branched from it")
+                        f"on disk since it was taken): nothing was {what} from it")
+    d = spec.run_dir
     tmp = d.with_name(f".{d.name}.fork")
     if tmp.exists():
         shutil.rmtree(tmp)
     shutil.copytree(src / "checkpoints", tmp / "checkpoints")
     shutil.copyfile(src / _METRICS, tmp / _METRICS)
     (tmp / "config.json").write_text(json.dumps(spec.config.to_dict(), indent=2))
-    info = {"from": parent.name, "step": spec.branch.step, "checkpoint": snap["checkpoint"],
-            "checkpoint_sha256": snap["checkpoint_sha256"], "snapshot": str(src), "forked": now_iso(),
-            **({"rederived": snap["rederived"]} if "rederived" in snap else {})}
-    write_json(tmp / BRANCH_FILE, info)
+    write_json(tmp / file, info)
     _replace_into(tmp, d)
+
+
+def _evaluation_steps(spec: RunSpec, step: int) -> list[int]:
+    """The steps up to ``step`` at which ``spec``'s run evaluates (``train.eval_every`` on ``data.eval``)."""
+    every = spec.config.train.eval_every
+    return list(range(every, step + 1, every)) if every and spec.config.data.eval else []
+
+
+def resume_point(plan: Plan, spec: RunSpec) -> int | None:
+    """The branch point at which lost run ``spec`` (started again from step 0: nothing in its directory)
+    resumes: the latest of its arm's branch points that its latest earlier attempt reached with every
+    evaluation due by then recorded; None when there is none (it trains from step 0)."""
+    if spec.branch is not None or _rows(spec.run_dir):
+        return None
+    attempts = read_attempts(spec.name, plan.out)
+    if not attempts:
+        return None
+    a = attempts[-1]
+    reached = len(a.get("metrics") or [])
+    evaluated = {int(r["step"]) for r in a.get("evals") or []}
+    fits = [s for s in branch_points(plan, spec) if s <= reached and set(_evaluation_steps(spec, s)) <= evaluated]
+    return max(fits) if fits else None
+
+
+def resume(plan: Plan, spec: RunSpec, step: int) -> dict[str, Any] | None:
+    """Lay out lost run ``spec``'s directory at branch point ``step`` from its snapshot (taken now if missing:
+    :func:`take_snapshot`, from its re-derivation when the checkpoint is gone), with the evaluations its
+    attempt recorded up to ``step``; returns ``resumed.json``. None, with nothing written, when the
+    re-derivation sampled other tokens than the attempt at some step (its evaluations are another
+    trajectory's: the run trains from step 0)."""
+    snap = take_snapshot(plan, spec, step)
+    redo = snap.get("rederived")
+    if redo is not None:
+        c = redo["comparison"]
+        if c["steps_compared"] < step or c["steps_same_samples"] < step:
+            return None
+    src = snapshot_dir(plan, spec.name, step)
+    info = {"step": step, "checkpoint": snap["checkpoint"], "checkpoint_sha256": snap["checkpoint_sha256"],
+            "snapshot": str(src), "resumed": now_iso(), **({"rederived": redo} if redo is not None else {})}
+    _lay_out(plan, spec, src, snap, RESUMED_FILE, info, "resumed")
     return info

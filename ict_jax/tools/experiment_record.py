@@ -36,6 +36,7 @@ from ict_jax.train.record import read_summary
 __all__ = ["FORMAT", "RECORD_FILE", "PLAN_FILE", "INVOCATIONS_FILE", "CHUNKS_FILE", "STATUS_FILE", "RESTORED_FILE",
            "COMPILATION_CACHE", "ATTEMPTS_DIR", "SAMPLE_METRICS", "build_record", "read_attempts", "compare_attempt",
            "write_json", "run_status", "steps_done", "read_branch", "trained_steps", "BRANCH_FILE",
+           "RESUMED_FILE",
            "chunk_eval_seconds", "eval_seconds", "pace", "outcome_value", "append_jsonl",
            "read_jsonl"]
 
@@ -48,6 +49,7 @@ STATUS_FILE = "experiment_status.json"  # in a run directory: a run the experime
 RESTORED_FILE = "restored.json"  # in a run directory written back from the record (experiment_recover)
 COMPILATION_CACHE = "jax_cache"  # in <out>: the persistent compilation cache of an experiment
 BRANCH_FILE = "branch.json"  # in a branched run's directory: the parent's checkpoint it started from
+RESUMED_FILE = "resumed.json"  # in a lost run's directory resumed at a branch point (experiments.branch.resume)
 ATTEMPTS_DIR = "attempts"  # in <out>: one JSON list per run started again from step 0 (experiment_recover)
 #: per-step metrics that measure the machine, not the run: not compared between attempts of a run
 IGNORED_IN_COMPARISON = ("time/", "throughput/")
@@ -239,6 +241,8 @@ def read_run(spec: RunSpec, steps: int, chunks: Sequence[Mapping[str, Any]], out
         out["restored"] = json.loads((d / RESTORED_FILE).read_text())
     if spec.branch is not None:
         out["branch"] = {"from": spec.parent, "step": spec.branch.step, **(read_branch(d) or {"forked": None})}
+    if (d / RESUMED_FILE).is_file():
+        out["resumed"] = json.loads((d / RESUMED_FILE).read_text())
     attempts = read_attempts(spec.name, out_dir) if out_dir is not None else []
     if attempts:
         out["attempts"] = [{**a, "comparison": compare_attempt(out["metrics"], a.get("metrics") or [])}

@@ -41,6 +41,7 @@ from ict_jax.tools.experiment_record import (
     PLAN_FILE,
     RECORD_FILE,
     RESTORED_FILE,
+    RESUMED_FILE,
     STATUS_FILE,
     append_jsonl,
     steps_done,
@@ -162,6 +163,8 @@ def recover_from_record(plan: Plan, record: Mapping[str, Any], say=print) -> dic
             _restore_run_dir(spec.run_dir, entry, when, record_path)
             if spec.branch is not None and (entry.get("branch") or {}).get("forked"):
                 write_json(spec.run_dir / BRANCH_FILE, dict(entry["branch"]))  # the checkpoint it started from
+            if entry.get("resumed"):
+                write_json(spec.run_dir / RESUMED_FILE, dict(entry["resumed"]))  # the branch point it resumed at
             for c in entry.get("chunks") or []:
                 append_jsonl(plan.out / CHUNKS_FILE, c)
             done["restored"].append(spec.name)

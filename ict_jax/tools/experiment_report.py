@@ -242,14 +242,16 @@ def _branch_lines(record: Mapping[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def _rederived_text(rederived: Mapping[str, Any] | None) -> str:
-    """A branched run whose branch point was trained again (its snapshot lost with a working folder)."""
+def _rederived_text(rederived: Mapping[str, Any] | None, against: str = "the parent's record") -> str:
+    """A run whose branch point was trained again (its snapshot lost with a working folder)."""
     if not rederived:
         return ""
     c = rederived["comparison"]
+    where = rederived.get("recorded")
     return (f"; the branch point was lost with its working folder and trained again (`{rederived['run_dir']}`): "
-            f"{c['steps_equal']} of {c['steps_compared']} steps equal to the parent's record bitwise, "
-            f"{c['steps_same_samples']} with the same samples")
+            f"{c['steps_equal']} of {c['steps_compared']} steps equal to {against} bitwise, "
+            f"{c['steps_same_samples']} with the same samples"
+            + (f" (the rows of its {where})" if where and where != "run" else ""))
 
 
 def _runs_lines(record: Mapping[str, Any]) -> list[str]:
@@ -310,6 +312,12 @@ def _attempt_lines(record: Mapping[str, Any]) -> list[str]:
                          + (", ".join(_machine(m) for m in a.get("machines") or []) or "an unrecorded machine")
                          + ", code " + (", ".join(f"`{c[:12]}`" for c in a.get("commits") or []) or "unrecorded")
                          + f"; lost: {a.get('lost')}; {versus}.")
+        if r.get("resumed"):
+            x = r["resumed"]
+            lines.append(f"- `{name}`: resumed at its branch point, step {x['step']}, from `{x['checkpoint']}` "
+                         f"(sha256 `{x['checkpoint_sha256'][:16]}...`) on {x.get('resumed')}"
+                         + _rederived_text(x.get("rederived"), "its lost attempt's record")
+                         + f"; its evaluations up to step {x['step']} are the attempt's, not run again.")
     if not lines:
         return []
     return ["", "## Earlier attempts", "",

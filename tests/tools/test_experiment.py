@@ -581,7 +581,13 @@ def test_the_command_line_refuses_mixed_flags_and_a_report_without_a_record(tmp_
     assert cli_main(["compare", "--max-hours", "1", "--config", str(DEMO)]) == 2
     assert "go with --plan" in capsys.readouterr().err
     assert cli_main(["compare", "--recover", "--config", str(DEMO)]) == 2
-    assert "--order, --recover and --eval-batch go with --plan" in capsys.readouterr().err
+    assert "--order, --recover, --eval-batch and --runs go with --plan" in capsys.readouterr().err
+    assert cli_main(["compare", "--runs", "ict_s0", "--config", str(DEMO)]) == 2
+    assert "and --runs go with --plan" in capsys.readouterr().err
+    assert cli_main(["compare", "--plan", str(path), "--status", "--runs", "ict_s0"]) == 2
+    assert "--status only reads where the experiment stands: --runs does not apply" in capsys.readouterr().err
+    assert cli_main(["compare", "--plan", str(path), "--runs", "ict_s0,nope"]) == 2
+    assert "runs: nope: expected names of the plan's runs" in capsys.readouterr().err
     assert cli_main(["compare", "--plan", str(path), "--eval-batch", "0"]) == 2
     assert "--eval-batch 0: expected a positive number of prompts" in capsys.readouterr().err
     assert cli_main(["compare", "--plan", str(path), "--report", "--eval-batch", "4"]) == 2
@@ -611,6 +617,15 @@ def test_the_runs_order_takes_each_run_to_its_end_seed_by_seed(tmp_path):
         (2, "ict_s1"), (3, "ict_s1"), (2, "grpo_s1"), (3, "grpo_s1")]
     with pytest.raises(PlanError, match="order: 'seeds': expected one of chunks, runs"):
         run_experiment(plan.path, order="seeds", say=lambda s: None)
+    # runs: only the named runs' turns, in the same order; a name the plan has not is refused before any work
+    assert [(e, s.name) for e, s in _turns(plan, specs, "runs", ["grpo_s1", "ict_s0"])] == [
+        (2, "ict_s0"), (3, "ict_s0"), (2, "grpo_s1"), (3, "grpo_s1")]
+    assert [(e, s.name) for e, s in _turns(plan, specs, "chunks", ["grpo_s1"])] == [(2, "grpo_s1"), (3, "grpo_s1")]
+    for runs, bad in ((["ict_s0", "ict_s7"], "ict_s7"), ([], "none given")):
+        with pytest.raises(PlanError, match=f"runs: {bad}: expected names of the plan's runs "
+                                            r"\(ict_s0, ict_s1, grpo_s0, grpo_s1\)"):
+            run_experiment(plan.path, runs=runs, say=lambda s: None)
+    assert not (tmp_path / "p").exists()
 
 
 def test_the_eta_counts_steps_and_evaluations_by_hand():
@@ -821,6 +836,75 @@ def test_a_branched_run_names_its_parent_and_skips_the_turns_before_its_branch_p
     assert "branch" not in plan.to_dict()["arms"]["grpo"]
 
 
+def test_a_lost_parent_resumes_at_the_latest_branch_point_its_attempt_reached_with_its_evaluations(tmp_path):
+    from ict_jax.tools.experiment_branch import recorded_rows, resume_point
+    from ict_jax.tools.experiment_record import ATTEMPTS_DIR, write_json
+
+    plan = load_plan(_branched(tmp_path, "p"))
+    grpo, ict = plan_runs(plan)
+    assert resume_point(plan, grpo) is None  # no attempt: from step 0
+
+    def attempts(*steps_evals):
+        write_json(plan.out / ATTEMPTS_DIR / "grpo_s0.json", [
+            {"attempt": i, "metrics": [{"step": k, "phase": "rl", "x": 10 * i + k} for k in range(n)],
+             "evals": [{"step": e, "phase": "eval", "y": i} for e in evals]}
+            for i, (n, evals) in enumerate(steps_evals, 1)])
+
+    attempts((1, []), (3, [2]))  # the latest reached step 3 with its evaluation at step 2 (eval_every 2)
+    assert resume_point(plan, grpo) == 2 and resume_point(plan, ict) is None  # a branched run forks instead
+    rl, evals, where = recorded_rows(plan, grpo, 2)
+    assert where == "attempt 2" and [r["x"] for r in rl] == [20, 21] and evals == [{"step": 2, "phase": "eval", "y": 2}]
+    attempts((3, [2]), (2, []))  # the latest reached step 2 but its evaluation there is missing
+    assert resume_point(plan, grpo) is None
+    assert recorded_rows(plan, grpo, 2)[2] == "attempt 2" and recorded_rows(plan, grpo, 3)[2] == "attempt 1"
+    attempts((1, []))  # short of the branch point
+    assert resume_point(plan, grpo) is None and recorded_rows(plan, grpo, 2) == ([], [], None)
+    # the run's own directory, when it logged the steps, comes first; one that logged anything is not lost
+    grpo.run_dir.mkdir(parents=True)
+    (grpo.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 0, "phase": "rl", "x": 0}, {"step": 1, "phase": "rl", "x": 1}, {"step": 2, "phase": "eval", "y": 0})))
+    assert recorded_rows(plan, grpo, 2) == ([{"step": 0, "phase": "rl", "x": 0}, {"step": 1, "phase": "rl", "x": 1}],
+                                            [{"step": 2, "phase": "eval", "y": 0}], "run")
+    assert resume_point(plan, grpo) is None
+
+
+def test_a_snapshot_compared_with_an_emptied_run_directory_is_compared_again_with_the_recorded_rows(tmp_path):
+    # a re-derived snapshot (and the run branched from it) of code that compared with the parent's run
+    # directory alone: after a lost working folder that is empty, 0 steps compared and no evaluation rows
+    from ict_jax.tools.experiment_branch import compare_rederived_again, snapshot_dir, take_snapshot
+    from ict_jax.tools.experiment_record import ATTEMPTS_DIR, BRANCH_FILE, read_branch, write_json
+
+    plan = load_plan(_branched(tmp_path, "p"))
+    grpo, ict = plan_runs(plan)
+    snap = snapshot_dir(plan, grpo.name, 2)
+    (snap / "checkpoints" / "2").mkdir(parents=True)
+    (snap / "checkpoints" / "2" / "w").write_bytes(b"weights")
+    redone = [{"step": 0, "phase": "rl", "reward_mean": 0.5, "loss": 1.0},
+              {"step": 1, "phase": "rl", "reward_mean": 0.25, "loss": 2.0}]
+    (snap / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in redone))
+    stale = {"run_dir": "redo", "comparison": {"steps_compared": 0, "steps_equal": 0, "first_difference": None,
+                                                "steps_same_samples": 0, "first_sample_difference": None}}
+    write_json(snap / "snapshot.json", {"parent": grpo.name, "step": 2, "checkpoint_sha256": "abc",
+                                        "rederived": stale})
+    write_json(ict.run_dir / BRANCH_FILE, {"from": grpo.name, "step": 2, "checkpoint_sha256": "abc",
+                                           "rederived": stale})
+    # the attempt as recorded: step 0 as re-derived, step 1 in its last bits (another CPU), its step-2 evaluation
+    write_json(plan.out / ATTEMPTS_DIR / f"{grpo.name}.json", [
+        {"attempt": 1, "metrics": [redone[0], {**redone[1], "loss": 2.0000001}, {"step": 2, "phase": "rl"}],
+         "evals": [{"step": 2, "phase": "eval", "pass_at_1": 0.125}, {"step": 4, "phase": "eval"}]}])
+
+    assert compare_rederived_again(plan, [grpo, ict]) == {ict.name: {
+        "steps_compared": 2, "steps_equal": 1, "first_difference": {"step": 1, "metrics": {"loss": [2.0000001, 2.0]}},
+        "steps_same_samples": 2, "first_sample_difference": None}}
+    branch = read_branch(ict.run_dir)
+    assert branch["rederived"]["recorded"] == "attempt 1" and branch["checkpoint_sha256"] == "abc"
+    assert branch["rederived"] == take_snapshot(plan, grpo, 2)["rederived"]
+    assert [json.loads(x) for x in (snap / "metrics.jsonl").read_text().splitlines()] == [
+        *redone, {"step": 2, "phase": "eval", "pass_at_1": 0.125}]
+    assert (snap / "checkpoints" / "2" / "w").read_bytes() == b"weights"
+    assert compare_rederived_again(plan, [grpo, ict]) == {}  # once
+
+
 def test_a_branched_arm_starts_from_its_parents_checkpoint_and_resumes_bitwise(tmp_path, reward_module):
     # never stopped, in turns of chunks: GRPO to 2, ICT branches at 2, both to 4
     whole = _branched(tmp_path, "whole")
@@ -889,7 +973,7 @@ def test_a_branched_arm_starts_from_its_parents_checkpoint_and_resumes_bitwise(t
     assert read_metrics(redo / "metrics.jsonl", "rl") and not read_metrics(redo / "metrics.jsonl", "eval")
     assert branches[1]["rederived"] == {"run_dir": str(redo), "comparison": {
         "steps_compared": 2, "steps_equal": 2, "first_difference": None, "steps_same_samples": 2,
-        "first_sample_difference": None}}
+        "first_sample_difference": None}, "recorded": "run"}
     assert "trained again" in (tmp_path / "cut-record" / "report.md").read_text()
     assert recs[1]["runs"]["ict_s0"]["attempts"][0]["steps_done"] == 3  # the attempt lost with the machine
     assert "branch" not in recs[0]["runs"]["grpo_s0"]
@@ -898,3 +982,36 @@ def test_a_branched_arm_starts_from_its_parents_checkpoint_and_resumes_bitwise(t
     # steps counted as trained: GRPO's 4 and ICT's own 2
     assert [r["status"]["steps_done"] for r in recs] == [6, 6] and recs[0]["status"]["steps_planned"] == 6
     assert all(r["status"]["complete"] for r in recs)
+
+    # GRPO itself lost after its branch point (stopped at step 3, then the machine lost): it resumes at the
+    # branch point, re-derived once for it and ICT, its evaluation at step 2 the attempt's, not run again
+    lost = _branched(tmp_path, "lost")
+    grpo_dir = tmp_path / "lost" / "runs" / "grpo_s0"
+    with pytest.raises(ExperimentStopped):
+        run_experiment(lost, progress=False, order="runs", say=lambda s: None,
+                       should_stop=lambda: (grpo_dir / "metrics.jsonl").is_file()
+                       and len(read_metrics(grpo_dir / "metrics.jsonl", "rl")) == 3)
+    shutil.rmtree(tmp_path / "lost")
+    said = []
+    rec = run_experiment(lost, progress=False, say=said.append, order="runs", recover=True)
+    assert any(s.startswith("grpo s0: resumed at step 2 from its branch point") for s in said), said
+    chunks = [json.loads(line) for line in (tmp_path / "lost" / "chunks.jsonl").read_text().splitlines()]
+    assert [c["run"] for c in chunks if "@" in c["run"]] == ["grpo_s0@2"]  # trained again once, for both
+    for name in ("grpo_s0", "ict_s0"):
+        a, b = tmp_path / "whole" / "runs" / name, tmp_path / "lost" / "runs" / name
+        assert [_keep(r) for r in read_metrics(a / "metrics.jsonl")] == [_keep(r) for r in read_metrics(b / "metrics.jsonl")]
+        chex.assert_trees_all_equal(_final_params(a)[1], _final_params(b)[1])
+    resumed = rec["runs"]["grpo_s0"]["resumed"]
+    assert resumed["step"] == 2 and resumed["snapshot"] == str(tmp_path / "lost" / "branches" / "grpo_s0@2")
+    assert resumed["rederived"]["recorded"] == "attempt 1"
+    assert resumed["rederived"]["comparison"]["steps_same_samples"] == 2
+    assert rec["runs"]["ict_s0"]["branch"]["rederived"] == resumed["rederived"]
+    attempt = rec["runs"]["grpo_s0"]["attempts"][0]
+    assert attempt["steps_done"] == 3 and attempt["comparison"]["steps_compared"] == 3
+    assert [r for r in rec["runs"]["grpo_s0"]["evals"] if r["step"] == 2] == attempt["evals"]
+    assert "resumed at its branch point, step 2" in (tmp_path / "lost-record" / "report.md").read_text()
+    assert rec["status"]["steps_done"] == 6 and rec["status"]["complete"]
+    # and lost once more when finished: the record keeps where it resumed
+    shutil.rmtree(tmp_path / "lost")
+    assert run_experiment(lost, progress=False, say=lambda s: None, order="runs",
+                          recover=True)["runs"]["grpo_s0"]["resumed"] == resumed
