@@ -171,34 +171,52 @@ def take_snapshot(plan: Plan, parent: RunSpec, step: int) -> dict[str, Any]:
     if tmp.exists():
         shutil.rmtree(tmp)
     shutil.copytree(source / "checkpoints" / str(step), tmp / "checkpoints" / str(step))
-    recorded, evals, where = recorded_rows(plan, parent, step) if source == redo else ([], None, None)
-    (tmp / _METRICS).write_text(_metrics_lines(source, step, evals=evals))
     info: dict[str, Any] = {"parent": parent.name, "step": step, "checkpoint": str(source / "checkpoints" / str(step)),
                             "checkpoint_sha256": _digest(tmp / "checkpoints"), "taken": now_iso()}
+    evals = None
     if source == redo:  # the trajectory it continues, against the parent's as recorded
         rows = [r for r in read_metrics(redo / _METRICS, "rl") if int(r["step"]) < step]
-        info["rederived"] = {"run_dir": str(redo), "comparison": compare_attempt(rows, recorded),
-                             "recorded": where}
+        comparison, where, evals = _against_recorded(plan, parent, step, rows)
+        info["rederived"] = {"run_dir": str(redo), "comparison": comparison, "recorded": where}
+    (tmp / _METRICS).write_text(_metrics_lines(source, step, evals=evals))
     write_json(tmp / _SNAPSHOT_FILE, info)
     final.parent.mkdir(parents=True, exist_ok=True)
     _replace_into(tmp, final)
     return info
 
 
+def same_trajectory(comparison: dict[str, Any], step: int) -> bool:
+    """Whether a re-derivation compared as ``comparison`` (:func:`~ict_jax.tools.experiment_record.compare_attempt`)
+    sampled the same tokens as the recorded run at every step up to ``step``: then the recorded
+    evaluations up to ``step`` are those of the policy it holds (its floats may part in their last bits)."""
+    return comparison["steps_compared"] >= step and comparison["steps_same_samples"] >= step
+
+
+def _against_recorded(plan: Plan, parent: RunSpec, step: int, rows: list[dict[str, Any]]
+                      ) -> tuple[dict[str, Any], str | None, list[dict[str, Any]]]:
+    """A re-derivation's RL ``rows`` up to ``step`` against ``parent``'s recorded rows
+    (:func:`recorded_rows`): (the comparison, where the recorded rows come from, the recorded evaluations up
+    to ``step`` when the re-derivation sampled the same tokens at every step, :func:`same_trajectory`, else
+    none: they evaluated another trajectory's policy)."""
+    recorded, evals, where = recorded_rows(plan, parent, step)
+    comparison = compare_attempt(rows, recorded)
+    return comparison, where, evals if same_trajectory(comparison, step) else []
+
+
 def _compare_again(plan: Plan, parent: RunSpec, step: int, final: Path, info: dict[str, Any]) -> dict[str, Any]:
     """Re-derived snapshot ``info`` in ``final`` compared again with ``parent``'s recorded rows
-    (:func:`recorded_rows`): a snapshot without ``rederived.recorded`` was compared with the parent's run
+    (:func:`_against_recorded`): a snapshot without ``rederived.recorded`` was compared with the parent's run
     directory alone, which a parent started again after a lost working folder has emptied (0 steps
-    compared, no evaluation rows). Its metrics get the recorded evaluations up to ``step``; its checkpoint
-    is not touched. Both files are replaced atomically."""
-    recorded, evals, where = recorded_rows(plan, parent, step)
+    compared, no evaluation rows). Its metrics get the recorded evaluations up to ``step`` where they are
+    its policy's; its checkpoint is not touched. Both files are replaced atomically."""
     rows = [r for r in read_metrics(final / _METRICS, "rl") if int(r["step"]) < step]
+    comparison, where, evals = _against_recorded(plan, parent, step, rows)
     tmp = final / f".{_METRICS}.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows)
                    + "".join(json.dumps(r) + "\n" for r in evals if int(r["step"]) <= step))
     tmp.replace(final / _METRICS)
-    info = {**info, "rederived": {**info["rederived"], "comparison": compare_attempt(rows, recorded),
-                                  "recorded": where, "compared_again": now_iso()}}
+    info = {**info, "rederived": {**info["rederived"], "comparison": comparison, "recorded": where,
+                                  "compared_again": now_iso()}}
     write_json(final / _SNAPSHOT_FILE, info)
     return info
 
@@ -290,10 +308,8 @@ def resume(plan: Plan, spec: RunSpec, step: int) -> dict[str, Any] | None:
     trajectory's: the run trains from step 0)."""
     snap = take_snapshot(plan, spec, step)
     redo = snap.get("rederived")
-    if redo is not None:
-        c = redo["comparison"]
-        if c["steps_compared"] < step or c["steps_same_samples"] < step:
-            return None
+    if redo is not None and not same_trajectory(redo["comparison"], step):
+        return None
     src = snapshot_dir(plan, spec.name, step)
     info = {"step": step, "checkpoint": snap["checkpoint"], "checkpoint_sha256": snap["checkpoint_sha256"],
             "snapshot": str(src), "resumed": now_iso(), **({"rederived": redo} if redo is not None else {})}

@@ -868,7 +868,8 @@ def test_a_lost_parent_resumes_at_the_latest_branch_point_its_attempt_reached_wi
     assert resume_point(plan, grpo) is None
 
 
-def test_a_snapshot_compared_with_an_emptied_run_directory_is_compared_again_with_the_recorded_rows(tmp_path):
+@pytest.mark.parametrize("parted", [False, True])
+def test_a_snapshot_compared_with_an_emptied_run_directory_is_compared_again_with_the_recorded_rows(tmp_path, parted):
     # a re-derived snapshot (and the run branched from it) of code that compared with the parent's run
     # directory alone: after a lost working folder that is empty, 0 steps compared and no evaluation rows
     from ict_jax.tools.experiment_branch import compare_rederived_again, snapshot_dir, take_snapshot
@@ -879,8 +880,8 @@ def test_a_snapshot_compared_with_an_emptied_run_directory_is_compared_again_wit
     snap = snapshot_dir(plan, grpo.name, 2)
     (snap / "checkpoints" / "2").mkdir(parents=True)
     (snap / "checkpoints" / "2" / "w").write_bytes(b"weights")
-    redone = [{"step": 0, "phase": "rl", "reward_mean": 0.5, "loss": 1.0},
-              {"step": 1, "phase": "rl", "reward_mean": 0.25, "loss": 2.0}]
+    redone = [{"step": 0, "phase": "rl", "reward/mean": 0.5, "loss": 1.0},
+              {"step": 1, "phase": "rl", "reward/mean": 0.25, "loss": 2.0}]
     (snap / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in redone))
     stale = {"run_dir": "redo", "comparison": {"steps_compared": 0, "steps_equal": 0, "first_difference": None,
                                                 "steps_same_samples": 0, "first_sample_difference": None}}
@@ -888,19 +889,23 @@ def test_a_snapshot_compared_with_an_emptied_run_directory_is_compared_again_wit
                                         "rederived": stale})
     write_json(ict.run_dir / BRANCH_FILE, {"from": grpo.name, "step": 2, "checkpoint_sha256": "abc",
                                            "rederived": stale})
-    # the attempt as recorded: step 0 as re-derived, step 1 in its last bits (another CPU), its step-2 evaluation
+    # the attempt as recorded: step 0 as re-derived; step 1 in the last bits of its loss (another CPU), or
+    # with other samples (its reward); its step-2 evaluation
+    step1 = {**redone[1], "reward/mean": 0.375} if parted else {**redone[1], "loss": 2.0000001}
     write_json(plan.out / ATTEMPTS_DIR / f"{grpo.name}.json", [
-        {"attempt": 1, "metrics": [redone[0], {**redone[1], "loss": 2.0000001}, {"step": 2, "phase": "rl"}],
+        {"attempt": 1, "metrics": [redone[0], step1, {"step": 2, "phase": "rl"}],
          "evals": [{"step": 2, "phase": "eval", "pass_at_1": 0.125}, {"step": 4, "phase": "eval"}]}])
 
+    differs = {"reward/mean": [0.375, 0.25]} if parted else {"loss": [2.0000001, 2.0]}
     assert compare_rederived_again(plan, [grpo, ict]) == {ict.name: {
-        "steps_compared": 2, "steps_equal": 1, "first_difference": {"step": 1, "metrics": {"loss": [2.0000001, 2.0]}},
-        "steps_same_samples": 2, "first_sample_difference": None}}
+        "steps_compared": 2, "steps_equal": 1, "first_difference": {"step": 1, "metrics": differs},
+        "steps_same_samples": 1 if parted else 2, "first_sample_difference": 1 if parted else None}}
     branch = read_branch(ict.run_dir)
     assert branch["rederived"]["recorded"] == "attempt 1" and branch["checkpoint_sha256"] == "abc"
     assert branch["rederived"] == take_snapshot(plan, grpo, 2)["rederived"]
+    # the recorded evaluation is the snapshot's policy's only where it sampled the same tokens throughout
     assert [json.loads(x) for x in (snap / "metrics.jsonl").read_text().splitlines()] == [
-        *redone, {"step": 2, "phase": "eval", "pass_at_1": 0.125}]
+        *redone, *([] if parted else [{"step": 2, "phase": "eval", "pass_at_1": 0.125}])]
     assert (snap / "checkpoints" / "2" / "w").read_bytes() == b"weights"
     assert compare_rederived_again(plan, [grpo, ict]) == {}  # once
 
