@@ -157,7 +157,9 @@ def take_snapshot(plan: Plan, parent: RunSpec, step: int) -> dict[str, Any]:
     if (final / _SNAPSHOT_FILE).is_file():
         info = json.loads((final / _SNAPSHOT_FILE).read_text())
         redo = info.get("rederived")
-        return info if redo is None or "recorded" in redo else _compare_again(plan, parent, step, final, info)
+        if redo is None or redo.get("recorded", "") == recorded_rows(plan, parent, step)[2]:
+            return info
+        return _compare_again(plan, parent, step, final, info)
     source = parent.run_dir
     steps = _checkpoint_steps(source)
     redo = rederive_spec(plan, parent, step).run_dir
@@ -205,10 +207,12 @@ def _against_recorded(plan: Plan, parent: RunSpec, step: int, rows: list[dict[st
 
 def _compare_again(plan: Plan, parent: RunSpec, step: int, final: Path, info: dict[str, Any]) -> dict[str, Any]:
     """Re-derived snapshot ``info`` in ``final`` compared again with ``parent``'s recorded rows
-    (:func:`_against_recorded`): a snapshot without ``rederived.recorded`` was compared with the parent's run
-    directory alone, which a parent started again after a lost working folder has emptied (0 steps
-    compared, no evaluation rows). Its metrics get the recorded evaluations up to ``step`` where they are
-    its policy's; its checkpoint is not touched. Both files are replaced atomically."""
+    (:func:`_against_recorded`) when they now come from elsewhere than its comparison's
+    (``rederived.recorded``): a parent started again after a lost working folder that has reached ``step``
+    again (``run``: the trajectory its branched arms are paired with), a later attempt, or a snapshot
+    without ``recorded``, compared with the parent's run directory alone, which that restart had emptied (0
+    steps compared, no evaluation rows). Its metrics get the recorded evaluations up to ``step`` where they
+    are its policy's; its checkpoint is not touched. Both files are replaced atomically."""
     rows = [r for r in read_metrics(final / _METRICS, "rl") if int(r["step"]) < step]
     comparison, where, evals = _against_recorded(plan, parent, step, rows)
     tmp = final / f".{_METRICS}.tmp"
@@ -222,19 +226,23 @@ def _compare_again(plan: Plan, parent: RunSpec, step: int, final: Path, info: di
 
 
 def compare_rederived_again(plan: Plan, specs: list[RunSpec]) -> dict[str, dict[str, Any]]:
-    """Every branched run's ``branch.json`` whose re-derived branch point was compared with its parent's run
-    directory alone (no ``rederived.recorded``) gets the comparison with the parent's recorded rows
-    (:func:`take_snapshot` compares its snapshot again); returns those runs' new comparisons by name. Its
-    metrics are the ones it trained from: they are not rewritten."""
+    """Every branched run started from a re-derived snapshot that is still there (the same checkpoint) gets
+    the snapshot's comparison in its ``branch.json`` where that has changed (:func:`take_snapshot` compares
+    a snapshot again when the parent's recorded rows have, see :func:`_compare_again`); returns those runs'
+    new comparisons by name. Its metrics are the ones it trained from: they are not rewritten."""
     by_name: dict[str, RunSpec] = {s.name: s for s in specs}
     done: dict[str, dict[str, Any]] = {}
     for spec in specs:
         known = read_branch(spec.run_dir) if spec.branch is not None else None
-        if known is None or "recorded" in (known.get("rederived") or {"recorded": None}):
+        if known is None or known.get("rederived") is None:
             continue
+        path = snapshot_dir(plan, spec.parent, spec.branch.step) / _SNAPSHOT_FILE
+        if not path.is_file() or json.loads(path.read_text())["checkpoint_sha256"] != known["checkpoint_sha256"]:
+            continue  # gone with its machine, or another re-derivation's
         snap = take_snapshot(plan, by_name[spec.parent], spec.branch.step)
-        write_json(spec.run_dir / BRANCH_FILE, {**known, "rederived": snap["rederived"]})
-        done[spec.name] = snap["rederived"]["comparison"]
+        if snap["rederived"] != known["rederived"]:
+            write_json(spec.run_dir / BRANCH_FILE, {**known, "rederived": snap["rederived"]})
+            done[spec.name] = snap["rederived"]["comparison"]
     return done
 
 

@@ -908,6 +908,21 @@ def test_a_snapshot_compared_with_an_emptied_run_directory_is_compared_again_wit
         *redone, *([] if parted else [{"step": 2, "phase": "eval", "pass_at_1": 0.125}])]
     assert (snap / "checkpoints" / "2" / "w").read_bytes() == b"weights"
     assert compare_rederived_again(plan, [grpo, ict]) == {}  # once
+    # the parent, started again from step 0, reaches the branch point on the re-deriving machine: bitwise its
+    # trajectory now, and its own step-2 evaluation is the snapshot's
+    grpo.run_dir.mkdir(parents=True)
+    (grpo.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        *redone, {"step": 2, "phase": "eval", "pass_at_1": 0.25}, {"step": 2, "phase": "rl"})))
+    assert compare_rederived_again(plan, [grpo, ict]) == {ict.name: {
+        "steps_compared": 2, "steps_equal": 2, "first_difference": None, "steps_same_samples": 2,
+        "first_sample_difference": None}}
+    assert read_branch(ict.run_dir)["rederived"]["recorded"] == "run"
+    assert [json.loads(x) for x in (snap / "metrics.jsonl").read_text().splitlines()] == [
+        *redone, {"step": 2, "phase": "eval", "pass_at_1": 0.25}]
+    assert compare_rederived_again(plan, [grpo, ict]) == {}
+    # a snapshot of another re-derivation (another checkpoint) is not the one the run started from
+    write_json(ict.run_dir / BRANCH_FILE, {**read_branch(ict.run_dir), "checkpoint_sha256": "other", "rederived": stale})
+    assert compare_rederived_again(plan, [grpo, ict]) == {} and read_branch(ict.run_dir)["rederived"] == stale
 
 
 def test_a_branched_arm_starts_from_its_parents_checkpoint_and_resumes_bitwise(tmp_path, reward_module):
