@@ -373,6 +373,15 @@ def _rederive(plan: Plan, who: str, parent: RunSpec, step: int, inv_id: str, box
             raise ExperimentStopped(box.why())
 
 
+def _compare_branch_points_again(plan: Plan, specs: list[RunSpec], say: Callable[[str], None]) -> None:
+    """The branched runs' re-derived branch points compared again where their parents' recorded rows
+    changed (:func:`~ict_jax.tools.experiment_branch.compare_rederived_again`), a line each."""
+    for name, c in compare_rederived_again(plan, specs).items():
+        say(f"{name}: its re-derived branch point compared again with its parent's recorded rows: "
+            f"{c['steps_equal']} of {c['steps_compared']} steps equal bitwise, {c['steps_same_samples']} "
+            "with the same samples")
+
+
 def _eval_batch(plan: Plan, specs: list[RunSpec], requested: int | None,
                 say: Callable[[str], None]) -> int | None:
     """The experiment's ``data.eval_batch``: ``requested``, else the one an earlier invocation used, else
@@ -473,10 +482,7 @@ def run_experiment(plan_path: str | Path, *, max_hours: float | None = None, all
 
     with hold_output_dir(plan.out, "out"):
         recovered = _recover_if_lost(plan, recover, say)
-        for name, c in compare_rederived_again(plan, specs).items():
-            say(f"{name}: its re-derived branch point compared again with its parent's recorded rows: "
-                f"{c['steps_equal']} of {c['steps_compared']} steps equal bitwise, {c['steps_same_samples']} "
-                "with the same samples")
+        _compare_branch_points_again(plan, specs, say)
         plan_info = _plan_info(plan, git_state)
         batch = _eval_batch(plan, specs, eval_batch, say)
         specs = [_with_eval_batch(spec, batch) for spec in specs]

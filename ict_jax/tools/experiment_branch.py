@@ -88,12 +88,14 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def recorded_rows(plan: Plan, run: RunSpec, step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
     """``run``'s rows as recorded up to ``step``: (its RL rows of steps 1..``step``, its evaluation rows up to
-    it, where they come from). From its run directory when that logged ``step`` RL steps (``"run"``), else
-    from its latest earlier attempt that did (``"attempt N"``: a run started again from step 0 after a lost
-    working folder, :mod:`ict_jax.tools.experiment_recover`), else ``([], [], None)``."""
+    it, where they come from). From its run directory when that logged ``step`` RL steps (``"run"``) and was
+    not laid out from a branch point at or past ``step`` (:func:`resume`: those rows are the snapshot's),
+    else from its latest earlier attempt that did (``"attempt N"``: a run started again from step 0 after a
+    lost working folder, :mod:`ict_jax.tools.experiment_recover`), else ``([], [], None)``."""
     rows = _rows(run.run_dir)
     rl = [r for r in rows if r.get("phase", "rl") == "rl" and int(r["step"]) < step]
-    if len(rl) >= step:
+    resumed = run.run_dir / RESUMED_FILE
+    if len(rl) >= step and not (resumed.is_file() and int(json.loads(resumed.read_text())["step"]) >= step):
         return rl, [r for r in rows if r.get("phase") == "eval" and int(r["step"]) <= step], "run"
     for a in reversed(read_attempts(run.name, plan.out)):
         rl = [r for r in a.get("metrics") or [] if int(r["step"]) < step]

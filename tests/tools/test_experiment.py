@@ -838,7 +838,7 @@ def test_a_branched_run_names_its_parent_and_skips_the_turns_before_its_branch_p
 
 def test_a_lost_parent_resumes_at_the_latest_branch_point_its_attempt_reached_with_its_evaluations(tmp_path):
     from ict_jax.tools.experiment_branch import recorded_rows, resume_point
-    from ict_jax.tools.experiment_record import ATTEMPTS_DIR, write_json
+    from ict_jax.tools.experiment_record import ATTEMPTS_DIR, RESUMED_FILE, write_json
 
     plan = load_plan(_branched(tmp_path, "p"))
     grpo, ict = plan_runs(plan)
@@ -866,6 +866,12 @@ def test_a_lost_parent_resumes_at_the_latest_branch_point_its_attempt_reached_wi
     assert recorded_rows(plan, grpo, 2) == ([{"step": 0, "phase": "rl", "x": 0}, {"step": 1, "phase": "rl", "x": 1}],
                                             [{"step": 2, "phase": "eval", "y": 0}], "run")
     assert resume_point(plan, grpo) is None
+    # ... unless it was laid out from the branch point (resumed there): its rows up to it are the snapshot's
+    write_json(grpo.run_dir / RESUMED_FILE, {"step": 2})
+    attempts((3, [2]))
+    assert recorded_rows(plan, grpo, 2)[2] == "attempt 1" and recorded_rows(plan, grpo, 3)[2] == "attempt 1"
+    write_json(grpo.run_dir / RESUMED_FILE, {"step": 1})  # resumed before it: its own rows from there on
+    assert recorded_rows(plan, grpo, 2)[2] == "run"
 
 
 @pytest.mark.parametrize("parted", [False, True])
