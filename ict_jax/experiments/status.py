@@ -29,6 +29,7 @@ from ict_jax.experiments.record import (
     read_jsonl,
     run_status,
     steps_done,
+    trained_steps,
 )
 from ict_jax.heartbeat import duration
 from ict_jax.outputs import held_by
@@ -116,7 +117,10 @@ def experiment_status(plan_path: str | Path, now: float | None = None) -> dict[s
     """Where the experiment of the plan at ``plan_path`` stands (module docstring), as a dict that
     :func:`format_status` prints: ``name``, ``out``, ``record``, ``steps`` (a run's), ``runs`` and ``base``
     (:class:`RunState`; base None when the plan evaluates no base model), ``held_by`` (the invocation's
-    process, or None), ``invocation`` (its start line when it has no end yet), ``steps_left``,
+    process, or None), ``invocation`` (its start line when it has no end yet), ``steps_trained`` and
+    ``steps_planned`` (the RL steps the runs train themselves, as the record counts them: a branched run's
+    steps up to its branch point are its parent's), ``branches`` (a branched run's parent and branch step by
+    name), ``steps_left``,
     ``evaluations_left``, ``step_s`` and ``eval_s`` (the last invocation's pace, or None), ``working_folder``
     (False when the record holds results that ``out`` does not: the machine was lost), ``in_progress``
     (while an invocation holds it: ``(what, seconds)``, the step or evaluation in progress and how long it has
@@ -134,6 +138,8 @@ def experiment_status(plan_path: str | Path, now: float | None = None) -> dict[s
         runs_done = all(r.state in ("finished", "diverged") for r in runs)
         base = RunState("base", "finished" if done else "evaluating" if holder and runs_done else "pending", 0, 0)
     unfinished = [(s, r) for s, r in zip(specs, runs) if r.state not in ("finished", "diverged")]
+    own = {s.name: plan.steps - (s.branch.step if s.branch is not None else 0) for s in specs}
+    trained = {s.name: min(trained_steps(s, min(r.done, plan.steps)), own[s.name]) for s, r in zip(specs, runs)}
     step_s, eval_s = pace(plan, specs)
     record = plan.record / RECORD_FILE
     invocation = _open_invocation(plan.out)
@@ -146,7 +152,9 @@ def experiment_status(plan_path: str | Path, now: float | None = None) -> dict[s
     return {
         "name": plan.name, "out": str(plan.out), "record": str(record), "steps": plan.steps, "runs": runs,
         "base": base, "held_by": holder, "invocation": invocation, "in_progress": in_progress,
-        "steps_left": sum(plan.steps - r.done for _, r in unfinished),
+        "steps_trained": sum(trained.values()), "steps_planned": sum(own.values()),
+        "steps_left": sum(own[s.name] - trained[s.name] for s, _ in unfinished),
+        "branches": {s.name: (s.parent, s.branch.step) for s in specs if s.branch is not None},
         "evaluations_left": sum(1 for s, _ in unfinished if s.config.data.eval)
         + int(base is not None and base.state != "finished"),
         "step_s": step_s, "eval_s": eval_s,
@@ -200,7 +208,7 @@ def format_status(status: dict[str, Any]) -> str:
     steps = status["steps"]
     finished = sum(r.state == "finished" for r in runs)
     base = status["base"]
-    lines = [f"{status['name']}: {sum(min(r.done, steps) for r in runs)}/{steps * len(runs)} RL steps done, "
+    lines = [f"{status['name']}: {status['steps_trained']}/{status['steps_planned']} RL steps done, "
              f"{finished}/{len(runs)} runs finished"
              + ("" if base is None else f", base model {'evaluated' if base.state == 'finished' else 'not evaluated'}")
              + f" (working folder {status['out']}, record {status['record']})"]
@@ -223,6 +231,8 @@ def format_status(status: dict[str, Any]) -> str:
     for r in runs:
         more = f" ({r.logged} logged, continues from its checkpoint)" if r.state == "paused" and r.logged > r.saved \
             else f" (checkpoint at {r.saved})" if r.state == "training" and r.saved != r.logged else ""
+        parent = status["branches"].get(r.name)
+        more += f" (from {parent[0]} at step {parent[1]})" if parent else ""
         lines.append(f"  {r.name:<{width}}  {r.state:<11}  {min(r.done, steps)}/{steps}{more}")
     if base is not None:
         lines.append(f"  {base.name:<{width}}  {base.state:<11}  final evaluation of the starting model")

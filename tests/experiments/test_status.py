@@ -102,6 +102,29 @@ def test_a_paused_experiment_its_runs_and_the_time_left(plan, tmp_path):
     assert "reward" not in text and "pass" not in text
 
 
+def test_a_branched_runs_steps_up_to_its_branch_point_are_its_parents(tmp_path):
+    # as the record counts them: GRPO's 4 steps each, ICT's own 2 after it branched at step 2
+    path = tmp_path / "br.yaml"
+    path.write_text(PLAN.replace("  ict: {{method: ict}}\n  grpo: {{method: grpo}}\n",
+                                 "  grpo: {{method: grpo}}\n  ict: {{method: ict, branch: {{from: grpo, step: 2}}, "
+                                 "overrides: {{rl.selector.warmup_steps: 2}}}}\n")
+                    .format(config=ROOT / "configs" / "demo.yaml", out=tmp_path / "out"))
+    plan = load_plan(path)
+    out = plan.out
+    out.mkdir()
+    (out / "plan.json").write_text("{}")
+    _run(out, "grpo_s0", 4, finished=True)
+    (_run(out, "ict_s0", 4, finished=True) / "branch.json").write_text(json.dumps({"from": "grpo_s0", "step": 2}))
+    _run(out, "grpo_s1", 1)  # stopped after step 1, no checkpoint: continues from step 0
+    st = experiment_status(plan.path)
+    assert (st["steps_trained"], st["steps_planned"], st["steps_left"]) == (6, 12, 6)  # left: 4 + ict_s1's own 2
+    text = format_status(st)
+    assert text.splitlines()[0].startswith("st: 6/12 RL steps done, 2/4 runs finished")
+    assert "  ict_s0   finished     4/4 (from grpo_s0 at step 2)" in text
+    assert "  ict_s1   pending      0/4 (from grpo_s1 at step 2)" in text
+    assert "  grpo_s0  finished     4/4\n" in text
+
+
 def test_an_invocation_in_progress_and_one_that_never_ended(plan):
     out = plan.out
     out.mkdir()
