@@ -218,8 +218,7 @@ def _compare_again(plan: Plan, parent: RunSpec, step: int, final: Path, info: di
     rows = [r for r in read_metrics(final / _METRICS, "rl") if int(r["step"]) < step]
     comparison, where, evals = _against_recorded(plan, parent, step, rows)
     tmp = final / f".{_METRICS}.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows)
-                   + "".join(json.dumps(r) + "\n" for r in evals if int(r["step"]) <= step))
+    tmp.write_text(_metrics_lines(final, step, evals=evals))
     tmp.replace(final / _METRICS)
     info = {**info, "rederived": {**info["rederived"], "comparison": comparison, "recorded": where,
                                   "compared_again": now_iso()}}
